@@ -1,0 +1,3 @@
+from cachestore.cli import app
+
+app(prog_name="prefixcache")

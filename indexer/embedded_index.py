@@ -1,0 +1,170 @@
+"""An in-process index with the Redis backend's behaviour, for the single-process default and tests.
+
+It mirrors the data model of ``indexer/lua`` (entries, children sets, probe buckets, namespace
+registry) in dicts behind one lock, so every operation is atomic as a Redis script is.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+from indexer.index import (
+    MAX_BUCKET_CANDIDATES,
+    ChunkEntry,
+    ChunkRecord,
+    Location,
+    NamespaceCheck,
+    PrefixMatch,
+    best_partial,
+    check_namespace,
+)
+from indexer.keys import PrefixQuery
+from indexer.namespace import NamespaceSpec
+
+
+@dataclass
+class _Slot:
+    entry: ChunkEntry
+    probe: bytes | None
+    locations: set[Location] = field(default_factory=set)
+
+
+class EmbeddedIndex:
+    """``PrefixIndex`` held in this process's memory (lost on exit; the NVMe tier rebuilds it)."""
+
+    def __init__(self, max_candidates: int = MAX_BUCKET_CANDIDATES) -> None:
+        self._lock = threading.RLock()
+        self._slots: dict[bytes, _Slot] = {}
+        self._children: defaultdict[bytes, set[bytes]] = defaultdict(set)
+        self._buckets: defaultdict[bytes, dict[bytes, bytes]] = defaultdict(dict)
+        self._namespaces: dict[bytes, NamespaceSpec] = {}
+        self._max_candidates = max_candidates
+
+    def ping(self) -> None:
+        """Always reachable."""
+
+    def register_namespace(self, spec: NamespaceSpec) -> NamespaceCheck:
+        with self._lock:
+            check = check_namespace(spec, self._namespaces.values())
+            self._namespaces.setdefault(spec.digest, spec)
+        return check
+
+    def namespaces(self) -> list[NamespaceSpec]:
+        with self._lock:
+            return list(self._namespaces.values())
+
+    def lookup(self, query: PrefixQuery) -> PrefixMatch:
+        now = time.time()
+        with self._lock:
+            hits = 0
+            for key in query.keys:
+                if key not in self._slots:
+                    break
+                hits += 1
+            for key in query.keys[:hits]:
+                slot = self._slots[key]
+                slot.entry = replace(slot.entry, last_access_s=now, hits=slot.entry.hits + 1)
+            probe = query.probes[hits]
+            candidates = list(self._buckets.get(probe, {}).items())[: self._max_candidates] if probe else []
+        partial = best_partial(query, hits, candidates) if candidates else None
+        return PrefixMatch(keys=list(query.keys[:hits]), chunk_tokens=query.chunk_tokens, partial=partial)
+
+    def flush_access(self) -> None:
+        """Lookups update access statistics synchronously here."""
+
+    def register(self, records: Sequence[ChunkRecord]) -> None:
+        now = time.time()
+        with self._lock:
+            for r in records:
+                slot = self._slots.get(r.key)
+                if slot is None:
+                    entry = ChunkEntry(
+                        key=r.key, parent=r.parent, root=r.root, namespace=r.namespace, tenant=r.tenant,
+                        num_tokens=r.num_tokens, size_bytes=r.size_bytes, locations=frozenset(),
+                        created_s=now, last_access_s=now, hits=0,
+                    )  # fmt: skip
+                    slot = self._slots[r.key] = _Slot(entry=entry, probe=r.probe)
+                    self._children[r.parent].add(r.key)
+                    if r.probe:
+                        self._buckets[r.probe][r.key] = r.packed_tokens
+                slot.locations.add(r.location)
+
+    def get(self, keys: Sequence[bytes]) -> list[ChunkEntry | None]:
+        with self._lock:
+            return [self._view(self._slots.get(key)) for key in keys]
+
+    def add_location(self, keys: Sequence[bytes], location: Location) -> list[bytes]:
+        missing = []
+        with self._lock:
+            for key in keys:
+                slot = self._slots.get(key)
+                if slot is None:
+                    missing.append(key)
+                else:
+                    slot.locations.add(location)
+        return missing
+
+    def drop_location(self, keys: Sequence[bytes], location: Location) -> list[bytes]:
+        gone = []
+        with self._lock:
+            for key in keys:
+                slot = self._slots.get(key)
+                if slot is not None and location in slot.locations:
+                    slot.locations.discard(location)
+                    if not slot.locations:
+                        self._remove_one(key)
+                        gone.append(key)
+        return gone
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        with self._lock:
+            return sum(self._remove_one(key) for key in keys)
+
+    def set_pin(self, keys: Sequence[bytes], until_s: float) -> int:
+        with self._lock:
+            pinned = 0
+            for key in keys:
+                slot = self._slots.get(key)
+                if slot is not None:
+                    slot.entry = replace(slot.entry, pinned_until_s=until_s)
+                    pinned += 1
+            return pinned
+
+    def children(self, key: bytes) -> list[bytes]:
+        with self._lock:
+            return sorted(self._children.get(key, ()))
+
+    def scan(self, batch: int = 512) -> Iterator[ChunkEntry]:
+        with self._lock:
+            entries = [self._view(slot) for slot in self._slots.values()]
+        yield from entries  # type: ignore[misc]
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def _remove_one(self, key: bytes) -> int:
+        slot = self._slots.pop(key, None)
+        if slot is None:
+            return 0
+        siblings = self._children.get(slot.entry.parent)
+        if siblings is not None:
+            siblings.discard(key)
+            if not siblings:
+                del self._children[slot.entry.parent]
+        if slot.probe:
+            bucket = self._buckets.get(slot.probe)
+            if bucket is not None:
+                bucket.pop(key, None)
+                if not bucket:
+                    del self._buckets[slot.probe]
+        return 1
+
+    @staticmethod
+    def _view(slot: _Slot | None) -> ChunkEntry | None:
+        if slot is None:
+            return None
+        return replace(slot.entry, locations=frozenset(slot.locations))

@@ -1,0 +1,243 @@
+"""The index: which chunks exist, where their bytes live, and the longest cached prefix of a prompt.
+
+Two backends implement ``PrefixIndex``: ``RedisIndex`` (production, shared by every node) and
+``EmbeddedIndex`` (one process, no server). Both keep the same contract:
+
+* ``register`` is called only after the bytes are stored in the tier named by the record's
+  location; a record without a location cannot be built. Registration is atomic per call, and two
+  writers of one chunk end with one entry whose locations are the union of theirs.
+* ``lookup`` answers in one round trip how many leading chunks are present, plus the best partial
+  chunk at the break point, and refreshes last-access time and hit count of the full-chunk hits
+  (possibly a moment later: ``flush_access`` waits for that).
+* An entry lives while it has at least one location; dropping the last one removes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+import numpy as np
+
+from indexer.keys import KEY_BYTES, PrefixQuery, chunk_key, probe_of
+from indexer.namespace import NamespaceSpec, describe_mismatch, mismatched_fields, same_model
+from indexer.tokens import TOKEN_BYTES
+
+Tier = Literal["dram", "nvme"]
+TIERS: tuple[Tier, ...] = ("dram", "nvme")
+#: Candidates a lookup considers in one probe bucket. Buckets hold the chunks under one parent that
+#: start with the same PROBE_TOKENS tokens; a busier bucket costs partial hits, never correctness.
+MAX_BUCKET_CANDIDATES = 32
+
+
+@dataclass(frozen=True, order=True)
+class Location:
+    """Where one copy of a chunk's bytes lives: a tier on a node."""
+
+    tier: Tier
+    node: str
+
+    def __post_init__(self) -> None:
+        if self.tier not in TIERS:
+            raise ValueError(f"tier must be one of {TIERS}, got {self.tier!r}")
+        if not self.node or "@" in self.node or "," in self.node:
+            raise ValueError(f"node name must be non-empty without '@' or ',', got {self.node!r}")
+
+    def __str__(self) -> str:
+        return f"{self.tier}@{self.node}"
+
+    @classmethod
+    def parse(cls, text: str) -> Location:
+        tier, sep, node = text.partition("@")
+        if not sep:
+            raise ValueError(f"a location looks like 'dram@node1', got {text!r}")
+        return cls(tier, node)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """A stored chunk to register. Build it with ``ChunkRecord.of`` after the bytes are stored."""
+
+    key: bytes
+    parent: bytes
+    root: bytes
+    namespace: bytes
+    tenant: str
+    num_tokens: int
+    size_bytes: int
+    location: Location
+    #: The chunk's packed tokens, kept only when it is long enough to be found as a partial hit.
+    probe: bytes | None = None
+    packed_tokens: bytes = b""
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        parent: bytes,
+        packed_tokens: bytes,
+        root: bytes,
+        namespace: bytes,
+        size_bytes: int,
+        location: Location,
+        tenant: str = "",
+    ) -> ChunkRecord:
+        """Derive key and probe from the chunk's tokens so that a record can never carry a wrong key."""
+        if not packed_tokens or len(packed_tokens) % TOKEN_BYTES:
+            raise ValueError("a chunk holds at least one whole token")
+        probe = probe_of(parent, packed_tokens)
+        return cls(
+            key=chunk_key(parent, packed_tokens),
+            parent=parent,
+            root=root,
+            namespace=namespace,
+            tenant=tenant,
+            num_tokens=len(packed_tokens) // TOKEN_BYTES,
+            size_bytes=size_bytes,
+            location=location,
+            probe=probe,
+            packed_tokens=packed_tokens if probe is not None else b"",
+        )
+
+
+@dataclass(frozen=True)
+class ChunkEntry:
+    """An index entry as read back."""
+
+    key: bytes
+    parent: bytes
+    root: bytes
+    namespace: bytes
+    tenant: str
+    num_tokens: int
+    size_bytes: int
+    locations: frozenset[Location]
+    created_s: float
+    last_access_s: float
+    hits: int
+    pinned_until_s: float = 0.0  # 0: not pinned; math.inf: until unpinned
+
+    def pinned(self, now_s: float | None = None) -> bool:
+        return self.pinned_until_s > (time.time() if now_s is None else now_s)
+
+
+@dataclass(frozen=True)
+class PartialHit:
+    """A stored chunk whose first ``tokens`` tokens equal the prompt's tokens at the break point."""
+
+    key: bytes
+    tokens: int
+    stored_tokens: int
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """The longest cached prefix: full chunks ``keys`` then, optionally, part of one more chunk."""
+
+    keys: list[bytes]
+    chunk_tokens: int
+    partial: PartialHit | None = None
+
+    @property
+    def full_tokens(self) -> int:
+        return len(self.keys) * self.chunk_tokens
+
+    @property
+    def matched_tokens(self) -> int:
+        return self.full_tokens + (self.partial.tokens if self.partial else 0)
+
+
+@dataclass(frozen=True)
+class NamespaceCheck:
+    """Result of registering a client's namespace: is it new, and which same-model ones differ."""
+
+    spec: NamespaceSpec
+    known: bool
+    conflicts: list[NamespaceSpec] = field(default_factory=list)
+
+    def mismatches(self) -> dict[str, dict[str, tuple[object, object]]]:
+        return {c.digest.hex(): mismatched_fields(self.spec, c) for c in self.conflicts}
+
+
+@runtime_checkable
+class PrefixIndex(Protocol):
+    """The operations every index backend offers. See the module docstring for the contract."""
+
+    def ping(self) -> None:
+        """Raise IndexUnavailableError unless the backend answers."""
+
+    def register_namespace(self, spec: NamespaceSpec) -> NamespaceCheck: ...
+
+    def namespaces(self) -> list[NamespaceSpec]: ...
+
+    def lookup(self, query: PrefixQuery) -> PrefixMatch: ...
+
+    def flush_access(self) -> None:
+        """Apply the last-access/hit updates of past lookups now (a backend may apply them later)."""
+
+    def register(self, records: Sequence[ChunkRecord]) -> None: ...
+
+    def get(self, keys: Sequence[bytes]) -> list[ChunkEntry | None]: ...
+
+    def add_location(self, keys: Sequence[bytes], location: Location) -> list[bytes]:
+        """Add a copy's location to existing entries; returns the keys that had no entry."""
+
+    def drop_location(self, keys: Sequence[bytes], location: Location) -> list[bytes]:
+        """Remove a location; returns the keys whose entry went away with their last location."""
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Delete entries outright; returns how many existed."""
+
+    def set_pin(self, keys: Sequence[bytes], until_s: float) -> int:
+        """Pin entries until ``until_s`` (math.inf: forever; 0: unpin); returns how many exist."""
+
+    def children(self, key: bytes) -> list[bytes]:
+        """Keys of the chunks registered directly below ``key``."""
+
+    def scan(self, batch: int = 512) -> Iterator[ChunkEntry]:
+        """Every entry, in no particular order."""
+
+    def close(self) -> None: ...
+
+
+def check_namespace(spec: NamespaceSpec, registered: Iterable[NamespaceSpec]) -> NamespaceCheck:
+    """Compare a client's namespace with those registered before it (shared by both backends)."""
+    registered = list(registered)
+    known = any(r.digest == spec.digest for r in registered)
+    conflicts = [] if known else [r for r in registered if same_model(spec, r)]
+    return NamespaceCheck(spec=spec, known=known, conflicts=conflicts)
+
+
+def attach_namespace(index: PrefixIndex, spec: NamespaceSpec, log: logging.Logger | None = None) -> NamespaceCheck:
+    """Register a client's namespace and warn, naming the differing fields, when its model is
+    registered only under other namespaces: the client would otherwise see a silent 0% hit rate."""
+    check = index.register_namespace(spec)
+    if check.conflicts:
+        (log or logging.getLogger("prefixcache")).warning(describe_mismatch(spec, check.conflicts))
+    return check
+
+
+def best_partial(query: PrefixQuery, position: int, candidates: Iterable[tuple[bytes, bytes]]) -> PartialHit | None:
+    """The candidate sharing the most leading tokens with the prompt's chunk at ``position``.
+
+    ``candidates`` are ``(key, packed_tokens)`` pairs from the probe bucket. Each is verified by
+    recomputing its key from its parent and tokens, so a corrupt bucket can only cost a hit.
+    """
+    wanted = query.tokens_from(position)
+    if wanted.size == 0:
+        return None
+    parent = query.parent(position)
+    best: PartialHit | None = None
+    for key, packed in candidates:
+        if len(key) != KEY_BYTES or chunk_key(parent, packed) != key:
+            continue
+        stored = np.frombuffer(packed, dtype="<u4")
+        n = min(stored.size, wanted.size)
+        differ = np.flatnonzero(stored[:n] != wanted[:n])
+        shared = int(differ[0]) if differ.size else n
+        if shared and (best is None or shared > best.tokens):
+            best = PartialHit(key=key, tokens=shared, stored_tokens=int(stored.size))
+    return best

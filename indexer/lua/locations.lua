@@ -1,0 +1,15 @@
+-- Add or drop one location on many entries.
+-- ARGV: P, now_ms, 'add'|'drop', location, key_1..key_n
+-- add returns the keys without an entry; drop returns the keys whose entry went with its last location.
+local P, now, op, loc = ARGV[1], ARGV[2], ARGV[3], 'l:' .. ARGV[4]
+local out = {}
+for i = 5, #ARGV do
+  local e = P .. 'e:' .. ARGV[i]
+  if op == 'add' then
+    if redis.call('EXISTS', e) == 1 then redis.call('HSET', e, loc, now) else out[#out + 1] = ARGV[i] end
+  elseif redis.call('HDEL', e, loc) == 1 and not has_location(e) then
+    remove_entry(P, ARGV[i])
+    out[#out + 1] = ARGV[i]
+  end
+end
+return out

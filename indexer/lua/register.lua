@@ -1,0 +1,16 @@
+-- Register stored chunks atomically. A chunk already present keeps its entry and gains the location.
+-- ARGV: P, now_ms, then per record: key parent root ns tenant ntok size location probe packed_tokens
+local P = ARGV[1]
+local now = ARGV[2]
+for i = 3, #ARGV, 10 do
+  local key, parent, probe = ARGV[i], ARGV[i + 1], ARGV[i + 8]
+  local e = P .. 'e:' .. key
+  if redis.call('EXISTS', e) == 0 then
+    redis.call('HSET', e, 'parent', parent, 'root', ARGV[i + 2], 'ns', ARGV[i + 3], 'tenant', ARGV[i + 4],
+      'ntok', ARGV[i + 5], 'size', ARGV[i + 6], 'ctime', now, 'atime', now, 'hits', 0, 'pin', 0, 'probe', probe)
+    redis.call('SADD', P .. 'k:' .. parent, key)
+    if probe ~= '' then redis.call('HSET', P .. 'b:' .. probe, key, ARGV[i + 9]) end
+  end
+  redis.call('HSET', e, 'l:' .. ARGV[i + 7], now)
+end
+return 1

@@ -1,0 +1,87 @@
+"""Namespaces: everything that makes two KV caches byte-incompatible, folded into one digest.
+
+A chunk key chains from its namespace's root digest, so KV computed under another model, weight
+set, dtype, layout, chunk size or parallel rank can never be found, let alone loaded: a mismatch
+costs hits, never correctness. Because a silent 0% hit rate is the most common complaint about KV
+stores, the index also keeps each namespace's full description and the client names the fields
+that differ when it finds only foreign namespaces for its model (see ``mismatched_fields``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import xxhash
+from pydantic import BaseModel, ConfigDict, Field
+
+#: Version of the key scheme itself (key chaining, token packing, probe size). Bumping it moves
+#: every namespace, so old entries stop matching instead of being misread.
+KEY_SCHEME_VERSION = 1
+
+
+class NamespaceSpec(BaseModel):
+    """The description of one KV namespace. Two processes with equal specs produce equal keys."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field(min_length=1, description="model name as served (e.g. the HF repo id)")
+    model_fingerprint: str = Field(min_length=1, description="digest of the weights and config files")
+    kv_dtype: str = Field(min_length=1, description="dtype of the stored KV, e.g. bfloat16")
+    kv_layout: str = Field(min_length=1, description="layout version of a stored chunk's payload")
+    chunk_tokens: int = Field(gt=0, description="tokens per chunk")
+    tp_rank: int = Field(default=0, ge=0)
+    tp_size: int = Field(default=1, ge=1)
+    pp_rank: int = Field(default=0, ge=0)
+    pp_size: int = Field(default=1, ge=1)
+    key_scheme: int = Field(default=KEY_SCHEME_VERSION, ge=1)
+
+    def canonical_json(self) -> str:
+        """The byte-stable text the digest is computed over (sorted keys, no whitespace)."""
+        return json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def digest(self) -> bytes:
+        """16-byte xxh3-128 digest of the canonical description."""
+        return xxhash.xxh3_128_digest(self.canonical_json().encode())
+
+    def root(self, tenant_salt: str | None = None) -> bytes:
+        """The parent digest of a prompt's first chunk.
+
+        A tenant salt (vLLM's ``cache_salt``) gives each tenant a disjoint key space inside the same
+        namespace; it is not part of the registered description, so it is never stored or shown.
+        """
+        if not tenant_salt:
+            return self.digest
+        return xxhash.xxh3_128_digest(self.digest + b"\x00tenant\x00" + tenant_salt.encode())
+
+
+def tenant_id(tenant_salt: str | None) -> str:
+    """A short, non-reversible id for a tenant salt, safe to store and display ("" for no tenant)."""
+    if not tenant_salt:
+        return ""
+    return xxhash.xxh3_64_hexdigest(b"tenant\x00" + tenant_salt.encode())
+
+
+def mismatched_fields(ours: NamespaceSpec, theirs: NamespaceSpec) -> dict[str, tuple[Any, Any]]:
+    """Fields whose values differ, as ``{field: (ours, theirs)}``."""
+    a, b = ours.model_dump(), theirs.model_dump()
+    return {name: (a[name], b[name]) for name in a if a[name] != b[name]}
+
+
+def same_model(ours: NamespaceSpec, theirs: NamespaceSpec) -> bool:
+    """Whether two namespaces describe the same model by name or by weights (the ones worth comparing)."""
+    return ours.model == theirs.model or ours.model_fingerprint == theirs.model_fingerprint
+
+
+def describe_mismatch(ours: NamespaceSpec, others: list[NamespaceSpec]) -> str:
+    """One log line saying why this client will get no hits from namespaces registered for its model."""
+    parts = []
+    for other in others:
+        diffs = ", ".join(f"{f}: ours={a!r} theirs={b!r}" for f, (a, b) in mismatched_fields(ours, other).items())
+        parts.append(f"{other.digest.hex()[:12]} ({diffs})")
+    return (
+        f"prefixcache: namespace {ours.digest.hex()[:12]} of model {ours.model!r} is new; "
+        f"{len(others)} namespace(s) registered for this model differ, so their chunks will not hit: "
+        + "; ".join(parts)
+    )

@@ -1,0 +1,238 @@
+"""The production index: entries in Redis, every multi-key operation one Lua script (one round trip).
+
+Layout and scripts live in ``indexer/lua``; ``common.lua`` documents the keys. Scripts are sent by
+SHA (redis-py's ``Script`` reloads them after a Redis restart). All calls use short socket timeouts:
+an unreachable Redis surfaces as ``IndexUnavailableError`` quickly, which callers treat as a miss.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from importlib import resources
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from indexer.access_log import AccessLog, Updates
+from indexer.errors import ConfigError, IndexUnavailableError
+from indexer.index import (
+    MAX_BUCKET_CANDIDATES,
+    ChunkEntry,
+    ChunkRecord,
+    Location,
+    NamespaceCheck,
+    PrefixMatch,
+    best_partial,
+    check_namespace,
+)
+from indexer.keys import KEY_BYTES, PrefixQuery
+from indexer.namespace import NamespaceSpec
+
+_SCHEMES = ("redis", "rediss", "unix")
+_NO_PROBE = bytes(KEY_BYTES)  # sent where the prompt has no probe; an all-zero digest is never a key
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _load_script(client: redis.Redis, name: str, with_common: bool = True) -> redis.commands.core.Script:
+    lua = resources.files("indexer") / "lua"
+    source = lua.joinpath(f"{name}.lua").read_text()
+    if with_common:
+        source = lua.joinpath("common.lua").read_text() + "\n" + source
+    return client.register_script(source)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class RedisIndex:
+    """``PrefixIndex`` on one Redis server (standalone or replicated; Redis Cluster is not supported,
+    because a lookup reads the keys of one chain, which Cluster would spread over shards)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        key_prefix: str = "pc",
+        socket_timeout_s: float = 2.0,
+        connect_timeout_s: float = 1.0,
+        max_candidates: int = MAX_BUCKET_CANDIDATES,
+    ) -> None:
+        scheme = urlsplit(url).scheme
+        if scheme not in _SCHEMES:
+            raise ConfigError(f"redis URL must start with redis://, rediss:// or unix://, got {redact_url(url)!r}")
+        if not key_prefix or any(c in key_prefix for c in " {}"):
+            raise ConfigError(f"key_prefix must be non-empty without spaces or braces, got {key_prefix!r}")
+        self.url = url
+        self._prefix = key_prefix + ":"
+        self._max_candidates = max_candidates
+        try:
+            self._redis = redis.Redis.from_url(
+                url, socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s
+            )
+        except ValueError as exc:
+            raise ConfigError(f"invalid redis URL {redact_url(url)!r}: {exc}") from exc
+        self._lookup = _load_script(self._redis, "lookup", with_common=False)  # its first line is a shebang
+        self._touch = _load_script(self._redis, "touch", with_common=False)
+        self._access = AccessLog(self._apply_access)
+        self._register = _load_script(self._redis, "register")
+        self._locations = _load_script(self._redis, "locations")
+        self._remove = _load_script(self._redis, "remove")
+        self._pin = _load_script(self._redis, "pin")
+
+    @contextmanager
+    def _reachable(self) -> Iterator[None]:
+        try:
+            yield
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            raise IndexUnavailableError(f"Redis index at {redact_url(self.url)} is unreachable: {exc}") from exc
+
+    def ping(self) -> None:
+        with self._reachable():
+            self._redis.ping()
+
+    def register_namespace(self, spec: NamespaceSpec) -> NamespaceCheck:
+        with self._reachable():
+            registered = self.namespaces()
+            check = check_namespace(spec, registered)
+            if not check.known:
+                self._redis.hsetnx(self._prefix + "ns", spec.digest.hex(), spec.canonical_json())
+        return check
+
+    def namespaces(self) -> list[NamespaceSpec]:
+        with self._reachable():
+            raw = self._redis.hvals(self._prefix + "ns")
+        return [NamespaceSpec.model_validate_json(text) for text in raw]
+
+    def lookup(self, query: PrefixQuery) -> PrefixMatch:
+        keys = b"".join(query.keys).hex()
+        probes = b"".join(p or _NO_PROBE for p in query.probes).hex()
+        with self._reachable():
+            reply = self._lookup(args=[self._prefix, keys, probes, self._max_candidates])
+        hits = int(reply[0])
+        self._access.record(keys[: hits * 2 * KEY_BYTES])
+        candidates = [(bytes.fromhex(reply[i].decode()), reply[i + 1]) for i in range(1, len(reply), 2)]
+        partial = best_partial(query, hits, candidates) if candidates else None
+        return PrefixMatch(keys=list(query.keys[:hits]), chunk_tokens=query.chunk_tokens, partial=partial)
+
+    def flush_access(self) -> None:
+        """Apply pending last-access/hit updates now (they are otherwise applied in the background)."""
+        self._access.flush()
+
+    def _apply_access(self, updates: Updates) -> None:
+        now_ms, hits = updates
+        args: list[object] = [self._prefix, now_ms]
+        for hex_key, count in hits.items():
+            args += [hex_key, count]
+        self._touch(args=args)
+
+    def register(self, records: Sequence[ChunkRecord]) -> None:
+        if not records:
+            return
+        args: list[object] = [self._prefix, _now_ms()]
+        for r in records:
+            args += [
+                r.key.hex(), r.parent.hex(), r.root.hex(), r.namespace.hex(), r.tenant,
+                r.num_tokens, r.size_bytes, str(r.location), r.probe.hex() if r.probe else "", r.packed_tokens,
+            ]  # fmt: skip
+        with self._reachable():
+            self._register(args=args)
+
+    def get(self, keys: Sequence[bytes]) -> list[ChunkEntry | None]:
+        with self._reachable():
+            pipe = self._redis.pipeline(transaction=False)
+            for key in keys:
+                pipe.hgetall(self._prefix + "e:" + key.hex())
+            raw = pipe.execute()
+        return [_entry(key, fields) if fields else None for key, fields in zip(keys, raw, strict=True)]
+
+    def add_location(self, keys: Sequence[bytes], location: Location) -> list[bytes]:
+        return self._change_locations("add", keys, location)
+
+    def drop_location(self, keys: Sequence[bytes], location: Location) -> list[bytes]:
+        return self._change_locations("drop", keys, location)
+
+    def _change_locations(self, op: str, keys: Sequence[bytes], location: Location) -> list[bytes]:
+        if not keys:
+            return []
+        with self._reachable():
+            reply = self._locations(args=[self._prefix, _now_ms(), op, str(location), *(k.hex() for k in keys)])
+        return [bytes.fromhex(k.decode()) for k in reply]
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        if not keys:
+            return 0
+        with self._reachable():
+            return int(self._remove(args=[self._prefix, *(k.hex() for k in keys)]))
+
+    def set_pin(self, keys: Sequence[bytes], until_s: float) -> int:
+        if not keys:
+            return 0
+        until = "inf" if until_s == math.inf else str(int(until_s * 1000))
+        with self._reachable():
+            return int(self._pin(args=[self._prefix, until, *(k.hex() for k in keys)]))
+
+    def children(self, key: bytes) -> list[bytes]:
+        with self._reachable():
+            members = self._redis.smembers(self._prefix + "k:" + key.hex())
+        return sorted(bytes.fromhex(m.decode()) for m in members)
+
+    def scan(self, batch: int = 512) -> Iterator[ChunkEntry]:
+        pattern = self._prefix + "e:*"
+        skip = len(self._prefix) + 2
+        with self._reachable():
+            cursor = 0
+            while True:
+                cursor, names = self._redis.scan(cursor=cursor, match=pattern, count=batch)
+                pipe = self._redis.pipeline(transaction=False)
+                for name in names:
+                    pipe.hgetall(name)
+                for name, fields in zip(names, pipe.execute(), strict=True):
+                    if fields:
+                        yield _entry(bytes.fromhex(name[skip:].decode()), fields)
+                if cursor == 0:
+                    return
+
+    def flush(self) -> None:
+        """Delete every key under this index's prefix (tests and `evict all`)."""
+        with self._reachable():
+            for name in self._redis.scan_iter(match=self._prefix + "*", count=1000):
+                self._redis.unlink(name)
+
+    def close(self) -> None:
+        try:
+            self._access.close()
+        finally:
+            self._redis.close()
+
+
+def _entry(key: bytes, fields: dict[bytes, bytes]) -> ChunkEntry:
+    text = {k.decode(): v for k, v in fields.items()}
+    pin = text.get("pin", b"0").decode()
+    return ChunkEntry(
+        key=key,
+        parent=bytes.fromhex(text["parent"].decode()),
+        root=bytes.fromhex(text["root"].decode()),
+        namespace=bytes.fromhex(text["ns"].decode()),
+        tenant=text["tenant"].decode(),
+        num_tokens=int(text["ntok"]),
+        size_bytes=int(text["size"]),
+        locations=frozenset(Location.parse(name[2:]) for name in text if name.startswith("l:")),
+        created_s=int(text["ctime"]) / 1000,
+        last_access_s=int(text["atime"]) / 1000,
+        hits=int(text["hits"]),
+        pinned_until_s=math.inf if pin == "inf" else int(pin) / 1000,
+    )

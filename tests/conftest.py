@@ -1,0 +1,60 @@
+"""Shared fixtures. Every server a test needs is started here, on a free port, in a temp dir."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cachestore.redis_server import EmbeddedRedis
+from indexer.chunking import ChunkGeometry
+from indexer.embedded_index import EmbeddedIndex
+from indexer.index import PrefixIndex
+from indexer.namespace import NamespaceSpec
+from indexer.redis_index import RedisIndex
+
+_prefixes = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_index(redis_server: EmbeddedRedis) -> Iterator[RedisIndex]:
+    """A Redis index under a key prefix of its own, so tests share one server without sharing keys."""
+    index = RedisIndex(redis_server.url, key_prefix=f"t{next(_prefixes)}")
+    yield index
+    index.flush()
+    index.close()
+
+
+@pytest.fixture(params=["embedded", "redis"])
+def index(request: pytest.FixtureRequest) -> PrefixIndex:
+    """Each index test runs against both backends: they must behave the same."""
+    if request.param == "embedded":
+        return EmbeddedIndex()
+    return request.getfixturevalue("redis_index")
+
+
+@pytest.fixture
+def spec() -> NamespaceSpec:
+    return NamespaceSpec(
+        model="tiny-llama", model_fingerprint="f" * 32, kv_dtype="bfloat16", kv_layout="chunk-v1", chunk_tokens=64
+    )
+
+
+@pytest.fixture
+def geometry(spec: NamespaceSpec) -> ChunkGeometry:
+    return ChunkGeometry(chunk_tokens=spec.chunk_tokens, block_tokens=16)
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent

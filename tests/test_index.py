@@ -1,0 +1,200 @@
+"""Index behaviour, run against both backends (embedded and a real redis-server)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from indexer.errors import InvalidTokensError
+from indexer.index import ChunkRecord, Location, PrefixIndex, attach_namespace
+from indexer.keys import prompt_query
+from indexer.namespace import NamespaceSpec
+from indexer.tokens import TOKEN_BYTES, pack_tokens
+
+DRAM = Location("dram", "node-a")
+NVME = Location("nvme", "node-a")
+
+
+def publish(index: PrefixIndex, spec: NamespaceSpec, tokens: list[int], location: Location = DRAM, tenant=None):
+    """Register every chunk of a prompt (full chunks and the partial tail) the way a producer does."""
+    root = spec.root(tenant)
+    packed = pack_tokens(tokens)
+    step = spec.chunk_tokens * TOKEN_BYTES
+    records, parent = [], root
+    for start in range(0, len(packed), step):
+        record = ChunkRecord.of(
+            parent=parent, packed_tokens=packed[start : start + step], root=root, namespace=spec.digest,
+            size_bytes=1000, location=location,
+        )  # fmt: skip
+        records.append(record)
+        parent = record.key
+    index.register(records)
+    return [r.key for r in records]
+
+
+def lookup(index, spec, geometry, tokens, tenant=None):
+    return index.lookup(prompt_query(spec.root(tenant), geometry, tokens))
+
+
+def test_empty_index_misses(index, spec, geometry):
+    match = lookup(index, spec, geometry, list(range(300)))
+    assert match.matched_tokens == 0 and match.keys == [] and match.partial is None
+
+
+def test_full_hit_includes_the_partial_tail(index, spec, geometry):
+    tokens = list(range(300))  # 4 full chunks of 64 + a 44-token tail
+    keys = publish(index, spec, tokens)
+    match = lookup(index, spec, geometry, tokens)
+    assert match.keys == keys[:4]
+    assert match.partial is not None and match.partial.key == keys[4] and match.partial.tokens == 44
+    assert match.matched_tokens == 300
+
+
+def test_half_hit_stops_at_the_first_missing_chunk(index, spec, geometry):
+    tokens = list(range(512))
+    publish(index, spec, tokens[:256])
+    match = lookup(index, spec, geometry, tokens)
+    assert match.matched_tokens == 256 and len(match.keys) == 4 and match.partial is None
+
+
+def test_partial_hit_is_token_granular_at_the_divergence(index, spec, geometry):
+    stored = list(range(200))
+    keys = publish(index, spec, stored)  # chunks [0,64) [64,128) [128,192) and tail [192,200)
+    diverging = stored[:150] + [9999] * 100  # shares 22 tokens of the third chunk
+    match = lookup(index, spec, geometry, diverging)
+    assert match.keys == keys[:2]
+    assert match.partial is not None and match.partial.key == keys[2] and match.partial.tokens == 22
+    assert match.matched_tokens == 150
+
+
+def test_grown_prompt_reuses_the_previous_turns_tail(index, spec, geometry):
+    turn1 = list(range(100))  # chunk [0,64) + 36-token tail
+    keys = publish(index, spec, turn1)
+    turn2 = turn1 + list(range(500, 600))
+    match = lookup(index, spec, geometry, turn2)
+    assert match.keys == keys[:1] and match.partial.key == keys[1] and match.matched_tokens == 100
+
+
+def test_fewer_than_probe_tokens_shared_is_not_a_partial_hit(index, spec, geometry):
+    publish(index, spec, list(range(128)))
+    match = lookup(index, spec, geometry, list(range(64)) + list(range(64, 74)) + [7777] * 60)
+    assert match.matched_tokens == 64 and match.partial is None
+
+
+def test_lookup_refreshes_access_time_and_hits_of_the_hits(index, spec, geometry):
+    keys = publish(index, spec, list(range(128)))
+    before = index.get(keys)
+    time.sleep(0.01)
+    lookup(index, spec, geometry, list(range(64)) + [5] * 64)
+    index.flush_access()
+    first, second = index.get(keys)
+    assert first.hits == 1 and first.last_access_s > before[0].last_access_s
+    assert second.hits == 0
+
+
+def test_other_namespace_and_other_tenant_get_zero_hits(index, spec, geometry):
+    tokens = list(range(256))
+    publish(index, spec, tokens, tenant="tenant-a")
+    assert lookup(index, spec, geometry, tokens, tenant="tenant-a").matched_tokens == 256
+    assert lookup(index, spec, geometry, tokens, tenant="tenant-b").matched_tokens == 0
+    assert lookup(index, spec, geometry, tokens).matched_tokens == 0
+    other = spec.model_copy(update={"kv_dtype": "float16"})
+    assert lookup(index, other, geometry, tokens, tenant="tenant-a").matched_tokens == 0
+
+
+def test_two_writers_of_one_chunk_leave_one_entry_with_both_locations(index, spec):
+    tokens = list(range(64))
+    (key,) = publish(index, spec, tokens, DRAM)
+    first = index.get([key])[0]
+    publish(index, spec, tokens, Location("dram", "node-b"))
+    (entry,) = index.get([key])
+    assert entry.locations == {DRAM, Location("dram", "node-b")}
+    assert entry.created_s == first.created_s
+    assert sum(1 for e in index.scan() if e.key == key) == 1
+
+
+def test_entry_metadata_round_trips(index, spec):
+    (key, tail) = publish(index, spec, list(range(100)), tenant="t1")
+    entry = index.get([tail])[0]
+    assert entry.parent == key and entry.root == spec.root("t1") and entry.namespace == spec.digest
+    assert entry.num_tokens == 36 and entry.size_bytes == 1000 and entry.locations == {DRAM}
+    assert entry.tenant == "" and not entry.pinned()
+    assert index.get([b"\x00" * 16]) == [None]
+
+
+def test_dropping_the_last_location_removes_the_entry_and_its_bucket(index, spec, geometry):
+    tokens = list(range(100))
+    keys = publish(index, spec, tokens)
+    assert index.add_location(keys + [b"\x01" * 16], NVME) == [b"\x01" * 16]
+    assert index.drop_location(keys, DRAM) == []  # NVMe copies remain
+    assert index.get(keys)[1].locations == {NVME}
+    assert index.drop_location(keys[1:], NVME) == keys[1:]
+    assert index.get(keys)[1] is None
+    match = lookup(index, spec, geometry, tokens)
+    assert match.matched_tokens == 64 and match.partial is None
+
+
+def test_remove_and_children(index, spec, geometry):
+    keys = publish(index, spec, list(range(192)))
+    sibling = publish(index, spec, list(range(64)) + [42] * 64)[1]
+    assert index.children(keys[0]) == sorted([keys[1], sibling])
+    assert index.remove([keys[1], b"\x02" * 16]) == 1
+    assert index.children(keys[0]) == [sibling]
+    assert lookup(index, spec, geometry, list(range(192))).matched_tokens == 64
+
+
+def test_pin_until_and_unpin(index, spec):
+    keys = publish(index, spec, list(range(128)))
+    assert index.set_pin(keys + [b"\x03" * 16], math.inf) == 2
+    assert all(e.pinned() for e in index.get(keys))
+    index.set_pin(keys[:1], time.time() + 0.05)
+    first = index.get(keys[:1])[0]
+    assert first.pinned() and not first.pinned(time.time() + 1)
+    index.set_pin(keys, 0)
+    assert not any(e.pinned() for e in index.get(keys))
+
+
+def test_scan_lists_every_entry(index, spec):
+    keys = publish(index, spec, list(range(64 * 5)))
+    assert sorted(e.key for e in index.scan(batch=2)) == sorted(keys)
+
+
+def test_namespace_registry_names_the_fields_that_differ(index, spec, caplog):
+    first = index.register_namespace(spec)
+    assert not first.known and first.conflicts == []
+    assert index.register_namespace(spec).known
+    other_tp = spec.model_copy(update={"tp_size": 2, "kv_dtype": "float16"})
+    check = index.register_namespace(other_tp)
+    assert not check.known
+    assert check.mismatches() == {spec.digest.hex(): {"kv_dtype": ("float16", "bfloat16"), "tp_size": (2, 1)}}
+    unrelated = spec.model_copy(update={"model": "other", "model_fingerprint": "0" * 32})
+    assert index.register_namespace(unrelated).conflicts == []
+    assert {s.digest for s in index.namespaces()} == {spec.digest, other_tp.digest, unrelated.digest}
+
+
+def test_attaching_a_mismatched_namespace_logs_the_differing_fields(index, spec, caplog):
+    attach_namespace(index, spec)
+    assert caplog.records == []
+    attach_namespace(index, spec.model_copy(update={"chunk_tokens": 128}))
+    (record,) = caplog.records
+    assert record.levelname == "WARNING"
+    assert "chunk_tokens: ours=128 theirs=64" in record.getMessage()
+    assert spec.digest.hex()[:12] in record.getMessage()
+
+
+def test_lookup_of_bad_input(index, spec, geometry):
+    with pytest.raises(InvalidTokensError):
+        lookup(index, spec, geometry, [])
+    with pytest.raises(InvalidTokensError):
+        lookup(index, spec, geometry, [1, None, 3])
+
+
+def test_a_chain_with_a_hole_hits_only_up_to_the_hole(index, spec, geometry):
+    tokens = list(range(64 * 6))
+    keys = publish(index, spec, tokens)
+    index.remove([keys[2]])  # chunks 3..5 remain but are unreachable past the hole
+    assert lookup(index, spec, geometry, tokens).keys == keys[:2]
+    index.remove([keys[0]])
+    assert lookup(index, spec, geometry, tokens).matched_tokens == 0

@@ -1,0 +1,79 @@
+"""What only the Redis backend can get wrong: reachability, URLs, one round trip, restart."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from cachestore.processes import free_port
+from cachestore.redis_server import EmbeddedRedis
+from indexer.chunking import ChunkGeometry
+from indexer.errors import ConfigError, IndexUnavailableError
+from indexer.keys import prompt_query
+from indexer.redis_index import RedisIndex, redact_url
+from tests.test_index import publish
+
+
+def test_unreachable_redis_is_a_clear_error_that_hides_the_password():
+    index = RedisIndex(f"redis://:hunter2@127.0.0.1:{free_port()}/0", connect_timeout_s=0.2)
+    with pytest.raises(IndexUnavailableError, match="unreachable") as info:
+        index.ping()
+    assert "hunter2" not in str(info.value)
+
+
+def test_lookup_on_unreachable_redis_raises_quickly(spec):
+    index = RedisIndex(f"redis://127.0.0.1:{free_port()}/0", connect_timeout_s=0.2)
+    with pytest.raises(IndexUnavailableError):
+        index.lookup(prompt_query(spec.root(), ChunkGeometry(64), list(range(100))))
+
+
+@pytest.mark.parametrize(("url", "message"), [("http://x:1", "must start with redis://"), ("", "must start")])
+def test_bad_urls_and_prefixes(url, message):
+    with pytest.raises(ConfigError, match=message):
+        RedisIndex(url)
+    with pytest.raises(ConfigError, match="key_prefix"):
+        RedisIndex("redis://127.0.0.1:1/0", key_prefix="a b")
+
+
+def test_redact_url():
+    assert redact_url("redis://user:pw@host:6379/0") == "redis://user:***@host:6379/0"
+    assert redact_url("redis://host:6379/0") == "redis://host:6379/0"
+
+
+def test_lookup_is_one_round_trip(redis_index, spec, geometry, monkeypatch):
+    publish(redis_index, spec, list(range(64 * 40)))
+    query = prompt_query(spec.root(), geometry, list(range(64 * 40 + 10)))
+    redis_index.lookup(query)  # loads the script
+    redis_index.flush_access()
+    sent = []
+    original = redis.connection.AbstractConnection.send_packed_command
+    monkeypatch.setattr(
+        redis.connection.AbstractConnection,
+        "send_packed_command",
+        lambda conn, command, check_health=True: sent.append(command) or original(conn, command, check_health),
+    )
+    match = redis_index.lookup(query)
+    assert match.matched_tokens == 64 * 40
+    assert len(sent) == 1
+    redis_index.flush_access()  # the hits' statistics follow in a batch of their own
+    assert len(sent) == 2
+    assert redis_index.get(match.keys[:1])[0].hits == 2
+
+
+def test_index_survives_a_redis_restart_with_aof(tmp_path, spec, geometry):
+    server = EmbeddedRedis(tmp_path / "r")
+    server.start()
+    index = RedisIndex(server.url)
+    keys = publish(index, spec, list(range(128)))
+    index._redis.execute_command("BGREWRITEAOF")
+    server.stop()
+    with pytest.raises(IndexUnavailableError):
+        index.ping()
+    restarted = EmbeddedRedis(tmp_path / "r", port=server.port)
+    restarted.start()
+    try:
+        # scripts are gone after a restart; redis-py reloads them on NOSCRIPT
+        assert index.lookup(prompt_query(spec.root(), geometry, list(range(128)))).keys == keys
+    finally:
+        index.close()
+        restarted.stop()

@@ -1,0 +1,114 @@
+"""`prefixcache serve` as a user runs it: a real process, its embedded redis-server, a clean stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cachestore.processes import free_port
+
+CLI = [sys.executable, "-m", "cachestore"]
+
+
+def start_serve(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [*CLI, "serve", "--data-dir", str(tmp_path / "data"), "--port", str(port), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/health", timeout=1).status_code == 200:
+                return proc, port
+        except httpx.TransportError:
+            time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("serve never became ready")
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run the CLI to completion with a wide terminal, so messages are not wrapped."""
+    env = {**os.environ, **(env or {}), "COLUMNS": "200"}
+    return subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=60)
+
+
+def redis_pids_for_port(port: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", f"redis-server 127.0.0.1:{port}"], capture_output=True, text=True).stdout
+    return [int(pid) for pid in out.split()]
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+def test_serve_starts_embedded_redis_reports_ready_and_stops_cleanly(tmp_path, stop_signal):
+    redis_port = free_port()
+    proc, port = start_serve(tmp_path, "--redis-port", str(redis_port))
+    health = httpx.get(f"http://127.0.0.1:{port}/v1/health").json()
+    assert health == {"status": "ready", "components": {"redis": {"ok": True, "detail": "answering"}}}
+    config = httpx.get(f"http://127.0.0.1:{port}/v1/config").json()
+    assert config["redis_url"] == f"redis://127.0.0.1:{redis_port}/0" and config["chunk_tokens"] == 256
+    assert redis_pids_for_port(redis_port)
+    assert (tmp_path / "data" / "redis" / "appendonlydir").is_dir()
+    proc.send_signal(stop_signal)
+    assert proc.wait(30) == 0
+    assert redis_pids_for_port(redis_port) == []
+
+
+def test_embedded_redis_dies_with_a_killed_daemon(tmp_path):
+    redis_port = free_port()
+    proc, _ = start_serve(tmp_path, "--redis-port", str(redis_port))
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while redis_pids_for_port(redis_port) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert redis_pids_for_port(redis_port) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--port", "70000"], {}, "invalid setting port: Input should be less than or equal to 65535"),
+        (["--chunk-tokens", "0"], {}, "invalid setting chunk_tokens"),
+        (["--node", "bad node"], {}, "invalid setting node"),
+        (["--redis-url", "http://user:pw@x"], {}, "must start with redis://"),
+        ([], {"PREFIXCACHE_PORT": "abc"}, "invalid setting port"),
+        (["--config", "/nonexistent.toml"], {}, "cannot read config file /nonexistent.toml"),
+        (["--port", "notanumber"], {}, "Invalid value for '--port'"),
+    ],
+)
+def test_bad_settings_get_a_clear_error_and_exit_2(tmp_path, args, env, message):
+    proc = run_cli("serve", "--data-dir", str(tmp_path), *args, env=env)
+    assert proc.returncode == 2
+    assert message in " ".join((proc.stderr + proc.stdout).split())
+    assert "Traceback" not in proc.stderr and "pw@" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [("port = [", "is not valid TOML"), ("unknown_key = 1", "invalid setting unknown_key: Extra inputs")],
+)
+def test_bad_config_files_are_rejected(tmp_path, content, message):
+    path = tmp_path / "prefixcache.toml"
+    path.write_text(content)
+    proc = subprocess.run(
+        [*CLI, "serve", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert proc.returncode == 2 and message in " ".join(proc.stderr.split())
+
+
+def test_unreachable_redis_url_fails_fast_with_exit_2(tmp_path):
+    proc = run_cli("serve", "--data-dir", str(tmp_path), "--redis-url", f"redis://:s3cret@127.0.0.1:{free_port()}/0")
+    assert proc.returncode == 2
+    assert "unreachable" in proc.stderr and "s3cret" not in proc.stderr
