@@ -16,6 +16,7 @@ from indexer.index import (
     MAX_BUCKET_CANDIDATES,
     ChunkEntry,
     ChunkRecord,
+    FeedEvent,
     Location,
     NamespaceCheck,
     PrefixMatch,
@@ -43,6 +44,9 @@ class EmbeddedIndex:
         self._buckets: defaultdict[bytes, dict[bytes, bytes]] = defaultdict(dict)
         self._namespaces: dict[bytes, NamespaceSpec] = {}
         self._max_candidates = max_candidates
+        self._feeds: defaultdict[str, list[FeedEvent]] = defaultdict(list)
+        self._feed_offsets: dict[tuple[str, str], int] = {}
+        self._feed_changed = threading.Condition(self._lock)
 
     def ping(self) -> None:
         """Always reachable."""
@@ -91,7 +95,7 @@ class EmbeddedIndex:
                     self._children[r.parent].add(r.key)
                     if r.probe:
                         self._buckets[r.probe][r.key] = r.packed_tokens
-                slot.locations.add(r.location)
+                self._add(slot, r.location)
 
     def get(self, keys: Sequence[bytes]) -> list[ChunkEntry | None]:
         with self._lock:
@@ -105,7 +109,7 @@ class EmbeddedIndex:
                 if slot is None:
                     missing.append(key)
                 else:
-                    slot.locations.add(location)
+                    self._add(slot, location)
         return missing
 
     def drop_location(self, keys: Sequence[bytes], location: Location) -> list[bytes]:
@@ -115,6 +119,7 @@ class EmbeddedIndex:
                 slot = self._slots.get(key)
                 if slot is not None and location in slot.locations:
                     slot.locations.discard(location)
+                    self._publish("drop", location, key)
                     if not slot.locations:
                         self._remove_one(key)
                         gone.append(key)
@@ -138,6 +143,31 @@ class EmbeddedIndex:
         with self._lock:
             return sorted(self._children.get(key, ()))
 
+    def read_feed(
+        self, node: str, group: str, consumer: str, count: int = 256, block_s: float = 0.0
+    ) -> list[FeedEvent]:
+        """At-most-once here: the embedded index lives and dies with its one process."""
+        with self._feed_changed:
+            offset = self._feed_offsets.get((node, group), 0)
+            if offset == len(self._feeds[node]) and block_s > 0:
+                self._feed_changed.wait(block_s)
+            events = self._feeds[node][offset : offset + count]
+            self._feed_offsets[(node, group)] = offset + len(events)
+            return events
+
+    def ack_feed(self, node: str, group: str, ids: Sequence[str]) -> None:
+        """Nothing to acknowledge: events are delivered once."""
+
+    def _add(self, slot: _Slot, location: Location) -> None:
+        if location not in slot.locations:
+            slot.locations.add(location)
+            self._publish("add", location, slot.entry.key)
+
+    def _publish(self, op: str, location: Location, key: bytes) -> None:
+        events = self._feeds[location.node]
+        events.append(FeedEvent(id=str(len(events)), op=op, location=location, key=key))  # type: ignore[arg-type]
+        self._feed_changed.notify_all()
+
     def scan(self, batch: int = 512) -> Iterator[ChunkEntry]:
         with self._lock:
             entries = [self._view(slot) for slot in self._slots.values()]
@@ -150,6 +180,8 @@ class EmbeddedIndex:
         slot = self._slots.pop(key, None)
         if slot is None:
             return 0
+        for location in slot.locations:
+            self._publish("drop", location, key)
         siblings = self._children.get(slot.entry.parent)
         if siblings is not None:
             siblings.discard(key)

@@ -10,6 +10,8 @@ Two backends implement ``PrefixIndex``: ``RedisIndex`` (production, shared by ev
   chunk at the break point, and refreshes last-access time and hit count of the full-chunk hits
   (possibly a moment later: ``flush_access`` waits for that).
 * An entry lives while it has at least one location; dropping the last one removes it.
+* Every location added or dropped is appended to its node's change feed in the same atomic step,
+  so a node's daemon learns of each chunk that lands in its DRAM and persists it (write-behind).
 """
 
 from __future__ import annotations
@@ -151,6 +153,16 @@ class PrefixMatch:
 
 
 @dataclass(frozen=True)
+class FeedEvent:
+    """One change to the locations on a node: a copy of ``key`` was added to or dropped from ``location``."""
+
+    id: str
+    op: Literal["add", "drop"]
+    location: Location
+    key: bytes
+
+
+@dataclass(frozen=True)
 class NamespaceCheck:
     """Result of registering a client's namespace: is it new, and which same-model ones differ."""
 
@@ -196,6 +208,15 @@ class PrefixIndex(Protocol):
 
     def children(self, key: bytes) -> list[bytes]:
         """Keys of the chunks registered directly below ``key``."""
+
+    def read_feed(
+        self, node: str, group: str, consumer: str, count: int = 256, block_s: float = 0.0
+    ) -> list[FeedEvent]:
+        """Next location changes on ``node`` for a consumer group: first those delivered to this consumer
+        but never acknowledged (it crashed), then new ones, waiting up to ``block_s`` for some."""
+
+    def ack_feed(self, node: str, group: str, ids: Sequence[str]) -> None:
+        """Acknowledge events handled; unacknowledged ones are delivered again after a restart."""
 
     def scan(self, batch: int = 512) -> Iterator[ChunkEntry]:
         """Every entry, in no particular order."""

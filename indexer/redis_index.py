@@ -24,6 +24,7 @@ from indexer.index import (
     MAX_BUCKET_CANDIDATES,
     ChunkEntry,
     ChunkRecord,
+    FeedEvent,
     Location,
     NamespaceCheck,
     PrefixMatch,
@@ -88,6 +89,7 @@ class RedisIndex:
         self._lookup = _load_script(self._redis, "lookup", with_common=False)  # its first line is a shebang
         self._touch = _load_script(self._redis, "touch", with_common=False)
         self._access = AccessLog(self._apply_access)
+        self._feed_groups: dict[tuple[str, str, str], str] = {}
         self._register = _load_script(self._redis, "register")
         self._locations = _load_script(self._redis, "locations")
         self._remove = _load_script(self._redis, "remove")
@@ -190,6 +192,35 @@ class RedisIndex:
             members = self._redis.smembers(self._prefix + "k:" + key.hex())
         return sorted(bytes.fromhex(m.decode()) for m in members)
 
+    def read_feed(
+        self, node: str, group: str, consumer: str, count: int = 256, block_s: float = 0.0
+    ) -> list[FeedEvent]:
+        stream = self._prefix + "f:" + node
+        cursor = (stream, group, consumer)
+        with self._reachable():
+            if cursor not in self._feed_groups:
+                try:  # from the stream's start: changes made before the first consumer existed count too
+                    self._redis.xgroup_create(stream, group, id="0", mkstream=True)
+                except redis.exceptions.ResponseError as exc:
+                    if "BUSYGROUP" not in str(exc):
+                        raise
+                self._feed_groups[cursor] = "0"  # first: this consumer's unacknowledged events
+            start = self._feed_groups[cursor]
+            block = int(block_s * 1000) if start == ">" and block_s > 0 else None
+            reply = self._redis.xreadgroup(group, consumer, {stream: start}, count=count, block=block)
+        messages = reply[0][1] if reply else []
+        if start != ">":  # replaying this consumer's pending events: continue after the last one, then go live
+            if not messages:
+                self._feed_groups[cursor] = ">"
+                return self.read_feed(node, group, consumer, count, block_s)
+            self._feed_groups[cursor] = messages[-1][0].decode()
+        return [_event(node, msg_id, fields) for msg_id, fields in messages]
+
+    def ack_feed(self, node: str, group: str, ids: Sequence[str]) -> None:
+        if ids:
+            with self._reachable():
+                self._redis.xack(self._prefix + "f:" + node, group, *ids)
+
     def scan(self, batch: int = 512) -> Iterator[ChunkEntry]:
         pattern = self._prefix + "e:*"
         skip = len(self._prefix) + 2
@@ -217,6 +248,15 @@ class RedisIndex:
             self._access.close()
         finally:
             self._redis.close()
+
+
+def _event(node: str, msg_id: bytes, fields: dict[bytes, bytes]) -> FeedEvent:
+    return FeedEvent(
+        id=msg_id.decode(),
+        op=fields[b"op"].decode(),  # type: ignore[arg-type]
+        location=Location(fields[b"tier"].decode(), node),  # type: ignore[arg-type]
+        key=bytes.fromhex(fields[b"key"].decode()),
+    )
 
 
 def _entry(key: bytes, fields: dict[bytes, bytes]) -> ChunkEntry:

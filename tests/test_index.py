@@ -198,3 +198,34 @@ def test_a_chain_with_a_hole_hits_only_up_to_the_hole(index, spec, geometry):
     assert lookup(index, spec, geometry, tokens).keys == keys[:2]
     index.remove([keys[0]])
     assert lookup(index, spec, geometry, tokens).matched_tokens == 0
+
+
+def feed_ops(index, node="node-a", group="g"):
+    return [(e.op, str(e.location), e.key) for e in index.read_feed(node, group, "c1")]
+
+
+def test_the_change_feed_reports_every_location_added_and_dropped(index, spec):
+    keys = publish(index, spec, list(range(128)))
+    publish(index, spec, list(range(128)))  # same chunks, same location: no new events
+    assert feed_ops(index) == [("add", "dram@node-a", k) for k in keys]
+    index.add_location(keys[:1], NVME)
+    index.drop_location(keys[:1], DRAM)
+    index.remove(keys)
+    assert feed_ops(index) == [
+        ("add", "nvme@node-a", keys[0]), ("drop", "dram@node-a", keys[0]),
+        ("drop", "nvme@node-a", keys[0]), ("drop", "dram@node-a", keys[1]),
+    ]  # fmt: skip
+    assert feed_ops(index, node="node-b") == []
+
+
+def test_each_consumer_group_reads_the_feed_independently(index, spec):
+    keys = publish(index, spec, list(range(64)))
+    assert [e.key for e in index.read_feed("node-a", "persist", "c")] == keys
+    assert [e.key for e in index.read_feed("node-a", "events", "c")] == keys
+    assert index.read_feed("node-a", "persist", "c") == []
+
+
+def test_a_blocking_feed_read_waits_for_new_events(index, spec):
+    assert index.read_feed("node-a", "g", "c", block_s=0.01) == []
+    publish(index, spec, list(range(64)))
+    assert len(index.read_feed("node-a", "g", "c", block_s=1)) == 1

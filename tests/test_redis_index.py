@@ -77,3 +77,16 @@ def test_index_survives_a_redis_restart_with_aof(tmp_path, spec, geometry):
     finally:
         index.close()
         restarted.stop()
+
+
+def test_unacknowledged_feed_events_are_delivered_again_after_a_restart(redis_index, spec):
+    keys = publish(redis_index, spec, list(range(128)))
+    first = redis_index.read_feed("node-a", "persist", "daemon")
+    assert [e.key for e in first] == keys
+    redis_index.ack_feed("node-a", "persist", [first[0].id])
+    restarted = RedisIndex(redis_index.url, key_prefix=redis_index._prefix[:-1])
+    try:
+        assert [e.key for e in restarted.read_feed("node-a", "persist", "daemon")] == keys[1:]
+        assert restarted.read_feed("node-a", "persist", "daemon") == []
+    finally:
+        restarted.close()

@@ -6,10 +6,17 @@ local out = {}
 for i = 5, #ARGV do
   local e = P .. 'e:' .. ARGV[i]
   if op == 'add' then
-    if redis.call('EXISTS', e) == 1 then redis.call('HSET', e, loc, now) else out[#out + 1] = ARGV[i] end
-  elseif redis.call('HDEL', e, loc) == 1 and not has_location(e) then
-    remove_entry(P, ARGV[i])
-    out[#out + 1] = ARGV[i]
+    if redis.call('EXISTS', e) == 0 then
+      out[#out + 1] = ARGV[i]
+    elseif redis.call('HSET', e, loc, now) == 1 then
+      feed(P, 'add', ARGV[4], ARGV[i])
+    end
+  elseif redis.call('HDEL', e, loc) == 1 then
+    feed(P, 'drop', ARGV[4], ARGV[i])
+    if not has_location(e) then
+      remove_entry(P, ARGV[i])
+      out[#out + 1] = ARGV[i]
+    end
   end
 end
 return out

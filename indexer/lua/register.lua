@@ -11,6 +11,6 @@ for i = 3, #ARGV, 10 do
     redis.call('SADD', P .. 'k:' .. parent, key)
     if probe ~= '' then redis.call('HSET', P .. 'b:' .. probe, key, ARGV[i + 9]) end
   end
-  redis.call('HSET', e, 'l:' .. ARGV[i + 7], now)
+  if redis.call('HSET', e, 'l:' .. ARGV[i + 7], now) == 1 then feed(P, 'add', ARGV[i + 7], key) end
 end
 return 1

@@ -1,0 +1,200 @@
+"""The stored form of one chunk: a 256-byte header, the chunk's tokens, then the raw KV payload.
+
+    offset  size  field
+    0       4     magic b"PCKV"
+    4       2     format version
+    6       2     header length (256)
+    8       16    namespace digest
+    24      16    chunk key
+    40      16    parent key (the namespace root for a prompt's first chunk)
+    56      16    namespace root (tenant-salted)
+    72      8     tenant id (0: none)
+    80      8     payload length
+    88      8     xxh3-64 of the body (tokens, then payload)
+    96      4     token count
+    100     1     dtype code
+    101     1     number of dimensions (<= 8)
+    102     2     reserved (0)
+    104     32    shape, 8 x uint32 (unused dimensions 0)
+    136     112   reserved (0)
+    248     8     xxh3-64 of header bytes 0..248
+    256     4n    the chunk's n tokens, uint32
+    256+4n        payload
+
+Everything is little-endian. Objects are self-describing: a tier alone is enough to rebuild the
+index (the daemon does after a Redis loss), and decoding proves ``key == H(parent ‖ tokens)``,
+so an object can only ever be used as KV for exactly the tokens it was computed from.
+
+The header is written in place in front of tokens and a payload that are already in the caller's
+buffer (a registered Mooncake buffer, say), so encoding copies nothing. Any check that fails raises
+``ChunkError``; callers count it and treat it as a miss. Damaged, truncated or foreign objects
+never become KV.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from indexer.errors import PrefixCacheError
+from indexer.keys import KEY_BYTES, chunk_key
+from indexer.tokens import TOKEN_BYTES
+
+MAGIC = b"PCKV"
+FORMAT_VERSION = 1
+HEADER_BYTES = 256
+MAX_DIMS = 8
+_FIXED = struct.Struct("<4sHH16s16s16s16sQQQIBBH")  # bytes 0..104
+_SHAPE = struct.Struct("<8I")  # bytes 104..136
+_CHECKSUM_AT = 248
+
+#: dtype name -> (code, item size). Codes are part of the format: never reuse one.
+DTYPES: dict[str, tuple[int, int]] = {
+    "float16": (1, 2),
+    "bfloat16": (2, 2),
+    "float32": (3, 4),
+    "float8_e4m3fn": (4, 1),
+    "float8_e5m2": (5, 1),
+    "uint8": (6, 1),
+    "int8": (7, 1),
+}
+_DTYPE_BY_CODE = {code: name for name, (code, _) in DTYPES.items()}
+
+
+class ChunkError(PrefixCacheError):
+    """A stored object that must not be used: damaged, truncated, or not the chunk asked for."""
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """Everything about a chunk but its KV: identity, lineage, tokens, and the payload's dtype and shape."""
+
+    namespace: bytes
+    root: bytes
+    parent: bytes
+    tokens: bytes  # packed uint32
+    dtype: str
+    shape: tuple[int, ...]
+    tenant: int = 0
+
+    def __post_init__(self) -> None:
+        if any(len(d) != KEY_BYTES for d in (self.namespace, self.root, self.parent)):
+            raise ValueError("namespace, root and parent are 16-byte digests")
+        if not self.tokens or len(self.tokens) % TOKEN_BYTES:
+            raise ValueError("a chunk holds at least one whole uint32 token")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; known: {', '.join(DTYPES)}")
+        if not 0 < len(self.shape) <= MAX_DIMS or any(not 0 <= d < 2**32 for d in self.shape):
+            raise ValueError(f"shape must have 1..{MAX_DIMS} dimensions in 0..2**32-1, got {self.shape}")
+        if not 0 <= self.tenant < 2**64:
+            raise ValueError("tenant id is a uint64")
+
+    @property
+    def key(self) -> bytes:
+        return chunk_key(self.parent, self.tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) // TOKEN_BYTES
+
+    @property
+    def payload_bytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype][1]
+
+    @property
+    def payload_offset(self) -> int:
+        return payload_offset(self.num_tokens)
+
+    @property
+    def encoded_size(self) -> int:
+        return self.payload_offset + self.payload_bytes
+
+
+def payload_offset(num_tokens: int) -> int:
+    """Where the payload of a chunk of ``num_tokens`` tokens starts in its object."""
+    return HEADER_BYTES + num_tokens * TOKEN_BYTES
+
+
+def write_header(buffer: memoryview, meta: ChunkMeta) -> int:
+    """Write header and tokens into ``buffer`` for the payload already at ``meta.payload_offset``.
+
+    Returns the object's length; the buffer may be longer.
+    """
+    size = meta.encoded_size
+    if len(buffer) < size:
+        raise ValueError(f"buffer of {len(buffer)} bytes cannot hold a {size}-byte chunk object")
+    buffer[HEADER_BYTES : meta.payload_offset] = meta.tokens
+    body_sum = xxhash.xxh3_64_intdigest(buffer[HEADER_BYTES:size])
+    header = bytearray(HEADER_BYTES)
+    _FIXED.pack_into(
+        header, 0, MAGIC, FORMAT_VERSION, HEADER_BYTES, meta.namespace, meta.key, meta.parent, meta.root,
+        meta.tenant, meta.payload_bytes, body_sum, meta.num_tokens, DTYPES[meta.dtype][0], len(meta.shape), 0,
+    )  # fmt: skip
+    _SHAPE.pack_into(header, _FIXED.size, *meta.shape, *([0] * (MAX_DIMS - len(meta.shape))))
+    struct.pack_into("<Q", header, _CHECKSUM_AT, xxhash.xxh3_64_intdigest(memoryview(header)[:_CHECKSUM_AT]))
+    buffer[:HEADER_BYTES] = header
+    return size
+
+
+def encode(meta: ChunkMeta, payload: bytes | bytearray | memoryview) -> bytearray:
+    """A new buffer holding the encoded object (copies the payload; the hot path uses write_header)."""
+    view = memoryview(payload).cast("B")
+    if len(view) != meta.payload_bytes:
+        raise ValueError(f"payload is {len(view)} bytes, but {meta.dtype}{list(meta.shape)} needs {meta.payload_bytes}")
+    out = bytearray(meta.encoded_size)
+    out[meta.payload_offset :] = view
+    write_header(memoryview(out), meta)
+    return out
+
+
+def read_meta(buffer: bytes | bytearray | memoryview) -> ChunkMeta:
+    """Parse and check the header and tokens (not the payload): what a tier lists when rebuilding the index."""
+    view = memoryview(buffer).cast("B")
+    if len(view) < HEADER_BYTES:
+        raise ChunkError(f"object of {len(view)} bytes is shorter than a header")
+    magic, version, header_len, namespace, key, parent, root, tenant, payload_len, _, ntok, code, ndim, _ = (
+        _FIXED.unpack_from(view)
+    )
+    if magic != MAGIC:
+        raise ChunkError("not a prefixcache chunk (bad magic)")
+    if version != FORMAT_VERSION or header_len != HEADER_BYTES:
+        raise ChunkError(f"unsupported chunk format version {version} (header {header_len} bytes)")
+    (stored_sum,) = struct.unpack_from("<Q", view, _CHECKSUM_AT)
+    if xxhash.xxh3_64_intdigest(view[:_CHECKSUM_AT]) != stored_sum:
+        raise ChunkError("header checksum mismatch")
+    if code not in _DTYPE_BY_CODE or not 0 < ndim <= MAX_DIMS:
+        raise ChunkError(f"header names unknown dtype code {code} or {ndim} dimensions")
+    if len(view) < payload_offset(ntok):
+        raise ChunkError(f"object truncated inside its tokens ({len(view)} bytes)")
+    try:
+        meta = ChunkMeta(
+            namespace, root, parent, bytes(view[HEADER_BYTES : payload_offset(ntok)]), _DTYPE_BY_CODE[code],
+            _SHAPE.unpack_from(view, _FIXED.size)[:ndim], tenant,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise ChunkError(f"invalid header: {exc}") from exc
+    if meta.payload_bytes != payload_len:
+        raise ChunkError(f"header shape needs {meta.payload_bytes} payload bytes but records {payload_len}")
+    if meta.key != key:
+        raise ChunkError("the object's tokens do not hash to its key")
+    return meta
+
+
+def decode(buffer: bytes | bytearray | memoryview, *, key: bytes, namespace: bytes) -> tuple[ChunkMeta, memoryview]:
+    """Verify an object is the chunk ``key`` of ``namespace``, intact; return its meta and payload view."""
+    view = memoryview(buffer).cast("B")
+    meta = read_meta(view)
+    if meta.key != key:
+        raise ChunkError(f"object holds chunk {meta.key.hex()}, not {key.hex()}")
+    if meta.namespace != namespace:
+        raise ChunkError(f"object belongs to namespace {meta.namespace.hex()}, not {namespace.hex()}")
+    end = meta.encoded_size
+    if len(view) < end:
+        raise ChunkError(f"object truncated: {len(view)} of {end} bytes")
+    (body_sum,) = struct.unpack_from("<Q", view, 88)
+    if xxhash.xxh3_64_intdigest(view[HEADER_BYTES:end]) != body_sum:
+        raise ChunkError("body checksum mismatch")
+    return meta, view[meta.payload_offset : end]
