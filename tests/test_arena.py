@@ -1,0 +1,40 @@
+import mmap
+
+import pytest
+
+from cachestore.arena import ALIGN, Arena, ArenaFullError, address_of
+
+
+@pytest.fixture
+def arena():
+    memory = mmap.mmap(-1, 16 * ALIGN)
+    yield Arena(address_of(memoryview(memory)), len(memory))
+
+
+def test_slots_are_aligned_disjoint_and_reused_after_free(arena):
+    a, b = arena.alloc(100), arena.alloc(ALIGN + 1)
+    assert arena.offset_of(a) == 0 and arena.offset_of(b) == ALIGN
+    a[:] = b"x" * 100
+    b[:3] = b"abc"
+    assert bytes(a[:3]) == b"xxx"
+    arena.free(a)
+    assert arena.offset_of(arena.alloc(ALIGN)) == 0
+
+
+def test_freed_neighbours_coalesce_so_a_large_slot_fits_again(arena):
+    slots = [arena.alloc(ALIGN) for _ in range(16)]
+    with pytest.raises(ArenaFullError):
+        arena.alloc(1)
+    for slot in slots[3:9]:
+        arena.free(slot)
+    assert arena.offset_of(arena.alloc(6 * ALIGN)) == 3 * ALIGN
+    for slot in slots[:3] + slots[9:]:
+        arena.free(slot)
+    assert arena.free_bytes == 10 * ALIGN
+
+
+def test_views_from_elsewhere_are_recognised(arena):
+    assert arena.offset_of(memoryview(bytearray(10))) is None
+    with pytest.raises(ValueError):
+        arena.free(memoryview(bytearray(10)))
+    assert address_of(memoryview(b"read-only")) is None
