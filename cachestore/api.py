@@ -21,6 +21,17 @@ class Health(BaseModel):
     components: dict[str, ComponentHealth]
 
 
+class MooncakeConfig(BaseModel):
+    master: str
+    metadata_url: str
+    protocol: Literal["tcp", "rdma"]
+    device_names: str
+    #: where local processes attach (``setup_dummy``): this node's segment owner
+    shm_address: str
+    #: this node's segment, for ``preferred_segment``
+    segment: str
+
+
 class ClientConfig(BaseModel):
     """What a connector or warm-up job needs to attach to this node. Never holds a secret."""
 
@@ -29,6 +40,7 @@ class ClientConfig(BaseModel):
     redis_password_required: bool
     key_prefix: str
     chunk_tokens: int
+    mooncake: MooncakeConfig
 
 
 HealthProbe = Callable[[], ComponentHealth]

@@ -71,6 +71,9 @@ class Arena:
             return None
         return address - self.address
 
+    def view_at(self, offset: int, size: int) -> memoryview:
+        return self._view[offset : offset + size]
+
     @property
     def free_bytes(self) -> int:
         with self._lock:

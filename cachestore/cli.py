@@ -36,6 +36,14 @@ def serve(
     redis_port: Annotated[Optional[int], typer.Option(help="embedded redis-server port")] = None,  # noqa: UP045
     key_prefix: Annotated[Optional[str], typer.Option(help="prefix of every index key")] = None,  # noqa: UP045
     chunk_tokens: Annotated[Optional[int], typer.Option(help="tokens per chunk [default: 256]")] = None,  # noqa: UP045
+    dram_bytes: Annotated[Optional[str], typer.Option(help="DRAM added to the pool, e.g. 4GiB [default: 2GiB]")] = None,  # noqa: UP045
+    nvme_bytes: Annotated[Optional[str], typer.Option(help="NVMe tier capacity [default: 16GiB]")] = None,  # noqa: UP045
+    nvme_dir: Annotated[Optional[Path], typer.Option(help="NVMe tier directory [default: DATA_DIR/nvme]")] = None,  # noqa: UP045
+    mooncake_master: Annotated[Optional[str], typer.Option(help="external master host:port; unset: embedded")] = None,  # noqa: UP045
+    mooncake_metadata_url: Annotated[Optional[str], typer.Option(help="external Mooncake metadata server")] = None,  # noqa: UP045
+    mooncake_protocol: Annotated[Optional[str], typer.Option(help="tcp or rdma [default: tcp]")] = None,  # noqa: UP045
+    mooncake_device_names: Annotated[Optional[str], typer.Option(help="RDMA NICs, e.g. mlx5_0")] = None,  # noqa: UP045
+    mooncake_host: Annotated[Optional[str], typer.Option(help="this node's address in the pool")] = None,  # noqa: UP045
 ) -> None:
     """Run this node's daemon. With no --redis-url it starts its own redis-server under the data dir."""
     from cachestore.daemon import NodeDaemon
@@ -43,7 +51,10 @@ def serve(
 
     flags = dict(
         host=host, port=port, data_dir=data_dir, node=node, redis_url=redis_url,
-        redis_port=redis_port, key_prefix=key_prefix, chunk_tokens=chunk_tokens,
+        redis_port=redis_port, key_prefix=key_prefix, chunk_tokens=chunk_tokens, dram_bytes=dram_bytes,
+        nvme_bytes=nvme_bytes, nvme_dir=nvme_dir, mooncake_master=mooncake_master,
+        mooncake_metadata_url=mooncake_metadata_url, mooncake_protocol=mooncake_protocol,
+        mooncake_device_names=mooncake_device_names, mooncake_host=mooncake_host,
     )  # fmt: skip
     with _clear_errors():
         NodeDaemon(load_settings(flags, config)).serve()

@@ -1,67 +1,200 @@
-"""The node daemon behind ``prefixcache serve``: starts what is embedded, serves the API, stops cleanly."""
+"""The node daemon behind ``prefixcache serve``.
+
+It owns this node's share of the cache: the Mooncake segment (through a standalone segment owner),
+the NVMe tier, and the services that keep them and the index consistent (write-behind, promotion,
+demotion). With no external addresses it also runs the index (redis-server) and the Mooncake master.
+"""
 
 from __future__ import annotations
 
 import logging
 import signal
 import sys
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
+from pathlib import Path
 
+import redis
 import uvicorn
 
-from cachestore.api import ClientConfig, ComponentHealth, create_app, public_redis_url
+from cachestore.api import ClientConfig, ComponentHealth, MooncakeConfig, create_app, public_redis_url
+from cachestore.demotion import Demoter
+from cachestore.dram import MooncakeTier
+from cachestore.mooncake_servers import MooncakeMaster, SegmentOwner
+from cachestore.nvme import NvmeStore
+from cachestore.processes import port_open
+from cachestore.promotion import Promoter
+from cachestore.reconcile import reconcile
 from cachestore.redis_server import EmbeddedRedis
-from cachestore.settings import Settings
+from cachestore.settings import NVME_SEGMENT_BYTES, Settings
+from cachestore.write_behind import WriteBehind
 from indexer.errors import IndexUnavailableError
+from indexer.index import Location
 from indexer.redis_index import RedisIndex
 
 log = logging.getLogger("prefixcache.daemon")
+DAEMON_ARENA_BYTES = 256 << 20
+WARMUP_OBJECT_BYTES = 8 << 20
 
 
 class NodeDaemon:
-    """Owns this node's servers and index connection for the daemon's lifetime."""
+    """Owns this node's servers, tiers and services for the daemon's lifetime."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._stack = ExitStack()
-        self.index: RedisIndex | None = None
+        self.index: RedisIndex
+        self.dram: MooncakeTier
+        self.nvme: NvmeStore
+        self.owner: SegmentOwner
+        self.master_address: str
+        self.metadata_url: str
+        self.metrics_url: str | None = None
+        self.write_behind: WriteBehind
 
     def start(self) -> None:
         s = self.settings
+        self._start_index()
+        self._start_mooncake()
+        self.nvme = NvmeStore(
+            s.nvme_path, s.nvme_bytes, segment_bytes=NVME_SEGMENT_BYTES, is_pinned=self._pinned, on_evict=self._evicted
+        )
+        self._stack.callback(self.nvme.close)
+        # The segment owner starts empty every time, so DRAM locations naming this node are stale.
+        reconcile(self.index, self.nvme, s.node, dram_is_new=True)
+        self.write_behind = WriteBehind(self.index, self.dram, self.nvme, s.node)
+        promoter = Promoter(redis.Redis.from_url(self.index.url), s.key_prefix + ":", self.index, self.dram,
+                            self.nvme, s.node)  # fmt: skip
+        demoter = Demoter(self.index, self.dram, self.write_behind, s.node, s.dram_high_watermark, s.dram_low_watermark)
+        for service in (self.write_behind, promoter, demoter):
+            service.start()
+            self._stack.callback(service.stop)
+
+    def _start_index(self) -> None:
+        s = self.settings
         redis_url = s.redis_url
-        if s.embedded_redis:
-            server = EmbeddedRedis(s.data_dir / "redis", port=s.redis_port)
+        if redis_url is None:
+            server = EmbeddedRedis(s.data_dir / "redis", port=s.derived_port("redis_port"))
             server.start()
             self._stack.callback(server.stop)
             redis_url = server.url
             log.info("embedded redis-server ready at %s (AOF in %s)", redis_url, server.directory)
-        assert redis_url is not None
         self.index = RedisIndex(redis_url, key_prefix=s.key_prefix)
         self._stack.callback(self.index.close)
         self.index.ping()
         log.info("index ready at %s", public_redis_url(redis_url)[0])
 
+    def _start_mooncake(self) -> None:
+        s = self.settings
+        logs = s.data_dir / "logs"
+        if s.embedded_mooncake:
+            master = MooncakeMaster(logs, rpc_port=s.derived_port("master_port"),
+                                    metadata_port=s.derived_port("metadata_port"),
+                                    metrics_port=s.derived_port("metrics_port"))  # fmt: skip
+            master.start()
+            self._stack.callback(master.stop)
+            self.master_address, self.metadata_url = master.address, master.metadata_url
+            self.metrics_url = f"http://{master.host}:{master.metrics_port}/metrics"
+            log.info("embedded mooncake_master ready at %s", master.address)
+        else:
+            assert s.mooncake_master and s.mooncake_metadata_url
+            self.master_address, self.metadata_url = s.mooncake_master, s.mooncake_metadata_url
+            self.metrics_url = s.mooncake_metrics_url
+        self.owner = SegmentOwner(
+            logs, segment_bytes=s.dram_bytes, master=self.master_address, metadata_url=self.metadata_url,
+            host=s.mooncake_host, segment_port=s.derived_port("segment_port"), shm_port=s.derived_port("shm_port"),
+            protocol=s.mooncake_protocol,
+            device_names=s.mooncake_device_names,
+        )  # fmt: skip
+        self.owner.start()
+        self._stack.callback(self.owner.stop)
+        self.dram = MooncakeTier(
+            self.owner.shm_address, arena_bytes=DAEMON_ARENA_BYTES, object_prefix=s.key_prefix,
+            preferred_segment=self.owner.segment, metrics_url=self.metrics_url,
+        )  # fmt: skip
+        self._stack.callback(self.dram.close)
+        self._warm_segment()
+        log.info("DRAM segment %s (%d MiB) ready; clients attach at %s", self.owner.segment,
+                 s.dram_bytes >> 20, self.owner.shm_address)  # fmt: skip
+
+    def _warm_segment(self) -> None:
+        """Touch the new segment's pages once: first writes to fresh shared memory run ~4x slower."""
+        started = time.monotonic()
+        slot = self.dram.arena.alloc(WARMUP_OBJECT_BYTES)
+        count = int(self.settings.dram_bytes * 0.8) // WARMUP_OBJECT_BYTES
+        keys = [f"warmup-{i}".encode().ljust(16, b"\0")[:16] for i in range(count)]
+        try:
+            for start in range(0, count, 32):
+                self.dram.put([(k, slot) for k in keys[start : start + 32]])
+            self.dram.delete(keys)
+        finally:
+            self.dram.arena.free(slot)
+        log.info("DRAM segment warmed in %.1fs", time.monotonic() - started)
+
+    def _pinned(self, keys: Sequence[bytes]) -> list[bool]:
+        now = time.time()
+        try:
+            return [e is not None and e.pinned(now) for e in self.index.get(keys)]
+        except IndexUnavailableError:
+            return [True] * len(keys)  # cannot tell: evict nothing rather than a pinned chunk
+
+    def _evicted(self, keys: list[bytes]) -> None:
+        self.index.drop_location(keys, Location("nvme", self.settings.node))
+
     def stop(self) -> None:
         self._stack.close()
 
     def client_config(self) -> ClientConfig:
-        assert self.index is not None
         url, needs_password = public_redis_url(self.index.url)
+        s = self.settings
         return ClientConfig(
-            node=self.settings.node,
-            redis_url=url,
-            redis_password_required=needs_password,
-            key_prefix=self.settings.key_prefix,
-            chunk_tokens=self.settings.chunk_tokens,
-        )
+            node=s.node, redis_url=url, redis_password_required=needs_password, key_prefix=s.key_prefix,
+            chunk_tokens=s.chunk_tokens,
+            mooncake=MooncakeConfig(
+                master=self.master_address, metadata_url=self.metadata_url, protocol=s.mooncake_protocol,
+                device_names=s.mooncake_device_names, shm_address=self.owner.shm_address, segment=self.owner.segment,
+            ),
+        )  # fmt: skip
+
+    def probes(self) -> dict[str, Callable[[], ComponentHealth]]:
+        return {"redis": self._index_health, "mooncake_master": self._master_health, "dram": self._dram_health,
+                "nvme": self._nvme_health}  # fmt: skip
 
     def _index_health(self) -> ComponentHealth:
         try:
-            assert self.index is not None
             self.index.ping()
             return ComponentHealth(ok=True, detail="answering")
         except IndexUnavailableError as exc:
             return ComponentHealth(ok=False, detail=str(exc))
+
+    def _master_health(self) -> ComponentHealth:
+        if self.metrics_url:
+            health_url = self.metrics_url.rsplit("/", 1)[0] + "/health"
+            try:
+                urllib.request.urlopen(health_url, timeout=2).close()
+                return ComponentHealth(ok=True, detail=f"{self.master_address} serving")
+            except OSError as exc:
+                return ComponentHealth(ok=False, detail=f"{self.master_address}: {exc}")
+        host, _, port = self.master_address.rpartition(":")
+        ok = port_open(host, int(port))
+        return ComponentHealth(
+            ok=ok, detail=f"{self.master_address} {'accepting' if ok else 'not accepting'} connections"
+        )
+
+    def _dram_health(self) -> ComponentHealth:
+        if not self.owner.alive():
+            return ComponentHealth(ok=False, detail=f"segment owner exited (log: {self.owner.log_path})")
+        if not self.dram.available:
+            return ComponentHealth(ok=False, detail="Mooncake unreachable; retrying")
+        return ComponentHealth(ok=True, detail=f"segment {self.owner.segment}")
+
+    def _nvme_health(self) -> ComponentHealth:
+        usage = self.nvme.usage()
+        ok = Path(self.nvme.directory).is_dir()
+        return ComponentHealth(ok=ok, detail=f"{usage.chunks} chunks, {usage.bytes_used >> 20} MiB of "
+                                             f"{usage.capacity_bytes >> 20} MiB")  # fmt: skip
 
     def serve(self) -> None:
         """Start everything, serve until SIGINT/SIGTERM, then stop everything.
@@ -73,7 +206,7 @@ class NodeDaemon:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         try:
             self.start()
-            app = create_app(self.client_config(), {"redis": self._index_health})
+            app = create_app(self.client_config(), self.probes())
             s = self.settings
             log.info("prefixcache serving on http://%s:%d (node %s)", s.host, s.port, s.node)
             uvicorn.run(app, host=s.host, port=s.port, log_level="warning")

@@ -39,6 +39,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def free_port_block(count: int, host: str = "127.0.0.1") -> int:
+    """A port P such that P..P+count-1 are all free right now (for a daemon's derived ports)."""
+    for _ in range(100):
+        base = free_port(host)
+        if base + count > 65535:
+            continue
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(base, base + count):
+                    s = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                    s.bind((host, port))
+            return base
+        except OSError:
+            continue
+    raise OSError(f"no block of {count} free ports found")
+
+
 def port_open(host: str, port: int, timeout_s: float = 0.2) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout_s):
@@ -62,8 +79,16 @@ def find_executable(name: str, extra_dirs: Sequence[Path] = ()) -> str:
 class ManagedProcess:
     """One child server with a log file, a readiness probe and a clean stop."""
 
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path, ready: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path,
+        ready: Callable[[], bool],
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.name = name
+        self.env = env
         self.argv = list(argv)
         self.log_path = log_path
         self._ready = ready
@@ -83,6 +108,7 @@ class ManagedProcess:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
+                env=self.env,
             )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

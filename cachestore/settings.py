@@ -11,14 +11,17 @@ import json
 import socket
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import ByteSize, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from indexer.chunking import DEFAULT_CHUNK_TOKENS, MAX_CHUNK_TOKENS
 from indexer.errors import ConfigError
 from indexer.redis_index import redact_url
+
+#: Size of one NVMe segment file: large sequential writes, and the unit compaction works in.
+NVME_SEGMENT_BYTES = 256 << 20
 
 
 def default_data_dir() -> Path:
@@ -37,9 +40,27 @@ class Settings(BaseSettings):
     )
     node: str = Field(default_factory=socket.gethostname, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")
     redis_url: str | None = Field(default=None, description="shared index; unset: start an embedded redis-server")
-    redis_port: int | None = Field(default=None, ge=1, le=65535, description="port of the embedded redis-server")
+    redis_port: int | None = Field(default=None, ge=1, le=65535, description="embedded redis-server [default: port+1]")
     key_prefix: str = Field(default="pc", min_length=1, max_length=32, pattern=r"^[A-Za-z0-9_.\-]+$")
     chunk_tokens: int = Field(default=DEFAULT_CHUNK_TOKENS, gt=0, le=MAX_CHUNK_TOKENS)
+
+    dram_bytes: ByteSize = Field(default=ByteSize(2 << 30), description="DRAM this node adds to the Mooncake pool")
+    nvme_bytes: ByteSize = Field(default=ByteSize(16 << 30), description="capacity of this node's NVMe tier")
+    nvme_dir: Path | None = Field(default=None, description="NVMe tier directory [default: <data_dir>/nvme]")
+    dram_high_watermark: float = Field(default=0.85, gt=0, lt=1, description="demote DRAM above this fill")
+    dram_low_watermark: float = Field(default=0.70, gt=0, lt=1, description="demote DRAM down to this fill")
+
+    mooncake_master: str | None = Field(default=None, description="host:port of the master; unset: embedded")
+    mooncake_metadata_url: str | None = Field(default=None, description="Mooncake metadata server (http/etcd/redis)")
+    mooncake_metrics_url: str | None = Field(default=None, description="master's /metrics (external master)")
+    mooncake_host: str = Field(default="127.0.0.1", description="this node's address in the Mooncake pool")
+    mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
+    mooncake_device_names: str = Field(default="", description="RDMA NICs, e.g. mlx5_0,mlx5_1")
+    shm_port: int | None = Field(
+        default=None, ge=1, le=65535, description="local clients attach here [default: port+2]"
+    )
+    segment_port: int | None = Field(default=None, ge=1, le=65535, description="names this node's segment [port+3]")
+    master_port: int | None = Field(default=None, ge=1, le=65535, description="embedded master RPC [port+4]")
 
     @field_validator("redis_url")
     @classmethod
@@ -48,9 +69,47 @@ class Settings(BaseSettings):
             raise ValueError(f"must start with redis://, rediss:// or unix:// (got {redact_url(url)!r})")
         return url
 
+    @field_validator("mooncake_master")
+    @classmethod
+    def _host_port(cls, address: str | None) -> str | None:
+        if address is not None:
+            host, sep, port = address.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"must look like host:port (got {address!r})")
+        return address
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        if self.dram_low_watermark >= self.dram_high_watermark:
+            raise ValueError("dram_low_watermark must be below dram_high_watermark")
+        if self.mooncake_master and not self.mooncake_metadata_url:
+            raise ValueError("mooncake_metadata_url is required with an external mooncake_master")
+        if self.nvme_bytes < 2 * NVME_SEGMENT_BYTES:
+            raise ValueError(f"nvme_bytes must be at least {2 * NVME_SEGMENT_BYTES >> 20} MiB (two segments)")
+        if self.port + 6 > 65535:
+            raise ValueError("port must leave room for the six ports after it (PORT+1..PORT+6)")
+        if self.dram_bytes < 64 << 20:
+            raise ValueError("dram_bytes must be at least 64 MiB")
+        return self
+
     @property
     def embedded_redis(self) -> bool:
         return self.redis_url is None
+
+    @property
+    def embedded_mooncake(self) -> bool:
+        return self.mooncake_master is None
+
+    def derived_port(self, name: str) -> int:
+        """A fixed port per role (PORT+1..PORT+6 unless set), so clients reconnect to a restarted daemon."""
+        offsets = {"redis_port": 1, "shm_port": 2, "segment_port": 3, "master_port": 4, "metadata_port": 5,
+                   "metrics_port": 6}  # fmt: skip
+        explicit = getattr(self, name, None)
+        return explicit or self.port + offsets[name]
+
+    @property
+    def nvme_path(self) -> Path:
+        return self.nvme_dir or self.data_dir / "nvme"
 
     @classmethod
     def settings_customise_sources(
@@ -104,8 +163,11 @@ def _describe(exc: ValidationError, config_file: Path | None) -> str:
     lines = []
     for err in exc.errors():
         field = ".".join(str(p) for p in err["loc"]) or "settings"
+        if err["type"] == "value_error":
+            err["msg"] = err["msg"].removeprefix("Value error, ")
         value = err.get("input")
-        shown = "" if isinstance(value, dict) or field in _SECRET_FIELDS else f" (got {value!r})"
+        quiet = isinstance(value, dict) or field in _SECRET_FIELDS or "(got " in err["msg"]
+        shown = "" if quiet else f" (got {value!r})"
         lines.append(f"invalid setting {field}: {err['msg']}{shown}")
     where = f" [flags, PREFIXCACHE_* environment or {config_file}]" if config_file else ""
     return "; ".join(lines) + where

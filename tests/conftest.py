@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from cachestore.dram import MooncakeTier
+from cachestore.mooncake_servers import MooncakeMaster, SegmentOwner
 from cachestore.redis_server import EmbeddedRedis
 from indexer.chunking import ChunkGeometry
 from indexer.embedded_index import EmbeddedIndex
@@ -24,6 +26,53 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
     server.start()
     yield server
     server.stop()
+
+
+class MooncakeNode:
+    """A master and this node's segment owner, as the daemon runs them."""
+
+    def __init__(self, directory: Path, segment_bytes: int = 256 << 20) -> None:
+        self.directory = directory
+        self.segment_bytes = segment_bytes
+        self.master = MooncakeMaster(directory)
+        self.master.start()
+        self.owner = SegmentOwner(
+            directory, segment_bytes=segment_bytes, master=self.master.address, metadata_url=self.master.metadata_url
+        )
+        self.owner.start()
+
+    def tier(self, arena_bytes: int = 64 << 20, **options) -> MooncakeTier:
+        return MooncakeTier(
+            self.owner.shm_address, arena_bytes=arena_bytes, preferred_segment=self.owner.segment,
+            metrics_url=f"http://127.0.0.1:{self.master.metrics_port}/metrics", **options,
+        )  # fmt: skip
+
+    def restart_master(self) -> None:
+        self.master.stop()
+        self.master = MooncakeMaster(
+            self.directory, rpc_port=self.master.rpc_port, metadata_port=self.master.metadata_port,
+            metrics_port=self.master.metrics_port,
+        )  # fmt: skip
+        self.master.start()
+
+    def stop(self) -> None:
+        self.owner.stop()
+        self.master.stop()
+
+
+@pytest.fixture(scope="session")
+def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeNode]:
+    node = MooncakeNode(tmp_path_factory.mktemp("mooncake"))
+    yield node
+    node.stop()
+
+
+@pytest.fixture
+def private_mooncake(tmp_path: Path) -> Iterator[MooncakeNode]:
+    """A node of the test's own, for tests that break or fill it."""
+    node = MooncakeNode(tmp_path / "mooncake", segment_bytes=64 << 20)
+    yield node
+    node.stop()
 
 
 @pytest.fixture

@@ -12,15 +12,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cachestore.processes import free_port
+from cachestore.processes import free_port, free_port_block
 
 CLI = [sys.executable, "-m", "cachestore"]
 
 
 def start_serve(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, int]:
-    port = free_port()
+    port = free_port_block(7)
     proc = subprocess.Popen(
-        [*CLI, "serve", "--data-dir", str(tmp_path / "data"), "--port", str(port), *args],
+        [*CLI, "serve", "--data-dir", str(tmp_path / "data"), "--port", str(port), "--dram-bytes", "128MiB",
+         "--nvme-bytes", "512MiB", *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     deadline = time.monotonic() + 60
@@ -41,35 +42,47 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     return subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=60)
 
 
-def redis_pids_for_port(port: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", f"redis-server 127.0.0.1:{port}"], capture_output=True, text=True).stdout
-    return [int(pid) for pid in out.split()]
+def children_of(port: int) -> list[int]:
+    """PIDs of the redis-server, mooncake_master and mooncake_client a daemon on ``port`` started."""
+    patterns = [f"redis-server 127.0.0.1:{port + 1}", f"rpc_port={port + 4}", f"-port={port + 2}"]
+    pids = []
+    for pattern in patterns:
+        out = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True).stdout
+        pids += [int(pid) for pid in out.split()]
+    return pids
+
+
+def wait_until_gone(port: int, timeout_s: float = 10) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while children_of(port) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return children_of(port)
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
-def test_serve_starts_embedded_redis_reports_ready_and_stops_cleanly(tmp_path, stop_signal):
-    redis_port = free_port()
-    proc, port = start_serve(tmp_path, "--redis-port", str(redis_port))
+def test_serve_starts_the_embedded_stack_reports_ready_and_stops_cleanly(tmp_path, stop_signal):
+    proc, port = start_serve(tmp_path)
     health = httpx.get(f"http://127.0.0.1:{port}/v1/health").json()
-    assert health == {"status": "ready", "components": {"redis": {"ok": True, "detail": "answering"}}}
+    assert health["status"] == "ready"
+    assert set(health["components"]) == {"redis", "mooncake_master", "dram", "nvme"}
+    assert all(c["ok"] for c in health["components"].values())
     config = httpx.get(f"http://127.0.0.1:{port}/v1/config").json()
-    assert config["redis_url"] == f"redis://127.0.0.1:{redis_port}/0" and config["chunk_tokens"] == 256
-    assert redis_pids_for_port(redis_port)
+    assert config["redis_url"] == f"redis://127.0.0.1:{port + 1}/0" and config["chunk_tokens"] == 256
+    assert config["mooncake"]["shm_address"] == f"127.0.0.1:{port + 2}"
+    assert config["mooncake"]["segment"] == f"127.0.0.1:{port + 3}"
+    assert config["mooncake"]["master"] == f"127.0.0.1:{port + 4}"
+    assert len(children_of(port)) == 3
     assert (tmp_path / "data" / "redis" / "appendonlydir").is_dir()
     proc.send_signal(stop_signal)
     assert proc.wait(30) == 0
-    assert redis_pids_for_port(redis_port) == []
+    assert wait_until_gone(port, 1) == []
 
 
-def test_embedded_redis_dies_with_a_killed_daemon(tmp_path):
-    redis_port = free_port()
-    proc, _ = start_serve(tmp_path, "--redis-port", str(redis_port))
+def test_the_embedded_stack_dies_with_a_killed_daemon(tmp_path):
+    proc, port = start_serve(tmp_path)
     proc.kill()
     proc.wait()
-    deadline = time.monotonic() + 10
-    while redis_pids_for_port(redis_port) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert redis_pids_for_port(redis_port) == []
+    assert wait_until_gone(port) == []
 
 
 @pytest.mark.parametrize(

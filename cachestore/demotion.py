@@ -1,0 +1,76 @@
+"""DRAM watermarks: above the high mark, the least recently used persisted chunks leave DRAM.
+
+Demotion keeps the NVMe copy (only chunks already persisted are candidates), skips pinned chunks,
+and drops the ``dram@node`` location in the same step as the Mooncake object, so the index always
+says where a chunk is. The master's own eviction is set higher (95%) as a backstop; normally this
+acts first, which is what keeps its evictions, which the index would not hear of, rare.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from cachestore.dram import MooncakeTier
+from cachestore.write_behind import WriteBehind
+from indexer.index import Location, PrefixIndex
+
+log = logging.getLogger("prefixcache.demotion")
+CANDIDATES_PER_ROUND = 512
+
+
+class Demoter:
+    def __init__(self, index: PrefixIndex, dram: MooncakeTier, write_behind: WriteBehind, node: str,
+                 high: float = 0.85, low: float = 0.70, interval_s: float = 0.5) -> None:  # fmt: skip
+        self.index = index
+        self.dram = dram
+        self.write_behind = write_behind
+        self.dram_location = Location("dram", node)
+        self.nvme_location = Location("nvme", node)
+        self.high, self.low = high, low
+        self.interval_s = interval_s
+        self.demoted = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="prefixcache-demoter", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def run_once(self) -> int:
+        """Demote down to the low watermark if above the high one; returns chunks demoted."""
+        usage = self.dram.usage()
+        if not usage.capacity_bytes or usage.bytes_used <= self.high * usage.capacity_bytes:
+            return 0
+        excess = usage.bytes_used - self.low * usage.capacity_bytes
+        keys = self.write_behind.resident_oldest(CANDIDATES_PER_ROUND)
+        now = time.time()
+        entries = [
+            e for e in self.index.get(keys)
+            if e is not None and self.nvme_location in e.locations and not e.pinned(now)
+        ]  # fmt: skip
+        victims, freed = [], 0
+        for entry in sorted(entries, key=lambda e: e.last_access_s):
+            if freed >= excess:
+                break
+            victims.append(entry.key)
+            freed += entry.size_bytes
+        if victims:
+            self.dram.delete(victims)
+            self.index.drop_location(victims, self.dram_location)
+            self.demoted += len(victims)
+            log.debug("demoted %d chunks (%d bytes) from DRAM", len(victims), freed)
+        return len(victims)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.run_once()
+            except Exception:  # noqa: BLE001 - keep watching the watermarks
+                log.exception("demotion round failed")

@@ -1,0 +1,197 @@
+"""The DRAM tier: Mooncake Store objects, reached through this node's segment owner over shared memory.
+
+A ``MooncakeTier`` attaches with ``setup_dummy`` and registers one arena (``self.arena``); callers
+that build objects directly in arena slots move them with no copy at all, other buffers are staged
+through a slot. Errors are misses, never exceptions: an unreachable master or owner (-800, -900,
+-901) opens a short circuit breaker so that further calls return misses at once instead of each
+waiting for an RPC timeout, and Mooncake reconnects by itself when the master is back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import urllib.request
+from collections.abc import Sequence
+from contextlib import ExitStack
+
+from cachestore.mooncake_servers import RPC_TIMEOUT_MS
+
+# Read by the Mooncake client library when it loads: bound every RPC (its default is 30 s) and keep
+# its INFO chatter out of the host process's (vLLM's) log.
+os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(RPC_TIMEOUT_MS))
+os.environ.setdefault("GLOG_minloglevel", "2")
+
+from mooncake.store import MooncakeDistributedStore, ReplicateConfig  # noqa: E402
+
+from cachestore.arena import Arena
+from cachestore.tiers import TierUsage
+from indexer.errors import PrefixCacheError
+
+log = logging.getLogger("prefixcache.dram")
+
+OK, MISS, FULL = 0, -704, -200
+UNREACHABLE = frozenset({-1, -800, -900, -901})
+LOCAL_BUFFER_BYTES = 16 << 20
+
+
+class TierUnavailableError(PrefixCacheError, ConnectionError):
+    """The tier cannot be attached at all (setup failed); a running tier reports misses instead."""
+
+
+class MooncakeTier:
+    tier = "dram"
+
+    def __init__(
+        self,
+        shm_address: str,
+        *,
+        arena_bytes: int,
+        object_prefix: str = "pc",
+        preferred_segment: str | None = None,
+        metrics_url: str | None = None,
+        put_retry_s: float = 1.0,
+        breaker_s: float = 1.0,
+    ) -> None:
+        self._store = MooncakeDistributedStore()
+        rc = self._store.setup_dummy(0, LOCAL_BUFFER_BYTES, shm_address)
+        if rc != 0:
+            raise TierUnavailableError(
+                f"cannot attach to this node's Mooncake segment owner at {shm_address} (rc={rc}); "
+                "is `prefixcache serve` running on this node?"
+            )
+        self._closed = False
+        self._close_lock = threading.Lock()
+        base = self._store.alloc_from_mem_pool(arena_bytes)
+        if not base or self._store.register_buffer(base, arena_bytes) != 0:
+            self.close()
+            raise TierUnavailableError(f"cannot allocate and register a {arena_bytes}-byte shared-memory arena")
+        self.arena = Arena(base, arena_bytes)
+        self._prefix = object_prefix + ":"
+        self._config = ReplicateConfig()
+        if preferred_segment:
+            self._config.preferred_segment = preferred_segment
+        self.segment = preferred_segment
+        self._metrics_url = metrics_url
+        self._put_retry_s = put_retry_s
+        self._breaker_s = breaker_s
+        self._down_until = 0.0
+
+    @property
+    def available(self) -> bool:
+        """False while the circuit breaker is open after the master or owner stopped answering."""
+        return time.monotonic() >= self._down_until
+
+    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
+        if not items:
+            return []
+        with ExitStack() as staging:
+            addresses = [self._address(memoryview(obj).cast("B"), staging, copy_in=True) for _, obj in items]
+            names = [self._name(key) for key, _ in items]
+            sizes = [len(memoryview(obj).cast("B")) for _, obj in items]
+            done = [False] * len(items)
+            pending = list(range(len(items)))
+            deadline = time.monotonic() + self._put_retry_s
+            while pending and self._usable():
+                codes = self._store.batch_put_from(
+                    [names[i] for i in pending], [addresses[i] for i in pending], [sizes[i] for i in pending],
+                    self._config,
+                )  # fmt: skip
+                retry = []
+                for i, code in zip(pending, codes, strict=True):
+                    if code == OK:
+                        done[i] = True
+                    elif code == FULL and time.monotonic() < deadline:
+                        retry.append(i)  # the master evicts every ~10 ms above its watermark
+                    else:
+                        self._note(code)
+                pending = retry
+                if pending:
+                    time.sleep(0.01)
+        return done
+
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[int]:
+        if len(keys) != len(buffers):
+            raise ValueError("one buffer per key")
+        if not keys or not self._usable():
+            return [-1] * len(keys)
+        with ExitStack() as staging:
+            views = [memoryview(b).cast("B") for b in buffers]
+            addresses, copy_back = [], []
+            for view in views:
+                address = self._address(view, staging, copy_in=False)
+                addresses.append(address)
+                copy_back.append(self.arena.offset_of(view) is None)
+            codes = self._store.batch_get_into([self._name(k) for k in keys], addresses, [len(v) for v in views])
+            out = []
+            for view, address, code, staged in zip(views, addresses, codes, copy_back, strict=True):
+                if code > 0:
+                    if staged:
+                        view[:code] = self.arena.view_at(address - self.arena.address, code)
+                    out.append(code)
+                else:
+                    self._note(code)
+                    out.append(-1)
+            return out
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Existence, at the price of a lease on each object (Mooncake grants one on every read)."""
+        if not keys or not self._usable():
+            return [False] * len(keys)
+        return [code == 1 for code in self._store.batch_is_exist([self._name(k) for k in keys])]
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        if not keys or not self._usable():
+            return 0
+        codes = self._store.batch_remove([self._name(k) for k in keys], True)
+        return sum(1 for code in codes if code == OK)
+
+    def usage(self) -> TierUsage:
+        """This node's segment as the master reports it (zeros when the master's metrics are unreachable)."""
+        used = capacity = 0
+        if self._metrics_url and self.segment:
+            try:
+                text = urllib.request.urlopen(self._metrics_url, timeout=2).read().decode()
+            except OSError:
+                text = ""
+            label = f'{{segment="{self.segment}"}}'
+            for line in text.splitlines():
+                if line.startswith("segment_allocated_bytes" + label):
+                    used = int(float(line.split()[-1]))
+                elif line.startswith("segment_total_capacity_bytes" + label):
+                    capacity = int(float(line.split()[-1]))
+        return TierUsage(tier="dram", bytes_used=used, live_bytes=used, capacity_bytes=capacity, chunks=-1)
+
+    def close(self) -> None:
+        with self._close_lock:
+            if not self._closed:
+                self._closed = True
+                self._store.close()  # any call after this would crash the process: _usable() guards them
+
+    def _usable(self) -> bool:
+        if self._closed:
+            raise RuntimeError("MooncakeTier used after close()")
+        return self.available
+
+    def _note(self, code: int) -> None:
+        if code in UNREACHABLE:
+            if self.available:
+                log.warning(
+                    "Mooncake unreachable (code %d): serving misses for %.1fs, then retrying", code, self._breaker_s
+                )
+            self._down_until = time.monotonic() + self._breaker_s
+
+    def _name(self, key: bytes) -> str:
+        return self._prefix + key.hex()
+
+    def _address(self, view: memoryview, staging: ExitStack, copy_in: bool) -> int:
+        offset = self.arena.offset_of(view)
+        if offset is None:
+            slot = self.arena.alloc(len(view))
+            staging.callback(self.arena.free, slot)
+            if copy_in:
+                slot[:] = view
+            offset = self.arena.offset_of(slot)
+        return self.arena.address + offset

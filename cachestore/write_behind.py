@@ -1,0 +1,162 @@
+"""Write-behind: every chunk that lands in this node's DRAM becomes persistent on its NVMe tier.
+
+The node's change feed (a Redis stream written atomically with each registration) says what landed;
+this worker reads it in batches through a consumer group, copies each chunk DRAM -> NVMe (verifying
+it on the way: a corrupt object is deleted and its location dropped, never persisted), adds the
+``nvme@node`` location, and only then acknowledges the events. A crash leaves events unacknowledged,
+so they are processed again after a restart: the delay is bounded by the batch time, not by luck.
+
+It also keeps the set of chunks resident in this node's DRAM (from the same feed), in publish order,
+which the demoter walks when DRAM runs over its watermark.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from cachestore.arena import ArenaFullError
+from cachestore.codec import ChunkError, decode
+from cachestore.dram import MooncakeTier
+from cachestore.nvme import NvmeStore
+from indexer.errors import IndexUnavailableError
+from indexer.index import ChunkEntry, FeedEvent, Location, PrefixIndex
+
+log = logging.getLogger("prefixcache.write_behind")
+GROUP = "persist"
+
+
+@dataclass
+class WriteBehindStats:
+    persisted: int = 0
+    corrupt: int = 0
+    vanished: int = 0
+    last_delay_s: float = 0.0
+    max_delay_s: float = 0.0
+    delays_s: list[float] = field(default_factory=list)  # recent, for percentiles
+
+    def note_delay(self, delay_s: float) -> None:
+        self.last_delay_s = delay_s
+        self.max_delay_s = max(self.max_delay_s, delay_s)
+        self.delays_s = [*self.delays_s[-999:], delay_s]
+
+
+class WriteBehind:
+    def __init__(self, index: PrefixIndex, dram: MooncakeTier, nvme: NvmeStore, node: str, batch: int = 32) -> None:
+        self.index = index
+        self.dram = dram
+        self.nvme = nvme
+        self.node = node
+        self.batch = batch
+        self.dram_location = Location("dram", node)
+        self.nvme_location = Location("nvme", node)
+        self.stats = WriteBehindStats()
+        #: chunks in this node's DRAM, oldest publish first (an ordered set)
+        self.resident: OrderedDict[bytes, None] = OrderedDict()
+        self._resident_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="prefixcache-write-behind", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def run_once(self, block_s: float = 0.2) -> int:
+        """Handle one batch of feed events; returns how many there were."""
+        events = self.index.read_feed(self.node, GROUP, "daemon", count=self.batch, block_s=block_s)
+        if not events:
+            return 0
+        self._track_residency(events)
+        wanted = list(dict.fromkeys(e.key for e in events if e.op == "add" and e.location == self.dram_location))
+        if wanted:
+            self._persist(wanted)
+        self.index.ack_feed(self.node, GROUP, [e.id for e in events])
+        return len(events)
+
+    def resident_oldest(self, limit: int) -> list[bytes]:
+        with self._resident_lock:
+            return [key for key, _ in zip(self.resident, range(limit), strict=False)]
+
+    def _track_residency(self, events: list[FeedEvent]) -> None:
+        with self._resident_lock:
+            for event in events:
+                if event.location != self.dram_location:
+                    continue
+                if event.op == "add":
+                    self.resident[event.key] = None
+                else:
+                    self.resident.pop(event.key, None)
+
+    def _persist(self, keys: list[bytes]) -> None:
+        entries = [
+            e for e in self.index.get(keys)
+            if e is not None and self.dram_location in e.locations and self.nvme_location not in e.locations
+        ]  # fmt: skip
+        while entries:
+            taken, slots = self._slots_for(entries)
+            try:
+                self._persist_batch(taken, slots)
+            finally:
+                for slot in slots:
+                    self.dram.arena.free(slot)
+            entries = entries[len(taken) :]
+
+    def _slots_for(self, entries: list[ChunkEntry]) -> tuple[list[ChunkEntry], list]:
+        taken, slots = [], []
+        for entry in entries:
+            try:
+                slots.append(self.dram.arena.alloc(entry.size_bytes))
+            except ArenaFullError:
+                if not taken:
+                    raise
+                break
+            taken.append(entry)
+        return taken, slots
+
+    def _persist_batch(self, entries: list[ChunkEntry], slots: list) -> None:
+        sizes = self.dram.get_into([e.key for e in entries], slots)
+        good, corrupt, vanished = [], [], []
+        for entry, slot, size in zip(entries, slots, sizes, strict=True):
+            if size < 0:
+                vanished.append(entry.key)
+                continue
+            try:
+                decode(slot[:size], key=entry.key, namespace=entry.namespace)
+            except ChunkError as exc:
+                log.warning("chunk %s in DRAM is corrupt (%s): dropped, not persisted", entry.key.hex(), exc)
+                corrupt.append(entry.key)
+                continue
+            good.append((entry, slot[:size]))
+        if corrupt:
+            self.dram.delete(corrupt)
+        if corrupt or vanished:  # the index must never say a chunk is where it is not
+            self.index.drop_location(corrupt + vanished, self.dram_location)
+        stored = self.nvme.put([(e.key, view) for e, view in good]) if good else []
+        persisted = [e for (e, _), ok in zip(good, stored, strict=True) if ok]
+        if persisted:
+            self.index.add_location([e.key for e in persisted], self.nvme_location)
+        now = time.time()
+        for entry in persisted:
+            self.stats.note_delay(now - entry.created_s)
+        self.stats.persisted += len(persisted)
+        self.stats.corrupt += len(corrupt)
+        self.stats.vanished += len(vanished)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.run_once()
+            except IndexUnavailableError as exc:
+                log.warning("write-behind paused: %s", exc)
+                self._stop.wait(1.0)
+            except Exception:  # noqa: BLE001 - the loop must survive anything one batch does
+                log.exception("write-behind batch failed; retrying")
+                self._stop.wait(1.0)
