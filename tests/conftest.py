@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cachestore.dram import MooncakeTier
-from cachestore.mooncake_servers import MooncakeMaster, SegmentOwner
+from cachestore.mooncake_servers import LocalMooncake
 from cachestore.redis_server import EmbeddedRedis
 from indexer.chunking import ChunkGeometry
 from indexer.embedded_index import EmbeddedIndex
@@ -28,36 +28,14 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
     server.stop()
 
 
-class MooncakeNode:
-    """A master and this node's segment owner, as the daemon runs them."""
-
-    def __init__(self, directory: Path, segment_bytes: int = 256 << 20) -> None:
-        self.directory = directory
-        self.segment_bytes = segment_bytes
-        self.master = MooncakeMaster(directory)
-        self.master.start()
-        self.owner = SegmentOwner(
-            directory, segment_bytes=segment_bytes, master=self.master.address, metadata_url=self.master.metadata_url
-        )
-        self.owner.start()
+class MooncakeNode(LocalMooncake):
+    """A master and this node's segment owner, as the daemon runs them, plus tiers attached to them."""
 
     def tier(self, arena_bytes: int = 64 << 20, **options) -> MooncakeTier:
         return MooncakeTier(
             self.owner.shm_address, arena_bytes=arena_bytes, preferred_segment=self.owner.segment,
-            metrics_url=f"http://127.0.0.1:{self.master.metrics_port}/metrics", **options,
+            metrics_url=self.metrics_url, **options,
         )  # fmt: skip
-
-    def restart_master(self) -> None:
-        self.master.stop()
-        self.master = MooncakeMaster(
-            self.directory, rpc_port=self.master.rpc_port, metadata_port=self.master.metadata_port,
-            metrics_port=self.master.metrics_port,
-        )  # fmt: skip
-        self.master.start()
-
-    def stop(self) -> None:
-        self.owner.stop()
-        self.master.stop()
 
 
 @pytest.fixture(scope="session")
