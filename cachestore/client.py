@@ -33,6 +33,9 @@ from indexer.namespace import NamespaceSpec, tenant_id
 from indexer.redis_index import RedisIndex
 
 log = logging.getLogger("prefixcache.client")
+#: How long a new chunk is shielded from the master's eviction: far longer than the write-behind
+#: needs to persist it (well under a second), after which the daemon's demotion manages it.
+UNPERSISTED_PROTECTION_S = 60.0
 
 
 @dataclass
@@ -60,10 +63,6 @@ def fetch_config(service_url: str, timeout_s: float = 5.0) -> ClientConfig:
 class CacheClient:
     def __init__(self, config: ClientConfig, spec: NamespaceSpec, *, arena_bytes: int = 256 << 20,
                  redis_password: str | None = None, promote_timeout_s: float = 2.0) -> None:  # fmt: skip
-        if spec.chunk_tokens != config.chunk_tokens:
-            log.warning(
-                "namespace uses chunk_tokens=%d, the node defaults to %d", spec.chunk_tokens, config.chunk_tokens
-            )
         self.config = config
         self.spec = spec
         self.node = config.node
@@ -114,7 +113,7 @@ class CacheClient:
         if not chunks:
             return []
         objects = [(meta.key, slot[: write_header(slot, meta)]) for meta, slot in chunks]
-        stored = self.dram.put(objects)
+        stored = self.dram.put(objects, soft_pin_s=UNPERSISTED_PROTECTION_S)
         records = [
             ChunkRecord.of(parent=meta.parent, packed_tokens=meta.tokens, root=meta.root, namespace=meta.namespace,
                            size_bytes=meta.encoded_size, location=self.location, tenant=tenant_id(tenant_salt))
@@ -130,16 +129,18 @@ class CacheClient:
         return stored
 
     def fetch(self, keys: Sequence[bytes], slots: Sequence[memoryview]) -> list[memoryview | None]:
-        """Each chunk's verified payload (a view into its slot), or None: a miss the caller recomputes."""
+        """Each chunk's verified payload (a view into its slot), or None: a miss the caller recomputes.
+
+        A chunk missing from DRAM, or whose DRAM copy fails verification (and is deleted), is promoted
+        from the NVMe tier of a node that holds it, then read and verified again.
+        """
         sizes = self.dram.get_into(keys, slots)
-        missing = [i for i, size in enumerate(sizes) if size < 0]
-        if missing:
-            retried = self._promote_and_retry([keys[i] for i in missing], [slots[i] for i in missing])
-            for i, size in zip(missing, retried, strict=True):
-                sizes[i] = size
-        out: list[memoryview | None] = []
-        for key, slot, size in zip(keys, slots, sizes, strict=True):
-            out.append(self._verified(key, slot, size))
+        out = [self._verified(key, slot, size) for key, slot, size in zip(keys, slots, sizes, strict=True)]
+        again = [i for i, view in enumerate(out) if view is None]
+        if again:
+            retried = self._promote_and_retry([keys[i] for i in again], [slots[i] for i in again])
+            for i, size in zip(again, retried, strict=True):
+                out[i] = self._verified(keys[i], slots[i], size)
         self.stats.fetched += sum(1 for v in out if v is not None)
         self.stats.missing += sum(1 for v in out if v is None)
         return out

@@ -68,6 +68,7 @@ class NodeDaemon:
         promoter = Promoter(redis.Redis.from_url(self.index.url), s.key_prefix + ":", self.index, self.dram,
                             self.nvme, s.node)  # fmt: skip
         demoter = Demoter(self.index, self.dram, self.write_behind, s.node, s.dram_high_watermark, s.dram_low_watermark)
+        self.write_behind.on_persisted = demoter.poke
         for service in (self.write_behind, promoter, demoter):
             service.start()
             self._stack.callback(service.stop)

@@ -22,7 +22,7 @@ CANDIDATES_PER_ROUND = 512
 
 class Demoter:
     def __init__(self, index: PrefixIndex, dram: MooncakeTier, write_behind: WriteBehind, node: str,
-                 high: float = 0.85, low: float = 0.70, interval_s: float = 0.5) -> None:  # fmt: skip
+                 high: float = 0.85, low: float = 0.70, interval_s: float = 0.1) -> None:  # fmt: skip
         self.index = index
         self.dram = dram
         self.write_behind = write_behind
@@ -32,6 +32,7 @@ class Demoter:
         self.interval_s = interval_s
         self.demoted = 0
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -40,8 +41,13 @@ class Demoter:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+
+    def poke(self) -> None:
+        """Check the watermarks now (the write-behind calls this after persisting a batch)."""
+        self._wake.set()
 
     def run_once(self) -> int:
         """Demote down to the low watermark if above the high one; returns chunks demoted."""
@@ -69,7 +75,9 @@ class Demoter:
         return len(victims)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while not self._stop.is_set():
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
             try:
                 self.run_once()
             except Exception:  # noqa: BLE001 - keep watching the watermarks

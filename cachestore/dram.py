@@ -10,23 +10,16 @@ waiting for an RPC timeout, and Mooncake reconnects by itself when the master is
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import urllib.request
 from collections.abc import Sequence
 from contextlib import ExitStack
 
-from cachestore.mooncake_servers import RPC_TIMEOUT_MS
-
-# Read by the Mooncake client library when it loads: bound every RPC (its default is 30 s) and keep
-# its INFO chatter out of the host process's (vLLM's) log.
-os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(RPC_TIMEOUT_MS))
-os.environ.setdefault("GLOG_minloglevel", "2")
-
-from mooncake.store import MooncakeDistributedStore, ReplicateConfig  # noqa: E402
+from mooncake.store import MooncakeDistributedStore, ReplicateConfig, SoftPinAction
 
 from cachestore.arena import Arena
+from cachestore.mooncake_servers import bound_rpc_timeouts
 from cachestore.tiers import TierUsage
 from indexer.errors import PrefixCacheError
 
@@ -55,6 +48,7 @@ class MooncakeTier:
         put_retry_s: float = 1.0,
         breaker_s: float = 1.0,
     ) -> None:
+        bound_rpc_timeouts()
         self._store = MooncakeDistributedStore()
         rc = self._store.setup_dummy(0, LOCAL_BUFFER_BYTES, shm_address)
         if rc != 0:
@@ -84,9 +78,18 @@ class MooncakeTier:
         """False while the circuit breaker is open after the master or owner stopped answering."""
         return time.monotonic() >= self._down_until
 
-    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
+    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]], soft_pin_s: float = 0) -> list[bool]:
+        """Store objects; ``soft_pin_s`` > 0 asks the master to evict them only after unpinned ones for that long.
+
+        Publishers soft-pin new chunks: until the write-behind has persisted them they exist nowhere else,
+        and the master's eviction would otherwise pick them (older objects are often protected by the
+        leases the write-behind's own reads grant).
+        """
         if not items:
             return []
+        config = self._config
+        if soft_pin_s > 0:
+            config = self._pinned_config(soft_pin_s)
         with ExitStack() as staging:
             addresses = [self._address(memoryview(obj).cast("B"), staging, copy_in=True) for _, obj in items]
             names = [self._name(key) for key, _ in items]
@@ -96,8 +99,7 @@ class MooncakeTier:
             deadline = time.monotonic() + self._put_retry_s
             while pending and self._usable():
                 codes = self._store.batch_put_from(
-                    [names[i] for i in pending], [addresses[i] for i in pending], [sizes[i] for i in pending],
-                    self._config,
+                    [names[i] for i in pending], [addresses[i] for i in pending], [sizes[i] for i in pending], config,
                 )  # fmt: skip
                 retry = []
                 for i, code in zip(pending, codes, strict=True):
@@ -111,6 +113,14 @@ class MooncakeTier:
                 if pending:
                     time.sleep(0.01)
         return done
+
+    def _pinned_config(self, soft_pin_s: float) -> ReplicateConfig:
+        config = ReplicateConfig()
+        if self.segment:
+            config.preferred_segment = self.segment
+        config.soft_pin_action = SoftPinAction.ENABLE
+        config.soft_pin_ttl_ms = int(soft_pin_s * 1000)
+        return config
 
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[int]:
         if len(keys) != len(buffers):

@@ -25,8 +25,14 @@ RPC_TIMEOUT_MS = 3000
 _PACKAGE_DIR = Path(mooncake.__file__).parent
 
 
+def bound_rpc_timeouts() -> None:
+    """Set the RPC timeout the Mooncake client library reads from the environment (a user's value wins)."""
+    os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(RPC_TIMEOUT_MS))
+
+
 def mooncake_env() -> dict[str, str]:
-    return {**os.environ, "MC_RPC_TIMEOUT_MS": str(RPC_TIMEOUT_MS), "GLOG_minloglevel": "0"}
+    bound_rpc_timeouts()
+    return dict(os.environ)
 
 
 class MooncakeMaster(ManagedProcess):
@@ -34,7 +40,10 @@ class MooncakeMaster(ManagedProcess):
 
     Leases last 2 s, not 10: every read grants one and a leased object can be neither evicted nor
     removed. The master's own eviction starts at 95% so that the daemon's demotion (which keeps the
-    NVMe copy and updates the index) normally acts first.
+    NVMe copy and updates the index) normally acts first, and it never takes soft-pinned objects:
+    publishers soft-pin new chunks, which exist nowhere else until the write-behind persists them.
+    When DRAM is full of unpersisted chunks, puts wait briefly and then fail (the chunk is simply
+    not cached) instead of evicting data that would be lost.
     """
 
     def __init__(self, log_dir: Path, host: str = "127.0.0.1", rpc_port: int | None = None,
@@ -54,6 +63,7 @@ class MooncakeMaster(ManagedProcess):
             f"-metrics_port={self.metrics_port}",
             "-default_kv_lease_ttl=2000",
             "-eviction_high_watermark_ratio=0.95",
+            "-allow_evict_soft_pinned_objects=false",
             "-logtostderr",
         ]
         super().__init__("mooncake_master", argv, Path(log_dir) / "mooncake_master.log", self._answers,

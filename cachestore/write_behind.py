@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cachestore.arena import ArenaFullError
@@ -59,6 +60,8 @@ class WriteBehind:
         self._resident_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: called after each persisted batch (the demoter: freshly persisted chunks are demotable)
+        self.on_persisted: Callable[[], None] = lambda: None
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="prefixcache-write-behind", daemon=True)
@@ -147,6 +150,8 @@ class WriteBehind:
         for entry in persisted:
             self.stats.note_delay(now - entry.created_s)
         self.stats.persisted += len(persisted)
+        if persisted:
+            self.on_persisted()
         self.stats.corrupt += len(corrupt)
         self.stats.vanished += len(vanished)
 

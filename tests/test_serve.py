@@ -17,6 +17,20 @@ from cachestore.processes import free_port, free_port_block
 CLI = [sys.executable, "-m", "cachestore"]
 
 
+_started: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _stop_leftover_daemons():
+    """A failed assertion must not leave a daemon (and its servers) running."""
+    yield
+    while _started:
+        proc = _started.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def start_serve(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, int]:
     port = free_port_block(7)
     proc = subprocess.Popen(
@@ -24,6 +38,7 @@ def start_serve(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, int]:
          "--nvme-bytes", "512MiB", *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
+    _started.append(proc)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.stdout.read()

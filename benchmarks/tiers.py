@@ -1,0 +1,234 @@
+"""Tier throughput, DRAM and NVMe, each against the ceiling of the hardware under it, in one run.
+
+For 1 MiB and 8 MiB chunks:
+
+* DRAM tier: this process attaches (``setup_dummy``) to a segment owner of its own (a 1 GiB segment,
+  warmed first as the daemon does: first-touch faults make fresh shared memory ~4x slower) and moves
+  objects built in arena slots (the zero-copy path clients use), 128 MiB per ``put``/``get_into``
+  call, 512 MiB of fresh keys per round, deleted before the next. Anchor: numpy copies of chunk-sized
+  slices of a 512 MiB array into another (so nothing is cache-resident), as many bytes.
+* NVMe tier: ``NvmeStore.put`` of 1 GiB in 128 MiB batches (durable: each includes its fdatasync and
+  synced manifest write), then, with the segments dropped from the page cache, ``get_into`` arena
+  slots (page-aligned, so O_DIRECT reads land in them directly, as promotion does), 128 MiB per call.
+  Anchor: plain O_DIRECT sequential reads of a 1 GiB file on the same disk, in chunk-sized requests,
+  into the same slots (on this VM the destination buffers alone move raw reads between ~1.1 and ~2.4
+  GB/s, so the anchor must not use others).
+
+Each get call is paired with its anchor on the same number of bytes, the two run back to back in
+alternating order, so both see the same machine: this virtual disk swings between ~1 and ~2 GB/s for
+tens of seconds at a time. Figures are medians of ``ROUNDS`` rounds, ratios medians of the per-round
+ratios. Targets (8 MiB): DRAM get >= 0.5 x memcpy, NVMe get >= 0.7 x O_DIRECT.
+Run: ``python -m benchmarks.tiers`` (works under ``.bench-tmp/``, deleted afterwards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import print_table, write_results
+from cachestore.dram import MooncakeTier
+from cachestore.mooncake_servers import LocalMooncake
+from cachestore.nvme import NvmeStore
+
+ROOT = Path(__file__).resolve().parent.parent / ".bench-tmp"
+CHUNK_SIZES = (1 << 20, 8 << 20)
+BATCH = 128 << 20  # bytes per put / get_into call
+DRAM_ROUND = 512 << 20  # bytes put and read back per DRAM round (half the segment)
+NVME_ROUND = 1 << 30  # bytes put and read back per NVMe round
+SEGMENT = 1 << 30
+WARM_FRACTION = 0.8
+ROUNDS = 5
+TARGETS = {"dram_get_over_memcpy": 0.5, "nvme_get_over_odirect": 0.7}  # at 8 MiB
+
+_keys_made = 0
+
+
+def fresh_keys(n: int) -> list[bytes]:
+    """Keys never used before in this run (16 bytes, as the store's chunk keys)."""
+    global _keys_made
+    _keys_made += n
+    return [i.to_bytes(16, "big") for i in range(_keys_made - n, _keys_made)]
+
+
+def gbps(nbytes: int, fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return nbytes / (time.perf_counter() - start) / 1e9
+
+
+def interleaved(n: int, tier: Callable[[int], None], anchor: Callable[[int], None]) -> tuple[float, float]:
+    """Seconds spent in ``tier(i)`` and in ``anchor(i)`` for i < n, run in pairs, alternately first: the
+    two then see the same machine (a virtual disk swings between ~1 and ~2 GB/s for tens of seconds)."""
+    spent = [0.0, 0.0]
+    for i in range(n):
+        for which in (0, 1) if i % 2 == 0 else (1, 0):
+            start = time.perf_counter()
+            (tier, anchor)[which](i)
+            spent[which] += time.perf_counter() - start
+    return spent[0], spent[1]
+
+
+def drop_cache(path: Path) -> None:
+    """Evict a file's pages, so that reads below come from the disk (fdatasync first: dirty pages stay)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def warm_segment(tier: MooncakeTier, slot: memoryview) -> None:
+    """What the daemon does at start: fill ~80% of the segment once with throwaway objects, delete them."""
+    keys = fresh_keys(int(SEGMENT * WARM_FRACTION) // len(slot))
+    per_call = BATCH // len(slot)
+    for first in range(0, len(keys), per_call):
+        assert all(tier.put([(k, slot) for k in keys[first : first + per_call]])), "warm-up put failed"
+    assert tier.delete(keys) == len(keys)
+
+
+def dram_round(
+    tier: MooncakeTier, sources: list[memoryview], dests: list[memoryview], src: np.ndarray, dst: np.ndarray
+) -> dict[str, float]:
+    """Put DRAM_ROUND bytes from arena slots, read them back into arena slots, each batch paired with a
+    memcpy of as many bytes in chunk-sized slices (``src``/``dst``: DRAM_ROUND bytes each), delete."""
+    chunk, per_call = len(sources[0]), len(sources)
+    batches = [fresh_keys(per_call) for _ in range(DRAM_ROUND // BATCH)]
+
+    def put() -> None:
+        for keys in batches:
+            assert all(tier.put(list(zip(keys, sources, strict=True)))), "DRAM put failed"
+
+    def get(i: int) -> None:
+        assert tier.get_into(batches[i], dests) == [chunk] * per_call, "DRAM get missed"
+
+    def memcpy(i: int) -> None:
+        for start in range(i * BATCH, (i + 1) * BATCH, chunk):
+            np.copyto(dst[start : start + chunk], src[start : start + chunk])
+
+    put_gbps = gbps(DRAM_ROUND, put)
+    get_s, memcpy_s = interleaved(len(batches), get, memcpy)
+    assert dests[-1] == sources[-1]
+    keys = [k for batch in batches for k in batch]
+    assert tier.delete(keys) == len(keys)
+    return {
+        "dram_put_gbps": put_gbps,
+        "dram_get_gbps": DRAM_ROUND / get_s / 1e9,
+        "memcpy_gbps": DRAM_ROUND / memcpy_s / 1e9,
+    }
+
+
+def nvme_round(store: NvmeStore, sources: list[memoryview], dests: list[memoryview], anchor: Path) -> dict[str, float]:
+    """Put NVME_ROUND bytes (durably), drop the page cache, read them back, each batch paired with plain
+    O_DIRECT sequential reads of as many bytes of ``anchor`` (a file of NVME_ROUND bytes) in chunk-sized
+    requests, delete."""
+    chunk, per_call = len(sources[0]), len(sources)
+    batches = [fresh_keys(per_call) for _ in range(NVME_ROUND // BATCH)]
+
+    def put() -> None:
+        for keys in batches:
+            assert all(store.put(list(zip(keys, sources, strict=True)))), "NVMe put failed"
+
+    def get(i: int) -> None:
+        assert store.get_into(batches[i], dests) == [chunk] * per_call, "NVMe get missed"
+
+    def odirect(i: int) -> None:  # into the very buffers get_into fills: on this VM they change the speed
+        for j, buffer in enumerate(dests):
+            assert os.preadv(fd, [buffer], i * BATCH + j * chunk) == chunk
+
+    put_gbps = gbps(NVME_ROUND, put)
+    for path in [anchor, *(store.directory / "segments").glob("*.seg")]:
+        drop_cache(path)
+    fd = os.open(anchor, os.O_RDONLY | os.O_DIRECT)
+    try:
+        get_s, odirect_s = interleaved(len(batches), get, odirect)
+    finally:
+        os.close(fd)
+    assert dests[-1] == sources[-1]
+    keys = [k for batch in batches for k in batch]
+    assert store.delete(keys) == len(keys)
+    return {
+        "nvme_put_gbps": put_gbps,
+        "nvme_get_gbps": NVME_ROUND / get_s / 1e9,
+        "odirect_read_gbps": NVME_ROUND / odirect_s / 1e9,
+    }
+
+
+def measure(chunk: int, work: Path, tier: MooncakeTier, anchor: Path, src: np.ndarray, dst: np.ndarray) -> dict:
+    per_call = BATCH // chunk
+    sources = [tier.arena.alloc(chunk) for _ in range(per_call)]
+    dests = [tier.arena.alloc(chunk) for _ in range(per_call)]
+    store = NvmeStore(work / f"nvme-{chunk >> 20}m", 4 * NVME_ROUND)
+    try:
+        for i, slot in enumerate(sources):
+            slot[:] = src.data[i * chunk : (i + 1) * chunk]
+        samples = []
+        for _ in range(ROUNDS):
+            sample = {**dram_round(tier, sources, dests, src, dst), **nvme_round(store, sources, dests, anchor)}
+            sample["dram_get_over_memcpy"] = sample["dram_get_gbps"] / sample["memcpy_gbps"]
+            sample["nvme_get_over_odirect"] = sample["nvme_get_gbps"] / sample["odirect_read_gbps"]
+            samples.append(sample)
+        return {name: statistics.median(s[name] for s in samples) for name in samples[0]}
+    finally:
+        store.close()
+        for slot in sources + dests:
+            tier.arena.free(slot)
+
+
+def main() -> None:
+    ROOT.mkdir(exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="tiers-", dir=ROOT))
+    rng = np.random.default_rng(0)
+    src = rng.integers(0, 256, DRAM_ROUND, dtype=np.uint8)  # incompressible, in case the disk compresses
+    dst = np.ones_like(src)  # touched now, not while timed
+    results: dict[str, list] = {"chunk_mib": [size >> 20 for size in CHUNK_SIZES]}
+    pool = tier = None
+    try:
+        anchor = work / "anchor.bin"
+        with anchor.open("wb") as f:
+            for _ in range(NVME_ROUND // len(src)):
+                f.write(src.data)
+        pool = LocalMooncake(work / "mooncake", segment_bytes=SEGMENT)
+        tier = MooncakeTier(pool.owner.shm_address, arena_bytes=2 * BATCH, preferred_segment=pool.owner.segment,
+                            metrics_url=pool.metrics_url)  # fmt: skip
+        warm = tier.arena.alloc(8 << 20)
+        warm[:] = src.data[: len(warm)]
+        warm_segment(tier, warm)
+        tier.arena.free(warm)
+        for chunk in CHUNK_SIZES:
+            for name, value in measure(chunk, work, tier, anchor, src, dst).items():
+                results.setdefault(name, []).append(value)
+    finally:
+        if tier is not None:
+            tier.close()
+        if pool is not None:
+            pool.stop()
+        shutil.rmtree(work, ignore_errors=True)
+        with contextlib.suppress(OSError):  # left alone while anything else works in it
+            ROOT.rmdir()
+    columns = [name for name in results if name != "chunk_mib"]
+    rows = [[f"{mib} MiB", *(results[name][i] for name in columns)] for i, mib in enumerate(results["chunk_mib"])]
+    print_table(
+        f"Tier throughput, GB/s, median of {ROUNDS} rounds (ratios: median of per-round ratios)",
+        ["chunk", *(name.removesuffix("_gbps") for name in columns)],
+        rows,
+    )
+    path = write_results("tiers", results)
+    print(f"wrote {path}")
+    at_8m = results["chunk_mib"].index(8)
+    for name, target in TARGETS.items():
+        value = results[name][at_8m]
+        print(f"8 MiB {name} = {value:.2f} (target >= {target}): {'met' if value >= target else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()

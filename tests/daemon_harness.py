@@ -1,0 +1,102 @@
+"""A real ``prefixcache serve`` process for integration tests, plus helpers to publish test chunks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from cachestore.client import CacheClient
+from cachestore.codec import ChunkMeta
+from cachestore.processes import free_port_block
+from indexer.keys import chunk_key
+from indexer.namespace import NamespaceSpec
+from indexer.tokens import pack_tokens
+
+
+class Daemon:
+    def __init__(self, data_dir: Path, *extra: str, dram: str = "256MiB", nvme: str = "512MiB") -> None:
+        self.data_dir = data_dir
+        self.port = free_port_block(7)
+        self.args = [sys.executable, "-m", "cachestore", "serve", "--data-dir", str(data_dir), "--port", str(self.port),
+                     "--dram-bytes", dram, "--nvme-bytes", nvme, "--node", "node-a", *extra]  # fmt: skip
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 60) -> Daemon:
+        """Start (or restart) the daemon and wait until it reports ready; a failed start leaves nothing running."""
+        log = open(self.data_dir.parent / f"daemon-{self.port}.log", "ab")  # noqa: SIM115 - lives with the process
+        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited: {(self.data_dir.parent / f'daemon-{self.port}.log').read_text()}")
+            try:
+                if httpx.get(self.url + "/v1/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.kill()
+        raise AssertionError("daemon never became ready")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(30)
+        time.sleep(0.2)  # children follow their parent (PR_SET_PDEATHSIG)
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+
+def make_chunk(
+    client: CacheClient, parent: bytes, tokens: list[int], seed: int, bytes_per_token: int = 2048
+) -> tuple[ChunkMeta, memoryview, bytes]:
+    """A chunk of ``tokens`` after ``parent`` with a random payload, staged in an arena slot."""
+    meta = ChunkMeta(namespace=client.spec.digest, root=client.spec.root(), parent=parent, tokens=pack_tokens(tokens),
+                     dtype="uint8", shape=(len(tokens), bytes_per_token))  # fmt: skip
+    payload = bytes([seed % 256]) * 16 + os.urandom(meta.payload_bytes - 16)
+    slot = client.stage(meta)
+    slot[meta.payload_offset : meta.encoded_size] = payload
+    return meta, slot, payload
+
+
+def publish_prompt(
+    client: CacheClient, tokens: list[int], seed: int = 0, bytes_per_token: int = 2048
+) -> tuple[list[bytes], list[bytes]]:
+    """Publish every chunk of a prompt (full chunks and the tail); returns keys and payloads."""
+    c = client.spec.chunk_tokens
+    parent, chunks = client.spec.root(), []
+    for start in range(0, len(tokens), c):
+        meta, slot, payload = make_chunk(client, parent, tokens[start : start + c], seed + start, bytes_per_token)
+        chunks.append((meta, slot, payload))
+        parent = chunk_key(parent, meta.tokens)
+    try:
+        assert all(client.publish([(m, s) for m, s, _ in chunks]))
+    finally:
+        for _, slot, _ in chunks:
+            client.release(slot)
+    return [m.key for m, _, _ in chunks], [p for _, _, p in chunks]
+
+
+def fetch_payloads(client: CacheClient, keys: list[bytes]) -> list[bytes | None]:
+    slots = [client.slot(4 << 20) for _ in keys]
+    try:
+        return [bytes(view) if view is not None else None for view in client.fetch(keys, slots)]
+    finally:
+        for slot in slots:
+            client.release(slot)
+
+
+def make_spec(chunk_tokens: int = 64) -> NamespaceSpec:
+    return NamespaceSpec(model="test-model", model_fingerprint="fp", kv_dtype="uint8", kv_layout="test-v1",
+                         chunk_tokens=chunk_tokens)  # fmt: skip

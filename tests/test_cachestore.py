@@ -1,0 +1,170 @@
+"""The node daemon and the client library against the real stack: redis-server, mooncake_master,
+a segment owner and RocksDB files, all started by a real ``prefixcache serve`` process."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from cachestore.client import CacheClient
+from indexer.index import Location
+from indexer.keys import prompt_query
+from tests.daemon_harness import Daemon, fetch_payloads, make_spec, publish_prompt
+
+NVME = Location("nvme", "node-a")
+DRAM = Location("dram", "node-a")
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = Daemon(tmp_path / "data").start()
+    yield d
+    d.stop()
+
+
+def connect(daemon: Daemon, spec=None) -> CacheClient:
+    return CacheClient.connect(daemon.url, spec or make_spec(), arena_bytes=64 << 20)
+
+
+@pytest.fixture
+def client(daemon):
+    c = connect(daemon)
+    yield c
+    c.close()
+
+
+def wait_persisted(client: CacheClient, keys: list[bytes], timeout_s: float = 15) -> float:
+    """Seconds until every key has an NVMe location."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if all(e is not None and NVME in e.locations for e in client.index.get(keys)):
+            return time.monotonic() - started
+        time.sleep(0.02)
+    raise AssertionError("chunks were not persisted in time")
+
+
+def test_publish_lookup_fetch_round_trip(client):
+    tokens = list(range(64 * 3 + 20))
+    keys, payloads = publish_prompt(client, tokens)
+    match = client.lookup(prompt_query(client.spec.root(), client.geometry, tokens))
+    assert match.keys == keys[:3] and match.partial.key == keys[3] and match.matched_tokens == len(tokens)
+    assert fetch_payloads(client, keys) == payloads
+    assert client.stats.fetched == 4 and client.stats.missing == 0
+
+
+def test_every_published_chunk_is_persisted_within_a_bounded_delay(client):
+    keys, _ = publish_prompt(client, list(range(64 * 10)))
+    assert wait_persisted(client, keys) < 5
+    assert all(e.locations == {DRAM, NVME} for e in client.index.get(keys))
+
+
+def test_kill_9_and_restart_keeps_persisted_chunks(daemon, client):
+    tokens = list(range(64 * 4))
+    keys, payloads = publish_prompt(client, tokens)
+    wait_persisted(client, keys)
+    client.close()
+    daemon.kill()
+    daemon.start()
+    restarted = connect(daemon)
+    try:
+        entries = restarted.index.get(keys)
+        assert all(e.locations == {NVME} for e in entries)  # DRAM started empty: its locations were dropped
+        assert restarted.lookup(prompt_query(restarted.spec.root(), restarted.geometry, tokens)).keys == keys
+        assert fetch_payloads(restarted, keys) == payloads
+        assert restarted.stats.promoted == 4
+        assert all(DRAM in e.locations for e in restarted.index.get(keys))  # promoted back
+    finally:
+        restarted.close()
+
+
+def test_an_index_lost_with_redis_is_rebuilt_from_the_nvme_tier(daemon, client, tmp_path):
+    tokens = list(range(64 * 3 + 20))
+    keys, payloads = publish_prompt(client, tokens, seed=3)
+    wait_persisted(client, keys)
+    client.close()
+    daemon.stop()
+    shutil.rmtree(daemon.data_dir / "redis")
+    daemon.start()
+    rebuilt = connect(daemon)
+    try:
+        match = rebuilt.lookup(prompt_query(rebuilt.spec.root(), rebuilt.geometry, tokens))
+        assert match.keys == keys[:3] and match.partial.key == keys[3]
+        assert fetch_payloads(rebuilt, keys) == payloads
+    finally:
+        rebuilt.close()
+
+
+def flip_on_disk(data_dir: Path, needle: bytes) -> None:
+    for segment in (data_dir / "nvme" / "segments").iterdir():
+        data = bytearray(segment.read_bytes())
+        at = data.find(needle)
+        if at >= 0:
+            data[at + len(needle) + 100] ^= 0xFF
+            segment.write_bytes(bytes(data))
+            return
+    raise AssertionError("payload not found on disk")
+
+
+def test_a_flipped_byte_on_nvme_is_a_miss_not_data(daemon, client):
+    keys, payloads = publish_prompt(client, list(range(64)), seed=7)
+    wait_persisted(client, keys)
+    client.close()
+    daemon.stop()
+    flip_on_disk(daemon.data_dir, payloads[0][:64])
+    daemon.start()
+    after = connect(daemon)
+    try:
+        assert fetch_payloads(after, keys) == [None]
+        assert after.index.get(keys) == [None]  # its only copy was bad: the entry is gone
+    finally:
+        after.close()
+
+
+def test_a_flipped_byte_in_dram_is_a_miss_and_the_copy_is_deleted(client):
+    keys, payloads = publish_prompt(client, list(range(64)), seed=9)
+    wait_persisted(client, keys)
+    slot = client.slot(4 << 20)
+    size = client.dram.get_into(keys, [slot])[0]
+    slot[size - 1] ^= 0xFF
+    name = "pc:" + keys[0].hex()
+    assert client.dram._store.batch_upsert_from([name], [client.dram.arena.address + client.dram.arena.offset_of(slot)],
+                                                [size]) == [0]  # fmt: skip
+    client.release(slot)
+    assert fetch_payloads(client, keys) == [payloads[0]]  # the bad DRAM copy missed; NVMe served the chunk
+    assert client.stats.corrupt == 1 and client.stats.promoted == 1
+
+
+def test_two_writers_of_one_chunk_leave_one_copy_and_one_entry(daemon, client):
+    other = connect(daemon)
+    try:
+        tokens = list(range(64 * 2))
+        keys_a, payloads = publish_prompt(client, tokens, seed=1)
+        keys_b, _ = publish_prompt(other, tokens, seed=2)  # same tokens: same keys; the first copy stays
+        assert keys_a == keys_b
+        wait_persisted(client, keys_a)
+        assert [e.locations for e in client.index.get(keys_a)] == [{DRAM, NVME}] * 2
+        assert fetch_payloads(other, keys_a) == payloads
+    finally:
+        other.close()
+
+
+def test_dram_over_capacity_demotes_and_every_chunk_still_hits(tmp_path):
+    daemon = Daemon(tmp_path / "data", dram="128MiB", nvme="1GiB").start()
+    client = connect(daemon)
+    try:
+        published = []
+        for i in range(40):  # 40 prompts x 8 chunks x 1 MiB: 2.5x the DRAM segment
+            published.append(publish_prompt(client, [i] * 64 + list(range(64 * 7)), seed=i, bytes_per_token=16384))
+            wait_persisted(client, published[-1][0])
+        entries = [e for keys, _ in published for e in client.index.get(keys)]
+        assert all(e is not None and NVME in e.locations for e in entries)  # nothing was lost
+        in_dram_mib = sum(e.size_bytes for e in entries if DRAM in e.locations) >> 20
+        assert in_dram_mib <= 128 * 0.95, "demotion kept DRAM below the master's eviction mark"
+        for keys, payloads in published[:3] + published[-3:]:  # demoted ones come back by promotion
+            assert fetch_payloads(client, keys) == payloads
+    finally:
+        client.close()
+        daemon.stop()
