@@ -43,10 +43,37 @@ class ClientConfig(BaseModel):
     mooncake: MooncakeConfig
 
 
+class TierStats(BaseModel):
+    bytes_used: int
+    capacity_bytes: int
+    chunks: int | None = None
+
+
+class WriteBehindStats(BaseModel):
+    """How fast chunks published to DRAM become persistent (delay from registration to the NVMe copy)."""
+
+    persisted: int
+    corrupt: int
+    vanished: int
+    delay_p50_s: float
+    delay_p99_s: float
+    delay_max_s: float
+
+
+class Stats(BaseModel):
+    node: str
+    dram: TierStats
+    nvme: TierStats
+    write_behind: WriteBehindStats
+    promoted: int
+    promotion_failures: int
+    demoted: int
+
+
 HealthProbe = Callable[[], ComponentHealth]
 
 
-def create_app(config: ClientConfig, probes: dict[str, HealthProbe]) -> FastAPI:
+def create_app(config: ClientConfig, probes: dict[str, HealthProbe], stats: Callable[[], Stats]) -> FastAPI:
     app = FastAPI(
         title="prefixcache",
         summary="Persistent prefix KV cache for vLLM: inspect, evict and pin cached prefixes.",
@@ -60,6 +87,11 @@ def create_app(config: ClientConfig, probes: dict[str, HealthProbe]) -> FastAPI:
         ready = all(c.ok for c in components.values())
         response.status_code = 200 if ready else 503
         return Health(status="ready" if ready else "unavailable", components=components)
+
+    @app.get("/v1/stats", response_model=Stats)
+    def node_stats() -> Stats:
+        """This node's tiers and background services."""
+        return stats()
 
     @app.get("/v1/config", response_model=ClientConfig)
     def client_config() -> ClientConfig:

@@ -19,7 +19,16 @@ from pathlib import Path
 import redis
 import uvicorn
 
-from cachestore.api import ClientConfig, ComponentHealth, MooncakeConfig, create_app, public_redis_url
+from cachestore.api import (
+    ClientConfig,
+    ComponentHealth,
+    MooncakeConfig,
+    Stats,
+    TierStats,
+    WriteBehindStats,
+    create_app,
+    public_redis_url,
+)
 from cachestore.demotion import Demoter
 from cachestore.dram import MooncakeTier
 from cachestore.mooncake_servers import MooncakeMaster, SegmentOwner
@@ -53,6 +62,8 @@ class NodeDaemon:
         self.metadata_url: str
         self.metrics_url: str | None = None
         self.write_behind: WriteBehind
+        self.promoter: Promoter
+        self.demoter: Demoter
 
     def start(self) -> None:
         s = self.settings
@@ -65,11 +76,14 @@ class NodeDaemon:
         # The segment owner starts empty every time, so DRAM locations naming this node are stale.
         reconcile(self.index, self.nvme, s.node, dram_is_new=True)
         self.write_behind = WriteBehind(self.index, self.dram, self.nvme, s.node)
-        promoter = Promoter(redis.Redis.from_url(self.index.url), s.key_prefix + ":", self.index, self.dram,
-                            self.nvme, s.node)  # fmt: skip
-        demoter = Demoter(self.index, self.dram, self.write_behind, s.node, s.dram_high_watermark, s.dram_low_watermark)
-        self.write_behind.on_persisted = demoter.poke
-        for service in (self.write_behind, promoter, demoter):
+        self.promoter = Promoter(
+            redis.Redis.from_url(self.index.url), s.key_prefix + ":", self.index, self.dram, self.nvme, s.node
+        )
+        self.demoter = Demoter(
+            self.index, self.dram, self.write_behind, s.node, s.dram_high_watermark, s.dram_low_watermark
+        )
+        self.write_behind.on_persisted = self.demoter.poke
+        for service in (self.write_behind, self.promoter, self.demoter):
             service.start()
             self._stack.callback(service.stop)
 
@@ -159,6 +173,21 @@ class NodeDaemon:
             ),
         )  # fmt: skip
 
+    def stats(self) -> Stats:
+        dram, nvme, wb = self.dram.usage(), self.nvme.usage(), self.write_behind.stats
+        delays = sorted(wb.delays_s) or [0.0]
+        return Stats(
+            node=self.settings.node,
+            dram=TierStats(bytes_used=dram.bytes_used, capacity_bytes=dram.capacity_bytes),
+            nvme=TierStats(bytes_used=nvme.bytes_used, capacity_bytes=nvme.capacity_bytes, chunks=nvme.chunks),
+            write_behind=WriteBehindStats(
+                persisted=wb.persisted, corrupt=wb.corrupt, vanished=wb.vanished,
+                delay_p50_s=delays[len(delays) // 2], delay_p99_s=delays[min(len(delays) - 1, len(delays) * 99 // 100)],
+                delay_max_s=wb.max_delay_s,
+            ),
+            promoted=self.promoter.promoted, promotion_failures=self.promoter.failed, demoted=self.demoter.demoted,
+        )  # fmt: skip
+
     def probes(self) -> dict[str, Callable[[], ComponentHealth]]:
         return {"redis": self._index_health, "mooncake_master": self._master_health, "dram": self._dram_health,
                 "nvme": self._nvme_health}  # fmt: skip
@@ -207,7 +236,7 @@ class NodeDaemon:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         try:
             self.start()
-            app = create_app(self.client_config(), self.probes())
+            app = create_app(self.client_config(), self.probes(), self.stats)
             s = self.settings
             log.info("prefixcache serving on http://%s:%d (node %s)", s.host, s.port, s.node)
             uvicorn.run(app, host=s.host, port=s.port, log_level="warning")

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 
+from cachestore.background import BackgroundLoop
 from cachestore.dram import MooncakeTier
 from cachestore.write_behind import WriteBehind
 from indexer.index import Location, PrefixIndex
@@ -20,9 +21,12 @@ log = logging.getLogger("prefixcache.demotion")
 CANDIDATES_PER_ROUND = 512
 
 
-class Demoter:
+class Demoter(BackgroundLoop):
+    name = "prefixcache-demoter"
+
     def __init__(self, index: PrefixIndex, dram: MooncakeTier, write_behind: WriteBehind, node: str,
                  high: float = 0.85, low: float = 0.70, interval_s: float = 0.1) -> None:  # fmt: skip
+        super().__init__()
         self.index = index
         self.dram = dram
         self.write_behind = write_behind
@@ -31,19 +35,11 @@ class Demoter:
         self.high, self.low = high, low
         self.interval_s = interval_s
         self.demoted = 0
-        self._stop = threading.Event()
         self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="prefixcache-demoter", daemon=True)
-        self._thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        super().stop()
 
     def poke(self) -> None:
         """Check the watermarks now (the write-behind calls this after persisting a batch)."""
@@ -74,11 +70,7 @@ class Demoter:
             log.debug("demoted %d chunks (%d bytes) from DRAM", len(victims), freed)
         return len(victims)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(self.interval_s)
-            self._wake.clear()
-            try:
-                self.run_once()
-            except Exception:  # noqa: BLE001 - keep watching the watermarks
-                log.exception("demotion round failed")
+    def step(self) -> None:
+        self._wake.wait(self.interval_s)
+        self._wake.clear()
+        self.run_once()

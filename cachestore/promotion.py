@@ -11,13 +11,13 @@ straight into its registered arena (O_DIRECT), verifies them, puts them into DRA
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
 from collections.abc import Sequence
 
 import redis
 
 from cachestore.arena import ArenaFullError
+from cachestore.background import BackgroundLoop
 from cachestore.codec import ChunkError, decode
 from cachestore.dram import MooncakeTier
 from cachestore.nvme import NvmeStore
@@ -43,11 +43,14 @@ def request_promotion(
     return [flag == "1" for flag in flags] if len(flags) == len(keys) else [False] * len(keys)
 
 
-class Promoter:
+class Promoter(BackgroundLoop):
     """The daemon's side: serves promotion requests for this node's NVMe tier."""
+
+    name = "prefixcache-promoter"
 
     def __init__(self, client: redis.Redis, prefix: str, index: PrefixIndex, dram: MooncakeTier, nvme: NvmeStore,
                  node: str, max_batch: int = 64) -> None:  # fmt: skip
+        super().__init__()
         self.client = client
         self.queue = f"{prefix}pq:{node}"
         self.prefix = prefix
@@ -58,17 +61,9 @@ class Promoter:
         self.max_batch = max_batch
         self.promoted = 0
         self.failed = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="prefixcache-promoter", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+    def step(self) -> None:
+        self.serve_once()
 
     def serve_once(self, block_s: float = 0.5) -> int:
         first = self.client.blpop([self.queue], timeout=block_s)
@@ -134,11 +129,3 @@ class Promoter:
         if promoted:
             self.index.add_location(promoted, self.location)
         return set(promoted)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.serve_once()
-            except Exception:  # noqa: BLE001 - a bad request must not stop promotion
-                log.exception("promotion batch failed")
-                self._stop.wait(1.0)

@@ -15,11 +15,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cachestore.arena import ArenaFullError
+from cachestore.background import BackgroundLoop
 from cachestore.codec import ChunkError, decode
 from cachestore.dram import MooncakeTier
 from cachestore.nvme import NvmeStore
@@ -31,22 +32,23 @@ GROUP = "persist"
 
 
 @dataclass
-class WriteBehindStats:
+class WriteBehindCounters:
     persisted: int = 0
     corrupt: int = 0
     vanished: int = 0
-    last_delay_s: float = 0.0
     max_delay_s: float = 0.0
-    delays_s: list[float] = field(default_factory=list)  # recent, for percentiles
+    delays_s: deque[float] = field(default_factory=lambda: deque(maxlen=1000))  # recent, for percentiles
 
     def note_delay(self, delay_s: float) -> None:
-        self.last_delay_s = delay_s
         self.max_delay_s = max(self.max_delay_s, delay_s)
-        self.delays_s = [*self.delays_s[-999:], delay_s]
+        self.delays_s.append(delay_s)
 
 
-class WriteBehind:
+class WriteBehind(BackgroundLoop):
+    name = "prefixcache-write-behind"
+
     def __init__(self, index: PrefixIndex, dram: MooncakeTier, nvme: NvmeStore, node: str, batch: int = 32) -> None:
+        super().__init__()
         self.index = index
         self.dram = dram
         self.nvme = nvme
@@ -54,23 +56,12 @@ class WriteBehind:
         self.batch = batch
         self.dram_location = Location("dram", node)
         self.nvme_location = Location("nvme", node)
-        self.stats = WriteBehindStats()
+        self.stats = WriteBehindCounters()
         #: chunks in this node's DRAM, oldest publish first (an ordered set)
         self.resident: OrderedDict[bytes, None] = OrderedDict()
         self._resident_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         #: called after each persisted batch (the demoter: freshly persisted chunks are demotable)
         self.on_persisted: Callable[[], None] = lambda: None
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="prefixcache-write-behind", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
 
     def run_once(self, block_s: float = 0.2) -> int:
         """Handle one batch of feed events; returns how many there were."""
@@ -155,13 +146,9 @@ class WriteBehind:
         self.stats.corrupt += len(corrupt)
         self.stats.vanished += len(vanished)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.run_once()
-            except IndexUnavailableError as exc:
-                log.warning("write-behind paused: %s", exc)
-                self._stop.wait(1.0)
-            except Exception:  # noqa: BLE001 - the loop must survive anything one batch does
-                log.exception("write-behind batch failed; retrying")
-                self._stop.wait(1.0)
+    def step(self) -> None:
+        try:
+            self.run_once()
+        except IndexUnavailableError as exc:
+            log.warning("write-behind paused: %s", exc)
+            self._stop.wait(1.0)

@@ -60,8 +60,8 @@ class Location:
 
 
 @dataclass(frozen=True)
-class ChunkRecord:
-    """A stored chunk to register. Build it with ``ChunkRecord.of`` after the bytes are stored."""
+class ChunkIdentity:
+    """What a chunk is: its key, lineage, namespace, tenant and size (shared by records and entries)."""
 
     key: bytes
     parent: bytes
@@ -70,6 +70,12 @@ class ChunkRecord:
     tenant: str
     num_tokens: int
     size_bytes: int
+
+
+@dataclass(frozen=True)
+class ChunkRecord(ChunkIdentity):
+    """A stored chunk to register. Build it with ``ChunkRecord.of`` after the bytes are stored."""
+
     location: Location
     #: The chunk's packed tokens, kept only when it is long enough to be found as a partial hit.
     probe: bytes | None = None
@@ -106,16 +112,9 @@ class ChunkRecord:
 
 
 @dataclass(frozen=True)
-class ChunkEntry:
+class ChunkEntry(ChunkIdentity):
     """An index entry as read back."""
 
-    key: bytes
-    parent: bytes
-    root: bytes
-    namespace: bytes
-    tenant: str
-    num_tokens: int
-    size_bytes: int
     locations: frozenset[Location]
     created_s: float
     last_access_s: float

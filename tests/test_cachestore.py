@@ -7,6 +7,7 @@ import shutil
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from cachestore.client import CacheClient
@@ -55,10 +56,13 @@ def test_publish_lookup_fetch_round_trip(client):
     assert client.stats.fetched == 4 and client.stats.missing == 0
 
 
-def test_every_published_chunk_is_persisted_within_a_bounded_delay(client):
+def test_every_published_chunk_is_persisted_within_a_bounded_delay(daemon, client):
     keys, _ = publish_prompt(client, list(range(64 * 10)))
     assert wait_persisted(client, keys) < 5
     assert all(e.locations == {DRAM, NVME} for e in client.index.get(keys))
+    stats = httpx.get(daemon.url + "/v1/stats").json()
+    assert stats["write_behind"]["persisted"] == 10 and stats["nvme"]["chunks"] == 10
+    assert 0 < stats["write_behind"]["delay_p50_s"] <= stats["write_behind"]["delay_max_s"] < 5
 
 
 def test_kill_9_and_restart_keeps_persisted_chunks(daemon, client):

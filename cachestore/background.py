@@ -1,0 +1,47 @@
+"""The daemon's background services share one shape: a thread that repeats one step until stopped."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+log = logging.getLogger("prefixcache.daemon")
+
+
+class BackgroundLoop:
+    """Calls ``step`` in a daemon thread until ``stop``; a failing step is logged and retried after a pause.
+
+    Steps block briefly on their own input (a feed read, a queue pop, a timer), so ``stop`` takes
+    effect within one step.
+    """
+
+    name = "prefixcache-service"
+    retry_pause_s = 1.0
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - a service must outlive any one failed step
+                log.exception("%s: step failed; retrying in %.0fs", self.name, self.retry_pause_s)
+                self._stop.wait(self.retry_pause_s)
