@@ -3,8 +3,11 @@
 Writing two fields per hit chunk inside the lookup script would triple its cost (every write is
 propagated to the AOF), and a scheduler waits on every lookup. So a lookup only reads; it hands its
 hits to this log in O(1), and a background thread, every ``interval_s``, folds them into one update
-per distinct chunk (hot prefixes are hit by many lookups per interval) applied by one script call.
-Under overload the oldest pending records are dropped: statistics may lag, lookups never do.
+per distinct chunk (hot prefixes are hit by many lookups per interval). Folding counts identical
+lookups first, so its Python work, which holds the GIL the scheduler needs, grows with the distinct
+prefixes, not with the lookups; updates go out in slices of ``keys_per_call`` so that a lookup
+never waits behind a long write script. Under overload the oldest pending records are dropped:
+statistics may lag, lookups never do.
 """
 
 from __future__ import annotations
@@ -22,9 +25,16 @@ Updates = tuple[int, dict[str, int]]
 
 
 class AccessLog:
-    def __init__(self, apply: Callable[[Updates], None], interval_s: float = 0.05, max_pending: int = 100_000) -> None:
+    def __init__(
+        self,
+        apply: Callable[[Updates], None],
+        interval_s: float = 0.05,
+        max_pending: int = 100_000,
+        keys_per_call: int = 64,
+    ) -> None:
         self._apply = apply
         self._interval_s = interval_s
+        self._keys_per_call = keys_per_call
         self._pending: deque[tuple[int, str]] = deque(maxlen=max_pending)
         self._lock = threading.Lock()  # one apply at a time, so flush() returns after its records land
         self._stop = threading.Event()
@@ -42,17 +52,22 @@ class AccessLog:
     def flush(self) -> None:
         """Apply everything recorded so far, now (tests, shutdown)."""
         with self._lock:
-            latest, hits = 0, Counter[str]()
+            latest, lookups = 0, Counter[str]()
             while self._pending:
                 now_ms, hex_keys = self._pending.popleft()
                 latest = max(latest, now_ms)
-                hits.update(hex_keys[i : i + 32] for i in range(0, len(hex_keys), 32))
-            if not hits:
-                return
-            try:
-                self._apply((latest, dict(hits)))
-            except Exception as exc:  # noqa: BLE001 - statistics must never break lookups
-                log.debug("dropped access updates of %d chunks: %s", len(hits), exc)
+                lookups[hex_keys] += 1
+            hits = Counter[str]()
+            for hex_keys, count in lookups.items():
+                for i in range(0, len(hex_keys), 32):
+                    hits[hex_keys[i : i + 32]] += count
+            items = list(hits.items())
+            for start in range(0, len(items), self._keys_per_call):
+                try:
+                    self._apply((latest, dict(items[start : start + self._keys_per_call])))
+                except Exception as exc:  # noqa: BLE001 - statistics must never break lookups
+                    log.debug("dropped access updates of %d chunks: %s", len(items) - start, exc)
+                    return
 
     def close(self) -> None:
         self._stop.set()
