@@ -1,0 +1,33 @@
+"""What the scheduler side tells the worker side each step (pickled between processes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class LoadChunk:
+    """Load pages ``first_page ..`` of stored chunk ``key`` (holding ``stored_tokens``) into ``blocks``."""
+
+    key: bytes
+    stored_tokens: int
+    first_page: int
+    blocks: list[int]
+
+
+@dataclass
+class SaveChunk:
+    """Publish the pages ``blocks`` as the chunk of ``tokens`` (packed uint32) after ``parent``."""
+
+    parent: bytes
+    tokens: bytes
+    blocks: list[int]
+    tenant_salt: str | None
+
+
+@dataclass
+class PrefixCacheMetadata(KVConnectorMetadata):
+    loads: dict[str, list[LoadChunk]] = field(default_factory=dict)
+    saves: list[SaveChunk] = field(default_factory=list)

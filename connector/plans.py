@@ -1,0 +1,57 @@
+"""Pure arithmetic of the connector's plans: which stored pages go to which blocks, which chunks to publish."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from connector.metadata import LoadChunk
+from indexer.chunking import PROBE_TOKENS
+from indexer.index import PrefixMatch
+
+
+@dataclass(frozen=True)
+class Geometry:
+    chunk_tokens: int
+    block_tokens: int
+
+    def blocks(self, start_token: int, end_token: int) -> slice:
+        """Request blocks holding tokens [start, end)."""
+        return slice(start_token // self.block_tokens, -(-end_token // self.block_tokens))
+
+
+def load_plan(match: PrefixMatch, blocks: list[int], start: int, end: int, g: Geometry) -> list[LoadChunk]:
+    """Chunks of ``match`` covering tokens [start, end), with the request blocks their pages go to.
+
+    ``start`` is block-aligned (what vLLM's own prefix cache holds); a chunk it cuts is loaded from
+    the page where the local copy ends.
+    """
+    c = g.chunk_tokens
+    stored = [(key, c) for key in match.keys]
+    if match.partial is not None:
+        stored.append((match.partial.key, match.partial.stored_tokens))
+    plan = []
+    for i, (key, stored_tokens) in enumerate(stored):
+        lo, hi = max(start, i * c), min(end, i * c + stored_tokens)
+        if lo < hi:
+            span = g.blocks(lo, hi)
+            plan.append(LoadChunk(key, stored_tokens, span.start - i * c // g.block_tokens, blocks[span]))
+    return plan
+
+
+def chunks_to_publish(
+    stored_chunks: int, computed: int, prompt_tokens: int, tail_done: bool, g: Geometry
+) -> tuple[list[tuple[int, int]], bool]:
+    """Token ranges of the prompt chunks newly complete once ``computed`` tokens are, and whether the tail is done.
+
+    Full chunks go as soon as they are computed; the tail goes once the whole prompt is, if it is at
+    least PROBE_TOKENS long (a shorter one could never be found).
+    """
+    c = g.chunk_tokens
+    done = min(computed, prompt_tokens)
+    ranges = [(i * c, (i + 1) * c) for i in range(stored_chunks, done // c)]
+    full = prompt_tokens // c
+    if done == prompt_tokens and not tail_done and max(stored_chunks, done // c) >= full:
+        if prompt_tokens - full * c >= PROBE_TOKENS:
+            ranges.append((full * c, prompt_tokens))
+        return ranges, True
+    return ranges, tail_done

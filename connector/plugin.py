@@ -1,0 +1,113 @@
+"""``PrefixCacheConnector``: the class vLLM loads. It only dispatches to the scheduler or worker side."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from connector.settings import ConnectorSettings
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("prefixcache.connector")
+
+
+class PrefixCacheConnector(KVConnectorBase_V1):
+    """Loads cached prefixes from prefixcache and publishes newly computed ones."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self._settings = ConnectorSettings.parse(transfer.kv_connector_extra_config)
+        self._role_name = transfer.kv_role
+        self._scheduler = None
+        self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from connector.scheduler_side import SchedulerSide
+
+            if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
+                # A chunk that fails to load must be recomputed, not fail the request. vLLM reads this
+                # setting after constructing the connector.
+                log.warning("prefixcache: setting kv_load_failure_policy='recompute' (was %r)",
+                            transfer.kv_load_failure_policy)  # fmt: skip
+                transfer.kv_load_failure_policy = "recompute"
+            self._scheduler = SchedulerSide(vllm_config, kv_cache_config, self._settings, self._role_name)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache is best effort: requests never wait for their KV to be stored
+
+    # -- scheduler side ------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        self._scheduler.request_finished(request)
+        return False, None
+
+    # -- worker side ---------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        from cachestore.client import CacheClient, fetch_config
+        from connector.settings import namespace_for
+        from connector.worker_side import WorkerSide
+
+        group = self._kv_cache_config.kv_cache_groups[0]
+        layers = [kv_caches[name] for name in group.layer_names if name in kv_caches]
+        config = fetch_config(self._settings.service_url)
+        spec = namespace_for(self._vllm_config, group.kv_cache_spec, config.chunk_tokens,
+                             get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())  # fmt: skip
+        client = CacheClient(config, spec, arena_bytes=self._settings.arena_mb << 20,
+                             redis_password=self._settings.redis_password)  # fmt: skip
+        self._worker = WorkerSide(client, layers, group.kv_cache_spec.block_size)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._worker is not None:
+            meta = self._get_connector_metadata()
+            if isinstance(meta, _metadata_type()):
+                self._worker.load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads complete in start_load_kv, before the forward pass."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        """Pages are copied once per step, after every layer has run (wait_for_save)."""
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None:
+            meta = self._get_connector_metadata()
+            if isinstance(meta, _metadata_type()) and meta.saves:
+                self._worker.save(meta)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+
+def _metadata_type() -> type:
+    from connector.metadata import PrefixCacheMetadata
+
+    return PrefixCacheMetadata

@@ -1,0 +1,144 @@
+"""The connector's scheduler side: one index lookup per new request, then load and publish plans.
+
+Per request it keeps a ``PrefixHasher`` (tokens are packed and hashed once), the lookup's match and
+the request's block ids; from these it tells the worker which stored chunks to load into which
+blocks, and which newly computed chunks to publish. Loads are synchronous and stop one token short
+of the prompt (vLLM must compute at least one token), so a hit is token-granular up to ``L-1``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from cachestore.client import fetch_config
+from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
+from connector.plans import Geometry, chunks_to_publish, load_plan
+from connector.settings import ConnectorSettings, namespace_for
+from indexer.chunking import ChunkGeometry
+from indexer.errors import IndexUnavailableError
+from indexer.index import PrefixMatch, attach_namespace
+from indexer.keys import PrefixHasher
+from indexer.redis_index import RedisIndex
+from indexer.tokens import TOKEN_BYTES
+
+log = logging.getLogger("prefixcache.connector")
+
+
+@dataclass
+class RequestState:
+    hasher: PrefixHasher
+    prompt: bytes  # packed prompt tokens
+    tenant_salt: str | None
+    match: PrefixMatch | None = None
+    matched_for: int = -1  # request length the match was computed for
+    local_tokens: int = 0  # held by vLLM's own prefix cache
+    blocks: list[int] = field(default_factory=list)
+    load: list[LoadChunk] = field(default_factory=list)
+    stored_chunks: int = 0  # leading full chunks known to be in the store (loaded or published)
+    tail_done: bool = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt) // TOKEN_BYTES
+
+
+class SchedulerSide:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings, role: str) -> None:
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        self.block_tokens = spec.block_size
+        client_config = fetch_config(settings.service_url)
+        self.geometry = ChunkGeometry(client_config.chunk_tokens, block_tokens=self.block_tokens)
+        self.plan_geometry = Geometry(client_config.chunk_tokens, self.block_tokens)
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.namespace = namespace_for(vllm_config, spec, client_config.chunk_tokens, 0, tp_size)
+        self.index = RedisIndex(client_config.redis_url, key_prefix=client_config.key_prefix)
+        self.load_enabled = role in ("kv_consumer", "kv_both")
+        self.publish_enabled = role in ("kv_producer", "kv_both")
+        self.min_hit_tokens = settings.min_hit_tokens
+        self.requests: dict[str, RequestState] = {}
+        try:
+            attach_namespace(self.index, self.namespace, log)
+        except IndexUnavailableError as exc:
+            log.warning("prefixcache index unreachable (%s): requests recompute until it answers", exc)
+
+    # -- vLLM hooks ----------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        state = self._state(request)
+        state.local_tokens = num_computed_tokens
+        if not self.load_enabled:
+            return 0, False
+        if state.matched_for != request.num_tokens:  # vLLM may ask again for the same request
+            state.hasher.extend(request.all_token_ids[state.hasher.num_tokens : request.num_tokens])
+            try:
+                state.match = self.index.lookup(state.hasher.query())
+            except IndexUnavailableError as exc:
+                log.debug("lookup failed, recomputing: %s", exc)
+                state.match = None
+            state.matched_for = request.num_tokens
+        if state.match is None:
+            return 0, False
+        external = min(state.match.matched_tokens, request.num_tokens - 1) - num_computed_tokens
+        return (external, False) if external >= self.min_hit_tokens else (0, False)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        state = self._state(request)
+        state.blocks = list(blocks.get_block_ids()[0])
+        if num_external_tokens > 0 and state.match is not None:
+            end = state.local_tokens + num_external_tokens
+            state.load = load_plan(state.match, state.blocks, state.local_tokens, end, self.plan_geometry)
+            state.stored_chunks = len(state.match.keys)
+
+    def build_connector_meta(self, scheduler_output: Any) -> PrefixCacheMetadata:
+        meta = PrefixCacheMetadata()
+        for req_id, state in self.requests.items():
+            if state.load:
+                meta.loads[req_id], state.load = state.load, []
+        for new in scheduler_output.scheduled_new_reqs:
+            if (state := self.requests.get(new.req_id)) is not None:
+                state.blocks = list(new.block_ids[0])
+                self._plan_saves(new.req_id, state, new.num_computed_tokens, scheduler_output, meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if (state := self.requests.get(req_id)) is None:
+                continue
+            added = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.blocks = list(added[0]) if added else []
+            elif added:
+                state.blocks.extend(added[0])
+            self._plan_saves(req_id, state, cached.num_computed_tokens[i], scheduler_output, meta)
+        return meta
+
+    def request_finished(self, request: Any) -> None:
+        self.requests.pop(request.request_id, None)
+
+    # -- plans ---------------------------------------------------------------------------------------
+
+    def _state(self, request: Any) -> RequestState:
+        state = self.requests.get(request.request_id)
+        if state is None:
+            salt = getattr(request, "cache_salt", None)
+            hasher = PrefixHasher(self.namespace.root(salt), self.geometry).extend(request.prompt_token_ids)
+            state = RequestState(hasher=hasher, prompt=hasher.query().packed, tenant_salt=salt)
+            self.requests[request.request_id] = state
+        return state
+
+    def _plan_saves(self, req_id: str, state: RequestState, computed: int, so: Any, meta: PrefixCacheMetadata) -> None:
+        """Publish every prompt chunk this step completes, and the prompt's tail once the prompt is done."""
+        if not self.publish_enabled:
+            return
+        done = computed + so.num_scheduled_tokens.get(req_id, 0)
+        ranges, state.tail_done = chunks_to_publish(state.stored_chunks, done, state.prompt_tokens, state.tail_done,
+                                                    self.plan_geometry)  # fmt: skip
+        for start, end in ranges:
+            chunk = start // self.geometry.chunk_tokens
+            parent = state.hasher.root if chunk == 0 else state.hasher.keys[chunk - 1]
+            meta.saves.append(SaveChunk(parent=parent, tokens=state.prompt[start * TOKEN_BYTES : end * TOKEN_BYTES],
+                                        blocks=state.blocks[self.plan_geometry.blocks(start, end)],
+                                        tenant_salt=state.tenant_salt))  # fmt: skip
+            state.stored_chunks = max(
+                state.stored_chunks, chunk + 1 if end - start == self.geometry.chunk_tokens else 0
+            )

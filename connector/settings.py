@@ -1,0 +1,60 @@
+"""The connector's settings (``kv_connector_extra_config``) and the namespace its KV lives in."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from indexer.errors import ConfigError
+from indexer.namespace import NamespaceSpec
+
+
+class ConnectorSettings(BaseModel):
+    """Keys of ``kv_connector_extra_config``. Unknown keys are errors, so a typo never goes unnoticed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    service_url: str = Field(description="the node daemon, e.g. http://127.0.0.1:8600")
+    arena_mb: int = Field(default=512, ge=16, le=1 << 20, description="registered buffer for loads and publishes")
+    min_hit_tokens: int = Field(default=16, ge=1, description="smaller external hits are not worth a load")
+    redis_password: str | None = Field(default=None, description="if the index needs one (never logged)")
+
+    @classmethod
+    def parse(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
+        try:
+            return cls.model_validate(extra or {})
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
+            raise ConfigError(f"invalid kv_connector_extra_config for PrefixCacheConnector: {problems}") from None
+
+
+def namespace_for(vllm_config: Any, kv_cache_spec: Any, chunk_tokens: int, tp_rank: int, tp_size: int) -> NamespaceSpec:
+    """Everything that makes this engine's KV pages incompatible with another's.
+
+    Pages are stored as the attention backend lays them out (the CPU backend packs K and V per head in
+    an ISA-specific order), so the layout names the device, the instruction set, the block geometry
+    and vLLM's cache layout.
+    """
+    import torch
+    from vllm.platforms import current_platform
+
+    from indexer.fingerprint import fingerprint_model
+
+    model_config = vllm_config.model_config
+    isa = torch.backends.cpu.get_cpu_capability() if current_platform.is_cpu() else current_platform.device_name
+    layout = ":".join([
+        "vllm-pages-v1", current_platform.device_type, isa, str(vllm_config.cache_config.kv_cache_layout or "default"),
+        f"bs{kv_cache_spec.block_size}", f"h{kv_cache_spec.num_kv_heads}", f"d{kv_cache_spec.head_size}",
+    ])  # fmt: skip
+    return NamespaceSpec(
+        model=str(model_config.served_model_name or model_config.model),
+        model_fingerprint=fingerprint_model(str(model_config.model)),
+        kv_dtype=str(kv_cache_spec.dtype).removeprefix("torch."),
+        kv_layout=layout,
+        chunk_tokens=chunk_tokens,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=vllm_config.parallel_config.pipeline_parallel_size,
+    )

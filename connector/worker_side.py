@@ -1,0 +1,130 @@
+"""The connector's worker side: scatter fetched chunks into vLLM's pages, gather new chunks out of them.
+
+Loads run before the forward pass (vLLM schedules them as synchronous loads); a chunk that cannot be
+fetched or fails verification reports its blocks as load errors and vLLM recomputes from there.
+Publishing copies the new chunks' pages into arena slots after the forward pass, then a background
+thread does the Mooncake put and the index registration, so the forward never waits on either.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from cachestore.arena import ArenaFullError
+from cachestore.client import CacheClient
+from cachestore.codec import ChunkMeta, payload_offset
+from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
+from connector.pages import gather, payload_bytes, payload_view, scatter
+from indexer.namespace import tenant_id
+
+log = logging.getLogger("prefixcache.connector")
+_PUBLISH_QUEUE = 64
+
+
+class WorkerSide:
+    def __init__(self, client: CacheClient, layers: Sequence[torch.Tensor], block_tokens: int) -> None:
+        self.client = client
+        self.layers = list(layers)
+        self.block_tokens = block_tokens
+        self.load_errors: set[int] = set()
+        self.loaded_chunks = 0
+        self.published_chunks = 0
+        self._publishes: queue.Queue[tuple[list[tuple[ChunkMeta, memoryview]], str | None] | None] = queue.Queue(
+            _PUBLISH_QUEUE
+        )
+        self._publisher = threading.Thread(target=self._publish_loop, name="prefixcache-publish", daemon=True)
+        self._publisher.start()
+
+    # -- loads ---------------------------------------------------------------------------------------
+
+    def load(self, meta: PrefixCacheMetadata) -> None:
+        for chunks in meta.loads.values():
+            self._load_request(chunks)
+
+    def _load_request(self, chunks: list[LoadChunk]) -> None:
+        slots = []
+        try:
+            for chunk in chunks:
+                slots.append(self.client.slot(self._object_bytes(chunk.stored_tokens)))
+            payloads = self.client.fetch([c.key for c in chunks], slots)
+            for chunk, payload in zip(chunks, payloads, strict=True):
+                pages = self._pages(chunk.stored_tokens)
+                if payload is None or len(payload) != payload_bytes(self.layers, pages):
+                    self.load_errors.update(chunk.blocks)
+                    continue
+                src = payload_view(payload, self.layers, pages)[:, chunk.first_page :]
+                scatter(src, self.layers, chunk.blocks)
+                self.loaded_chunks += 1
+        except ArenaFullError:
+            log.warning("arena full: recomputing instead of loading %d chunks", len(chunks))
+            for chunk in chunks:
+                self.load_errors.update(chunk.blocks)
+        finally:
+            for slot in slots:
+                self.client.release(slot)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self.load_errors = self.load_errors, set()
+        return errors
+
+    # -- publishes -----------------------------------------------------------------------------------
+
+    def save(self, meta: PrefixCacheMetadata) -> None:
+        """Copy the pages of this step's completed chunks out now; publish them in the background."""
+        by_tenant: dict[str | None, list[tuple[ChunkMeta, memoryview]]] = {}
+        for chunk in meta.saves:
+            staged = self._stage(chunk)
+            if staged is not None:
+                by_tenant.setdefault(chunk.tenant_salt, []).append(staged)
+        for salt, batch in by_tenant.items():
+            try:
+                self._publishes.put_nowait((batch, salt))
+            except queue.Full:  # publishing fell behind: these chunks are simply not cached
+                for _, slot in batch:
+                    self.client.release(slot)
+
+    def _stage(self, chunk: SaveChunk) -> tuple[ChunkMeta, memoryview] | None:
+        pages = len(chunk.blocks)
+        meta = ChunkMeta(
+            namespace=self.client.spec.digest, root=self.client.spec.root(chunk.tenant_salt), parent=chunk.parent,
+            tokens=chunk.tokens, dtype=str(self.layers[0].dtype).removeprefix("torch."),
+            shape=(len(self.layers), pages, *self.layers[0].shape[1:]),
+            tenant=int(tenant_id(chunk.tenant_salt) or "0", 16),
+        )  # fmt: skip
+        try:
+            slot = self.client.stage(meta)
+        except ArenaFullError:
+            return None
+        gather(
+            self.layers, chunk.blocks, payload_view(slot[meta.payload_offset : meta.encoded_size], self.layers, pages)
+        )
+        return meta, slot
+
+    def _publish_loop(self) -> None:
+        while (item := self._publishes.get()) is not None:
+            batch, salt = item
+            try:
+                self.published_chunks += sum(self.client.publish(batch, tenant_salt=salt))
+            except Exception:  # noqa: BLE001 - publishing is best effort; the forward path never sees it
+                log.exception("publishing %d chunks failed", len(batch))
+            finally:
+                for _, slot in batch:
+                    self.client.release(slot)
+
+    def close(self) -> None:
+        self._publishes.put(None)
+        self._publisher.join(timeout=30)
+        self.client.close()
+
+    # -- sizes ---------------------------------------------------------------------------------------
+
+    def _pages(self, tokens: int) -> int:
+        return -(-tokens // self.block_tokens)
+
+    def _object_bytes(self, stored_tokens: int) -> int:
+        return payload_offset(stored_tokens) + payload_bytes(self.layers, self._pages(stored_tokens))
