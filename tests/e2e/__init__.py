@@ -1,0 +1,1 @@
+"""End-to-end tests: real vLLM engines (CPU build) on a tiny random-weight Llama, run in fresh subprocesses."""

@@ -1,0 +1,162 @@
+"""Run one offline vLLM engine over a list of token-id prompts and write what it generated.
+
+    python -m tests.e2e.run_vllm SPEC.json OUT.json
+
+SPEC.json::
+
+    {"model": "/path/to/tiny-llama",        # required
+     "prompts": [[ids...], ...],            # required; token ids
+     "max_tokens": 16,
+     "prefix_caching": false,               # vLLM's own (in-GPU-memory) prefix cache
+     "kv_transfer_config": {...} | null,    # KVTransferConfig(**this)
+     "kv_transfer_params": {...} | null,    # SamplingParams.extra_args["kv_transfer_params"], every prompt
+     "max_num_batched_tokens": 512,         # optional; chunked prefill
+     "kv_cache_dtype": "auto",              # optional
+     "logprobs": 2}                         # top-k alternatives recorded per generated token
+
+The prompts go through one ``generate`` call each, in order, so a later prompt can hit chunks an earlier one
+published. Decoding is greedy (temperature 0, ignore_eos). OUT.json::
+
+    {"engine_start_s": float, "import_s": float,
+     "outputs": [{"prompt_len": int, "token_ids": [...], "logprobs": [{"<token id>": logprob, ...}, ...],
+                  "num_cached_tokens": int, "ttft_s": float | null, "wall_s": float}, ...]}
+
+``ttft_s`` is vLLM's first-token latency (arrival to first token, engine side); ``wall_s`` is the wall time of the
+``generate`` call. The engine runs in this process's children: run this script in a fresh process per engine.
+Exits 2 on a bad spec and 1 on any other failure, with the reason on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+_KEYS = {"model", "prompts", "max_tokens", "prefix_caching", "kv_transfer_config", "kv_transfer_params",
+         "max_num_batched_tokens", "kv_cache_dtype", "logprobs"}  # fmt: skip
+
+
+class SpecError(ValueError):
+    pass
+
+
+def load_spec(path: Path) -> dict:
+    spec = json.loads(path.read_text())
+    if not isinstance(spec, dict):
+        raise SpecError("spec must be a JSON object")
+    unknown = set(spec) - _KEYS
+    if unknown:
+        raise SpecError(f"unknown spec keys {sorted(unknown)}; known: {sorted(_KEYS)}")
+    if "model" not in spec or not Path(spec["model"]).is_dir():
+        raise SpecError(f"spec.model must be a model directory, got {spec.get('model')!r}")
+    prompts = spec.get("prompts")
+    if not prompts or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts):
+        raise SpecError("spec.prompts must be a non-empty list of non-empty lists of token ids")
+    return spec
+
+
+def _set_env_defaults() -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def run(spec: dict) -> tuple[dict, object]:
+    """Start the engine, generate for every prompt; returns (the OUT.json object, the LLM)."""
+    _set_env_defaults()
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    import_s = time.perf_counter() - t0
+    kwargs: dict = {}
+    if spec.get("kv_transfer_config") is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
+    if spec.get("max_num_batched_tokens") is not None:
+        kwargs["max_num_batched_tokens"] = int(spec["max_num_batched_tokens"])
+    if spec.get("kv_cache_dtype") is not None:
+        kwargs["kv_cache_dtype"] = spec["kv_cache_dtype"]
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=spec["model"],
+        dtype="bfloat16",
+        max_model_len=8192,
+        enforce_eager=True,
+        seed=0,
+        max_num_seqs=4,
+        enable_prefix_caching=bool(spec.get("prefix_caching", False)),
+        disable_log_stats=False,  # fills RequestOutput.metrics (first-token latency)
+        **kwargs,
+    )
+    engine_start_s = time.perf_counter() - t0
+
+    extra_args = None
+    if spec.get("kv_transfer_params") is not None:
+        extra_args = {"kv_transfer_params": spec["kv_transfer_params"]}
+    params = SamplingParams(
+        max_tokens=int(spec.get("max_tokens", 16)),
+        temperature=0.0,
+        ignore_eos=True,
+        logprobs=int(spec.get("logprobs", 2)),
+        extra_args=extra_args,
+    )
+    outputs = []
+    for prompt in spec["prompts"]:
+        t0 = time.perf_counter()
+        (result,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        wall_s = time.perf_counter() - t0
+        completion = result.outputs[0]
+        metrics = result.metrics
+        ttft = getattr(metrics, "first_token_latency", None) if metrics is not None else None
+        outputs.append(
+            {
+                "prompt_len": len(prompt),
+                "token_ids": list(completion.token_ids),
+                "logprobs": [
+                    {str(token): float(lp.logprob) for token, lp in position.items()}
+                    for position in (completion.logprobs or [])
+                ],
+                "num_cached_tokens": int(result.num_cached_tokens or 0),
+                "ttft_s": float(ttft) if ttft else None,
+                "wall_s": wall_s,
+            }
+        )
+    return {"engine_start_s": engine_start_s, "import_s": import_s, "outputs": outputs}, llm
+
+
+def _shutdown(llm) -> None:
+    """Stop the engine core and workers now rather than in interpreter teardown (best effort)."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception as exc:  # noqa: BLE001 - the results are already written
+        print(f"run_vllm: engine shutdown failed: {exc!r}", file=sys.stderr)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m tests.e2e.run_vllm SPEC.json OUT.json", file=sys.stderr)
+        return 2
+    spec_path, out_path = Path(argv[0]), Path(argv[1])
+    try:
+        spec = load_spec(spec_path)
+    except (OSError, ValueError) as exc:
+        print(f"run_vllm: bad spec {spec_path}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        result, llm = run(spec)
+    except BaseException as exc:  # noqa: BLE001 - report every failure the same way
+        traceback.print_exc()
+        print(f"run_vllm: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(out_path)
+    _shutdown(llm)
+    return 0
+
+
+if __name__ == "__main__":  # required: vLLM starts the engine core and workers as separate processes
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,132 @@
+"""A tiny random-weight Llama that vLLM loads offline, and deterministic prompts for it.
+
+Recipe (connector/DESIGN.md section 7): 8 layers, hidden 1024, intermediate 2816, 16 heads (head_dim 64),
+4 KV heads, vocab 2048, bf16, max_position_embeddings 8192, untied embeddings; a byte-level BPE tokenizer
+trained with ``tokenizers`` on deterministic synthetic text. About 94 M parameters, 0.18 GiB; builds in seconds.
+
+Why ``initializer_range`` is 0.2 and not transformers' default 0.02: with 0.02 the logits of a random model are
+nearly flat (every logprob is close to -log(2048) = -7.6), so the top two candidates are often within bf16 noise
+of each other. Two correct ways of computing the same prompt (a full prefill, or a prefix loaded from the cache
+and only the rest prefilled) then pick different greedy tokens now and then, and the e2e tests could not tell
+that apart from a real bug. Scaling every weight up by 10 makes the logits about 10 times wider, so the top-1 /
+top-2 gap is usually far above the noise. Measured on 8 random prompts x 48 positions (see ``gap_report``):
+
+    initializer_range   median gap   P(gap < 0.05)   P(gap < 0.1)   max |logprob| noise, split vs full prefill
+    0.02                0.04         0.56            0.79           0.06
+    0.2                 0.99         0.05            0.08           0.5  (still < median gap / 2)
+
+(The exact figures are in the docstring of ``gap_report``'s caller, tests/e2e/README-free: run
+``python -m tests.e2e.tinymodel --report`` to reproduce them.)
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+VOCAB = 2048
+SPECIAL_TOKENS = ["<s>", "</s>", "<pad>"]  # ids 0, 1, 2; prompts use ids >= 3
+DEFAULT_INITIALIZER_RANGE = 0.2
+MARKER = "prefixcache_recipe.json"
+RECIPE_VERSION = 1
+
+_ARCH = {
+    "vocab_size": VOCAB,
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
+
+
+def recipe(seed: int = 0, initializer_range: float = DEFAULT_INITIALIZER_RANGE) -> dict:
+    """Everything the weights depend on; a directory built from an equal recipe is reused."""
+    return {"version": RECIPE_VERSION, "seed": seed, "initializer_range": initializer_range, **_ARCH}
+
+
+def _is_built(directory: Path, want: dict) -> bool:
+    marker = directory / MARKER
+    if not (marker.is_file() and (directory / "config.json").is_file() and (directory / "tokenizer.json").is_file()):
+        return False
+    if not any(directory.glob("*.safetensors")):
+        return False
+    try:
+        return json.loads(marker.read_text()) == want
+    except ValueError:
+        return False
+
+
+def _synthetic_corpus(seed: int, words: int = 3000, lines: int = 2000) -> list[str]:
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    vocab = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 9))) for _ in range(words)]
+    return [" ".join(rng.choice(vocab) for _ in range(50)) for _ in range(lines)]
+
+
+def _build_tokenizer(seed: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_synthetic_corpus(seed), trainer)
+    if tok.get_vocab_size() != VOCAB:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} tokens, want {VOCAB}")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", model_max_length=8192
+    )
+
+
+def _build_model(tokenizer, seed: int, initializer_range: float):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        **_ARCH,
+        initializer_range=initializer_range,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).to(torch.bfloat16).eval()
+
+
+def build_tiny_llama(directory: Path, seed: int = 0, initializer_range: float = DEFAULT_INITIALIZER_RANGE) -> Path:
+    """Build the tiny Llama (weights + tokenizer) into ``directory`` and return it.
+
+    Idempotent: a directory that already holds a complete build of the same recipe is left alone. The recipe
+    marker is written last, so an interrupted build is redone rather than reused.
+    """
+    directory = Path(directory)
+    want = recipe(seed, initializer_range)
+    if _is_built(directory, want):
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / MARKER).unlink(missing_ok=True)
+    tokenizer = _build_tokenizer(seed)
+    model = _build_model(tokenizer, seed, initializer_range)
+    tokenizer.save_pretrained(directory)
+    model.save_pretrained(directory, safe_serialization=True)
+    (directory / MARKER).write_text(json.dumps(want, indent=1, sort_keys=True) + "\n")
+    return directory
+
+
+def random_prompt(seed: int, length: int, vocab: int = VOCAB) -> list[int]:
+    """``length`` token ids in ``[3, vocab)`` (no special tokens), the same for the same arguments."""
+    rng = random.Random(f"prompt-{seed}")
+    return [rng.randrange(len(SPECIAL_TOKENS), vocab) for _ in range(length)]
