@@ -17,7 +17,7 @@ from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.plans import Geometry, chunks_to_publish, load_plan
 from connector.settings import ConnectorSettings, namespace_for
 from indexer.chunking import ChunkGeometry
-from indexer.errors import IndexUnavailableError
+from indexer.errors import ConfigError, IndexUnavailableError
 from indexer.index import PrefixMatch, attach_namespace
 from indexer.keys import PrefixHasher
 from indexer.redis_index import RedisIndex
@@ -52,6 +52,10 @@ class SchedulerSide:
         self.geometry = ChunkGeometry(client_config.chunk_tokens, block_tokens=self.block_tokens)
         self.plan_geometry = Geometry(client_config.chunk_tokens, self.block_tokens)
         tp_size = vllm_config.parallel_config.tensor_parallel_size
+        if tp_size > 1 or vllm_config.parallel_config.pipeline_parallel_size > 1:
+            # Each rank's shard needs its own key chain (its namespace root); the plans carry rank 0's.
+            raise ConfigError("PrefixCacheConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 "
+                              "for now; run without --kv-transfer-config or with one rank")  # fmt: skip
         self.namespace = namespace_for(vllm_config, spec, client_config.chunk_tokens, 0, tp_size)
         self.index = RedisIndex(client_config.redis_url, key_prefix=client_config.key_prefix)
         self.load_enabled = role in ("kv_consumer", "kv_both")
