@@ -19,7 +19,7 @@ published. Decoding is greedy (temperature 0, ignore_eos). OUT.json::
 
     {"engine_start_s": float, "import_s": float,
      "outputs": [{"prompt_len": int, "token_ids": [...], "logprobs": [{"<token id>": logprob, ...}, ...],
-                  "num_cached_tokens": int, "ttft_s": float | null, "wall_s": float}, ...]}
+                  "num_cached_tokens": int, "finish_reason": str, "ttft_s": float | null, "wall_s": float}, ...]}
 
 ``ttft_s`` is vLLM's first-token latency (arrival to first token, engine side); ``wall_s`` is the wall time of the
 ``generate`` call. The engine runs in this process's children: run this script in a fresh process per engine.
@@ -120,6 +120,7 @@ def run(spec: dict) -> tuple[dict, object]:
                     for position in (completion.logprobs or [])
                 ],
                 "num_cached_tokens": int(result.num_cached_tokens or 0),
+                "finish_reason": completion.finish_reason,
                 "ttft_s": float(ttft) if ttft else None,
                 "wall_s": wall_s,
             }
@@ -131,7 +132,7 @@ def _shutdown(llm) -> None:
     """Stop the engine core and workers now rather than in interpreter teardown (best effort)."""
     try:
         llm.llm_engine.engine_core.shutdown()
-    except Exception as exc:  # noqa: BLE001 - the results are already written
+    except Exception as exc:  # the results are already written
         print(f"run_vllm: engine shutdown failed: {exc!r}", file=sys.stderr)
 
 
@@ -147,7 +148,7 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         result, llm = run(spec)
-    except BaseException as exc:  # noqa: BLE001 - report every failure the same way
+    except BaseException as exc:  # report every failure (engine death included) the same way
         traceback.print_exc()
         print(f"run_vllm: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -130,3 +130,27 @@ def random_prompt(seed: int, length: int, vocab: int = VOCAB) -> list[int]:
     """``length`` token ids in ``[3, vocab)`` (no special tokens), the same for the same arguments."""
     rng = random.Random(f"prompt-{seed}")
     return [rng.randrange(len(SPECIAL_TOKENS), vocab) for _ in range(length)]
+
+
+def logit_gap_stats(initializer_range: float, seed: int = 0, prompts: int = 6, length: int = 320, last: int = 48):
+    """Top-1 minus top-2 logprob over the last ``last`` positions of random prompts (transformers, bf16, CPU)."""
+    import torch
+
+    model = _build_model(_build_tokenizer(seed), seed, initializer_range)
+    gaps: list[float] = []
+    with torch.no_grad():
+        for p in range(prompts):
+            logits = model(torch.tensor([random_prompt(p, length)])).logits[0, -last:].float()
+            top = logits.log_softmax(-1).topk(2, -1).values
+            gaps += (top[:, 0] - top[:, 1]).tolist()
+    gaps.sort()
+    n = len(gaps)
+    return {"initializer_range": initializer_range, "positions": n, "median": gaps[n // 2], "p10": gaps[n // 10],
+            "below_0.05": sum(g < 0.05 for g in gaps) / n, "below_0.1": sum(g < 0.1 for g in gaps) / n}  # fmt: skip
+
+
+if __name__ == "__main__":  # python -m tests.e2e.tinymodel 0.02 0.2
+    import sys
+
+    for value in sys.argv[1:] or [str(DEFAULT_INITIALIZER_RANGE)]:
+        print(json.dumps({k: round(v, 3) for k, v in logit_gap_stats(float(value)).items()}))
