@@ -126,7 +126,7 @@ class SchedulerSide:
         if state is None:
             salt = getattr(request, "cache_salt", None)
             hasher = PrefixHasher(self.namespace.root(salt), self.geometry).extend(request.prompt_token_ids)
-            state = RequestState(hasher=hasher, prompt=hasher.query().packed, tenant_salt=salt)
+            state = RequestState(hasher=hasher, prompt=hasher.packed(), tenant_salt=salt)
             self.requests[request.request_id] = state
         return state
 

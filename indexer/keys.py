@@ -83,6 +83,10 @@ class PrefixHasher:
         """Keys of the full chunks so far."""
         return self._keys
 
+    def packed(self) -> bytes:
+        """The tokens so far as packed uint32 little-endian bytes (a copy)."""
+        return self._tokens.tobytes()
+
     def extend(self, tokens: TokenIds) -> PrefixHasher:
         """Append tokens; hashes every chunk they complete. Returns self for chaining."""
         self._tokens.extend(token_array(tokens))
@@ -128,7 +132,7 @@ class PrefixHasher:
             chunk_tokens=self.chunk_tokens,
             keys=list(self._keys),
             probes=[*self._probes, self.probe(len(self._keys))],
-            packed=self._tokens.tobytes(),
+            packed=self.packed(),
             num_tokens=len(self._tokens),
         )
 
