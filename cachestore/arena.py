@@ -50,6 +50,21 @@ class Arena:
                     return self._view[offset : offset + size]
         raise ArenaFullError(f"no free {need}-byte slot in a {self.size}-byte arena")
 
+    def alloc_batch(self, sizes: list[int]) -> list[memoryview]:
+        """Slots for the longest leading run of ``sizes`` that fits now (at least one, or ArenaFullError).
+
+        Background services move work in batches as large as the arena allows and take the rest next.
+        """
+        slots: list[memoryview] = []
+        for size in sizes:
+            try:
+                slots.append(self.alloc(size))
+            except ArenaFullError:
+                if not slots:
+                    raise
+                break
+        return slots
+
     def free(self, view: memoryview) -> None:
         offset = self.offset_of(view)
         if offset is None:

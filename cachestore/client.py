@@ -16,7 +16,6 @@ import logging
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import redis
@@ -30,7 +29,7 @@ from indexer.errors import ConfigError, IndexUnavailableError
 from indexer.index import ChunkRecord, Location, NamespaceCheck, PrefixMatch, attach_namespace
 from indexer.keys import PrefixHasher, PrefixQuery
 from indexer.namespace import NamespaceSpec, tenant_id
-from indexer.redis_index import RedisIndex
+from indexer.redis_index import RedisIndex, with_password
 
 log = logging.getLogger("prefixcache.client")
 #: How long a new chunk is shielded from the master's eviction: far longer than the write-behind
@@ -69,7 +68,8 @@ class CacheClient:
         self.geometry = ChunkGeometry(spec.chunk_tokens)
         self.location = Location("dram", config.node)
         self.stats = ClientStats()
-        self.index = RedisIndex(_with_password(config.redis_url, redis_password), key_prefix=config.key_prefix)
+        redis_url = with_password(config.redis_url, redis_password) if redis_password else config.redis_url
+        self.index = RedisIndex(redis_url, key_prefix=config.key_prefix)
         self._redis = redis.Redis.from_url(self.index.url, socket_timeout=promote_timeout_s + 1)
         self._prefix = config.key_prefix + ":"
         self._promote_timeout_s = promote_timeout_s
@@ -198,12 +198,3 @@ class CacheClient:
         self.dram.close()
         self.index.close()
         self._redis.close()
-
-
-def _with_password(url: str, password: str | None) -> str:
-    if not password:
-        return url
-    parts = urlsplit(url)
-    user = parts.username or ""
-    netloc = f"{user}:{password}@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))

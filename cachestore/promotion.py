@@ -16,7 +16,6 @@ from collections.abc import Sequence
 
 import redis
 
-from cachestore.arena import ArenaFullError
 from cachestore.background import BackgroundLoop
 from cachestore.codec import ChunkError, decode
 from cachestore.dram import MooncakeTier
@@ -91,15 +90,8 @@ class Promoter(BackgroundLoop):
         candidates = [k for k in keys if k in entries and sizes[k] > 0]
         done: set[bytes] = set()
         while candidates:
-            slots, taken = [], []
-            for key in candidates:
-                try:
-                    slots.append(self.dram.arena.alloc(sizes[key]))
-                except ArenaFullError:
-                    if not taken:
-                        raise
-                    break
-                taken.append(key)
+            slots = self.dram.arena.alloc_batch([sizes[k] for k in candidates])
+            taken = candidates[: len(slots)]
             try:
                 done |= self._promote_batch(taken, slots, entries)
             finally:

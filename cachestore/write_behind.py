@@ -19,7 +19,6 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cachestore.arena import ArenaFullError
 from cachestore.background import BackgroundLoop
 from cachestore.codec import ChunkError, decode
 from cachestore.dram import MooncakeTier
@@ -95,25 +94,14 @@ class WriteBehind(BackgroundLoop):
             if e is not None and self.dram_location in e.locations and self.nvme_location not in e.locations
         ]  # fmt: skip
         while entries:
-            taken, slots = self._slots_for(entries)
+            slots = self.dram.arena.alloc_batch([e.size_bytes for e in entries])
+            taken = entries[: len(slots)]
             try:
                 self._persist_batch(taken, slots)
             finally:
                 for slot in slots:
                     self.dram.arena.free(slot)
             entries = entries[len(taken) :]
-
-    def _slots_for(self, entries: list[ChunkEntry]) -> tuple[list[ChunkEntry], list]:
-        taken, slots = [], []
-        for entry in entries:
-            try:
-                slots.append(self.dram.arena.alloc(entry.size_bytes))
-            except ArenaFullError:
-                if not taken:
-                    raise
-                break
-            taken.append(entry)
-        return taken, slots
 
     def _persist_batch(self, entries: list[ChunkEntry], slots: list) -> None:
         sizes = self.dram.get_into([e.key for e in entries], slots)

@@ -38,13 +38,16 @@ _SCHEMES = ("redis", "rediss", "unix")
 _NO_PROBE = bytes(KEY_BYTES)  # sent where the prompt has no probe; an all-zero digest is never a key
 
 
+def with_password(url: str, password: str) -> str:
+    """The URL with its password set to ``password`` (the user name and the rest kept)."""
+    parts = urlsplit(url)
+    netloc = f"{parts.username or ''}:{password}@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 def redact_url(url: str) -> str:
     """The URL with any password replaced, for messages and logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    return url if urlsplit(url).password is None else with_password(url, "***")
 
 
 def _load_script(client: redis.Redis, name: str, with_common: bool = True) -> redis.commands.core.Script:

@@ -38,3 +38,10 @@ def test_views_from_elsewhere_are_recognised(arena):
     with pytest.raises(ValueError):
         arena.free(memoryview(bytearray(10)))
     assert address_of(memoryview(b"read-only")) is None
+
+
+def test_a_batch_takes_the_leading_sizes_that_fit_and_raises_only_when_none_does(arena):
+    slots = arena.alloc_batch([4 * ALIGN, 8 * ALIGN, 8 * ALIGN, ALIGN])
+    assert [len(s) for s in slots] == [4 * ALIGN, 8 * ALIGN]  # the third does not fit: stop there
+    with pytest.raises(ArenaFullError):
+        arena.alloc_batch([8 * ALIGN])
