@@ -18,13 +18,17 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 
+from indexer.periodic import PeriodicFlusher
+
 log = logging.getLogger("prefixcache.index")
 
 #: What the apply callback receives: (unix ms of the latest hit, {hex key: hits}).
 Updates = tuple[int, dict[str, int]]
 
 
-class AccessLog:
+class AccessLog(PeriodicFlusher):
+    thread_name = "prefixcache-access-log"
+
     def __init__(
         self,
         apply: Callable[[Updates], None],
@@ -32,22 +36,18 @@ class AccessLog:
         max_pending: int = 100_000,
         keys_per_call: int = 64,
     ) -> None:
+        super().__init__(interval_s)
         self._apply = apply
-        self._interval_s = interval_s
         self._keys_per_call = keys_per_call
         self._pending: deque[tuple[int, str]] = deque(maxlen=max_pending)
         self._lock = threading.Lock()  # one apply at a time, so flush() returns after its records land
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def record(self, hex_keys: str) -> None:
         """Note one lookup's hits (its hit keys as concatenated 32-char hex)."""
-        if not hex_keys or self._stop.is_set():
+        if not hex_keys or self.closed:
             return
         self._pending.append((int(time.time() * 1000), hex_keys))
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="prefixcache-access-log", daemon=True)
-            self._thread.start()
+        self._started()
 
     def flush(self) -> None:
         """Apply everything recorded so far, now (tests, shutdown)."""
@@ -68,13 +68,3 @@ class AccessLog:
                 except Exception as exc:  # noqa: BLE001 - statistics must never break lookups
                     log.debug("dropped access updates of %d chunks: %s", len(items) - start, exc)
                     return
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        self.flush()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            self.flush()

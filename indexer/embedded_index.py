@@ -6,9 +6,10 @@ registry) in dicts behind one lock, so every operation is atomic as a Redis scri
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -19,9 +20,11 @@ from indexer.index import (
     FeedEvent,
     Location,
     NamespaceCheck,
+    NamespaceUsage,
     PrefixMatch,
     best_partial,
     check_namespace,
+    usage_of,
 )
 from indexer.keys import PrefixQuery
 from indexer.namespace import NamespaceSpec
@@ -61,7 +64,7 @@ class EmbeddedIndex:
         with self._lock:
             return list(self._namespaces.values())
 
-    def lookup(self, query: PrefixQuery) -> PrefixMatch:
+    def lookup(self, query: PrefixQuery, *, touch: bool = True) -> PrefixMatch:
         now = time.time()
         with self._lock:
             hits = 0
@@ -69,7 +72,7 @@ class EmbeddedIndex:
                 if key not in self._slots:
                     break
                 hits += 1
-            for key in query.keys[:hits]:
+            for key in query.keys[:hits] if touch else ():
                 slot = self._slots[key]
                 slot.entry = replace(slot.entry, last_access_s=now, hits=slot.entry.hits + 1)
             probe = query.probes[hits]
@@ -172,6 +175,29 @@ class EmbeddedIndex:
         with self._lock:
             entries = [self._view(slot) for slot in self._slots.values()]
         yield from entries  # type: ignore[misc]
+
+    def page(self, after: bytes | None, count: int) -> list[ChunkEntry]:
+        with self._lock:
+            keys = sorted(self._slots)
+            start = bisect.bisect_right(keys, after) if after else 0
+            return [self._view(self._slots[key]) for key in keys[start : start + count]]  # type: ignore[misc]
+
+    def usage(self) -> dict[bytes, NamespaceUsage]:
+        """Counted on demand: one process's index is small enough."""
+        counts: defaultdict[bytes, Counter[str]] = defaultdict(Counter)
+        with self._lock:
+            for slot in self._slots.values():
+                entry, tally = slot.entry, counts[slot.entry.namespace]
+                tally["chunks"] += 1
+                tally["bytes"] += entry.size_bytes
+                for location in slot.locations:
+                    tally[location.tier + ":chunks"] += 1
+                    tally[location.tier + ":bytes"] += entry.size_bytes
+        return {ns: usage_of(tally) for ns, tally in counts.items()}
+
+    def feed_backlog(self, node: str, group: str) -> int:
+        with self._lock:
+            return len(self._feeds[node]) - self._feed_offsets.get((node, group), 0)
 
     def close(self) -> None:
         """Nothing to release."""

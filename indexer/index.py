@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -162,6 +162,32 @@ class FeedEvent:
 
 
 @dataclass(frozen=True)
+class Usage:
+    """Chunks and their bytes (entries of a namespace, or copies in one tier)."""
+
+    chunks: int = 0
+    bytes: int = 0
+
+
+@dataclass(frozen=True)
+class NamespaceUsage:
+    """What one namespace holds: its entries, and its copies per tier (over all nodes)."""
+
+    entries: Usage
+    tiers: dict[Tier, Usage]
+
+
+def usage_of(counters: Mapping[str, int]) -> NamespaceUsage:
+    """A namespace's usage from its counters, named as in the index: ``chunks``, ``bytes``, ``<tier>:chunks``
+    and ``<tier>:bytes`` (tiers without copies are left out)."""
+    tiers = {t: Usage(counters.get(f"{t}:chunks", 0), counters.get(f"{t}:bytes", 0)) for t in TIERS}
+    return NamespaceUsage(
+        entries=Usage(counters.get("chunks", 0), counters.get("bytes", 0)),
+        tiers={tier: usage for tier, usage in tiers.items() if usage.chunks > 0},
+    )
+
+
+@dataclass(frozen=True)
 class NamespaceCheck:
     """Result of registering a client's namespace: is it new, and which same-model ones differ."""
 
@@ -184,7 +210,8 @@ class PrefixIndex(Protocol):
 
     def namespaces(self) -> list[NamespaceSpec]: ...
 
-    def lookup(self, query: PrefixQuery) -> PrefixMatch: ...
+    def lookup(self, query: PrefixQuery, *, touch: bool = True) -> PrefixMatch:
+        """The longest cached prefix. ``touch=False`` leaves access statistics alone (inspection, not use)."""
 
     def flush_access(self) -> None:
         """Apply the last-access/hit updates of past lookups now (a backend may apply them later)."""
@@ -220,6 +247,16 @@ class PrefixIndex(Protocol):
     def scan(self, batch: int = 512) -> Iterator[ChunkEntry]:
         """Every entry, in no particular order."""
 
+    def page(self, after: bytes | None, count: int) -> list[ChunkEntry]:
+        """Up to ``count`` entries whose keys sort after ``after`` (from the first when None), in key order:
+        a stable cursor for listings that neither repeats nor skips entries present throughout."""
+
+    def usage(self) -> dict[bytes, NamespaceUsage]:
+        """Per namespace digest: its entries and its copies per tier, kept up to date by every change."""
+
+    def feed_backlog(self, node: str, group: str) -> int:
+        """Events on ``node``'s feed that ``group`` has not acknowledged yet (its queue depth)."""
+
     def close(self) -> None: ...
 
 
@@ -238,6 +275,21 @@ def attach_namespace(index: PrefixIndex, spec: NamespaceSpec, log: logging.Logge
     if check.conflicts:
         (log or logging.getLogger("prefixcache")).warning(describe_mismatch(spec, check.conflicts))
     return check
+
+
+def subtree(index: PrefixIndex, keys: Iterable[bytes], limit: int) -> list[bytes]:
+    """``keys`` and every key registered below them (children, transitively), at most ``limit`` of them.
+
+    A removed entry leaves its parent's set of children, but its own children stay filed under its key:
+    pass every key of a chain (present or not) to reach what lies below a hole. Entries are not read
+    here: callers read the ones they act on.
+    """
+    found: dict[bytes, None] = {}
+    level = list(dict.fromkeys(keys))
+    while level and len(found) < limit:
+        found.update(dict.fromkeys(level[: limit - len(found)]))
+        level = [child for key in level for child in index.children(key) if child not in found]
+    return list(found)
 
 
 def best_partial(query: PrefixQuery, position: int, candidates: Iterable[tuple[bytes, bytes]]) -> PartialHit | None:

@@ -27,9 +27,11 @@ from indexer.index import (
     FeedEvent,
     Location,
     NamespaceCheck,
+    NamespaceUsage,
     PrefixMatch,
     best_partial,
     check_namespace,
+    usage_of,
 )
 from indexer.keys import KEY_BYTES, PrefixQuery
 from indexer.namespace import NamespaceSpec
@@ -90,6 +92,7 @@ class RedisIndex:
         except ValueError as exc:
             raise ConfigError(f"invalid redis URL {redact_url(url)!r}: {exc}") from exc
         self._lookup = _load_script(self._redis, "lookup", with_common=False)  # its first line is a shebang
+        self._page = _load_script(self._redis, "page", with_common=False)
         self._touch = _load_script(self._redis, "touch", with_common=False)
         self._access = AccessLog(self._apply_access)
         self._feed_groups: dict[tuple[str, str, str], str] = {}
@@ -122,13 +125,14 @@ class RedisIndex:
             raw = self._redis.hvals(self._prefix + "ns")
         return [NamespaceSpec.model_validate_json(text) for text in raw]
 
-    def lookup(self, query: PrefixQuery) -> PrefixMatch:
+    def lookup(self, query: PrefixQuery, *, touch: bool = True) -> PrefixMatch:
         keys = b"".join(query.keys).hex()
         probes = b"".join(p or _NO_PROBE for p in query.probes).hex()
         with self._reachable():
             reply = self._lookup(args=[self._prefix, keys, probes, self._max_candidates])
         hits = int(reply[0])
-        self._access.record(keys[: hits * 2 * KEY_BYTES])
+        if touch:
+            self._access.record(keys[: hits * 2 * KEY_BYTES])
         candidates = [(bytes.fromhex(reply[i].decode()), reply[i + 1]) for i in range(1, len(reply), 2)]
         partial = best_partial(query, hits, candidates) if candidates else None
         return PrefixMatch(keys=list(query.keys[:hits]), chunk_tokens=query.chunk_tokens, partial=partial)
@@ -239,6 +243,37 @@ class RedisIndex:
                         yield _entry(bytes.fromhex(name[skip:].decode()), fields)
                 if cursor == 0:
                     return
+
+    def page(self, after: bytes | None, count: int) -> list[ChunkEntry]:
+        with self._reachable():
+            reply = self._page(args=[self._prefix, after.hex() if after else "", count])
+        entries = []
+        for i in range(0, len(reply), 2):
+            fields = dict(zip(reply[i + 1][::2], reply[i + 1][1::2], strict=True))
+            if fields:  # removed between the range and its read, inside the script: never, but cheap to skip
+                entries.append(_entry(bytes.fromhex(reply[i].decode()), fields))
+        return entries
+
+    def usage(self) -> dict[bytes, NamespaceUsage]:
+        with self._reachable():
+            raw = self._redis.hgetall(self._prefix + "u")
+        counts: dict[str, dict[str, int]] = {}
+        for name, value in raw.items():
+            namespace, _, field = name.decode().partition(":")
+            counts.setdefault(namespace, {})[field] = int(value)
+        return {bytes.fromhex(ns): usage_of(fields) for ns, fields in counts.items() if fields.get("chunks", 0) > 0}
+
+    def feed_backlog(self, node: str, group: str) -> int:
+        stream = self._prefix + "f:" + node
+        with self._reachable():
+            try:
+                groups = self._redis.xinfo_groups(stream)
+            except redis.exceptions.ResponseError:  # no feed yet
+                return 0
+            for info in groups:
+                if info["name"].decode() == group:  # lag is unknown (None) right after a trim: count pending only
+                    return int(info.get("pending") or 0) + int(info.get("lag") or 0)
+            return int(self._redis.xlen(stream))  # the group reads from the start once created
 
     def flush(self) -> None:
         """Delete every key under this index's prefix (tests and `evict all`)."""

@@ -4,6 +4,9 @@
 --   P k:<parent>  SET    keys of the chunks registered directly below <parent>
 --   P b:<probe>   HASH   probe bucket: <key> -> packed tokens of chunks sharing parent and first tokens
 --   P ns          HASH   namespace digest -> canonical description (JSON)
+--   P keys        ZSET   every entry's key (score 0), so listings page through keys in order
+--   P u           HASH   usage per namespace: "<ns>:chunks" and "<ns>:bytes" count entries,
+--                        "<ns>:<tier>:chunks" and "<ns>:<tier>:bytes" count copies in a tier
 --   P f:<node>    STREAM change feed of the locations on <node>: entries {op=add|drop, tier, key}
 --                        (the node's daemon persists what lands in its DRAM; routers may subscribe)
 -- All keys of one call live under one prefix on one Redis (standalone or replicated, not Cluster).
@@ -16,15 +19,30 @@ local function feed(P, op, location, key)
     'op', op, 'tier', string.sub(location, 1, at - 1), 'key', key)
 end
 
+-- Add sign * (1 chunk, size bytes) to a namespace's usage; scope is '' (entries) or '<tier>:' (copies).
+local function tally(P, ns, scope, size, sign)
+  redis.call('HINCRBY', P .. 'u', ns .. ':' .. scope .. 'chunks', sign)
+  redis.call('HINCRBY', P .. 'u', ns .. ':' .. scope .. 'bytes', sign * tonumber(size))
+end
+
+local function tier_of(location)
+  return string.sub(location, 1, string.find(location, '@', 1, true) - 1) .. ':'
+end
+
 local function remove_entry(P, key)
   local e = P .. 'e:' .. key
-  local f = redis.call('HMGET', e, 'parent', 'probe')
+  local f = redis.call('HMGET', e, 'parent', 'probe', 'ns', 'size')
   if not f[1] then return 0 end
   local fields = redis.call('HKEYS', e)
   for i = 1, #fields do
-    if string.sub(fields[i], 1, 2) == 'l:' then feed(P, 'drop', string.sub(fields[i], 3), key) end
+    if string.sub(fields[i], 1, 2) == 'l:' then
+      feed(P, 'drop', string.sub(fields[i], 3), key)
+      tally(P, f[3], tier_of(string.sub(fields[i], 3)), f[4], -1)
+    end
   end
+  tally(P, f[3], '', f[4], -1)
   redis.call('DEL', e)
+  redis.call('ZREM', P .. 'keys', key)
   redis.call('SREM', P .. 'k:' .. f[1], key)
   if f[2] and f[2] ~= '' then redis.call('HDEL', P .. 'b:' .. f[2], key) end
   return 1

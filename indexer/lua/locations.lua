@@ -10,9 +10,13 @@ for i = 5, #ARGV do
       out[#out + 1] = ARGV[i]
     elseif redis.call('HSET', e, loc, now) == 1 then
       feed(P, 'add', ARGV[4], ARGV[i])
+      local meta = redis.call('HMGET', e, 'ns', 'size')
+      tally(P, meta[1], tier_of(ARGV[4]), meta[2], 1)
     end
   elseif redis.call('HDEL', e, loc) == 1 then
     feed(P, 'drop', ARGV[4], ARGV[i])
+    local meta = redis.call('HMGET', e, 'ns', 'size')
+    tally(P, meta[1], tier_of(ARGV[4]), meta[2], -1)
     if not has_location(e) then
       remove_entry(P, ARGV[i])
       out[#out + 1] = ARGV[i]
