@@ -33,6 +33,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -59,8 +60,21 @@ _COMPACTION_BATCH_BYTES = 64 << 20
 _RECORD = struct.Struct("<IQQQ")  # segment id, offset, length, created (ms since the epoch)
 
 
+#: Reads in flight for a multi-object ``get_into``: one O_DIRECT read at a time reached 0.3-0.9 GB/s on
+#: this machine's disk, four 1.0-1.2 GB/s.
+_READERS = 4
+
+
 def _align(n: int) -> int:
     return -(-n // PAGE) * PAGE
+
+
+def read_size(length: int) -> int:
+    """Bytes a page-aligned buffer needs for ``get_into`` to read a ``length``-byte object straight into it.
+
+    A smaller (or unaligned) buffer still works, through a bounce buffer and one more copy.
+    """
+    return _align(length)
 
 
 def _check_key(key: bytes) -> None:
@@ -298,6 +312,8 @@ class NvmeStore:
         self._live_length = 0
         self._direct = True
         self._scratch = _Scratch()
+        self._scratch_lock = threading.Lock()
+        self._readers = ThreadPoolExecutor(_READERS, thread_name_prefix="prefixcache-nvme-read")
         self._closed = False
         self._segment_dir = self.directory / "segments"
         try:
@@ -344,7 +360,10 @@ class NvmeStore:
             self._check_open()
             reads = [self._locate(key) for key in keys]
         try:
-            return [self._read(at.fd, at.extent, view) if at else -1 for at, view in zip(reads, views, strict=True)]
+            jobs = list(zip(reads, views, strict=True))
+            if len(jobs) == 1:
+                return [self._read_located(jobs[0])]
+            return list(self._readers.map(self._read_located, jobs))
         finally:
             with self._lock:
                 for at in reads:
@@ -396,6 +415,7 @@ class NvmeStore:
             if self._closed:
                 return
             self._closed = True
+            self._readers.shutdown(wait=True)
             for segment in self._segments.values():
                 segment.retire()
             self._manifest.close()
@@ -697,6 +717,10 @@ class NvmeStore:
                 log.warning("%s rejects O_DIRECT; the NVMe tier reads through the page cache", path.parent)
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
+    def _read_located(self, job: tuple[_Located | None, memoryview]) -> int:
+        at, view = job
+        return self._read(at.fd, at.extent, view) if at else -1
+
     def _read(self, fd: int, extent: _Extent, view: memoryview) -> int:
         """One preadv of the padded extent: into the caller's buffer when O_DIRECT can use it, else bounced."""
         if view.nbytes < extent.length:
@@ -705,10 +729,11 @@ class NvmeStore:
             if view.nbytes >= extent.padded and _address(view) % PAGE == 0:
                 got = os.preadv(fd, [view[: extent.padded]], extent.offset)
             else:
-                scratch = self._scratch.view(extent.padded)
-                got = os.preadv(fd, [scratch], extent.offset)
-                if got >= extent.length:
-                    view[: extent.length] = scratch[: extent.length]
+                with self._scratch_lock:
+                    scratch = self._scratch.view(extent.padded)
+                    got = os.preadv(fd, [scratch], extent.offset)
+                    if got >= extent.length:
+                        view[: extent.length] = scratch[: extent.length]
         except OSError:
             log.exception("NVMe tier: reading %d bytes of segment %d failed", extent.length, extent.segment)
             return -1

@@ -19,7 +19,7 @@ import redis
 from cachestore.background import BackgroundLoop
 from cachestore.codec import ChunkError, decode
 from cachestore.dram import MooncakeTier
-from cachestore.nvme import NvmeStore
+from cachestore.nvme import NvmeStore, read_size
 from indexer.index import Location, PrefixIndex
 from indexer.keys import KEY_BYTES
 
@@ -90,7 +90,7 @@ class Promoter(BackgroundLoop):
         candidates = [k for k in keys if k in entries and sizes[k] > 0]
         done: set[bytes] = set()
         while candidates:
-            slots = self.dram.arena.alloc_batch([sizes[k] for k in candidates])
+            slots = self.dram.arena.alloc_batch([read_size(sizes[k]) for k in candidates])  # O_DIRECT, no bounce
             taken = candidates[: len(slots)]
             try:
                 done |= self._promote_batch(taken, slots, entries)

@@ -124,7 +124,10 @@ class WriteBehind(BackgroundLoop):
         stored = self.nvme.put([(e.key, view) for e, view in good]) if good else []
         persisted = [e for (e, _), ok in zip(good, stored, strict=True) if ok]
         if persisted:
-            self.index.add_location([e.key for e in persisted], self.nvme_location)
+            gone = set(self.index.add_location([e.key for e in persisted], self.nvme_location))
+            if gone:  # evicted while being copied: leave no NVMe bytes the index does not know of
+                self.nvme.delete(list(gone))
+                persisted = [e for e in persisted if e.key not in gone]
         now = time.time()
         for entry in persisted:
             self.stats.note_delay(now - entry.created_s)
