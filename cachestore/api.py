@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
-from fastapi import FastAPI, Response
-from pydantic import BaseModel
+from fastapi import APIRouter, Depends, FastAPI, Response
+from pydantic import BaseModel, Field
 
+from cachestore.admin_api import install_error_handlers
+from cachestore.admin_models import TierUse
+from cachestore.auth import AccessPolicy, install_access_policy, require_reader
+from indexer.index import Tier
 from indexer.redis_index import redact_url
 
 
@@ -60,6 +64,40 @@ class WriteBehindStats(BaseModel):
     delay_max_s: float
 
 
+class ClientUse(BaseModel):
+    """What clients (connectors, warm-up jobs) attached to this node recorded: lookups, hits, tokens, fetches."""
+
+    lookups: int
+    hits: int = Field(description="lookups that matched at least one token")
+    misses: int
+    requested_tokens: int
+    matched_tokens: int = Field(description="tokens served from the cache")
+    fetched_chunks: int
+    fetch_misses: int
+    corrupt_chunks: int
+    published_chunks: int
+    publish_failures: int
+
+
+class EvictionStats(BaseModel):
+    requested_chunks: int = Field(description="removed from every tier and the index through the API")
+    requested_bytes: int
+    nvme_capacity: int = Field(description="chunks the NVMe tier evicted to make room")
+    dram_demoted: int = Field(description="chunks moved out of DRAM above its watermark (kept on NVMe)")
+
+
+class QueueDepths(BaseModel):
+    promotion: int = Field(description="promotion requests waiting for this node")
+    write_behind: int = Field(description="feed events the write-behind has not handled yet")
+
+
+class NamespaceStats(BaseModel):
+    chunks: int
+    bytes: int
+    tiers: dict[Tier, TierUse] = Field(description="copies per tier, over all nodes")
+    clients: ClientUse
+
+
 class Stats(BaseModel):
     node: str
     dram: TierStats
@@ -68,17 +106,32 @@ class Stats(BaseModel):
     promoted: int
     promotion_failures: int
     demoted: int
+    evictions: EvictionStats
+    corrupt_chunks: int = Field(description="found by the write-behind, promotions and clients; each was deleted")
+    queues: QueueDepths
+    clients: ClientUse
+    namespaces: dict[str, NamespaceStats]
 
 
 HealthProbe = Callable[[], ComponentHealth]
 
 
-def create_app(config: ClientConfig, probes: dict[str, HealthProbe], stats: Callable[[], Stats]) -> FastAPI:
+def create_app(
+    config: ClientConfig,
+    probes: dict[str, HealthProbe],
+    stats: Callable[[], Stats],
+    *,
+    routers: Sequence[APIRouter] = (),
+    access: AccessPolicy | None = None,
+) -> FastAPI:
+    """The API: health and config (always open), stats, and the given routers (which declare their auth)."""
     app = FastAPI(
         title="prefixcache",
         summary="Persistent prefix KV cache for vLLM: inspect, evict and pin cached prefixes.",
         version="0.1.0",
     )
+    install_access_policy(app, access or AccessPolicy())
+    install_error_handlers(app)
 
     @app.get("/v1/health", response_model=Health, responses={503: {"model": Health}})
     def health(response: Response) -> Health:
@@ -88,7 +141,7 @@ def create_app(config: ClientConfig, probes: dict[str, HealthProbe], stats: Call
         response.status_code = 200 if ready else 503
         return Health(status="ready" if ready else "unavailable", components=components)
 
-    @app.get("/v1/stats", response_model=Stats)
+    @app.get("/v1/stats", response_model=Stats, dependencies=[Depends(require_reader)])
     def node_stats() -> Stats:
         """This node's tiers and background services."""
         return stats()
@@ -98,6 +151,8 @@ def create_app(config: ClientConfig, probes: dict[str, HealthProbe], stats: Call
         """Addresses and settings a client attaches with."""
         return config
 
+    for router in routers:
+        app.include_router(router)
     return app
 
 

@@ -10,6 +10,9 @@ import typer
 from rich.console import Console
 from rich.logging import RichHandler
 
+from cachestore.admin_cli import register_admin_commands
+from cachestore.warmup.command import CONTEXT as WARMUP_CONTEXT
+from cachestore.warmup.command import warmup
 from indexer.errors import PrefixCacheError
 
 app = typer.Typer(help="prefixcache: a persistent prefix KV cache for vLLM.", no_args_is_help=True)
@@ -44,6 +47,9 @@ def serve(
     mooncake_protocol: Annotated[Optional[str], typer.Option(help="tcp or rdma [default: tcp]")] = None,  # noqa: UP045
     mooncake_device_names: Annotated[Optional[str], typer.Option(help="RDMA NICs, e.g. mlx5_0")] = None,  # noqa: UP045
     mooncake_host: Annotated[Optional[str], typer.Option(help="this node's address in the pool")] = None,  # noqa: UP045
+    admin_token: Annotated[Optional[str], typer.Option(help="bearer token admin calls need")] = None,  # noqa: UP045
+    open_reads: Annotated[Optional[bool], typer.Option("--open-reads", help="reads need no token")] = None,  # noqa: UP045
+    kv_events_endpoint: Annotated[Optional[str], typer.Option(help="KV events: ZMQ tcp://*:PORT")] = None,  # noqa: UP045
 ) -> None:
     """Run this node's daemon. With no --redis-url it starts its own redis-server under the data dir."""
     from cachestore.daemon import NodeDaemon
@@ -54,10 +60,38 @@ def serve(
         redis_port=redis_port, key_prefix=key_prefix, chunk_tokens=chunk_tokens, dram_bytes=dram_bytes,
         nvme_bytes=nvme_bytes, nvme_dir=nvme_dir, mooncake_master=mooncake_master,
         mooncake_metadata_url=mooncake_metadata_url, mooncake_protocol=mooncake_protocol,
-        mooncake_device_names=mooncake_device_names, mooncake_host=mooncake_host,
+        mooncake_device_names=mooncake_device_names, mooncake_host=mooncake_host, admin_token=admin_token,
+        open_reads=open_reads,
+        kv_events_endpoint=kv_events_endpoint,
     )  # fmt: skip
     with _clear_errors():
         NodeDaemon(load_settings(flags, config)).serve()
+
+
+@app.command()
+def proxy(
+    prefill: Annotated[list[str], typer.Option(help="prefill instance URL (repeat, or comma-separated)")],
+    decode: Annotated[list[str], typer.Option(help="decode instance URL (repeat, or comma-separated)")],
+    host: Annotated[Optional[str], typer.Option(help="bind address [default: 127.0.0.1]")] = None,  # noqa: UP045
+    port: Annotated[Optional[int], typer.Option(help="port [default: 8000]")] = None,  # noqa: UP045
+    routing: Annotated[Optional[str], typer.Option(help="round-robin or cache-aware [default: round-robin]")] = None,  # noqa: UP045
+    service_url: Annotated[Optional[str], typer.Option(help="a prefixcache daemon, for cache-aware routing")] = None,  # noqa: UP045
+    timeout_s: Annotated[Optional[float], typer.Option(help="longest request to an instance [default: 600]")] = None,  # noqa: UP045
+) -> None:
+    """OpenAI-compatible front for disaggregated prefill: each request is prefilled on a prefill instance,
+    which publishes the prompt's KV, then generated on a decode instance, which loads it from the store."""
+    from cachestore.proxy import ProxySettings, serve
+
+    flags = dict(prefill=prefill, decode=decode, host=host, port=port, routing=routing, service_url=service_url,
+                 timeout_s=timeout_s)  # fmt: skip
+    with _clear_errors():
+        serve(ProxySettings.parse(flags))
+
+
+app.command(context_settings=WARMUP_CONTEXT)(warmup)
+
+
+register_admin_commands(app)
 
 
 class _clear_errors:

@@ -13,6 +13,7 @@ slots and returns views of the verified payloads.
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import httpx
 import redis
 
 from cachestore.api import ClientConfig
+from cachestore.client_stats import ClientStatsRecorder
 from cachestore.codec import ChunkError, ChunkMeta, decode, write_header
 from cachestore.dram import MooncakeTier
 from cachestore.promotion import request_promotion
@@ -72,6 +74,7 @@ class CacheClient:
         self.index = RedisIndex(redis_url, key_prefix=config.key_prefix)
         self._redis = redis.Redis.from_url(self.index.url, socket_timeout=promote_timeout_s + 1)
         self._prefix = config.key_prefix + ":"
+        self.recorder = ClientStatsRecorder(self._redis, self._prefix, config.node)  # the daemon reports these
         self._promote_timeout_s = promote_timeout_s
         self.dram = MooncakeTier(config.mooncake.shm_address, arena_bytes=arena_bytes, object_prefix=config.key_prefix,
                                  preferred_segment=config.mooncake.segment)  # fmt: skip
@@ -91,12 +94,16 @@ class CacheClient:
     def lookup(self, query: PrefixQuery) -> PrefixMatch:
         """Longest cached prefix; an unreachable index is a miss."""
         self.stats.lookups += 1
+        started = time.perf_counter()
         try:
-            return self.index.lookup(query)
+            match = self.index.lookup(query)
         except IndexUnavailableError as exc:
             self.stats.lookup_errors += 1
             log.debug("lookup missed: %s", exc)
-            return PrefixMatch(keys=[], chunk_tokens=query.chunk_tokens)
+            match = PrefixMatch(keys=[], chunk_tokens=query.chunk_tokens)
+        self.recorder.record_lookup(self.spec.digest, query.num_tokens, match.matched_tokens,
+                                    time.perf_counter() - started)  # fmt: skip
+        return match
 
     def stage(self, meta: ChunkMeta) -> memoryview:
         """An arena slot for one encoded object; write the payload at ``meta.payload_offset``."""
@@ -112,6 +119,7 @@ class CacheClient:
         """Store each (meta, slot holding its payload) in DRAM, then register what was stored."""
         if not chunks:
             return []
+        started = time.perf_counter()
         objects = [(meta.key, slot[: write_header(slot, meta)]) for meta, slot in chunks]
         stored = self.dram.put(objects, soft_pin_s=UNPERSISTED_PROTECTION_S)
         records = [
@@ -126,6 +134,8 @@ class CacheClient:
             stored = [False] * len(chunks)
         self.stats.published += sum(stored)
         self.stats.publish_failures += len(chunks) - sum(stored)
+        self.recorder.record_publish(self.spec.digest, sum(stored), len(chunks) - sum(stored),
+                                     time.perf_counter() - started)  # fmt: skip
         return stored
 
     def fetch(self, keys: Sequence[bytes], slots: Sequence[memoryview]) -> list[memoryview | None]:
@@ -134,6 +144,7 @@ class CacheClient:
         A chunk missing from DRAM, or whose DRAM copy fails verification (and is deleted), is promoted
         from the NVMe tier of a node that holds it, then read and verified again.
         """
+        started, corrupt_before = time.perf_counter(), self.stats.corrupt
         sizes = self.dram.get_into(keys, slots)
         out = [self._verified(key, slot, size) for key, slot, size in zip(keys, slots, sizes, strict=True)]
         again = [i for i, view in enumerate(out) if view is None]
@@ -141,8 +152,11 @@ class CacheClient:
             retried = self._promote_and_retry([keys[i] for i in again], [slots[i] for i in again])
             for i, size in zip(again, retried, strict=True):
                 out[i] = self._verified(keys[i], slots[i], size)
-        self.stats.fetched += sum(1 for v in out if v is not None)
-        self.stats.missing += sum(1 for v in out if v is None)
+        fetched = sum(1 for v in out if v is not None)
+        self.stats.fetched += fetched
+        self.stats.missing += len(out) - fetched
+        self.recorder.record_fetch(self.spec.digest, fetched, len(out) - fetched, self.stats.corrupt - corrupt_before,
+                                   time.perf_counter() - started)  # fmt: skip
         return out
 
     def _promote_and_retry(self, keys: list[bytes], slots: list[memoryview]) -> list[int]:
@@ -195,6 +209,7 @@ class CacheClient:
             pass
 
     def close(self) -> None:
+        self.recorder.close()
         self.dram.close()
         self.index.close()
         self._redis.close()

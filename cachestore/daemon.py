@@ -19,18 +19,27 @@ from pathlib import Path
 import redis
 import uvicorn
 
+from cachestore.admin_api import admin_routers
+from cachestore.admin_service import CacheAdmin
 from cachestore.api import (
     ClientConfig,
     ComponentHealth,
+    EvictionStats,
     MooncakeConfig,
+    QueueDepths,
     Stats,
     TierStats,
     WriteBehindStats,
     create_app,
     public_redis_url,
 )
+from cachestore.auth import AccessPolicy
+from cachestore.client_stats import ClientTotals, read_client_stats
 from cachestore.demotion import Demoter
 from cachestore.dram import MooncakeTier
+from cachestore.eviction import Evictor
+from cachestore.kv_events import KvEventPublisher
+from cachestore.metrics import metrics_router
 from cachestore.mooncake_servers import MooncakeMaster, SegmentOwner
 from cachestore.nvme import NvmeStore
 from cachestore.processes import port_open
@@ -38,9 +47,14 @@ from cachestore.promotion import Promoter
 from cachestore.reconcile import reconcile
 from cachestore.redis_server import EmbeddedRedis
 from cachestore.settings import NVME_SEGMENT_BYTES, Settings
+from cachestore.stats_report import all_clients, namespace_stats
+from cachestore.warmup.api import warmup_router
+from cachestore.warmup.jobs import WarmupJobs, local_url
+from cachestore.write_behind import GROUP as WRITE_BEHIND_GROUP
 from cachestore.write_behind import WriteBehind
 from indexer.errors import IndexUnavailableError
 from indexer.index import Location
+from indexer.leases import Leases
 from indexer.redis_index import RedisIndex
 
 log = logging.getLogger("prefixcache.daemon")
@@ -64,14 +78,19 @@ class NodeDaemon:
         self.write_behind: WriteBehind
         self.promoter: Promoter
         self.demoter: Demoter
+        self.leases: Leases
+        self.evictor: Evictor
+        self.admin: CacheAdmin
+        self.nvme_evicted = 0
+        self.warmup_jobs: WarmupJobs
 
     def start(self) -> None:
         s = self.settings
         self._start_index()
+        self.leases = Leases(redis.Redis.from_url(self.index.url), s.key_prefix)
         self._start_mooncake()
-        self.nvme = NvmeStore(
-            s.nvme_path, s.nvme_bytes, segment_bytes=NVME_SEGMENT_BYTES, is_pinned=self._pinned, on_evict=self._evicted
-        )
+        self.nvme = NvmeStore(s.nvme_path, s.nvme_bytes, segment_bytes=NVME_SEGMENT_BYTES,
+                              is_pinned=self._protected, on_evict=self._evicted)  # fmt: skip
         self._stack.callback(self.nvme.close)
         # The segment owner starts empty every time, so DRAM locations naming this node are stale.
         reconcile(self.index, self.nvme, s.node, dram_is_new=True)
@@ -79,13 +98,23 @@ class NodeDaemon:
         self.promoter = Promoter(
             redis.Redis.from_url(self.index.url), s.key_prefix + ":", self.index, self.dram, self.nvme, s.node
         )
-        self.demoter = Demoter(
-            self.index, self.dram, self.write_behind, s.node, s.dram_high_watermark, s.dram_low_watermark
-        )
+        self.demoter = Demoter(self.index, self.dram, self.write_behind, s.node, self._protected,
+                               s.dram_high_watermark, s.dram_low_watermark)  # fmt: skip
         self.write_behind.on_persisted = self.demoter.poke
         for service in (self.write_behind, self.promoter, self.demoter):
             service.start()
             self._stack.callback(service.stop)
+        if s.kv_events_endpoint:
+            events = KvEventPublisher(self.index.url, s.key_prefix, s.node, s.kv_events_endpoint, s.kv_events_topic,
+                                      block_size=s.chunk_tokens)  # fmt: skip
+            events.start()
+            self._stack.callback(events.stop)
+            log.info("publishing KV events on %s", s.kv_events_endpoint)
+        self.evictor = Evictor(self.index, self.dram, self.nvme, s.node)
+        self.admin = CacheAdmin(self.index, self.evictor)
+        self.warmup_jobs = WarmupJobs(s.data_dir / "warmup" / "jobs", local_url(s.host, s.port), s.data_dir / "warmup")
+        self.warmup_jobs.start()
+        self._stack.callback(self.warmup_jobs.stop)
 
     def _start_index(self) -> None:
         s = self.settings
@@ -148,14 +177,17 @@ class NodeDaemon:
             self.dram.arena.free(slot)
         log.info("DRAM segment warmed in %.1fs", time.monotonic() - started)
 
-    def _pinned(self, keys: Sequence[bytes]) -> list[bool]:
+    def _protected(self, keys: Sequence[bytes]) -> list[bool]:
+        """Chunks capacity pressure must not move: pinned by an operator, or leased to a scheduler."""
         now = time.time()
         try:
-            return [e is not None and e.pinned(now) for e in self.index.get(keys)]
+            pinned = [e is not None and e.pinned(now) for e in self.index.get(keys)]
+            return [p or leased for p, leased in zip(pinned, self.leases.held(keys, now), strict=True)]
         except IndexUnavailableError:
-            return [True] * len(keys)  # cannot tell: evict nothing rather than a pinned chunk
+            return [True] * len(keys)  # cannot tell: move nothing rather than a protected chunk
 
     def _evicted(self, keys: list[bytes]) -> None:
+        self.nvme_evicted += len(keys)
         self.index.drop_location(keys, Location("nvme", self.settings.node))
 
     def stop(self) -> None:
@@ -175,10 +207,13 @@ class NodeDaemon:
 
     def stats(self) -> Stats:
         dram, nvme, wb = self.dram.usage(), self.nvme.usage(), self.write_behind.stats
+        client_totals = self.client_totals()
+        clients = all_clients(client_totals)
         delays = sorted(wb.delays_s) or [0.0]
         return Stats(
             node=self.settings.node,
-            dram=TierStats(bytes_used=dram.bytes_used, capacity_bytes=dram.capacity_bytes),
+            dram=TierStats(bytes_used=dram.bytes_used, capacity_bytes=dram.capacity_bytes,
+                           chunks=len(self.write_behind.resident)),
             nvme=TierStats(bytes_used=nvme.bytes_used, capacity_bytes=nvme.capacity_bytes, chunks=nvme.chunks),
             write_behind=WriteBehindStats(
                 persisted=wb.persisted, corrupt=wb.corrupt, vanished=wb.vanished,
@@ -186,7 +221,18 @@ class NodeDaemon:
                 delay_max_s=wb.max_delay_s,
             ),
             promoted=self.promoter.promoted, promotion_failures=self.promoter.failed, demoted=self.demoter.demoted,
+            evictions=EvictionStats(requested_chunks=self.evictor.evicted_chunks,
+                                    requested_bytes=self.evictor.evicted_bytes, nvme_capacity=self.nvme_evicted,
+                                    dram_demoted=self.demoter.demoted),
+            corrupt_chunks=wb.corrupt + clients.corrupt_chunks,
+            queues=QueueDepths(promotion=self.promoter.client.llen(self.promoter.queue),
+                               write_behind=self.index.feed_backlog(self.settings.node, WRITE_BEHIND_GROUP)),
+            clients=clients, namespaces=namespace_stats(self.index.usage(), client_totals),
         )  # fmt: skip
+
+    def client_totals(self) -> dict[bytes, ClientTotals]:
+        """What clients attached to this node recorded, per namespace."""
+        return read_client_stats(self.promoter.client, self.settings.key_prefix + ":", self.settings.node)
 
     def probes(self) -> dict[str, Callable[[], ComponentHealth]]:
         return {"redis": self._index_health, "mooncake_master": self._master_health, "dram": self._dram_health,
@@ -236,8 +282,14 @@ class NodeDaemon:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         try:
             self.start()
-            app = create_app(self.client_config(), self.probes(), self.stats)
             s = self.settings
+            routers = [*admin_routers(self.admin), metrics_router(self.stats, self.client_totals),
+                       warmup_router(self.warmup_jobs)]  # fmt: skip
+            app = create_app(self.client_config(), self.probes(), self.stats, routers=routers,
+                             access=AccessPolicy(admin_token=s.admin_token, open_reads=s.open_reads))  # fmt: skip
+            if s.admin_token is None and s.host not in ("127.0.0.1", "localhost", "::1"):
+                log.warning("no admin token: anyone who reaches %s:%d can evict and pin (set PREFIXCACHE_ADMIN_TOKEN)",
+                            s.host, s.port)  # fmt: skip
             log.info("prefixcache serving on http://%s:%d (node %s)", s.host, s.port, s.node)
             uvicorn.run(app, host=s.host, port=s.port, log_level="warning")
         finally:

@@ -1,6 +1,7 @@
 """DRAM watermarks: above the high mark, the least recently used persisted chunks leave DRAM.
 
-Demotion keeps the NVMe copy (only chunks already persisted are candidates), skips pinned chunks,
+Demotion keeps the NVMe copy (only chunks already persisted are candidates), skips protected chunks
+(pinned by an operator or leased to a scheduler that promised to load them),
 and drops the ``dram@node`` location in the same step as the Mooncake object, so the index always
 says where a chunk is. The master's own eviction is set higher (95%) as a backstop; normally this
 acts first, which is what keeps its evictions, which the index would not hear of, rare.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
+from collections.abc import Callable, Sequence
 
 from cachestore.background import BackgroundLoop
 from cachestore.dram import MooncakeTier
@@ -25,11 +26,13 @@ class Demoter(BackgroundLoop):
     name = "prefixcache-demoter"
 
     def __init__(self, index: PrefixIndex, dram: MooncakeTier, write_behind: WriteBehind, node: str,
-                 high: float = 0.85, low: float = 0.70, interval_s: float = 0.1) -> None:  # fmt: skip
+                 is_protected: Callable[[Sequence[bytes]], list[bool]], high: float = 0.85, low: float = 0.70,
+                 interval_s: float = 0.1) -> None:  # fmt: skip
         super().__init__()
         self.index = index
         self.dram = dram
         self.write_behind = write_behind
+        self.is_protected = is_protected
         self.dram_location = Location("dram", node)
         self.nvme_location = Location("nvme", node)
         self.high, self.low = high, low
@@ -52,11 +55,9 @@ class Demoter(BackgroundLoop):
             return 0
         excess = usage.bytes_used - self.low * usage.capacity_bytes
         keys = self.write_behind.resident_oldest(CANDIDATES_PER_ROUND)
-        now = time.time()
-        entries = [
-            e for e in self.index.get(keys)
-            if e is not None and self.nvme_location in e.locations and not e.pinned(now)
-        ]  # fmt: skip
+        persisted = [e for e in self.index.get(keys) if e is not None and self.nvme_location in e.locations]
+        protected = self.is_protected([e.key for e in persisted])
+        entries = [e for e, keep in zip(persisted, protected, strict=True) if not keep]
         victims, freed = [], 0
         for entry in sorted(entries, key=lambda e: e.last_access_s):
             if freed >= excess:

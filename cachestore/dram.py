@@ -9,6 +9,7 @@ waiting for an RPC timeout, and Mooncake reconnects by itself when the master is
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -62,6 +63,9 @@ class MooncakeTier:
         if not base or self._store.register_buffer(base, arena_bytes) != 0:
             self.close()
             raise TierUnavailableError(f"cannot allocate and register a {arena_bytes}-byte shared-memory arena")
+        # Touch every page now: a fresh shared-memory page faults on first use, which would cap the first
+        # loads through each part of the arena near 2 GB/s (about 0.1 s per 512 MiB here, once).
+        ctypes.memset(base, 0, arena_bytes)
         self.arena = Arena(base, arena_bytes)
         self._prefix = object_prefix + ":"
         self._config = ReplicateConfig()
@@ -157,6 +161,16 @@ class MooncakeTier:
             return 0
         codes = self._store.batch_remove([self._name(k) for k in keys], True)
         return sum(1 for code in codes if code == OK)
+
+    def remove(self, keys: Sequence[bytes]) -> list[bool]:
+        """Remove objects from the pool, wherever they are; per key, whether it is gone now (removed or
+        absent). False while Mooncake is unreachable: the caller must go on saying the copy exists."""
+        if not keys or not self._usable():
+            return [False] * len(keys)
+        codes = self._store.batch_remove([self._name(k) for k in keys], True)
+        for code in codes:
+            self._note(code)
+        return [code in (OK, MISS) for code in codes]
 
     def usage(self) -> TierUsage:
         """This node's segment as the master reports it (zeros when the master's metrics are unreachable)."""

@@ -13,7 +13,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import ByteSize, Field, ValidationError, field_validator, model_validator
+from pydantic import ByteSize, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from indexer.chunking import DEFAULT_CHUNK_TOKENS, MAX_CHUNK_TOKENS
@@ -61,6 +61,14 @@ class Settings(BaseSettings):
     )
     segment_port: int | None = Field(default=None, ge=1, le=65535, description="names this node's segment [port+3]")
     master_port: int | None = Field(default=None, ge=1, le=65535, description="embedded master RPC [port+4]")
+    admin_token: SecretStr | None = Field(
+        default=None, description="bearer token mutating (and, unless open_reads, reading) calls need"
+    )
+    open_reads: bool = Field(default=False, description="read-only endpoints answer without the admin token")
+    kv_events_endpoint: str | None = Field(
+        default=None, description="ZMQ PUB endpoint for vLLM-format KV events, e.g. tcp://*:5557; unset: off"
+    )
+    kv_events_topic: str = Field(default="", description="topic frame of every KV-event message")
 
     @field_validator("redis_url")
     @classmethod
@@ -68,6 +76,13 @@ class Settings(BaseSettings):
         if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"must start with redis://, rediss:// or unix:// (got {redact_url(url)!r})")
         return url
+
+    @field_validator("admin_token")
+    @classmethod
+    def _long_enough(cls, token: SecretStr | None) -> SecretStr | None:
+        if token is not None and len(token.get_secret_value()) < 16:
+            raise ValueError("must be at least 16 characters (a guessable token is no protection)")
+        return token
 
     @field_validator("mooncake_master")
     @classmethod
@@ -77,6 +92,17 @@ class Settings(BaseSettings):
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"must look like host:port (got {address!r})")
         return address
+
+    @field_validator("kv_events_endpoint")
+    @classmethod
+    def _zmq_endpoint(cls, endpoint: str | None) -> str | None:
+        if endpoint is not None:
+            scheme, sep, address = endpoint.partition("://")
+            host, _, port = address.rpartition(":")
+            tcp_ok = bool(host) and port.isdigit() and 0 < int(port) < 65536
+            if not sep or scheme not in ("tcp", "ipc") or not address or (scheme == "tcp" and not tcp_ok):
+                raise ValueError(f"must look like tcp://HOST:PORT, tcp://*:PORT or ipc://PATH (got {endpoint!r})")
+        return endpoint
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
@@ -156,7 +182,7 @@ def load_settings(flags: dict[str, Any], config_file: Path | None = None) -> Set
 
 
 #: Fields whose values may carry credentials: never echoed in errors.
-_SECRET_FIELDS = frozenset({"redis_url"})
+_SECRET_FIELDS = frozenset({"redis_url", "admin_token"})
 
 
 def _describe(exc: ValidationError, config_file: Path | None) -> str:

@@ -9,10 +9,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
 from cachestore.client import CacheClient
 from indexer.index import Location
 from indexer.keys import prompt_query
+from indexer.leases import Leases
 from tests.daemon_harness import Daemon, fetch_payloads, make_spec, publish_prompt
 
 NVME = Location("nvme", "node-a")
@@ -156,17 +158,23 @@ def test_two_writers_of_one_chunk_leave_one_copy_and_one_entry(daemon, client):
 
 
 def test_dram_over_capacity_demotes_and_every_chunk_still_hits(tmp_path):
+    """Demotion keeps DRAM under its mark, never loses a chunk, and leaves leased chunks (the oldest here) alone."""
     daemon = Daemon(tmp_path / "data", dram="128MiB", nvme="1GiB").start()
     client = connect(daemon)
+    leases = Leases(redis.Redis.from_url(client.index.url), client.config.key_prefix)
     try:
         published = []
         for i in range(40):  # 40 prompts x 8 chunks x 1 MiB: 2.5x the DRAM segment
             published.append(publish_prompt(client, [i] * 64 + list(range(64 * 7)), seed=i, bytes_per_token=16384))
+            if i == 0:
+                leases.grant(published[0][0], ttl_s=600)  # as a scheduler does for chunks it promised
             wait_persisted(client, published[-1][0])
         entries = [e for keys, _ in published for e in client.index.get(keys)]
         assert all(e is not None and NVME in e.locations for e in entries)  # nothing was lost
         in_dram_mib = sum(e.size_bytes for e in entries if DRAM in e.locations) >> 20
         assert in_dram_mib <= 128 * 0.95, "demotion kept DRAM below the master's eviction mark"
+        assert all(DRAM in e.locations for e in client.index.get(published[0][0])), "a leased chunk was demoted"
+        assert any(DRAM not in e.locations for e in client.index.get(published[1][0])), "nothing was demoted"
         for keys, payloads in published[:3] + published[-3:]:  # demoted ones come back by promotion
             assert fetch_payloads(client, keys) == payloads
     finally:

@@ -1,0 +1,318 @@
+"""``prefixcache proxy``: disaggregated prefill through the store, behind one OpenAI-compatible address.
+
+Each request goes first to a prefill instance with ``max_tokens=1``: its connector (``kv_producer``)
+computes the prompt's KV and publishes it. The original request then goes to a decode instance,
+whose connector (``kv_consumer`` or ``kv_both``) finds the prefix in the store, loads it and computes
+only the rest. Any of X prefill instances can serve any of Y decode instances: the store is where
+they meet, so no instance needs to know another and the proxy never touches KV bytes.
+
+Routing is round robin, or cache-aware: the proxy asks the index how much of the prompt is already
+cached and skips the prefill step when a prefill could add nothing. Failures degrade, never break:
+a prefill instance that cannot be reached (or answers 5xx) is skipped and the decode instance
+prefills the prompt itself; a decode instance that cannot be reached is replaced by the next one;
+only when none answers does the client get an error, as an OpenAI-style JSON body with status 502.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from starlette.background import BackgroundTask
+
+from cachestore.client import fetch_config
+from cachestore.proxy_routing import (
+    InstancePool,
+    prefill_body,
+    prompt_token_ids,
+    publishable_tokens,
+    tokenize_body,
+)
+from indexer.chunking import ChunkGeometry
+from indexer.errors import ConfigError, IndexUnavailableError
+from indexer.keys import prompt_query
+from indexer.redis_index import RedisIndex, with_password
+
+log = logging.getLogger("prefixcache.proxy")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+#: How often the proxy re-checks the index while a prefill instance's chunks are being registered.
+PUBLISH_POLL_S = 0.01
+
+
+class ProxySettings(BaseModel):
+    """What ``prefixcache proxy`` runs with. Every URL is checked before anything starts."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prefill: list[str] = Field(min_length=1, description="prefill instances (vLLM with a kv_producer connector)")
+    decode: list[str] = Field(min_length=1, description="decode instances (vLLM with a kv_consumer/kv_both connector)")
+    host: str = Field(default="127.0.0.1", description="address the proxy binds to")
+    port: int = Field(default=8000, ge=1, le=65535)
+    routing: Literal["round-robin", "cache-aware"] = "round-robin"
+    service_url: str | None = Field(default=None, description="a prefixcache daemon (cache-aware routing)")
+    redis_password: str | None = Field(default=None, description="if the index needs one (never logged)")
+    timeout_s: float = Field(default=600.0, gt=0, description="longest a request to an instance may take")
+    publish_wait_s: float = Field(
+        default=2.0, ge=0, description="cache-aware: how long to wait for a prefill's chunks to appear in the index"
+    )
+    retry_after_s: float = Field(default=10.0, gt=0, description="a failed instance is tried last for this long")
+
+    @field_validator("prefill", "decode", mode="before")
+    @classmethod
+    def _split(cls, urls: object) -> object:
+        """``--prefill A,B`` and ``--prefill A --prefill B`` mean the same."""
+        if isinstance(urls, str):
+            urls = [urls]
+        if isinstance(urls, list):
+            return [u.strip() for url in urls for u in str(url).split(",") if u.strip()]
+        return urls
+
+    @field_validator("prefill", "decode", "service_url")
+    @classmethod
+    def _http_urls(cls, urls: list[str] | str | None) -> list[str] | str | None:
+        for url in [urls] if isinstance(urls, str) else urls or []:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+                raise ValueError(f"must look like http://HOST:PORT (got {url!r})")
+        if isinstance(urls, list):
+            return [u.rstrip("/") for u in urls]
+        return urls.rstrip("/") if urls else urls
+
+    @model_validator(mode="after")
+    def _cache_aware_needs_the_index(self) -> ProxySettings:
+        if self.routing == "cache-aware" and not self.service_url:
+            raise ValueError("routing cache-aware needs --service-url (a prefixcache daemon, for the index)")
+        return self
+
+    @classmethod
+    def parse(cls, values: dict[str, Any]) -> ProxySettings:
+        try:
+            return cls.model_validate({k: v for k, v in values.items() if v is not None})
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg'].removeprefix('Value error, ')}"
+                for e in exc.errors()
+            )
+            raise ConfigError(f"invalid proxy setting {problems}") from None
+
+
+@dataclass
+class ProxyStats:
+    requests: int = 0
+    prefilled: int = 0
+    prefill_skipped: int = 0  # cache-aware: the whole prefix was already in the store
+    prefill_failed: int = 0  # no prefill instance answered: the decode instance prefilled itself
+    decode_failed: int = 0  # no decode instance answered: the client got a 502
+
+
+class CachedPrefix:
+    """Cache-aware routing's view of the index: is a prompt's whole publishable prefix already stored?
+
+    The proxy does not know a decode instance's namespace (model fingerprint, KV layout...), only the
+    model name the client asked for, so it checks every namespace registered under that name.
+    """
+
+    def __init__(self, service_url: str, redis_password: str | None) -> None:
+        config = fetch_config(service_url)
+        url = with_password(config.redis_url, redis_password) if redis_password else config.redis_url
+        self.index = RedisIndex(url, key_prefix=config.key_prefix)
+
+    def complete(self, model: str, tokens: list[int], tenant_salt: str | None) -> bool:
+        try:
+            for spec in self.index.namespaces():
+                if spec.model != model or spec.tp_rank or spec.pp_rank:
+                    continue
+                query = prompt_query(spec.root(tenant_salt), ChunkGeometry(spec.chunk_tokens), tokens)
+                match = self.index.lookup(query)
+                if match.matched_tokens >= publishable_tokens(len(tokens), spec.chunk_tokens):
+                    return True
+        except IndexUnavailableError as exc:
+            log.debug("index unreachable, assuming a miss: %s", exc)
+        return False
+
+    def close(self) -> None:
+        self.index.close()
+
+
+class Proxy:
+    def __init__(self, settings: ProxySettings) -> None:
+        self.settings = settings
+        self.prefill = InstancePool(settings.prefill, settings.retry_after_s)
+        self.decode = InstancePool(settings.decode, settings.retry_after_s)
+        self.stats = ProxyStats()
+        self.cache = CachedPrefix(settings.service_url, settings.redis_password) if settings.service_url else None
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(settings.timeout_s, connect=5.0))
+
+    async def close(self) -> None:
+        await self.client.aclose()
+        if self.cache is not None:
+            self.cache.close()
+
+    async def generate(self, path: str, body: dict[str, Any]) -> Response:
+        self.stats.requests += 1
+        decode_order = self.decode.order()
+        tokens = await self._prompt_tokens(path, body, decode_order[0])
+        aware = self.settings.routing == "cache-aware" and tokens is not None and "model" in body
+        if aware and await self._cached(body, tokens):
+            self.stats.prefill_skipped += 1
+        else:
+            error = await self._prefill(path, body)
+            if error is not None:
+                return error
+            if aware and self.settings.publish_wait_s > 0:
+                await self._wait_published(body, tokens)
+        return await self._decode(path, body, decode_order)
+
+    async def _prompt_tokens(self, path: str, body: dict[str, Any], decode_url: str) -> list[int] | None:
+        """The prompt's token ids, asking the decode instance's tokenizer when the request has text."""
+        if self.settings.routing != "cache-aware":
+            return None
+        tokens = prompt_token_ids(path, body)
+        request = tokenize_body(path, body) if tokens is None else None
+        if request is not None:
+            try:
+                response = await self.client.post(decode_url + "/tokenize", json=request)
+                if response.status_code == 200:
+                    tokens = response.json().get("tokens")
+            except httpx.HTTPError as exc:
+                log.debug("tokenize at %s failed: %s", decode_url, exc)
+        return tokens or None
+
+    async def _cached(self, body: dict[str, Any], tokens: list[int]) -> bool:
+        assert self.cache is not None
+        return await asyncio.to_thread(self.cache.complete, body["model"], tokens, body.get("cache_salt"))
+
+    async def _wait_published(self, body: dict[str, Any], tokens: list[int]) -> None:
+        """A prefill instance registers its chunks just after it answers; the decode instance should find them."""
+        deadline = asyncio.get_running_loop().time() + self.settings.publish_wait_s
+        while not await self._cached(body, tokens) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(PUBLISH_POLL_S)
+
+    async def _prefill(self, path: str, body: dict[str, Any]) -> Response | None:
+        """Run the prompt on a prefill instance. Returns an error response only for the client's own mistakes
+        (4xx: the decode instance would refuse the request too); an instance failure just skips the step."""
+        request = prefill_body(body)
+        for url in self.prefill.order():
+            try:
+                response = await self.client.post(url + path, json=request)
+            except httpx.HTTPError as exc:
+                log.warning("prefill instance %s failed (%s); trying the next", url, exc)
+                self.prefill.failed(url)
+                continue
+            if response.status_code < 400:
+                self.prefill.succeeded(url)
+                self.stats.prefilled += 1
+                return None
+            if response.status_code < 500:
+                return _relay(response)
+            log.warning("prefill instance %s answered %d; trying the next", url, response.status_code)
+            self.prefill.failed(url)
+        self.stats.prefill_failed += 1
+        log.warning("no prefill instance answered: the decode instance prefills the prompt itself")
+        return None
+
+    async def _decode(self, path: str, body: dict[str, Any], order: list[str]) -> Response:
+        stream = bool(body.get("stream"))
+        for url in order:
+            request = self.client.build_request("POST", url + path, json=body)
+            try:
+                response = await self.client.send(request, stream=stream)
+            except httpx.HTTPError as exc:
+                log.warning("decode instance %s failed (%s); trying the next", url, exc)
+                self.decode.failed(url)
+                continue
+            self.decode.succeeded(url)
+            if not stream:
+                return _relay(response)
+            if response.status_code >= 400:
+                await response.aread()
+                await response.aclose()
+                return _relay(response)
+            return StreamingResponse(
+                _relay_stream(response, url), status_code=response.status_code,
+                media_type=response.headers.get("content-type", "text/event-stream"),
+                background=BackgroundTask(response.aclose),
+            )  # fmt: skip
+        self.stats.decode_failed += 1
+        return error_response(502, f"no decode instance answered (tried {', '.join(order)})", "BadGateway")
+
+    async def forward_get(self, path: str) -> Response:
+        for url in self.decode.order():
+            try:
+                return _relay(await self.client.get(url + path))
+            except httpx.HTTPError:
+                self.decode.failed(url)
+        return error_response(502, "no decode instance answered", "BadGateway")
+
+
+def _relay(response: httpx.Response) -> Response:
+    return Response(response.content, status_code=response.status_code,
+                    media_type=response.headers.get("content-type", "application/json"))  # fmt: skip
+
+
+async def _relay_stream(response: httpx.Response, url: str):
+    """The decode instance's server-sent events as they come; a broken stream ends with an error event."""
+    try:
+        async for chunk in response.aiter_raw():
+            yield chunk
+    except httpx.HTTPError as exc:
+        log.warning("decode instance %s broke off a stream: %s", url, exc)
+        message = {"error": {"message": f"decode instance broke off the stream: {exc}", "type": "BadGateway",
+                             "code": 502}}  # fmt: skip
+        yield f"data: {json.dumps(message)}\n\n".encode()
+
+
+def error_response(status: int, message: str, kind: str) -> JSONResponse:
+    """An error as vLLM and OpenAI shape it, so clients' error handling works unchanged."""
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}}, status)
+
+
+def create_app(settings: ProxySettings) -> FastAPI:
+    proxy = Proxy(settings)
+    app = FastAPI(title="prefixcache proxy", summary="Disaggregated prefill through the prefixcache store.")
+    app.router.add_event_handler("shutdown", proxy.close)
+    app.state.proxy = proxy
+
+    async def generation(request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except ValueError as exc:
+            return error_response(400, f"request body is not valid JSON: {exc}", "BadRequestError")
+        if not isinstance(body, dict):
+            return error_response(400, "request body must be a JSON object", "BadRequestError")
+        return await proxy.generate(request.url.path, body)
+
+    for path in GENERATION_PATHS:
+        app.add_api_route(path, generation, methods=["POST"])
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return await proxy.forward_get("/v1/models")
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        """The proxy is up; instances that failed recently are listed (requests still go around them)."""
+        return {"status": "ok", "prefill_down": proxy.prefill.down(), "decode_down": proxy.decode.down()}
+
+    @app.get("/proxy/stats")
+    async def stats() -> dict[str, int]:
+        return asdict(proxy.stats)
+
+    return app
+
+
+def serve(settings: ProxySettings) -> None:
+    import uvicorn
+
+    app = create_app(settings)
+    log.info("prefixcache proxy on http://%s:%d: prefill %s, decode %s, routing %s", settings.host, settings.port,
+             ", ".join(settings.prefill), ", ".join(settings.decode), settings.routing)  # fmt: skip
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")

@@ -1,0 +1,34 @@
+"""``/v1/stats`` sections built from the index's usage counters and the clients' recorded totals."""
+
+from __future__ import annotations
+
+from cachestore.admin_models import tier_use
+from cachestore.api import ClientUse, NamespaceStats
+from cachestore.client_stats import ClientTotals
+from indexer.index import NamespaceUsage
+
+
+def client_use(total: ClientTotals) -> ClientUse:
+    return ClientUse(**total.counters)
+
+
+def all_clients(totals: dict[bytes, ClientTotals]) -> ClientUse:
+    overall = ClientTotals()
+    for total in totals.values():
+        overall.add(total)
+    return client_use(overall)
+
+
+def namespace_stats(
+    usage: dict[bytes, NamespaceUsage], clients: dict[bytes, ClientTotals]
+) -> dict[str, NamespaceStats]:
+    """Per namespace digest (hex): what it holds, and what clients did with it."""
+    out = {}
+    for ns in sorted(usage.keys() | clients.keys()):
+        held = usage.get(ns)
+        out[ns.hex()] = NamespaceStats(
+            chunks=held.entries.chunks if held else 0, bytes=held.entries.bytes if held else 0,
+            tiers=tier_use(held),
+            clients=client_use(clients.get(ns) or ClientTotals()),
+        )  # fmt: skip
+    return out

@@ -1,0 +1,110 @@
+"""``prefixcache warmup``: the command line of a warm-up run (registered in ``cachestore.cli``).
+
+Options it does not know are vLLM engine options, parsed by vLLM's own ``vllm serve`` parser (put
+them after ``--`` to be explicit). Exit codes: 0 done (or stopped by ``--max-prompts``), 1 some
+prompts' chunks never reached the index (a rerun retries them), 2 bad input or settings, 130
+interrupted (SIGINT or SIGTERM; a rerun resumes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+
+from indexer.errors import ConfigError
+
+CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
+#: The daemon hands a job's tenant salt over in the environment, never in argv (visible to every user).
+TENANT_ENV = "PREFIXCACHE_WARMUP_TENANT"
+EXIT_CODES = {"finished": 0, "nothing_to_do": 0, "stopped": 0, "incomplete": 1, "interrupted": 130}
+
+
+def warmup(
+    ctx: typer.Context,
+    corpus: Annotated[Path, typer.Argument(help="JSONL file (prompt or token_ids per line) or folder of text files")],
+    model: Annotated[str, typer.Option(help="model path or name, as the vLLM server to warm loads it")],
+    tokenizer: Annotated[Optional[str], typer.Option(help="tokenizer (default: the model's)")] = None,  # noqa: UP045
+    tenant: Annotated[Optional[str], typer.Option(help="cache_salt of lines without one", envvar=TENANT_ENV)] = None,  # noqa: UP045
+    service_url: Annotated[str, typer.Option(help="this node's daemon")] = "http://127.0.0.1:8600",
+    state_dir: Annotated[Optional[Path], typer.Option(help="job state files (default: DATA_DIR/warmup)")] = None,  # noqa: UP045
+    batch_size: Annotated[int, typer.Option(help="prompts per engine batch (and per checkpoint)")] = 16,
+    max_prompts: Annotated[Optional[int], typer.Option(help="compute at most this many prompts now")] = None,  # noqa: UP045
+    on_error: Annotated[Literal["skip", "fail"], typer.Option(help="bad corpus entries: skip them or fail")] = "fail",
+    arena_mb: Annotated[Optional[int], typer.Option(help="connector arena in MiB (default: the connector's)")] = None,  # noqa: UP045
+    json_output: Annotated[bool, typer.Option("--json", help="print the report as JSON only")] = False,
+    progress_file: Annotated[Optional[Path], typer.Option(help="keep a JSON progress snapshot here")] = None,  # noqa: UP045
+) -> None:
+    """Precompute and store the KV of a prompt corpus, so the first real request hits. Resumable; reruns skip
+    what is done. Further options go to the vLLM engine, as for `vllm serve` (e.g. --dtype bfloat16)."""
+    from cachestore.cli import _clear_errors, err
+
+    with _clear_errors():
+        options = _options(dict(
+            corpus=corpus, model=model, tokenizer=tokenizer, tenant=tenant, service_url=service_url,
+            state_dir=state_dir, batch_size=batch_size, max_prompts=max_prompts, on_error=on_error, arena_mb=arena_mb,
+            redis_password=os.environ.get("PREFIXCACHE_REDIS_PASSWORD"), engine_options=list(ctx.args),
+            progress_file=progress_file,
+        ))  # fmt: skip
+        report = _run(options, err)
+    if json_output:
+        typer.echo(report.model_dump_json(indent=1))
+    else:
+        from cachestore.warmup.report import table
+
+        Console().print(table(report))
+        for problem in report.problems:
+            err.print(f"[yellow]left out:[/] {problem}", highlight=False)
+    raise typer.Exit(EXIT_CODES[report.outcome])
+
+
+def _options(values: dict[str, Any]) -> Any:
+    from cachestore.warmup.runner import WarmupOptions
+
+    try:
+        return WarmupOptions.model_validate({k: v for k, v in values.items() if v is not None})
+    except ValidationError as exc:
+        problems = "; ".join(f"--{'.'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']}" for e in exc.errors())
+        raise ConfigError(f"invalid warm-up option: {problems}") from None
+
+
+def _run(options: Any, console: Console) -> Any:
+    """Run with SIGTERM treated like Ctrl-C, so a cancelled job stops its engine and keeps its state."""
+    from cachestore.warmup.progress import ProgressReporter
+    from cachestore.warmup.runner import WarmupRun
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the progress bar, not vLLM's log, is the output
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    reporter = ProgressReporter(console, options.progress_file)
+    try:
+        with _stdout_to_stderr():
+            return WarmupRun(options, reporter).run()
+    finally:
+        reporter.close()
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Keep stdout for the report: vLLM and its engine processes (which inherit fd 1) log to stdout."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt

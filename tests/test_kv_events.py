@@ -1,0 +1,114 @@
+"""KV events from a real ``prefixcache serve``, received by a ZMQ subscriber and decoded with vLLM's own classes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import zmq
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+from cachestore.client import CacheClient
+from cachestore.processes import free_port
+from tests.daemon_harness import Daemon, make_spec, publish_prompt
+
+CHUNK = 64
+TOKENS = list(range(1000, 1000 + 3 * CHUNK + 20))  # three full chunks and a 20-token tail
+
+
+class Subscriber:
+    """A router's view: every message decoded, sequence numbers checked to be gapless."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.socket = zmq.Context.instance().socket(zmq.SUB)
+        self.socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self.socket.connect(endpoint)  # before the daemon binds: ZMQ connects once it does
+        self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self.sequence: list[int] = []
+        self.topics: set[bytes] = set()
+
+    def events(self, timeout_s: float = 30) -> Iterator[object]:
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if not self.socket.poll(int(left * 1000)):
+                break
+            topic, seq, payload = self.socket.recv_multipart()
+            self.topics.add(topic)
+            self.sequence.append(int.from_bytes(seq, "big"))
+            yield from self.decoder.decode(payload).events
+        raise AssertionError("expected events did not arrive")
+
+    def until(self, wanted: set[tuple]) -> list[object]:
+        """Read events until every (type, hash, medium) in ``wanted`` was seen; returns all events read."""
+        seen: list[object] = []
+        for event in self.events():
+            seen.append(event)
+            wanted.discard((type(event).__name__, *_identity(event)))
+            if not wanted:
+                return seen
+        raise AssertionError("unreachable")
+
+
+def _identity(event: object) -> tuple:
+    if isinstance(event, AllBlocksCleared):
+        return (None, None)
+    return (event.block_hashes[0], event.medium)
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory) -> Iterator[tuple[Daemon, Subscriber, CacheClient]]:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    daemon = Daemon(tmp_path_factory.mktemp("events") / "data", "--chunk-tokens", str(CHUNK),
+                    "--kv-events-endpoint", endpoint)  # fmt: skip
+    subscriber = Subscriber(endpoint)
+    daemon.start()
+    client = CacheClient.connect(daemon.url, make_spec(chunk_tokens=CHUNK), arena_bytes=64 << 20)
+    yield daemon, subscriber, client
+    client.close()
+    daemon.stop()
+    subscriber.socket.close(linger=0)
+
+
+def test_published_chunks_are_announced_in_dram_then_on_nvme(node):
+    _, subscriber, client = node
+    keys, _ = publish_prompt(client, TOKENS)
+    seen = subscriber.until({("BlockStored", k, medium) for k in keys for medium in ("CPU", "STORAGE")})
+    stored = {(e.block_hashes[0], e.medium): e for e in seen if isinstance(e, BlockStored)}
+    for i, key in enumerate(keys):
+        for medium in ("CPU", "STORAGE"):
+            event = stored[key, medium]
+            assert event.token_ids == TOKENS[i * CHUNK : (i + 1) * CHUNK]
+            assert event.parent_block_hash == (keys[i - 1] if i else None)  # a prompt's first block has none
+            assert event.block_size == CHUNK and event.lora_id is None
+    assert subscriber.sequence == list(range(len(subscriber.sequence)))
+    assert subscriber.topics == {b""}
+
+
+def test_an_eviction_is_announced_per_tier(node):
+    _, subscriber, client = node
+    keys, _ = publish_prompt(client, TOKENS[:CHUNK] + [7] * (2 * CHUNK), seed=5)
+    subscriber.until({("BlockStored", k, "STORAGE") for k in keys[1:]})
+    assert client.index.remove(keys[1:]) == 2
+    seen = subscriber.until({("BlockRemoved", k, medium) for k in keys[1:] for medium in ("CPU", "STORAGE")})
+    assert not [e for e in seen if isinstance(e, BlockStored)]
+    assert all(isinstance(e, BlockRemoved) and e.block_hashes[0] in keys[1:] for e in seen)
+
+
+def test_a_flushed_index_is_announced_as_all_blocks_cleared(node):
+    _, subscriber, client = node
+    client.index.flush()
+    subscriber.until({("AllBlocksCleared", None, None)})
+
+
+def test_a_malformed_endpoint_stops_serve_with_a_clear_error(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "cachestore", "serve", "--data-dir", str(tmp_path), "--kv-events-endpoint", "5557"],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "invalid setting kv_events_endpoint: must look like tcp://HOST:PORT" in result.stderr

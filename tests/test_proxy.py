@@ -1,0 +1,130 @@
+"""The proxy's pure rules, its settings' errors, and how it answers when no instance can be reached.
+
+The flow through real vLLM instances is tested in tests/e2e/test_proxy_e2e.py.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from cachestore.processes import free_port
+from cachestore.proxy import ProxySettings, create_app
+from cachestore.proxy_routing import (
+    InstancePool,
+    prefill_body,
+    prompt_token_ids,
+    publishable_tokens,
+    tokenize_body,
+)
+from indexer.errors import ConfigError
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_round_robin_rotates_and_tries_a_failed_instance_last_until_its_cooldown_ends():
+    clock = Clock()
+    pool = InstancePool(["a", "b", "c"], cooldown_s=10, clock=clock)
+    assert [pool.order()[0] for _ in range(4)] == ["a", "b", "c", "a"]
+    pool.failed("c")
+    assert pool.order() == ["b", "a", "c"] and pool.down() == ["c"]
+    clock.now += 10
+    assert pool.order() == ["c", "a", "b"] and pool.down() == []
+    pool.failed("a")
+    pool.succeeded("a")
+    assert pool.order() == ["a", "b", "c"]
+
+
+def test_a_prefill_request_asks_for_one_token_without_streaming_and_keeps_the_rest():
+    body = {"model": "m", "prompt": [1, 2], "max_tokens": 64, "stream": True, "stream_options": {"x": 1},
+            "min_tokens": 8, "n": 4, "temperature": 0.0, "cache_salt": "t"}  # fmt: skip
+    assert prefill_body(body) == {"model": "m", "prompt": [1, 2], "max_tokens": 1, "stream": False, "n": 1,
+                                  "temperature": 0.0, "cache_salt": "t"}  # fmt: skip
+    assert body["max_tokens"] == 64  # the decode instance gets the original
+    chat = prefill_body({"messages": [], "max_completion_tokens": 100})
+    assert chat["max_completion_tokens"] == 1 and chat["max_tokens"] == 1
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [(512, 512), (512 + 16, 528), (512 + 15, 512), (10, 0), (300, 300)],
+)
+def test_the_store_holds_full_chunks_and_tails_of_at_least_16_tokens(prompt, expected):
+    assert publishable_tokens(prompt, 256) == expected
+
+
+def test_token_ids_come_from_the_request_only_for_one_tokenized_completion_prompt():
+    assert prompt_token_ids("/v1/completions", {"prompt": [5, 6, 7]}) == [5, 6, 7]
+    assert prompt_token_ids("/v1/completions", {"prompt": [[5], [6]]}) is None
+    assert prompt_token_ids("/v1/completions", {"prompt": [True, 1]}) is None
+    assert prompt_token_ids("/v1/completions", {"prompt": "text"}) is None
+    assert prompt_token_ids("/v1/chat/completions", {"prompt": [1]}) is None
+
+
+def test_text_and_chat_prompts_are_tokenized_by_the_engine_batches_are_not():
+    assert tokenize_body("/v1/completions", {"model": "m", "prompt": "hi"}) == {"model": "m", "prompt": "hi"}
+    messages = [{"role": "user", "content": "hi"}]
+    chat = {"model": "m", "messages": messages, "temperature": 1, "add_generation_prompt": True}
+    assert tokenize_body("/v1/chat/completions", chat) == {"model": "m", "messages": messages,
+                                                           "add_generation_prompt": True}  # fmt: skip
+    assert tokenize_body("/v1/completions", {"prompt": ["a", "b"]}) is None
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"prefill": ["localhost:8100"], "decode": ["http://a:1"]}, "prefill: must look like http://HOST:PORT"),
+        ({"prefill": ["http://a:1"], "decode": []}, "decode: List should have at least 1 item"),
+        ({"prefill": ["http://a:1"], "decode": ["http://b:1/v1"]}, "decode: must look like http://HOST:PORT"),
+        ({"prefill": ["http://a:1"], "decode": ["http://b:1"], "routing": "cache-aware"}, "needs --service-url"),
+        ({"prefill": ["http://a:1"], "decode": ["http://b:1"], "routing": "random"}, "routing: Input should be"),
+        ({"prefill": ["http://a:1"], "decode": ["http://b:1"], "port": 0}, "port: Input should be greater"),
+    ],
+)
+def test_bad_settings_are_refused_with_the_field_and_the_reason(values, message):
+    with pytest.raises(ConfigError, match="invalid proxy setting") as caught:
+        ProxySettings.parse(values)
+    assert message in str(caught.value)
+
+
+def test_comma_separated_and_repeated_urls_mean_the_same():
+    settings = ProxySettings.parse({"prefill": ["http://a:1,http://b:2/", "http://c:3"], "decode": "http://d:4"})
+    assert settings.prefill == ["http://a:1", "http://b:2", "http://c:3"] and settings.decode == ["http://d:4"]
+
+
+@pytest.fixture
+def nothing_listening() -> ProxySettings:
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(3)]
+    return ProxySettings.parse({"prefill": urls[:1], "decode": urls[1:]})
+
+
+@pytest.mark.anyio
+async def test_with_no_instance_reachable_the_client_gets_an_openai_style_502(nothing_listening):
+    app = create_app(nothing_listening)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+        response = await client.post("/v1/completions", json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 4})
+        assert response.status_code == 502
+        error = response.json()["error"]
+        assert error["code"] == 502 and "no decode instance answered" in error["message"]
+        stats = (await client.get("/proxy/stats")).json()
+        assert stats == {"requests": 1, "prefilled": 0, "prefill_skipped": 0, "prefill_failed": 1, "decode_failed": 1}
+        health = (await client.get("/health")).json()
+        assert health["prefill_down"] == nothing_listening.prefill
+        assert sorted(health["decode_down"]) == sorted(nothing_listening.decode)
+    await app.state.proxy.close()
+
+
+@pytest.mark.anyio
+async def test_a_body_that_is_not_a_json_object_is_a_400(nothing_listening):
+    app = create_app(nothing_listening)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+        assert (await client.post("/v1/chat/completions", content=b"{nope")).status_code == 400
+        response = await client.post("/v1/chat/completions", json=[1, 2])
+        assert response.status_code == 400 and response.json()["error"]["type"] == "BadRequestError"
+    await app.state.proxy.close()
