@@ -38,7 +38,7 @@ from cachestore.mooncake_servers import LocalMooncake
 from cachestore.processes import free_port
 from indexer.chunking import PROBE_TOKENS
 from tests.daemon_harness import Daemon
-from tests.e2e.launch import run_engine, vllm_env
+from tests.e2e.launch import EngineRunError, run_engine, vllm_env
 from tests.e2e.tinymodel import build_tiny_llama, random_prompt
 
 DEFAULT_SIZES = (1025, 4097, 8065)
@@ -303,9 +303,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ttft-") as tmp:
         workdir = Path(tmp)
         run = Runner(build_tiny_llama(workdir / "model"), workdir, sizes, args.repeats)
+        failed = {}
         for name in only:
-            ROWS[name](run)
-        payload = report(run.cases, sizes)
+            try:
+                ROWS[name](run)
+            except (EngineRunError, RuntimeError) as exc:  # one peer that does not run must not sink the others
+                failed[name] = str(exc).splitlines()[0]
+                print(f"[ttft] {name} failed: {failed[name]}")
+        payload = {**report(run.cases, sizes), "failed_rows": failed}
     path = write_results("ttft", {"sizes": sizes, "repeats": args.repeats, **payload})
     print(f"[ttft] wrote {path}")
     return 0
