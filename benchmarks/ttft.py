@@ -259,10 +259,19 @@ def ratios(table: dict[tuple[str, int], Case], sizes: list[int]) -> dict[str, di
     return out
 
 
+def first_tokens_differing_from_cold(cases: list[Case]) -> list[str]:
+    """Configs whose first token differs from the cold run's on the same prompt (cases keep prompt order)."""
+    by_config: dict[str, list[Case]] = {}
+    for case in cases:
+        by_config.setdefault(case.config, []).append(case)
+    cold_tokens = [c.first_token for c in by_config.get("cold", [])]
+    return sorted(config for config, group in by_config.items()
+                  if len(group) == len(cold_tokens) and [c.first_token for c in group] != cold_tokens)  # fmt: skip
+
+
 def report(cases: list[Case], sizes: list[int]) -> dict:
     table = medians(cases)
     configs = list(dict.fromkeys(c.config for c in cases))
-    reference = {size: table[("cold", size)].first_token for size in sizes if ("cold", size) in table}
     rows = []
     for config in configs:
         row: list[object] = [config]
@@ -274,7 +283,7 @@ def report(cases: list[Case], sizes: list[int]) -> dict:
     found = ratios(table, sizes)
     print_table("ratios (this run)", ["ratio", *map(str, sizes)],
                 [[name, *(f"{v[s]:.2f}" if s in v else "-" for s in sizes)] for name, v in found.items()])  # fmt: skip
-    mismatched = sorted({c.config for c in cases if c.tokens in reference and c.first_token != reference[c.tokens]})
+    mismatched = first_tokens_differing_from_cold(cases)
     if mismatched:
         print(f"[ttft] first token differs from cold in: {', '.join(mismatched)} (see tests/e2e/compare.py)")
     return {"cases": [asdict(c) for c in cases], "medians": [asdict(c) for c in table.values()],
