@@ -19,15 +19,13 @@ because absolute times on a shared VM drift. Writes ``benchmarks/results/ttft.js
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,7 +33,7 @@ import httpx
 
 from benchmarks.common import print_table, write_results
 from cachestore.mooncake_servers import LocalMooncake
-from cachestore.processes import free_port
+from cachestore.processes import ManagedProcess, free_port, port_open
 from indexer.chunking import PROBE_TOKENS
 from tests.daemon_harness import Daemon
 from tests.e2e.launch import EngineRunError, run_engine, vllm_env
@@ -141,10 +139,20 @@ def lmcache_mp(run: Runner) -> None:
         print("[ttft] lmcache is not installed: skipping its row (make bench installs it)")
         return
     port, http_port = free_port(), free_port()
-    with _lmcache_server(run.workdir, port, http_port):
+    server = ManagedProcess(
+        "lmcache server",
+        [sys.executable, "-m", "lmcache.v1.multiprocess.http_server", "--host", "127.0.0.1", "--port", str(port),
+         "--http-port", str(http_port), "--l1-size-gb", "2", "--eviction-policy", "LRU", "--chunk-size", "256",
+         "--disable-observability", "--supported-transfer-mode", "auto"],
+        run.workdir / "lmcache-server.log", lambda: port_open("127.0.0.1", port), env=vllm_env(),
+    )  # fmt: skip
+    server.start(timeout_s=120)
+    try:
         extra = {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}
         run.cross_process("lmcache-mp", {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
                                          "kv_connector_extra_config": extra})  # fmt: skip
+    finally:
+        server.stop(grace_s=30)
 
 
 def prefixcache(run: Runner) -> None:
@@ -171,39 +179,6 @@ ROWS: dict[str, Callable[[Runner], None]] = {
     "lmcache-mp": lmcache_mp,
     "prefixcache": prefixcache,
 }
-
-
-@contextlib.contextmanager
-def _lmcache_server(workdir: Path, port: int, http_port: int) -> Iterator[None]:
-    log = open(workdir / "lmcache-server.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lmcache.v1.multiprocess.http_server", "--host", "127.0.0.1", "--port", str(port),
-         "--http-port", str(http_port), "--l1-size-gb", "2", "--eviction-policy", "LRU", "--chunk-size", "256",
-         "--disable-observability", "--supported-transfer-mode", "auto"],
-        stdout=log, stderr=subprocess.STDOUT, env=vllm_env(),
-    )  # fmt: skip
-    try:
-        _wait_for_port(port, proc, timeout_s=120)
-        yield
-    finally:
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(30)
-        proc.kill()
-        log.close()
-
-
-def _wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
-    import socket
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server on port {port} exited with {proc.returncode}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-            return
-        time.sleep(0.5)
-    raise RuntimeError(f"nothing listens on port {port} after {timeout_s} s")
 
 
 def _wait_until_persisted(url: str, prompts: list[list[int]], timeout_s: float = 300) -> None:
