@@ -25,7 +25,7 @@ from cachestore.api import ClientConfig
 from cachestore.client_stats import ClientStatsRecorder
 from cachestore.codec import ChunkError, ChunkMeta, decode, write_header
 from cachestore.dram import MooncakeTier
-from cachestore.promotion import request_promotion
+from cachestore.promotion import PromotionStream
 from indexer.chunking import ChunkGeometry
 from indexer.errors import ConfigError, IndexUnavailableError
 from indexer.index import ChunkRecord, Location, NamespaceCheck, PrefixMatch, attach_namespace
@@ -76,6 +76,7 @@ class CacheClient:
         self._prefix = config.key_prefix + ":"
         self.recorder = ClientStatsRecorder(self._redis, self._prefix, config.node)  # the daemon reports these
         self._promote_timeout_s = promote_timeout_s
+        self._streams: dict[bytes, PromotionStream] = {}  # chunks being promoted for an upcoming fetch
         self.dram = MooncakeTier(config.mooncake.shm_address, arena_bytes=arena_bytes, object_prefix=config.key_prefix,
                                  preferred_segment=config.mooncake.segment)  # fmt: skip
         self.namespace_check: NamespaceCheck | None = None
@@ -138,20 +139,27 @@ class CacheClient:
                                      time.perf_counter() - started)  # fmt: skip
         return stored
 
-    def fetch(self, keys: Sequence[bytes], slots: Sequence[memoryview]) -> list[memoryview | None]:
+    def fetch(
+        self, keys: Sequence[bytes], slots: Sequence[memoryview], *, upcoming: Sequence[bytes] = ()
+    ) -> list[memoryview | None]:
         """Each chunk's verified payload (a view into its slot), or None: a miss the caller recomputes.
 
         A chunk missing from DRAM, or whose DRAM copy fails verification (and is deleted), is promoted
-        from the NVMe tier of a node that holds it, then read and verified again.
+        from the NVMe tier of a node that holds it, then read and verified again. ``upcoming`` names
+        the chunks the caller will fetch next, in order: when this call must promote, it asks in the
+        same streamed request for those of them with no DRAM copy, so the daemon reads them from disk
+        while the caller places this batch, and the next calls find them promoted or on their way.
         """
         started, corrupt_before = time.perf_counter(), self.stats.corrupt
-        sizes = self.dram.get_into(keys, slots)
-        out = [self._verified(key, slot, size) for key, slot, size in zip(keys, slots, sizes, strict=True)]
-        again = [i for i, view in enumerate(out) if view is None]
-        if again:
-            retried = self._promote_and_retry([keys[i] for i in again], [slots[i] for i in again])
-            for i, size in zip(again, retried, strict=True):
-                out[i] = self._verified(keys[i], slots[i], size)
+        self._streams = {key: stream for key, stream in self._streams.items() if not stream.expired}
+        out: list[memoryview | None] = [None] * len(keys)
+        direct = [i for i, key in enumerate(keys) if key not in self._streams]
+        self._read(keys, slots, direct, out)
+        missing = [keys[i] for i in direct if out[i] is None]
+        if missing:
+            self._promote(missing, upcoming)
+        self._read_promoted(keys, slots, [i for i, key in enumerate(keys) if out[i] is None and key in self._streams],
+                            out)  # fmt: skip
         fetched = sum(1 for v in out if v is not None)
         self.stats.fetched += fetched
         self.stats.missing += len(out) - fetched
@@ -159,31 +167,53 @@ class CacheClient:
                                    time.perf_counter() - started)  # fmt: skip
         return out
 
-    def _promote_and_retry(self, keys: list[bytes], slots: list[memoryview]) -> list[int]:
-        """Chunks not in DRAM but on some node's NVMe: ask those daemons to promote, then read again."""
+    def _read(self, keys: Sequence[bytes], slots: Sequence[memoryview], positions: list[int],
+              out: list[memoryview | None]) -> None:  # fmt: skip
+        """Read and verify ``keys[i]`` into ``slots[i]`` from DRAM for each i in positions, filling ``out``."""
+        if not positions:
+            return
+        sizes = self.dram.get_into([keys[i] for i in positions], [slots[i] for i in positions])
+        for i, size in zip(positions, sizes, strict=True):
+            out[i] = self._verified(keys[i], slots[i], size)
+
+    def _promote(self, missing: list[bytes], upcoming: Sequence[bytes]) -> None:
+        """Ask the daemons holding NVMe copies of ``missing`` (and of the upcoming chunks not in DRAM) to promote them."""
+        wanted = set(missing)
+        ahead = [key for key in upcoming if key not in wanted and key not in self._streams]
         try:
-            entries = self.index.get(keys)
+            entries = self.index.get(missing + ahead)
         except IndexUnavailableError:
-            return [-1] * len(keys)
-        by_node: defaultdict[str, list[int]] = defaultdict(list)
-        for i, entry in enumerate(entries):
-            nvme = sorted(loc.node for loc in (entry.locations if entry else ()) if loc.tier == "nvme")
-            if nvme:
-                by_node[nvme[0]].append(i)
-        sizes = [-1] * len(keys)
-        for node, positions in by_node.items():
+            return
+        by_node: defaultdict[str, list[bytes]] = defaultdict(list)
+        for key, entry in zip(missing + ahead, entries, strict=True):
+            locations = entry.locations if entry else ()
+            if key not in wanted and any(loc.tier == "dram" for loc in locations):
+                continue  # an upcoming chunk DRAM should still serve
+            if nvme := sorted(loc.node for loc in locations if loc.tier == "nvme"):
+                by_node[nvme[0]].append(key)
+        for node, node_keys in by_node.items():
             try:
-                done = request_promotion(self._redis, self._prefix, node, [keys[i] for i in positions],
-                                         self._promote_timeout_s)  # fmt: skip
+                stream = PromotionStream(self._redis, self._prefix, node, node_keys, self._promote_timeout_s)
             except redis.RedisError as exc:
                 log.debug("promotion request to %s failed: %s", node, exc)
                 continue
-            ready = [i for i, ok in zip(positions, done, strict=True) if ok]
+            self._streams.update(dict.fromkeys(node_keys, stream))
+
+    def _read_promoted(self, keys: Sequence[bytes], slots: Sequence[memoryview], positions: list[int],
+                       out: list[memoryview | None]) -> None:  # fmt: skip
+        """Wait for the promotions of ``keys[i]`` (i in positions), then read those promoted."""
+        by_stream: defaultdict[PromotionStream, list[int]] = defaultdict(list)
+        for i in positions:
+            by_stream[self._streams.pop(keys[i])].append(i)
+        for stream, waiting in by_stream.items():
+            try:
+                flags = stream.wait([keys[i] for i in waiting])
+            except redis.RedisError as exc:
+                log.debug("promotion answer lost: %s", exc)
+                continue
+            ready = [i for i, ok in zip(waiting, flags, strict=True) if ok]
             self.stats.promoted += len(ready)
-            for i, size in zip(ready, self.dram.get_into([keys[i] for i in ready], [slots[i] for i in ready]),
-                               strict=True):  # fmt: skip
-                sizes[i] = size
-        return sizes
+            self._read(keys, slots, ready, out)
 
     def _verified(self, key: bytes, slot: memoryview, size: int) -> memoryview | None:
         if size < 0:

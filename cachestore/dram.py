@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 import urllib.request
+import uuid
 from collections.abc import Sequence
 from contextlib import ExitStack
 
@@ -29,6 +30,9 @@ log = logging.getLogger("prefixcache.dram")
 OK, MISS, FULL = 0, -704, -200
 UNREACHABLE = frozenset({-1, -800, -900, -901})
 LOCAL_BUFFER_BYTES = 16 << 20
+#: Warm-up objects of the owner-side pre-fault (see ``_prefault_owner_side``): size, and how many at once.
+PREFAULT_WINDOW_BYTES = 4 << 20
+PREFAULT_OBJECTS = 4
 
 
 class TierUnavailableError(PrefixCacheError, ConnectionError):
@@ -71,11 +75,37 @@ class MooncakeTier:
         self._config = ReplicateConfig()
         if preferred_segment:
             self._config.preferred_segment = preferred_segment
+        self._prefault_owner_side()
         self.segment = preferred_segment
         self._metrics_url = metrics_url
         self._put_retry_s = put_retry_s
         self._breaker_s = breaker_s
         self._down_until = 0.0
+
+    def _prefault_owner_side(self) -> None:
+        """Have the segment owner write once to every page of the arena, as gets do.
+
+        The owner process does the copies, through its own mapping of the arena, and that mapping
+        faults page by page too: measured here, a first get into a part of the arena ran at ~1.8 GB/s
+        and a second one at 5-6 GB/s. Reading distinct warm-up objects into every window of the arena
+        at attach (~0.2 s per 512 MiB, once) moves that cost out of the first loads. (Reading one
+        object into many windows does not: Mooncake serves such repeats without the owner.) Best
+        effort: a full pool only means the first loads pay it.
+        """
+        window = min(PREFAULT_WINDOW_BYTES, self.arena.size)
+        offsets = list(range(0, self.arena.size - window + 1, window))
+        for start in range(0, len(offsets), PREFAULT_OBJECTS):
+            batch = offsets[start : start + PREFAULT_OBJECTS]
+            names = [f"{self._prefix}prefault:{uuid.uuid4().hex}" for _ in batch]
+            stored = self._store.batch_put_from(names, [self.arena.address + o for o in batch], [window] * len(batch),
+                                                self._config)  # fmt: skip
+            try:
+                if any(code != OK for code in stored):
+                    log.debug("arena not pre-faulted on the owner side: the pool refused the warm-up objects")
+                    return
+                self._store.batch_get_into(names, [self.arena.address + o for o in batch], [window] * len(batch))
+            finally:
+                self._store.batch_remove(names, True)
 
     @property
     def available(self) -> bool:

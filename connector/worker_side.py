@@ -8,6 +8,7 @@ thread does the Mooncake put and the index registration, so the forward never wa
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -19,6 +20,7 @@ import torch
 from cachestore.arena import ArenaFullError
 from cachestore.client import CacheClient
 from cachestore.codec import ChunkMeta, payload_offset
+from cachestore.runs import runs_of_about
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.pages import gather, payload_bytes, payload_view, scatter
 from indexer.namespace import tenant_id
@@ -51,16 +53,20 @@ class WorkerSide:
         """Fetch this step's chunks in groups, placing one group while the next is read.
 
         The segment owner (another process) copies a group into the arena while this thread verifies
-        and places the previous one, so the load costs about one pass over the bytes, not two.
+        and places the previous one, so the load costs about one pass over the bytes, not two. Each
+        fetch names the chunks still to come, so chunks that must come back from NVMe are asked for
+        in one streamed promotion as soon as the first of them is missed.
         """
         groups = self._groups([chunk for chunks in meta.loads.values() for chunk in chunks])
         if not groups:
             return
-        pending = self._fetcher.submit(self._fetch, groups[0])
+        keys = [chunk.key for group in groups for chunk in group]
+        ends = list(itertools.accumulate(len(group) for group in groups))
+        pending = self._fetcher.submit(self._fetch, groups[0], keys[ends[0] :])
         for i, group in enumerate(groups):
             slots, payloads = pending.result()
             if i + 1 < len(groups):
-                pending = self._fetcher.submit(self._fetch, groups[i + 1])
+                pending = self._fetcher.submit(self._fetch, groups[i + 1], keys[ends[i + 1] :])
             try:
                 self._place(group, payloads)
             finally:
@@ -68,23 +74,17 @@ class WorkerSide:
                     self.client.release(slot)
 
     def _groups(self, chunks: list[LoadChunk]) -> list[list[LoadChunk]]:
-        groups: list[list[LoadChunk]] = []
-        size = LOAD_GROUP_BYTES
-        for chunk in chunks:
-            if size >= LOAD_GROUP_BYTES:
-                groups.append([])
-                size = 0
-            groups[-1].append(chunk)
-            size += self._object_bytes(chunk.stored_tokens)
-        return groups
+        return runs_of_about(chunks, lambda chunk: self._object_bytes(chunk.stored_tokens), LOAD_GROUP_BYTES)
 
-    def _fetch(self, chunks: list[LoadChunk]) -> tuple[list[memoryview], list[memoryview | None]]:
+    def _fetch(
+        self, chunks: list[LoadChunk], upcoming: list[bytes]
+    ) -> tuple[list[memoryview], list[memoryview | None]]:
         """Arena slots and the verified payloads (None: recompute) of one group; runs on the fetch thread."""
         slots: list[memoryview] = []
         try:
             for chunk in chunks:
                 slots.append(self.client.slot(self._object_bytes(chunk.stored_tokens)))
-            return slots, self.client.fetch([c.key for c in chunks], slots)
+            return slots, self.client.fetch([c.key for c in chunks], slots, upcoming=upcoming)
         except ArenaFullError:
             log.warning("arena full: recomputing instead of loading %d chunks", len(chunks))
         except Exception:  # noqa: BLE001 - a failed load is recomputed; the request must not fail

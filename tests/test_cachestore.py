@@ -86,6 +86,31 @@ def test_kill_9_and_restart_keeps_persisted_chunks(daemon, client):
         restarted.close()
 
 
+def test_upcoming_nvme_chunks_are_promoted_in_the_same_streamed_request(daemon, client):
+    """A fetch that must promote also asks for the caller's next chunks, so they are in DRAM before it asks."""
+    keys, payloads = publish_prompt(client, list(range(64 * 6)), seed=5)
+    wait_persisted(client, keys)
+    client.close()
+    daemon.stop()
+    daemon.start()
+    restarted = connect(daemon)
+    try:
+        slots = [restarted.slot(4 << 20) for _ in keys]
+        first = restarted.fetch(keys[:2], slots[:2], upcoming=keys[2:])
+        assert [bytes(v) for v in first] == payloads[:2]
+        deadline = time.monotonic() + 10
+        while not all(DRAM in e.locations for e in restarted.index.get(keys)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(DRAM in e.locations for e in restarted.index.get(keys[2:])), "upcoming chunks were not promoted"
+        rest = restarted.fetch(keys[2:], slots[2:])
+        assert [bytes(v) for v in rest] == payloads[2:]
+        assert restarted.stats.promoted == 6 and restarted.stats.missing == 0
+        for slot in slots:
+            restarted.release(slot)
+    finally:
+        restarted.close()
+
+
 def test_an_index_lost_with_redis_is_rebuilt_from_the_nvme_tier(daemon, client, tmp_path):
     tokens = list(range(64 * 3 + 20))
     keys, payloads = publish_prompt(client, tokens, seed=3)
