@@ -177,7 +177,7 @@ class CacheClient:
             out[i] = self._verified(keys[i], slots[i], size)
 
     def _promote(self, missing: list[bytes], upcoming: Sequence[bytes]) -> None:
-        """Ask the daemons holding NVMe copies of ``missing`` (and of the upcoming chunks not in DRAM) to promote them."""
+        """Ask the daemons holding NVMe copies of ``missing``, and of upcoming chunks not in DRAM, to promote them."""
         wanted = set(missing)
         ahead = [key for key in upcoming if key not in wanted and key not in self._streams]
         try:
