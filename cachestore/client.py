@@ -16,6 +16,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
@@ -25,6 +26,8 @@ from cachestore.api import ClientConfig
 from cachestore.client_stats import ClientStatsRecorder
 from cachestore.codec import ChunkError, ChunkMeta, decode, write_header
 from cachestore.dram import MooncakeTier
+from cachestore.extents import locate
+from cachestore.nvme import Extent, read_extent
 from cachestore.promotion import PromotionStream
 from indexer.chunking import ChunkGeometry
 from indexer.errors import ConfigError, IndexUnavailableError
@@ -37,6 +40,8 @@ log = logging.getLogger("prefixcache.client")
 #: How long a new chunk is shielded from the master's eviction: far longer than the write-behind
 #: needs to persist it (well under a second), after which the daemon's demotion manages it.
 UNPERSISTED_PROTECTION_S = 60.0
+#: O_DIRECT reads in flight when loading from this node's NVMe: one alone reached ~1.25 GB/s here, four ~1.4.
+DISK_READERS = 4
 
 
 @dataclass
@@ -49,6 +54,7 @@ class ClientStats:
     missing: int = 0
     corrupt: int = 0
     promoted: int = 0
+    read_from_disk: int = 0
 
 
 def fetch_config(service_url: str, timeout_s: float = 5.0) -> ClientConfig:
@@ -76,7 +82,10 @@ class CacheClient:
         self._prefix = config.key_prefix + ":"
         self.recorder = ClientStatsRecorder(self._redis, self._prefix, config.node)  # the daemon reports these
         self._promote_timeout_s = promote_timeout_s
-        self._streams: dict[bytes, PromotionStream] = {}  # chunks being promoted for an upcoming fetch
+        self._streams: dict[bytes, PromotionStream] = {}  # chunks other nodes promote for an upcoming fetch
+        self._extents: dict[bytes, Extent] = {}  # chunks this node's NVMe holds, for an upcoming fetch
+        self._disk_reads: list[bytes] = []  # read from NVMe since the last promote_disk_reads
+        self._disk = ThreadPoolExecutor(DISK_READERS, thread_name_prefix="prefixcache-disk-read")
         self.dram = MooncakeTier(config.mooncake.shm_address, arena_bytes=arena_bytes, object_prefix=config.key_prefix,
                                  preferred_segment=config.mooncake.segment)  # fmt: skip
         self.namespace_check: NamespaceCheck | None = None
@@ -144,20 +153,21 @@ class CacheClient:
     ) -> list[memoryview | None]:
         """Each chunk's verified payload (a view into its slot), or None: a miss the caller recomputes.
 
-        A chunk missing from DRAM, or whose DRAM copy fails verification (and is deleted), is promoted
-        from the NVMe tier of a node that holds it, then read and verified again. ``upcoming`` names
-        the chunks the caller will fetch next, in order: when this call must promote, it asks in the
-        same streamed request for those of them with no DRAM copy, so the daemon reads them from disk
-        while the caller places this batch, and the next calls find them promoted or on their way.
+        A chunk missing from DRAM, or whose DRAM copy fails verification (and is deleted), comes from
+        the NVMe tier: read straight from the segment files when this node holds it (slots of
+        ``read_size`` bytes let that read land in place), else promoted by the daemon of a node that
+        does. ``upcoming`` names the chunks the caller will fetch next, in order: when this call must
+        go to NVMe, it plans those of them with no DRAM copy in the same requests, so later calls
+        find them located, or promoted and on their way.
         """
         started, corrupt_before = time.perf_counter(), self.stats.corrupt
         self._streams = {key: stream for key, stream in self._streams.items() if not stream.expired}
         out: list[memoryview | None] = [None] * len(keys)
-        direct = [i for i, key in enumerate(keys) if key not in self._streams]
-        self._read(keys, slots, direct, out)
-        missing = [keys[i] for i in direct if out[i] is None]
-        if missing:
-            self._promote(missing, upcoming)
+        planned = {i for i, key in enumerate(keys) if key in self._streams or key in self._extents}
+        self._read(keys, slots, [i for i in range(len(keys)) if i not in planned], out)
+        if missing := [keys[i] for i in range(len(keys)) if out[i] is None and i not in planned]:
+            self._plan_nvme(missing, upcoming)
+        self._read_disk(keys, slots, [i for i, key in enumerate(keys) if out[i] is None and key in self._extents], out)
         self._read_promoted(keys, slots, [i for i, key in enumerate(keys) if out[i] is None and key in self._streams],
                             out)  # fmt: skip
         fetched = sum(1 for v in out if v is not None)
@@ -166,6 +176,19 @@ class CacheClient:
         self.recorder.record_fetch(self.spec.digest, fetched, len(out) - fetched, self.stats.corrupt - corrupt_before,
                                    time.perf_counter() - started)  # fmt: skip
         return out
+
+    def promote_disk_reads(self) -> None:
+        """Ask this node's daemon to bring the chunks read straight from NVMe back into DRAM.
+
+        Callers send it once a load is complete, so that the daemon's reads do not compete with the
+        load's own; nothing waits for the answer.
+        """
+        keys, self._disk_reads = self._disk_reads, []
+        if keys:
+            try:
+                PromotionStream(self._redis, self._prefix, self.node, keys, self._promote_timeout_s)
+            except redis.RedisError as exc:
+                log.debug("promotion request failed: %s", exc)
 
     def _read(self, keys: Sequence[bytes], slots: Sequence[memoryview], positions: list[int],
               out: list[memoryview | None]) -> None:  # fmt: skip
@@ -176,8 +199,8 @@ class CacheClient:
         for i, size in zip(positions, sizes, strict=True):
             out[i] = self._verified(keys[i], slots[i], size)
 
-    def _promote(self, missing: list[bytes], upcoming: Sequence[bytes]) -> None:
-        """Ask the daemons holding NVMe copies of ``missing``, and of upcoming chunks not in DRAM, to promote them."""
+    def _plan_nvme(self, missing: list[bytes], upcoming: Sequence[bytes]) -> None:
+        """Locate on this node's NVMe, or have other nodes promote, ``missing`` and upcoming chunks not in DRAM."""
         wanted = set(missing)
         ahead = [key for key in upcoming if key not in wanted and key not in self._streams]
         try:
@@ -189,15 +212,41 @@ class CacheClient:
             locations = entry.locations if entry else ()
             if key not in wanted and any(loc.tier == "dram" for loc in locations):
                 continue  # an upcoming chunk DRAM should still serve
-            if nvme := sorted(loc.node for loc in locations if loc.tier == "nvme"):
-                by_node[nvme[0]].append(key)
+            if nodes := {loc.node for loc in locations if loc.tier == "nvme"}:
+                by_node[self.node if self.node in nodes else min(nodes)].append(key)
         for node, node_keys in by_node.items():
             try:
-                stream = PromotionStream(self._redis, self._prefix, node, node_keys, self._promote_timeout_s)
+                if node == self.node:
+                    found = locate(self._redis, self._prefix, node, node_keys, self._promote_timeout_s)
+                    self._extents = {key: e for key, e in zip(node_keys, found, strict=True) if e is not None}
+                else:
+                    stream = PromotionStream(self._redis, self._prefix, node, node_keys, self._promote_timeout_s)
+                    self._streams.update(dict.fromkeys(node_keys, stream))
             except redis.RedisError as exc:
-                log.debug("promotion request to %s failed: %s", node, exc)
-                continue
-            self._streams.update(dict.fromkeys(node_keys, stream))
+                log.debug("NVMe request to %s failed: %s", node, exc)
+
+    def _read_disk(self, keys: Sequence[bytes], slots: Sequence[memoryview], positions: list[int],
+                   out: list[memoryview | None]) -> None:  # fmt: skip
+        """Read ``keys[i]`` (i in positions) straight from this node's segment files, in parallel, and verify."""
+        extents = [self._extents.pop(keys[i]) for i in positions]
+        sizes = self._disk.map(read_extent, extents, [slots[i] for i in positions])
+        stale = []
+        for i, size in zip(positions, sizes, strict=True):
+            try:
+                out[i] = decode(slots[i][:size], key=keys[i], namespace=self.spec.digest)[1] if size >= 0 else None
+            except ChunkError:
+                out[i] = None  # the object moved since it was located: the daemon still knows where
+            if out[i] is None:
+                stale.append(keys[i])
+            else:
+                self.stats.read_from_disk += 1
+                self._disk_reads.append(keys[i])
+        if stale:
+            try:
+                stream = PromotionStream(self._redis, self._prefix, self.node, stale, self._promote_timeout_s)
+                self._streams.update(dict.fromkeys(stale, stream))
+            except redis.RedisError as exc:
+                log.debug("promotion request failed: %s", exc)
 
     def _read_promoted(self, keys: Sequence[bytes], slots: Sequence[memoryview], positions: list[int],
                        out: list[memoryview | None]) -> None:  # fmt: skip
@@ -239,6 +288,7 @@ class CacheClient:
             pass
 
     def close(self) -> None:
+        self._disk.shutdown(wait=True)
         self.recorder.close()
         self.dram.close()
         self.index.close()

@@ -38,6 +38,7 @@ from cachestore.client_stats import ClientTotals, read_client_stats
 from cachestore.demotion import Demoter
 from cachestore.dram import MooncakeTier
 from cachestore.eviction import Evictor
+from cachestore.extents import ExtentServer
 from cachestore.kv_events import KvEventPublisher
 from cachestore.metrics import metrics_router
 from cachestore.mooncake_servers import MooncakeMaster, SegmentOwner
@@ -98,10 +99,11 @@ class NodeDaemon:
         self.promoter = Promoter(
             redis.Redis.from_url(self.index.url), s.key_prefix + ":", self.index, self.dram, self.nvme, s.node
         )
+        self.extents = ExtentServer(redis.Redis.from_url(self.index.url), s.key_prefix + ":", self.nvme, s.node)
         self.demoter = Demoter(self.index, self.dram, self.write_behind, s.node, self._protected,
                                s.dram_high_watermark, s.dram_low_watermark)  # fmt: skip
         self.write_behind.on_persisted = self.demoter.poke
-        for service in (self.write_behind, self.promoter, self.demoter):
+        for service in (self.write_behind, self.promoter, self.extents, self.demoter):
             service.start()
             self._stack.callback(service.stop)
         if s.kv_events_endpoint:

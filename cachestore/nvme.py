@@ -77,6 +77,47 @@ def read_size(length: int) -> int:
     return _align(length)
 
 
+class Extent(NamedTuple):
+    """Where an object's bytes lie, for a reader in another process on this node (see ``read_extent``)."""
+
+    path: str  # its segment file
+    offset: int  # page-aligned
+    length: int
+
+
+def read_extent(extent: Extent, view: memoryview) -> int:
+    """Read an object straight from its segment file into a page-aligned buffer of at least ``read_size``
+    bytes; its length, or -1 (file gone, buffer unusable, short read).
+
+    For clients on the daemon's node: one O_DIRECT ``preadv``, no daemon, no DRAM copy. The extent may
+    be stale by the time it is read (compaction moved the object, the segment was deleted); the caller
+    verifies what it read, as every load does, and treats a failure as a miss.
+    """
+    if view.nbytes < read_size(extent.length) or _address(view) % PAGE:
+        return -1
+    try:
+        fd = _open_for_reading(extent.path)
+    except OSError:
+        return -1
+    try:
+        got = os.preadv(fd, [view[: read_size(extent.length)]], extent.offset)
+    except OSError:
+        return -1
+    finally:
+        os.close(fd)
+    return extent.length if got >= extent.length else -1
+
+
+def _open_for_reading(path: str) -> int:
+    """O_DIRECT where the file system supports it (tmpfs does not), else through the page cache."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+    return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+
 def _check_key(key: bytes) -> None:
     if not isinstance(key, bytes) or len(key) != KEY_BYTES:
         raise ValueError(f"chunk keys are {KEY_BYTES} bytes, got {key!r:.60}")
@@ -369,6 +410,16 @@ class NvmeStore:
                 for at in reads:
                     if at is not None:
                         at.segment.release()
+
+    def extents(self, keys: Sequence[bytes]) -> list[Extent | None]:
+        """Where each object lies now, for same-node readers (``read_extent``); None if absent."""
+        with self._lock:
+            self._check_open()
+            found = [self._entries.get(key) for key in keys]
+            return [
+                Extent(str(self._segments[e.segment].path), e.offset, e.length) if e is not None else None
+                for e in found
+            ]
 
     def get(self, key: bytes) -> bytes | None:
         """One object as bytes (one copy, from a page-aligned buffer read with O_DIRECT)."""

@@ -20,6 +20,7 @@ import torch
 from cachestore.arena import ArenaFullError
 from cachestore.client import CacheClient
 from cachestore.codec import ChunkMeta, payload_offset
+from cachestore.nvme import read_size
 from cachestore.runs import runs_of_about
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.pages import gather, payload_bytes, payload_view, scatter
@@ -72,6 +73,7 @@ class WorkerSide:
             finally:
                 for slot in slots:
                     self.client.release(slot)
+        self.client.promote_disk_reads()
 
     def _groups(self, chunks: list[LoadChunk]) -> list[list[LoadChunk]]:
         return runs_of_about(chunks, lambda chunk: self._object_bytes(chunk.stored_tokens), LOAD_GROUP_BYTES)
@@ -83,7 +85,7 @@ class WorkerSide:
         slots: list[memoryview] = []
         try:
             for chunk in chunks:
-                slots.append(self.client.slot(self._object_bytes(chunk.stored_tokens)))
+                slots.append(self.client.slot(read_size(self._object_bytes(chunk.stored_tokens))))
             return slots, self.client.fetch([c.key for c in chunks], slots, upcoming=upcoming)
         except ArenaFullError:
             log.warning("arena full: recomputing instead of loading %d chunks", len(chunks))

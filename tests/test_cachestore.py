@@ -11,7 +11,7 @@ import httpx
 import pytest
 import redis
 
-from cachestore.client import CacheClient
+from cachestore.client import CacheClient, fetch_config
 from indexer.index import Location
 from indexer.keys import prompt_query
 from indexer.leases import Leases
@@ -37,6 +37,15 @@ def client(daemon):
     c = connect(daemon)
     yield c
     c.close()
+
+
+def wait_for(condition, timeout_s: float = 10) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def wait_persisted(client: CacheClient, keys: list[bytes], timeout_s: float = 15) -> float:
@@ -80,35 +89,74 @@ def test_kill_9_and_restart_keeps_persisted_chunks(daemon, client):
         assert all(e.locations == {NVME} for e in entries)  # DRAM started empty: its locations were dropped
         assert restarted.lookup(prompt_query(restarted.spec.root(), restarted.geometry, tokens)).keys == keys
         assert fetch_payloads(restarted, keys) == payloads
-        assert restarted.stats.promoted == 4
-        assert all(DRAM in e.locations for e in restarted.index.get(keys))  # promoted back
+        assert restarted.stats.read_from_disk == 4  # this node's NVMe, read directly
+        restarted.promote_disk_reads()
+        assert wait_for(lambda: all(DRAM in e.locations for e in restarted.index.get(keys))), "not promoted back"
     finally:
         restarted.close()
 
 
-def test_upcoming_nvme_chunks_are_promoted_in_the_same_streamed_request(daemon, client):
-    """A fetch that must promote also asks for the caller's next chunks, so they are in DRAM before it asks."""
-    keys, payloads = publish_prompt(client, list(range(64 * 6)), seed=5)
+def fetch_in_groups(client: CacheClient, keys: list[bytes], group: int) -> list[bytes | None]:
+    """Fetch as the connector does: a few chunks per call, each call naming the chunks still to come."""
+    slots = [client.slot(4 << 20) for _ in keys]
+    try:
+        views = [
+            view
+            for start in range(0, len(keys), group)
+            for view in client.fetch(
+                keys[start : start + group], slots[start : start + group], upcoming=keys[start + group :]
+            )  # fmt: skip
+        ]
+        return [bytes(v) if v is not None else None for v in views]
+    finally:
+        for slot in slots:
+            client.release(slot)
+
+
+def restart_with_nvme_only(daemon: Daemon, client: CacheClient, tokens: list[int], seed: int):
+    keys, payloads = publish_prompt(client, tokens, seed=seed)
     wait_persisted(client, keys)
     client.close()
     daemon.stop()
     daemon.start()
-    restarted = connect(daemon)
+    return keys, payloads
+
+
+def test_this_nodes_nvme_chunks_are_read_straight_from_disk_then_promoted_behind(daemon, client):
+    keys, payloads = restart_with_nvme_only(daemon, client, list(range(64 * 6)), seed=5)
+    reader = connect(daemon)
     try:
-        slots = [restarted.slot(4 << 20) for _ in keys]
-        first = restarted.fetch(keys[:2], slots[:2], upcoming=keys[2:])
-        assert [bytes(v) for v in first] == payloads[:2]
-        deadline = time.monotonic() + 10
-        while not all(DRAM in e.locations for e in restarted.index.get(keys)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert all(DRAM in e.locations for e in restarted.index.get(keys[2:])), "upcoming chunks were not promoted"
-        rest = restarted.fetch(keys[2:], slots[2:])
-        assert [bytes(v) for v in rest] == payloads[2:]
-        assert restarted.stats.promoted == 6 and restarted.stats.missing == 0
-        for slot in slots:
-            restarted.release(slot)
+        assert fetch_in_groups(reader, keys, 2) == payloads
+        assert reader.stats.read_from_disk == 6 and reader.stats.promoted == 0 and reader.stats.missing == 0
+        assert all(e.locations == {NVME} for e in reader.index.get(keys)), "reading promoted before the load ended"
+        reader.promote_disk_reads()
+        assert wait_for(lambda: all(DRAM in e.locations for e in reader.index.get(keys))), "not promoted behind"
     finally:
-        restarted.close()
+        reader.close()
+    again = connect(daemon)
+    try:
+        assert fetch_in_groups(again, keys, 2) == payloads and again.stats.read_from_disk == 0
+    finally:
+        again.close()
+
+
+def test_another_nodes_nvme_chunks_are_promoted_in_one_streamed_request(daemon, client):
+    """A client elsewhere cannot read the segment files: the holder promotes them, upcoming ones included."""
+    keys, payloads = restart_with_nvme_only(daemon, client, list(range(64 * 6)), seed=6)
+    config = fetch_config(daemon.url).model_copy(update={"node": "node-elsewhere"})
+    remote = CacheClient(config, make_spec(), arena_bytes=64 << 20)
+    try:
+        slots = [remote.slot(4 << 20) for _ in keys]
+        first = remote.fetch(keys[:2], slots[:2], upcoming=keys[2:])
+        assert [bytes(v) for v in first] == payloads[:2]
+        # the rest arrives without being asked for again
+        assert wait_for(lambda: all(DRAM in e.locations for e in remote.index.get(keys[2:]))), "upcoming not promoted"
+        assert [bytes(v) for v in remote.fetch(keys[2:], slots[2:])] == payloads[2:]
+        assert remote.stats.promoted == 6 and remote.stats.read_from_disk == 0
+        for slot in slots:
+            remote.release(slot)
+    finally:
+        remote.close()
 
 
 def test_an_index_lost_with_redis_is_rebuilt_from_the_nvme_tier(daemon, client, tmp_path):
@@ -165,7 +213,7 @@ def test_a_flipped_byte_in_dram_is_a_miss_and_the_copy_is_deleted(client):
                                                 [size]) == [0]  # fmt: skip
     client.release(slot)
     assert fetch_payloads(client, keys) == [payloads[0]]  # the bad DRAM copy missed; NVMe served the chunk
-    assert client.stats.corrupt == 1 and client.stats.promoted == 1
+    assert client.stats.corrupt == 1 and client.stats.read_from_disk == 1
 
 
 def test_two_writers_of_one_chunk_leave_one_copy_and_one_entry(daemon, client):
