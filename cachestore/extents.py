@@ -20,7 +20,7 @@ import redis
 
 from cachestore.background import BackgroundLoop
 from cachestore.nvme import Extent, NvmeStore
-from indexer.keys import KEY_BYTES
+from cachestore.promotion import parse_request
 
 log = logging.getLogger("prefixcache.extents")
 _REPLY_TTL_S = 30
@@ -63,8 +63,7 @@ class ExtentServer(BackgroundLoop):
         item = self.client.blpop([self.queue], timeout=block_s)
         if item is None:
             return False
-        reply_id, _, hex_keys = item[1].decode().partition(":")
-        keys = [bytes.fromhex(hex_keys[i : i + 2 * KEY_BYTES]) for i in range(0, len(hex_keys), 2 * KEY_BYTES)]
+        reply_id, keys = parse_request(item[1])
         extents = self.nvme.extents(keys)
         reply = f"{self.prefix}xr:{reply_id}"
         pipe = self.client.pipeline(transaction=False)

@@ -85,6 +85,12 @@ class PromotionStream:
             self._flags[i] = flag == "1"
 
 
+def parse_request(item: bytes) -> tuple[str, list[bytes]]:
+    """``<reply id>:<keys as hex>``, the form of every request clients queue for a daemon."""
+    reply_id, _, hex_keys = item.decode().partition(":")
+    return reply_id, [bytes.fromhex(hex_keys[i : i + 2 * KEY_BYTES]) for i in range(0, len(hex_keys), 2 * KEY_BYTES)]
+
+
 @dataclass
 class _Request:
     """A request being served: its keys, and how many of them have been answered so far."""
@@ -95,8 +101,7 @@ class _Request:
 
     @classmethod
     def parse(cls, prefix: str, item: bytes) -> _Request:
-        reply_id, _, hex_keys = item.decode().partition(":")
-        keys = [bytes.fromhex(hex_keys[i : i + 2 * KEY_BYTES]) for i in range(0, len(hex_keys), 2 * KEY_BYTES)]
+        reply_id, keys = parse_request(item)
         return cls(f"{prefix}pr:{reply_id}", keys)
 
     def next_fragment(self, decided: dict[bytes, bool]) -> str | None:
