@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -55,6 +55,7 @@ class ClientStats:
     corrupt: int = 0
     promoted: int = 0
     read_from_disk: int = 0
+    stored_after_disk_read: int = 0
 
 
 def fetch_config(service_url: str, timeout_s: float = 5.0) -> ClientConfig:
@@ -69,7 +70,9 @@ def fetch_config(service_url: str, timeout_s: float = 5.0) -> ClientConfig:
 
 class CacheClient:
     def __init__(self, config: ClientConfig, spec: NamespaceSpec, *, arena_bytes: int = 256 << 20,
-                 redis_password: str | None = None, promote_timeout_s: float = 2.0) -> None:  # fmt: skip
+                 redis_password: str | None = None, promote_timeout_s: float = 2.0,
+                 io_thread_setup: Callable[[], None] | None = None) -> None:  # fmt: skip
+        """``io_thread_setup`` runs first in each thread the client starts (the connector binds them to cores)."""
         self.config = config
         self.spec = spec
         self.node = config.node
@@ -84,8 +87,9 @@ class CacheClient:
         self._promote_timeout_s = promote_timeout_s
         self._streams: dict[bytes, PromotionStream] = {}  # chunks other nodes promote for an upcoming fetch
         self._extents: dict[bytes, Extent] = {}  # chunks this node's NVMe holds, for an upcoming fetch
-        self._disk_reads: list[bytes] = []  # read from NVMe since the last promote_disk_reads
-        self._disk = ThreadPoolExecutor(DISK_READERS, thread_name_prefix="prefixcache-disk-read")
+        self._disk_reads: list[tuple[bytes, memoryview]] = []  # what the last fetch read from NVMe
+        self._disk = ThreadPoolExecutor(DISK_READERS, thread_name_prefix="prefixcache-disk-read",
+                                        initializer=io_thread_setup)  # fmt: skip
         self.dram = MooncakeTier(config.mooncake.shm_address, arena_bytes=arena_bytes, object_prefix=config.key_prefix,
                                  preferred_segment=config.mooncake.segment)  # fmt: skip
         self.namespace_check: NamespaceCheck | None = None
@@ -161,6 +165,7 @@ class CacheClient:
         find them located, or promoted and on their way.
         """
         started, corrupt_before = time.perf_counter(), self.stats.corrupt
+        self._disk_reads = []
         self._streams = {key: stream for key, stream in self._streams.items() if not stream.expired}
         out: list[memoryview | None] = [None] * len(keys)
         planned = {i for i, key in enumerate(keys) if key in self._streams or key in self._extents}
@@ -177,18 +182,35 @@ class CacheClient:
                                    time.perf_counter() - started)  # fmt: skip
         return out
 
-    def promote_disk_reads(self) -> None:
-        """Ask this node's daemon to bring the chunks read straight from NVMe back into DRAM.
+    def take_disk_reads(self) -> list[tuple[bytes, memoryview]]:
+        """The chunks the last ``fetch`` read straight from this node's NVMe: (key, verified object).
 
-        Callers send it once a load is complete, so that the daemon's reads do not compete with the
-        load's own; nothing waits for the answer.
+        Each object is a view into the caller's slot. Hand them to ``store_disk_reads`` before
+        releasing those slots, so the next load of these chunks comes from DRAM.
         """
-        keys, self._disk_reads = self._disk_reads, []
-        if keys:
-            try:
-                PromotionStream(self._redis, self._prefix, self.node, keys, self._promote_timeout_s)
-            except redis.RedisError as exc:
-                log.debug("promotion request failed: %s", exc)
+        taken, self._disk_reads = self._disk_reads, []
+        return taken
+
+    def store_disk_reads(self, objects: Sequence[tuple[bytes, memoryview]]) -> int:
+        """Put chunks read from NVMe (as ``take_disk_reads`` gave them) into DRAM and index them there.
+
+        The reader already holds each verified object in a registered slot, so this is one Mooncake
+        put: far cheaper than the daemon reading the same bytes from disk again, which would also
+        compete with the next load's reads. Callers run it after their load is complete. Returns how
+        many were stored; a failure only means the next load reads the disk again.
+        """
+        if not objects:
+            return 0
+        stored = self.dram.put(objects)
+        keys = [key for (key, _), ok in zip(objects, stored, strict=True) if ok]
+        try:
+            self.index.add_location(keys, self.location)
+        except IndexUnavailableError as exc:
+            log.debug("chunks stored after a disk read not indexed (%s)", exc)
+            self.dram.delete(keys)
+            return 0
+        self.stats.stored_after_disk_read += len(keys)
+        return len(keys)
 
     def _read(self, keys: Sequence[bytes], slots: Sequence[memoryview], positions: list[int],
               out: list[memoryview | None]) -> None:  # fmt: skip
@@ -240,7 +262,7 @@ class CacheClient:
                 stale.append(keys[i])
             else:
                 self.stats.read_from_disk += 1
-                self._disk_reads.append(keys[i])
+                self._disk_reads.append((keys[i], slots[i][:size]))
         if stale:
             try:
                 stream = PromotionStream(self._redis, self._prefix, self.node, stale, self._promote_timeout_s)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -71,6 +72,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
         from cachestore.client import CacheClient, fetch_config
+        from connector.io_threads import io_cpus, pinning
         from connector.settings import namespace_for
         from connector.worker_side import WorkerSide
 
@@ -79,9 +81,12 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         config = fetch_config(self._settings.service_url)
         spec = namespace_for(self._vllm_config, group.kv_cache_spec, config.chunk_tokens,
                              get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())  # fmt: skip
+        cpus = io_cpus(self._settings.io_cpus, on_cpu_backend=layers[0].device.type == "cpu",
+                       compute=os.sched_getaffinity(0), online=range(os.cpu_count() or 1))  # fmt: skip
+        log.info("prefixcache: connector threads on CPUs %s", "as the worker" if cpus is None else sorted(cpus))
         client = CacheClient(config, spec, arena_bytes=self._settings.arena_mb << 20,
-                             redis_password=self._settings.redis_password)  # fmt: skip
-        self._worker = WorkerSide(client, layers, group.kv_cache_spec.block_size)
+                             redis_password=self._settings.redis_password, io_thread_setup=pinning(cpus))  # fmt: skip
+        self._worker = WorkerSide(client, layers, group.kv_cache_spec.block_size, io_thread_setup=pinning(cpus))
 
     @property
     def worker_namespace(self) -> NamespaceSpec | None:

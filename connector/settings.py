@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from connector.io_threads import IoCpus
 from indexer.errors import ConfigError
 from indexer.namespace import NamespaceSpec
 
@@ -19,6 +20,8 @@ class ConnectorSettings(BaseModel):
     arena_mb: int = Field(default=512, ge=16, le=1 << 20, description="registered buffer for loads and publishes")
     min_hit_tokens: int = Field(default=16, ge=1, description="smaller external hits are not worth a load")
     redis_password: str | None = Field(default=None, description="if the index needs one (never logged)")
+    io_cpus: IoCpus = Field(default="auto", description="cores for the connector's threads: auto, inherit or CPU ids "
+                            "(connector/io_threads.py)")  # fmt: skip
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> ConnectorSettings:

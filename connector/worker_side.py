@@ -3,17 +3,21 @@
 Loads run before the forward pass (vLLM schedules them as synchronous loads); a chunk that cannot be
 fetched or fails verification reports its blocks as load errors and vLLM recomputes from there.
 Publishing copies the new chunks' pages into arena slots after the forward pass, then a background
-thread does the Mooncake put and the index registration, so the forward never waits on either.
+thread does the Mooncake put and the index registration, so the forward never waits on either. The
+same thread stores chunks a load read straight from NVMe into DRAM, from the slots they were read
+into, once the load is done.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,26 +31,42 @@ from connector.pages import gather, payload_bytes, payload_view, scatter
 from indexer.namespace import tenant_id
 
 log = logging.getLogger("prefixcache.connector")
-_PUBLISH_QUEUE = 64
+_BACKGROUND_QUEUE = 64
 #: Bytes fetched per Mooncake call while loading: small enough that reading the next group overlaps
 #: placing this one, large enough that per-call overhead stays small.
 LOAD_GROUP_BYTES = 8 << 20
 
 
+@dataclass
+class _Fetched:
+    """One group's arena slots, verified payloads (None: recompute), and the objects read from NVMe."""
+
+    slots: list[memoryview]
+    payloads: list[memoryview | None]
+    from_disk: dict[bytes, memoryview] = field(default_factory=dict)
+
+
 class WorkerSide:
-    def __init__(self, client: CacheClient, layers: Sequence[torch.Tensor], block_tokens: int) -> None:
+    def __init__(self, client: CacheClient, layers: Sequence[torch.Tensor], block_tokens: int,
+                 io_thread_setup: Callable[[], None] | None = None) -> None:  # fmt: skip
+        """``io_thread_setup`` runs first in each thread this side starts (see connector/io_threads.py)."""
         self.client = client
+        self._io_thread_setup = io_thread_setup or (lambda: None)
         self.layers = list(layers)
         self.block_tokens = block_tokens
         self.load_errors: set[int] = set()
         self.loaded_chunks = 0
         self.published_chunks = 0
-        self._publishes: queue.Queue[tuple[list[tuple[ChunkMeta, memoryview]], str | None] | None] = queue.Queue(
-            _PUBLISH_QUEUE
+        # Jobs that move held slots to the store (publishes, stores after disk reads), and those slots.
+        self._background: queue.Queue[tuple[Callable[[], object], list[memoryview]] | None] = queue.Queue(
+            _BACKGROUND_QUEUE
         )
-        self._publisher = threading.Thread(target=self._publish_loop, name="prefixcache-publish", daemon=True)
-        self._publisher.start()
-        self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixcache-fetch")
+        self._background_thread = threading.Thread(
+            target=self._background_loop, name="prefixcache-background", daemon=True
+        )
+        self._background_thread.start()
+        self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixcache-fetch",
+                                           initializer=self._io_thread_setup)  # fmt: skip
 
     # -- loads ---------------------------------------------------------------------------------------
 
@@ -55,43 +75,50 @@ class WorkerSide:
 
         The segment owner (another process) copies a group into the arena while this thread verifies
         and places the previous one, so the load costs about one pass over the bytes, not two. Each
-        fetch names the chunks still to come, so chunks that must come back from NVMe are asked for
-        in one streamed promotion as soon as the first of them is missed.
+        fetch names the chunks still to come, so chunks that must come back from NVMe are located or
+        asked for in one request as soon as the first of them is missed. Slots holding chunks read
+        straight from NVMe are kept after placing, and stored into DRAM once the load is done.
         """
         groups = self._groups([chunk for chunks in meta.loads.values() for chunk in chunks])
         if not groups:
             return
         keys = [chunk.key for group in groups for chunk in group]
         ends = list(itertools.accumulate(len(group) for group in groups))
+        read_from_disk: list[tuple[bytes, memoryview]] = []
+        held: list[memoryview] = []
         pending = self._fetcher.submit(self._fetch, groups[0], keys[ends[0] :])
         for i, group in enumerate(groups):
-            slots, payloads = pending.result()
+            fetched = pending.result()
             if i + 1 < len(groups):
                 pending = self._fetcher.submit(self._fetch, groups[i + 1], keys[ends[i + 1] :])
             try:
-                self._place(group, payloads)
+                self._place(group, fetched.payloads)
             finally:
-                for slot in slots:
-                    self.client.release(slot)
-        self.client.promote_disk_reads()
+                for chunk, slot in zip(group, fetched.slots, strict=False):
+                    if chunk.key in fetched.from_disk:
+                        read_from_disk.append((chunk.key, fetched.from_disk[chunk.key]))
+                        held.append(slot)
+                    else:
+                        self.client.release(slot)
+        if held:
+            self._in_background(functools.partial(self.client.store_disk_reads, read_from_disk), held)
 
     def _groups(self, chunks: list[LoadChunk]) -> list[list[LoadChunk]]:
         return runs_of_about(chunks, lambda chunk: self._object_bytes(chunk.stored_tokens), LOAD_GROUP_BYTES)
 
-    def _fetch(
-        self, chunks: list[LoadChunk], upcoming: list[bytes]
-    ) -> tuple[list[memoryview], list[memoryview | None]]:
-        """Arena slots and the verified payloads (None: recompute) of one group; runs on the fetch thread."""
-        slots: list[memoryview] = []
+    def _fetch(self, chunks: list[LoadChunk], upcoming: list[bytes]) -> _Fetched:
+        """Fetch one group into new arena slots; runs on the fetch thread."""
+        fetched = _Fetched(slots=[], payloads=[None] * len(chunks))
         try:
             for chunk in chunks:
-                slots.append(self.client.slot(read_size(self._object_bytes(chunk.stored_tokens))))
-            return slots, self.client.fetch([c.key for c in chunks], slots, upcoming=upcoming)
+                fetched.slots.append(self.client.slot(read_size(self._object_bytes(chunk.stored_tokens))))
+            fetched.payloads = self.client.fetch([c.key for c in chunks], fetched.slots, upcoming=upcoming)
         except ArenaFullError:
             log.warning("arena full: recomputing instead of loading %d chunks", len(chunks))
         except Exception:  # noqa: BLE001 - a failed load is recomputed; the request must not fail
             log.exception("loading %d chunks failed; recomputing them", len(chunks))
-        return slots, [None] * len(chunks)
+        fetched.from_disk = dict(self.client.take_disk_reads())
+        return fetched
 
     def _place(self, chunks: list[LoadChunk], payloads: list[memoryview | None]) -> None:
         for chunk, payload in zip(chunks, payloads, strict=True):
@@ -117,11 +144,7 @@ class WorkerSide:
             if staged is not None:
                 by_tenant.setdefault(chunk.tenant_salt, []).append(staged)
         for salt, batch in by_tenant.items():
-            try:
-                self._publishes.put_nowait((batch, salt))
-            except queue.Full:  # publishing fell behind: these chunks are simply not cached
-                for _, slot in batch:
-                    self.client.release(slot)
+            self._in_background(functools.partial(self._publish, batch, salt), [slot for _, slot in batch])
 
     def _stage(self, chunk: SaveChunk) -> tuple[ChunkMeta, memoryview] | None:
         pages = len(chunk.blocks)
@@ -140,21 +163,35 @@ class WorkerSide:
         )
         return meta, slot
 
-    def _publish_loop(self) -> None:
-        while (item := self._publishes.get()) is not None:
-            batch, salt = item
+    def _publish(self, batch: list[tuple[ChunkMeta, memoryview]], salt: str | None) -> None:
+        self.published_chunks += sum(self.client.publish(batch, tenant_salt=salt))
+
+    # -- background ----------------------------------------------------------------------------------
+
+    def _in_background(self, job: Callable[[], object], slots: list[memoryview]) -> None:
+        """Run ``job`` on the background thread, then release ``slots``; if it has fallen behind, drop the job."""
+        try:
+            self._background.put_nowait((job, slots))
+        except queue.Full:  # these chunks are simply not cached (or not brought back to DRAM)
+            for slot in slots:
+                self.client.release(slot)
+
+    def _background_loop(self) -> None:
+        self._io_thread_setup()
+        while (item := self._background.get()) is not None:
+            job, slots = item
             try:
-                self.published_chunks += sum(self.client.publish(batch, tenant_salt=salt))
-            except Exception:  # noqa: BLE001 - publishing is best effort; the forward path never sees it
-                log.exception("publishing %d chunks failed", len(batch))
+                job()
+            except Exception:  # noqa: BLE001 - best effort; the forward path never sees it
+                log.exception("background store of %d chunks failed", len(slots))
             finally:
-                for _, slot in batch:
+                for slot in slots:
                     self.client.release(slot)
 
     def close(self) -> None:
         self._fetcher.shutdown(wait=True)
-        self._publishes.put(None)
-        self._publisher.join(timeout=30)
+        self._background.put(None)
+        self._background_thread.join(timeout=30)
         self.client.close()
 
     # -- sizes ---------------------------------------------------------------------------------------

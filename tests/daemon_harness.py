@@ -88,10 +88,14 @@ def publish_prompt(
     return [m.key for m, _, _ in chunks], [p for _, _, p in chunks]
 
 
-def fetch_payloads(client: CacheClient, keys: list[bytes]) -> list[bytes | None]:
+def fetch_payloads(client: CacheClient, keys: list[bytes], store_disk_reads: bool = False) -> list[bytes | None]:
+    """Fetch ``keys`` into fresh slots; ``store_disk_reads`` stores those read from NVMe into DRAM, as loads do."""
     slots = [client.slot(4 << 20) for _ in keys]
     try:
-        return [bytes(view) if view is not None else None for view in client.fetch(keys, slots)]
+        payloads = [bytes(view) if view is not None else None for view in client.fetch(keys, slots)]
+        if store_disk_reads:
+            client.store_disk_reads(client.take_disk_reads())
+        return payloads
     finally:
         for slot in slots:
             client.release(slot)

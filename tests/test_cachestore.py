@@ -88,26 +88,29 @@ def test_kill_9_and_restart_keeps_persisted_chunks(daemon, client):
         entries = restarted.index.get(keys)
         assert all(e.locations == {NVME} for e in entries)  # DRAM started empty: its locations were dropped
         assert restarted.lookup(prompt_query(restarted.spec.root(), restarted.geometry, tokens)).keys == keys
-        assert fetch_payloads(restarted, keys) == payloads
+        assert fetch_payloads(restarted, keys, store_disk_reads=True) == payloads
         assert restarted.stats.read_from_disk == 4  # this node's NVMe, read directly
-        restarted.promote_disk_reads()
-        assert wait_for(lambda: all(DRAM in e.locations for e in restarted.index.get(keys))), "not promoted back"
+        assert restarted.stats.stored_after_disk_read == 4
+        assert all(e.locations == {DRAM, NVME} for e in restarted.index.get(keys)), "not stored back into DRAM"
     finally:
         restarted.close()
 
 
-def fetch_in_groups(client: CacheClient, keys: list[bytes], group: int) -> list[bytes | None]:
-    """Fetch as the connector does: a few chunks per call, each call naming the chunks still to come."""
+def fetch_in_groups(client: CacheClient, keys: list[bytes], group: int,
+                    store_disk_reads: bool = False) -> list[bytes | None]:  # fmt: skip
+    """Fetch as the connector does: a few chunks per call, each call naming the chunks still to come, and
+    (``store_disk_reads``) the chunks read from NVMe stored into DRAM once all are loaded."""
     slots = [client.slot(4 << 20) for _ in keys]
     try:
-        views = [
-            view
-            for start in range(0, len(keys), group)
-            for view in client.fetch(
-                keys[start : start + group], slots[start : start + group], upcoming=keys[start + group :]
-            )  # fmt: skip
-        ]
-        return [bytes(v) if v is not None else None for v in views]
+        views, read_from_disk = [], []
+        for start in range(0, len(keys), group):
+            end = start + group
+            views += client.fetch(keys[start:end], slots[start:end], upcoming=keys[end:])
+            read_from_disk += client.take_disk_reads()
+        payloads = [bytes(v) if v is not None else None for v in views]
+        if store_disk_reads:
+            client.store_disk_reads(read_from_disk)
+        return payloads
     finally:
         for slot in slots:
             client.release(slot)
@@ -122,15 +125,16 @@ def restart_with_nvme_only(daemon: Daemon, client: CacheClient, tokens: list[int
     return keys, payloads
 
 
-def test_this_nodes_nvme_chunks_are_read_straight_from_disk_then_promoted_behind(daemon, client):
+def test_this_nodes_nvme_chunks_are_read_straight_from_disk_then_stored_into_dram(daemon, client):
     keys, payloads = restart_with_nvme_only(daemon, client, list(range(64 * 6)), seed=5)
     reader = connect(daemon)
     try:
         assert fetch_in_groups(reader, keys, 2) == payloads
         assert reader.stats.read_from_disk == 6 and reader.stats.promoted == 0 and reader.stats.missing == 0
-        assert all(e.locations == {NVME} for e in reader.index.get(keys)), "reading promoted before the load ended"
-        reader.promote_disk_reads()
-        assert wait_for(lambda: all(DRAM in e.locations for e in reader.index.get(keys))), "not promoted behind"
+        assert all(e.locations == {NVME} for e in reader.index.get(keys)), "a fetch stored into DRAM by itself"
+        assert fetch_in_groups(reader, keys, 2, store_disk_reads=True) == payloads
+        assert reader.stats.stored_after_disk_read == 6
+        assert all(e.locations == {DRAM, NVME} for e in reader.index.get(keys)), "not stored into DRAM"
     finally:
         reader.close()
     again = connect(daemon)
