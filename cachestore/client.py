@@ -16,7 +16,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
@@ -27,7 +27,7 @@ from cachestore.client_stats import ClientStatsRecorder
 from cachestore.codec import ChunkError, ChunkMeta, decode, write_header
 from cachestore.dram import MooncakeTier
 from cachestore.extents import locate
-from cachestore.nvme import Extent, read_extent
+from cachestore.nvme import read_extent
 from cachestore.promotion import PromotionStream
 from indexer.chunking import ChunkGeometry
 from indexer.errors import ConfigError, IndexUnavailableError
@@ -86,7 +86,8 @@ class CacheClient:
         self.recorder = ClientStatsRecorder(self._redis, self._prefix, config.node)  # the daemon reports these
         self._promote_timeout_s = promote_timeout_s
         self._streams: dict[bytes, PromotionStream] = {}  # chunks other nodes promote for an upcoming fetch
-        self._extents: dict[bytes, Extent] = {}  # chunks this node's NVMe holds, for an upcoming fetch
+        # Reads from this node's NVMe started ahead of the fetch that asks for them: key -> (slot, its length).
+        self._disk_reads_ahead: dict[bytes, tuple[memoryview, Future[int]]] = {}
         self._disk_reads: list[tuple[bytes, memoryview]] = []  # what the last fetch read from NVMe
         self._disk = ThreadPoolExecutor(DISK_READERS, thread_name_prefix="prefixcache-disk-read",
                                         initializer=io_thread_setup)  # fmt: skip
@@ -153,26 +154,30 @@ class CacheClient:
         return stored
 
     def fetch(
-        self, keys: Sequence[bytes], slots: Sequence[memoryview], *, upcoming: Sequence[bytes] = ()
-    ) -> list[memoryview | None]:
+        self, keys: Sequence[bytes], slots: Sequence[memoryview], *,
+        upcoming: Sequence[tuple[bytes, memoryview]] = (),
+    ) -> list[memoryview | None]:  # fmt: skip
         """Each chunk's verified payload (a view into its slot), or None: a miss the caller recomputes.
 
         A chunk missing from DRAM, or whose DRAM copy fails verification (and is deleted), comes from
         the NVMe tier: read straight from the segment files when this node holds it (slots of
         ``read_size`` bytes let that read land in place), else promoted by the daemon of a node that
-        does. ``upcoming`` names the chunks the caller will fetch next, in order: when this call must
-        go to NVMe, it plans those of them with no DRAM copy in the same requests, so later calls
-        find them located, or promoted and on their way.
+        does. ``upcoming`` names the chunks the caller will fetch next, in order, each with the slot it
+        will pass for it: when this call must go to NVMe, it plans those of them with no DRAM copy in
+        the same requests, and starts reading this node's straight into those slots, so later calls
+        find them read or on their way, or promoted. A caller that stops before fetching them all
+        calls ``settle_reads`` before releasing the slots.
         """
         started, corrupt_before = time.perf_counter(), self.stats.corrupt
         self._disk_reads = []
         self._streams = {key: stream for key, stream in self._streams.items() if not stream.expired}
         out: list[memoryview | None] = [None] * len(keys)
-        planned = {i for i, key in enumerate(keys) if key in self._streams or key in self._extents}
+        planned = {i for i, key in enumerate(keys) if key in self._streams or key in self._disk_reads_ahead}
         self._read(keys, slots, [i for i in range(len(keys)) if i not in planned], out)
-        if missing := [keys[i] for i in range(len(keys)) if out[i] is None and i not in planned]:
-            self._plan_nvme(missing, upcoming)
-        self._read_disk(keys, slots, [i for i, key in enumerate(keys) if out[i] is None and key in self._extents], out)
+        if missing := [i for i in range(len(keys)) if out[i] is None and i not in planned]:
+            self._plan_nvme([keys[i] for i in missing], {keys[i]: slots[i] for i in missing}, upcoming)
+        self._read_disk(keys, slots, [i for i, k in enumerate(keys) if out[i] is None and k in self._disk_reads_ahead],
+                        out)  # fmt: skip
         self._read_promoted(keys, slots, [i for i, key in enumerate(keys) if out[i] is None and key in self._streams],
                             out)  # fmt: skip
         fetched = sum(1 for v in out if v is not None)
@@ -221,16 +226,24 @@ class CacheClient:
         for i, size in zip(positions, sizes, strict=True):
             out[i] = self._verified(keys[i], slots[i], size)
 
-    def _plan_nvme(self, missing: list[bytes], upcoming: Sequence[bytes]) -> None:
-        """Locate on this node's NVMe, or have other nodes promote, ``missing`` and upcoming chunks not in DRAM."""
+    def _plan_nvme(self, missing: list[bytes], slots: dict[bytes, memoryview],
+                   upcoming: Sequence[tuple[bytes, memoryview]]) -> None:  # fmt: skip
+        """Read from this node's NVMe, or have other nodes promote, ``missing`` and upcoming chunks not in DRAM.
+
+        ``slots`` holds the slot of each missing chunk; reads of this node's chunks start at once,
+        upcoming ones included, so the disk stays busy while the caller places what came before.
+        """
         wanted = set(missing)
-        ahead = [key for key in upcoming if key not in wanted and key not in self._streams]
+        ahead = [(key, slot) for key, slot in upcoming if key not in wanted and key not in self._streams
+                 and key not in self._disk_reads_ahead]  # fmt: skip
+        slots = {**slots, **dict(ahead)}
+        candidates = missing + [key for key, _ in ahead]
         try:
-            entries = self.index.get(missing + ahead)
+            entries = self.index.get(candidates)
         except IndexUnavailableError:
             return
         by_node: defaultdict[str, list[bytes]] = defaultdict(list)
-        for key, entry in zip(missing + ahead, entries, strict=True):
+        for key, entry in zip(candidates, entries, strict=True):
             locations = entry.locations if entry else ()
             if key not in wanted and any(loc.tier == "dram" for loc in locations):
                 continue  # an upcoming chunk DRAM should still serve
@@ -240,7 +253,10 @@ class CacheClient:
             try:
                 if node == self.node:
                     found = locate(self._redis, self._prefix, node, node_keys, self._promote_timeout_s)
-                    self._extents = {key: e for key, e in zip(node_keys, found, strict=True) if e is not None}
+                    for key, extent in zip(node_keys, found, strict=True):
+                        if extent is not None:
+                            read = self._disk.submit(read_extent, extent, slots[key])
+                            self._disk_reads_ahead[key] = (slots[key], read)
                 else:
                     stream = PromotionStream(self._redis, self._prefix, node, node_keys, self._promote_timeout_s)
                     self._streams.update(dict.fromkeys(node_keys, stream))
@@ -249,11 +265,13 @@ class CacheClient:
 
     def _read_disk(self, keys: Sequence[bytes], slots: Sequence[memoryview], positions: list[int],
                    out: list[memoryview | None]) -> None:  # fmt: skip
-        """Read ``keys[i]`` (i in positions) straight from this node's segment files, in parallel, and verify."""
-        extents = [self._extents.pop(keys[i]) for i in positions]
-        sizes = self._disk.map(read_extent, extents, [slots[i] for i in positions])
+        """Take the reads of ``keys[i]`` (i in positions) from this node's segment files, and verify them."""
         stale = []
-        for i, size in zip(positions, sizes, strict=True):
+        for i in positions:
+            slot, read = self._disk_reads_ahead.pop(keys[i])
+            size = read.result()
+            if slot is not slots[i]:  # read ahead into another slot than the caller passes now
+                size = -1
             try:
                 out[i] = decode(slots[i][:size], key=keys[i], namespace=self.spec.digest)[1] if size >= 0 else None
             except ChunkError:
@@ -269,6 +287,16 @@ class CacheClient:
                 self._streams.update(dict.fromkeys(stale, stream))
             except redis.RedisError as exc:
                 log.debug("promotion request failed: %s", exc)
+
+    def settle_reads(self) -> None:
+        """Wait for reads started ahead for chunks that were never fetched, and forget them.
+
+        Callers run it before releasing the slots they named as ``upcoming``: no read may still be
+        writing into a slot that is handed out again.
+        """
+        reads, self._disk_reads_ahead = self._disk_reads_ahead, {}
+        for _, read in reads.values():
+            read.exception()  # waits; a failed read only matters to the fetch that never came
 
     def _read_promoted(self, keys: Sequence[bytes], slots: Sequence[memoryview], positions: list[int],
                        out: list[memoryview | None]) -> None:  # fmt: skip

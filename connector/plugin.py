@@ -108,7 +108,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         if self._worker is not None:
             meta = self._get_connector_metadata()
-            if isinstance(meta, _metadata_type()) and meta.saves:
+            if isinstance(meta, _metadata_type()):
                 self._worker.save(meta)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -39,9 +39,8 @@ LOAD_GROUP_BYTES = 8 << 20
 
 @dataclass
 class _Fetched:
-    """One group's arena slots, verified payloads (None: recompute), and the objects read from NVMe."""
+    """One group's verified payloads (None: recompute), and the objects among them read from NVMe."""
 
-    slots: list[memoryview]
     payloads: list[memoryview | None]
     from_disk: dict[bytes, memoryview] = field(default_factory=dict)
 
@@ -65,6 +64,8 @@ class WorkerSide:
             target=self._background_loop, name="prefixcache-background", daemon=True
         )
         self._background_thread.start()
+        # Stores into DRAM of what this step's load read from NVMe, started after the forward pass.
+        self._after_forward: list[tuple[Callable[[], object], list[memoryview]]] = []
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixcache-fetch",
                                            initializer=self._io_thread_setup)  # fmt: skip
 
@@ -73,50 +74,60 @@ class WorkerSide:
     def load(self, meta: PrefixCacheMetadata) -> None:
         """Fetch this step's chunks in groups, placing one group while the next is read.
 
-        The segment owner (another process) copies a group into the arena while this thread verifies
-        and places the previous one, so the load costs about one pass over the bytes, not two. Each
-        fetch names the chunks still to come, so chunks that must come back from NVMe are located or
-        asked for in one request as soon as the first of them is missed. Slots holding chunks read
-        straight from NVMe are kept after placing, and stored into DRAM once the load is done.
+        The segment owner (another process) copies a group into the arena while this thread places
+        the previous one, so the load costs about one pass over the bytes, not two. Every chunk's slot
+        is taken up front and each fetch names the chunks still to come with their slots: chunks that
+        must come back from this node's NVMe are read into place ahead of their turn, and those on
+        other nodes are asked for in one request. Slots holding chunks read from NVMe are kept, and
+        stored into DRAM after the forward pass.
         """
-        groups = self._groups([chunk for chunks in meta.loads.values() for chunk in chunks])
-        if not groups:
-            return
-        keys = [chunk.key for group in groups for chunk in group]
+        chunks = [chunk for chunks in meta.loads.values() for chunk in chunks]
+        slots = self._slots(chunks)
+        for chunk in chunks[len(slots) :]:
+            self.load_errors.update(chunk.blocks)
+        upcoming = [(chunk.key, slot) for chunk, slot in zip(chunks, slots, strict=False)]
+        groups = runs_of_about(upcoming, lambda pair: len(pair[1]), LOAD_GROUP_BYTES)
         ends = list(itertools.accumulate(len(group) for group in groups))
-        read_from_disk: list[tuple[bytes, memoryview]] = []
-        held: list[memoryview] = []
-        pending = self._fetcher.submit(self._fetch, groups[0], keys[ends[0] :])
-        for i, group in enumerate(groups):
-            fetched = pending.result()
-            if i + 1 < len(groups):
-                pending = self._fetcher.submit(self._fetch, groups[i + 1], keys[ends[i + 1] :])
-            try:
-                self._place(group, fetched.payloads)
-            finally:
-                for chunk, slot in zip(group, fetched.slots, strict=False):
-                    if chunk.key in fetched.from_disk:
-                        read_from_disk.append((chunk.key, fetched.from_disk[chunk.key]))
-                        held.append(slot)
-                    else:
-                        self.client.release(slot)
+        read_from_disk: dict[bytes, memoryview] = {}
+        pending = None
+        try:
+            for i, group in enumerate(groups):
+                fetched = (pending or self._fetcher.submit(self._fetch, group, upcoming[ends[i] :])).result()
+                pending = None
+                if i + 1 < len(groups):
+                    pending = self._fetcher.submit(self._fetch, groups[i + 1], upcoming[ends[i + 1] :])
+                read_from_disk.update(fetched.from_disk)
+                self._place(chunks[ends[i] - len(group) : ends[i]], fetched.payloads)
+        finally:
+            if pending is not None:
+                pending.exception()  # the fetch in flight must finish before its slots are released
+            self.client.settle_reads()
+            held = [slot for (key, slot) in upcoming if key in read_from_disk]
+            for key, slot in upcoming:
+                if key not in read_from_disk:
+                    self.client.release(slot)
         if held:
-            self._in_background(functools.partial(self.client.store_disk_reads, read_from_disk), held)
+            self._after_forward.append((functools.partial(self.client.store_disk_reads, list(read_from_disk.items())),
+                                        held))  # fmt: skip
 
-    def _groups(self, chunks: list[LoadChunk]) -> list[list[LoadChunk]]:
-        return runs_of_about(chunks, lambda chunk: self._object_bytes(chunk.stored_tokens), LOAD_GROUP_BYTES)
-
-    def _fetch(self, chunks: list[LoadChunk], upcoming: list[bytes]) -> _Fetched:
-        """Fetch one group into new arena slots; runs on the fetch thread."""
-        fetched = _Fetched(slots=[], payloads=[None] * len(chunks))
+    def _slots(self, chunks: list[LoadChunk]) -> list[memoryview]:
+        """An arena slot for each chunk, in order, while the arena has room (the rest are recomputed)."""
+        slots: list[memoryview] = []
         try:
             for chunk in chunks:
-                fetched.slots.append(self.client.slot(read_size(self._object_bytes(chunk.stored_tokens))))
-            fetched.payloads = self.client.fetch([c.key for c in chunks], fetched.slots, upcoming=upcoming)
+                slots.append(self.client.slot(read_size(self._object_bytes(chunk.stored_tokens))))
         except ArenaFullError:
-            log.warning("arena full: recomputing instead of loading %d chunks", len(chunks))
+            log.warning("arena full: recomputing instead of loading %d chunks", len(chunks) - len(slots))
+        return slots
+
+    def _fetch(self, group: list[tuple[bytes, memoryview]], upcoming: list[tuple[bytes, memoryview]]) -> _Fetched:
+        """Fetch one group into its slots; runs on the fetch thread."""
+        fetched = _Fetched(payloads=[None] * len(group))
+        try:
+            fetched.payloads = self.client.fetch([key for key, _ in group], [slot for _, slot in group],
+                                                 upcoming=upcoming)  # fmt: skip
         except Exception:  # noqa: BLE001 - a failed load is recomputed; the request must not fail
-            log.exception("loading %d chunks failed; recomputing them", len(chunks))
+            log.exception("loading %d chunks failed; recomputing them", len(group))
         fetched.from_disk = dict(self.client.take_disk_reads())
         return fetched
 
@@ -137,7 +148,11 @@ class WorkerSide:
     # -- publishes -----------------------------------------------------------------------------------
 
     def save(self, meta: PrefixCacheMetadata) -> None:
-        """Copy the pages of this step's completed chunks out now; publish them in the background."""
+        """After the forward pass: copy the pages of this step's completed chunks out and publish them in
+        the background, where the chunks this step's load read from NVMe are stored into DRAM too."""
+        for job, slots in self._after_forward:
+            self._in_background(job, slots)
+        self._after_forward = []
         by_tenant: dict[str | None, list[tuple[ChunkMeta, memoryview]]] = {}
         for chunk in meta.saves:
             staged = self._stage(chunk)
@@ -190,6 +205,9 @@ class WorkerSide:
 
     def close(self) -> None:
         self._fetcher.shutdown(wait=True)
+        for _, slots in self._after_forward:
+            for slot in slots:
+                self.client.release(slot)
         self._background.put(None)
         self._background_thread.join(timeout=30)
         self.client.close()

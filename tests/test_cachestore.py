@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from cachestore.client import CacheClient, fetch_config
+from cachestore.codec import read_meta
 from indexer.index import Location
 from indexer.keys import prompt_query
 from indexer.leases import Leases
@@ -105,13 +106,16 @@ def fetch_in_groups(client: CacheClient, keys: list[bytes], group: int,
         views, read_from_disk = [], []
         for start in range(0, len(keys), group):
             end = start + group
-            views += client.fetch(keys[start:end], slots[start:end], upcoming=keys[end:])
+            views += client.fetch(
+                keys[start:end], slots[start:end], upcoming=list(zip(keys[end:], slots[end:], strict=True))
+            )
             read_from_disk += client.take_disk_reads()
         payloads = [bytes(v) if v is not None else None for v in views]
         if store_disk_reads:
             client.store_disk_reads(read_from_disk)
         return payloads
     finally:
+        client.settle_reads()
         for slot in slots:
             client.release(slot)
 
@@ -144,6 +148,23 @@ def test_this_nodes_nvme_chunks_are_read_straight_from_disk_then_stored_into_dra
         again.close()
 
 
+def test_the_first_nvme_miss_reads_every_upcoming_chunk_into_its_slot_ahead(daemon, client):
+    keys, payloads = restart_with_nvme_only(daemon, client, list(range(64 * 6)), seed=7)
+    reader = connect(daemon)
+    slots = [reader.slot(4 << 20) for _ in keys]
+    try:
+        first = reader.fetch(keys[:2], slots[:2], upcoming=list(zip(keys[2:], slots[2:], strict=True)))
+        assert [bytes(v) for v in first] == payloads[:2]
+        reader.settle_reads()  # the load stops here: the reads ahead must be over before slots are reused
+        assert [read_meta(slot).key for slot in slots[2:]] == keys[2:], "upcoming chunks were not read ahead"
+        for slot in slots:
+            reader.release(slot)
+        assert fetch_in_groups(reader, keys[2:], 2) == payloads[2:]  # nothing stale left behind
+        assert reader.stats.read_from_disk == 6 and reader.stats.missing == 0
+    finally:
+        reader.close()
+
+
 def test_another_nodes_nvme_chunks_are_promoted_in_one_streamed_request(daemon, client):
     """A client elsewhere cannot read the segment files: the holder promotes them, upcoming ones included."""
     keys, payloads = restart_with_nvme_only(daemon, client, list(range(64 * 6)), seed=6)
@@ -151,7 +172,7 @@ def test_another_nodes_nvme_chunks_are_promoted_in_one_streamed_request(daemon, 
     remote = CacheClient(config, make_spec(), arena_bytes=64 << 20)
     try:
         slots = [remote.slot(4 << 20) for _ in keys]
-        first = remote.fetch(keys[:2], slots[:2], upcoming=keys[2:])
+        first = remote.fetch(keys[:2], slots[:2], upcoming=list(zip(keys[2:], slots[2:], strict=True)))
         assert [bytes(v) for v in first] == payloads[:2]
         # the rest arrives without being asked for again
         assert wait_for(lambda: all(DRAM in e.locations for e in remote.index.get(keys[2:]))), "upcoming not promoted"
