@@ -66,8 +66,9 @@ class MooncakeMaster(ManagedProcess):
             "-allow_evict_soft_pinned_objects=false",
             "-logtostderr",
         ]
+        ports = (self.rpc_port, self.metadata_port, self.metrics_port)
         super().__init__("mooncake_master", argv, Path(log_dir) / "mooncake_master.log", self._answers,
-                         env=mooncake_env())  # fmt: skip
+                         env=mooncake_env(), listens_on=[(host, port) for port in ports])  # fmt: skip
 
     @property
     def address(self) -> str:
@@ -109,7 +110,7 @@ class SegmentOwner(ManagedProcess):
             "-logtostderr",
         ]
         super().__init__("mooncake_client", argv, Path(log_dir) / "mooncake_client.log", self._answers,
-                         env=mooncake_env())  # fmt: skip
+                         env=mooncake_env(), listens_on=[(host, self.shm_port)])  # fmt: skip
 
     @property
     def segment(self) -> str:

@@ -86,11 +86,14 @@ class ManagedProcess:
         log_path: Path,
         ready: Callable[[], bool],
         env: dict[str, str] | None = None,
+        listens_on: Sequence[tuple[str, int]] = (),
     ) -> None:
+        """``listens_on``: the (host, port)s the server binds, which ``start`` first waits to find free."""
         self.name = name
         self.env = env
         self.argv = list(argv)
         self.log_path = log_path
+        self.listens_on = list(listens_on)
         self._ready = ready
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -99,6 +102,7 @@ class ManagedProcess:
         return self._proc.pid if self._proc else None
 
     def start(self, timeout_s: float = 30.0) -> None:
+        self._wait_for_ports(timeout_s)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
@@ -119,6 +123,21 @@ class ManagedProcess:
             time.sleep(0.05)
         self.stop()
         raise ServerStartError(f"{self.name} was not ready after {timeout_s:.0f}s: {self._log_tail()}")
+
+    def _wait_for_ports(self, timeout_s: float) -> None:
+        """Wait until nothing listens on this server's ports any more.
+
+        A daemon restarted right after a crash reuses its fixed ports while the servers it had started
+        may still be shutting down (they get SIGTERM when their parent dies, and take a moment):
+        starting at once made the new server fail to bind and exit.
+        """
+        deadline = time.monotonic() + timeout_s
+        while busy := [f"{host}:{port}" for host, port in self.listens_on if port_open(host, port)]:
+            if time.monotonic() > deadline:
+                raise ServerStartError(
+                    f"{self.name} cannot start: {', '.join(busy)} still in use after {timeout_s:.0f}s"
+                )
+            time.sleep(0.1)
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None

@@ -32,7 +32,8 @@ class EmbeddedRedis(ManagedProcess):
             "--protected-mode", "yes",
             "--daemonize", "no",
         ]  # fmt: skip
-        super().__init__("redis-server", argv, self.directory / "redis.log", self._answers)
+        super().__init__("redis-server", argv, self.directory / "redis.log", self._answers,
+                         listens_on=[(host, self.port)])  # fmt: skip
 
     @property
     def url(self) -> str:

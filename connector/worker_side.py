@@ -5,7 +5,7 @@ fetched or fails verification reports its blocks as load errors and vLLM recompu
 Publishing copies the new chunks' pages into arena slots after the forward pass, then a background
 thread does the Mooncake put and the index registration, so the forward never waits on either. The
 same thread stores chunks a load read straight from NVMe into DRAM, from the slots they were read
-into, once the load is done.
+into, once the forward pass is over.
 """
 
 from __future__ import annotations
@@ -82,6 +82,8 @@ class WorkerSide:
         stored into DRAM after the forward pass.
         """
         chunks = [chunk for chunks in meta.loads.values() for chunk in chunks]
+        if not chunks:
+            return
         slots = self._slots(chunks)
         for chunk in chunks[len(slots) :]:
             self.load_errors.update(chunk.blocks)
@@ -89,10 +91,10 @@ class WorkerSide:
         groups = runs_of_about(upcoming, lambda pair: len(pair[1]), LOAD_GROUP_BYTES)
         ends = list(itertools.accumulate(len(group) for group in groups))
         read_from_disk: dict[bytes, memoryview] = {}
-        pending = None
+        pending = self._fetcher.submit(self._fetch, groups[0], upcoming[ends[0] :]) if groups else None
         try:
             for i, group in enumerate(groups):
-                fetched = (pending or self._fetcher.submit(self._fetch, group, upcoming[ends[i] :])).result()
+                fetched = pending.result()  # type: ignore[union-attr] # one is in flight per group left
                 pending = None
                 if i + 1 < len(groups):
                     pending = self._fetcher.submit(self._fetch, groups[i + 1], upcoming[ends[i + 1] :])

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from cachestore.processes import free_port, free_port_block
+from cachestore.processes import ManagedProcess, ServerStartError, free_port, free_port_block, port_open
 
 CLI = [sys.executable, "-m", "cachestore"]
 
@@ -140,3 +142,36 @@ def test_unreachable_redis_url_fails_fast_with_exit_2(tmp_path):
     proc = run_cli("serve", "--data-dir", str(tmp_path), "--redis-url", f"redis://:s3cret@127.0.0.1:{free_port()}/0")
     assert proc.returncode == 2
     assert "unreachable" in proc.stderr and "s3cret" not in proc.stderr
+
+
+def _http_server(tmp_path: Path, port: int) -> ManagedProcess:
+    return ManagedProcess("http.server", [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                          tmp_path / "http.log", lambda: port_open("127.0.0.1", port),
+                          listens_on=[("127.0.0.1", port)])  # fmt: skip
+
+
+def _listener(port: int) -> socket.socket:
+    """A predecessor still holding the port (a server shutting down after its daemon was killed)."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    return holder
+
+
+def test_a_server_waits_for_its_predecessor_to_release_its_port(tmp_path):
+    port = free_port()
+    holder = _listener(port)
+    threading.Timer(1.0, holder.close).start()
+    server = _http_server(tmp_path, port)
+    started = time.monotonic()
+    server.start(timeout_s=15)
+    try:
+        assert server.alive() and time.monotonic() - started >= 0.9
+    finally:
+        server.stop()
+
+
+def test_a_port_that_stays_busy_is_a_clear_error(tmp_path):
+    port = free_port()
+    with _listener(port), pytest.raises(ServerStartError, match=f"127.0.0.1:{port} still in use"):
+        _http_server(tmp_path, port).start(timeout_s=0.5)
