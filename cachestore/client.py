@@ -86,7 +86,7 @@ class CacheClient:
         self.recorder = ClientStatsRecorder(self._redis, self._prefix, config.node)  # the daemon reports these
         self._promote_timeout_s = promote_timeout_s
         self._streams: dict[bytes, PromotionStream] = {}  # chunks other nodes promote for an upcoming fetch
-        # Reads from this node's NVMe started ahead of the fetch that asks for them: key -> (slot, its length).
+        # Reads from this node's NVMe started ahead of the fetch that asks for them: key -> (slot, object length).
         self._disk_reads_ahead: dict[bytes, tuple[memoryview, Future[int]]] = {}
         self._disk_reads: list[tuple[bytes, memoryview]] = []  # what the last fetch read from NVMe
         self._disk = ThreadPoolExecutor(DISK_READERS, thread_name_prefix="prefixcache-disk-read",
@@ -201,8 +201,9 @@ class CacheClient:
 
         The reader already holds each verified object in a registered slot, so this is one Mooncake
         put: far cheaper than the daemon reading the same bytes from disk again, which would also
-        compete with the next load's reads. Callers run it after their load is complete. Returns how
-        many were stored; a failure only means the next load reads the disk again.
+        compete with the next load's reads. Callers run it once their load is complete (the connector:
+        after the forward pass). Returns how many were stored; a failure only means the next load
+        reads the disk again.
         """
         if not objects:
             return 0
