@@ -251,18 +251,26 @@ class CacheClient:
             if nodes := {loc.node for loc in locations if loc.tier == "nvme"}:
                 by_node[self.node if self.node in nodes else min(nodes)].append(key)
         for node, node_keys in by_node.items():
+            if node != self.node:
+                self._request_promotion(node, node_keys)
+                continue
             try:
-                if node == self.node:
-                    found = locate(self._redis, self._prefix, node, node_keys, self._promote_timeout_s)
-                    for key, extent in zip(node_keys, found, strict=True):
-                        if extent is not None:
-                            read = self._disk.submit(read_extent, extent, slots[key])
-                            self._disk_reads_ahead[key] = (slots[key], read)
-                else:
-                    stream = PromotionStream(self._redis, self._prefix, node, node_keys, self._promote_timeout_s)
-                    self._streams.update(dict.fromkeys(node_keys, stream))
+                found = locate(self._redis, self._prefix, node, node_keys, self._promote_timeout_s)
             except redis.RedisError as exc:
-                log.debug("NVMe request to %s failed: %s", node, exc)
+                log.debug("locating chunks on this node's NVMe failed: %s", exc)
+                continue
+            for key, extent in zip(node_keys, found, strict=True):
+                if extent is not None:
+                    self._disk_reads_ahead[key] = (slots[key], self._disk.submit(read_extent, extent, slots[key]))
+
+    def _request_promotion(self, node: str, keys: list[bytes]) -> None:
+        """Ask ``node``'s daemon to promote ``keys``; fetches wait for its answers (a failed request: misses)."""
+        try:
+            stream = PromotionStream(self._redis, self._prefix, node, keys, self._promote_timeout_s)
+        except redis.RedisError as exc:
+            log.debug("promotion request to %s failed: %s", node, exc)
+            return
+        self._streams.update(dict.fromkeys(keys, stream))
 
     def _read_disk(self, keys: Sequence[bytes], slots: Sequence[memoryview], positions: list[int],
                    out: list[memoryview | None]) -> None:  # fmt: skip
@@ -283,11 +291,7 @@ class CacheClient:
                 self.stats.read_from_disk += 1
                 self._disk_reads.append((keys[i], slots[i][:size]))
         if stale:
-            try:
-                stream = PromotionStream(self._redis, self._prefix, self.node, stale, self._promote_timeout_s)
-                self._streams.update(dict.fromkeys(stale, stream))
-            except redis.RedisError as exc:
-                log.debug("promotion request failed: %s", exc)
+            self._request_promotion(self.node, stale)
 
     def settle_reads(self) -> None:
         """Wait for reads started ahead for chunks that were never fetched, and forget them.

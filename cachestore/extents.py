@@ -20,7 +20,7 @@ import redis
 
 from cachestore.background import BackgroundLoop
 from cachestore.nvme import Extent, NvmeStore
-from cachestore.promotion import parse_request
+from cachestore.promotion import format_request, parse_request
 
 log = logging.getLogger("prefixcache.extents")
 _REPLY_TTL_S = 30
@@ -31,7 +31,7 @@ def locate(client: redis.Redis, prefix: str, node: str, keys: Sequence[bytes], t
     if not keys:
         return []
     reply_id = uuid.uuid4().hex
-    client.rpush(f"{prefix}xq:{node}", f"{reply_id}:{b''.join(keys).hex()}")
+    client.rpush(f"{prefix}xq:{node}", format_request(reply_id, keys))
     answer = client.blpop([f"{prefix}xr:{reply_id}"], timeout=timeout_s)
     if answer is None:
         return [None] * len(keys)

@@ -49,10 +49,7 @@ class PromotionStream:
         self._position = {key: i for i, key in enumerate(keys)}
         self._flags: list[bool | None] = [None] * len(self._position)
         self._deadline = time.monotonic() + timeout_s
-        client.rpush(f"{prefix}pq:{node}", f"{reply_id}:{b''.join(self._position).hex()}")
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._position
+        client.rpush(f"{prefix}pq:{node}", format_request(reply_id, list(self._position)))
 
     @property
     def expired(self) -> bool:
@@ -83,6 +80,11 @@ class PromotionStream:
             return
         for i, flag in enumerate(flags[: max(len(self._flags) - start, 0)], start):
             self._flags[i] = flag == "1"
+
+
+def format_request(reply_id: str, keys: Sequence[bytes]) -> str:
+    """``<reply id>:<keys as hex>``: what ``parse_request`` reads back."""
+    return f"{reply_id}:{b''.join(keys).hex()}"
 
 
 def parse_request(item: bytes) -> tuple[str, list[bytes]]:
