@@ -24,7 +24,7 @@ import redis
 
 from cachestore.api import ClientConfig
 from cachestore.client_stats import ClientStatsRecorder
-from cachestore.codec import ChunkError, ChunkMeta, decode, write_header
+from cachestore.codec import ChunkError, ChunkMeta, decode, decode_scattered, write_header
 from cachestore.dram import MooncakeTier
 from cachestore.extents import locate
 from cachestore.nvme import read_extent
@@ -187,6 +187,33 @@ class CacheClient:
                                    time.perf_counter() - started)  # fmt: skip
         return out
 
+    def shared_memory(self, size: int) -> memoryview:
+        """Zeroed shared memory that ``fetch_scattered`` can write into (see ``MooncakeTier.shared_memory``)."""
+        return self.dram.shared_memory(size)
+
+    def shared_view(self, address: int, size: int) -> memoryview | None:
+        """A view of ``size`` bytes at ``address`` if they lie in this client's shared memory, else None."""
+        return self.dram.registered_view(address, size)
+
+    def fetch_scattered(self, keys: Sequence[bytes], heads: Sequence[memoryview],
+                        payloads: Sequence[Sequence[memoryview]]) -> list[bool]:  # fmt: skip
+        """Read chunks from DRAM straight into the caller's memory and verify them there.
+
+        Each object's header and tokens land in ``heads[i]`` (``payload_offset`` bytes of the arena)
+        and its payload across ``payloads[i]``, in order, all in ``shared_memory``: the connector's
+        KV pages, so a load copies each byte once. Returns, per chunk, whether it is intact in place.
+        A chunk that is not (missing, or damaged: that DRAM copy is deleted) may have written some of
+        its pieces; the caller fetches it the usual way (``fetch``), from NVMe or not at all.
+        """
+        started, corrupt_before = time.perf_counter(), self.stats.corrupt
+        sizes = self.dram.get_scattered(keys, [[head, *payload] for head, payload in zip(heads, payloads, strict=True)])
+        ok = [size > 0 and self._verified_scattered(key, head, payload)
+              for key, head, payload, size in zip(keys, heads, payloads, sizes, strict=True)]  # fmt: skip
+        self.stats.fetched += sum(ok)
+        self.recorder.record_fetch(self.spec.digest, sum(ok), 0, self.stats.corrupt - corrupt_before,
+                                   time.perf_counter() - started)  # fmt: skip
+        return ok
+
     def take_disk_reads(self) -> list[tuple[bytes, memoryview]]:
         """The chunks the last ``fetch`` read straight from this node's NVMe: (key, verified object).
 
@@ -325,11 +352,22 @@ class CacheClient:
         try:
             _, payload = decode(slot[:size], key=key, namespace=self.spec.digest)
         except ChunkError as exc:
-            self.stats.corrupt += 1
-            log.warning("chunk %s failed verification (%s): deleted, recomputing", key.hex(), exc)
-            self._discard(key)
+            self._reject(key, exc)
             return None
         return payload
+
+    def _verified_scattered(self, key: bytes, head: memoryview, payload: Sequence[memoryview]) -> bool:
+        try:
+            decode_scattered(head, payload, key=key, namespace=self.spec.digest)
+        except ChunkError as exc:
+            self._reject(key, exc)
+            return False
+        return True
+
+    def _reject(self, key: bytes, exc: ChunkError) -> None:
+        self.stats.corrupt += 1
+        log.warning("chunk %s failed verification (%s): deleted, recomputing", key.hex(), exc)
+        self._discard(key)
 
     def _discard(self, key: bytes) -> None:
         """Remove a damaged DRAM copy so no one else loads it, and say so in the index."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -186,15 +187,39 @@ def read_meta(buffer: bytes | bytearray | memoryview) -> ChunkMeta:
 def decode(buffer: bytes | bytearray | memoryview, *, key: bytes, namespace: bytes) -> tuple[ChunkMeta, memoryview]:
     """Verify an object is the chunk ``key`` of ``namespace``, intact; return its meta and payload view."""
     view = memoryview(buffer).cast("B")
+    meta = _identified(view, key, namespace)
+    end = meta.encoded_size
+    if len(view) < end:
+        raise ChunkError(f"object truncated: {len(view)} of {end} bytes")
+    _check_body(view, meta, [view[meta.payload_offset : end]])
+    return meta, view[meta.payload_offset : end]
+
+
+def decode_scattered(head: memoryview, payload: Sequence[memoryview], *, key: bytes, namespace: bytes) -> ChunkMeta:
+    """Verify a chunk whose object was read in pieces: ``head`` holds its header and tokens, ``payload`` its
+    payload in order (pages written straight into a KV cache, say). The same checks as ``decode``."""
+    view = memoryview(head).cast("B")
+    meta = _identified(view, key, namespace)
+    if sum(len(part) for part in payload) != meta.payload_bytes:
+        raise ChunkError(f"payload pieces hold {sum(len(p) for p in payload)} bytes, not {meta.payload_bytes}")
+    _check_body(view, meta, payload)
+    return meta
+
+
+def _identified(view: memoryview, key: bytes, namespace: bytes) -> ChunkMeta:
     meta = read_meta(view)
     if meta.key != key:
         raise ChunkError(f"object holds chunk {meta.key.hex()}, not {key.hex()}")
     if meta.namespace != namespace:
         raise ChunkError(f"object belongs to namespace {meta.namespace.hex()}, not {namespace.hex()}")
-    end = meta.encoded_size
-    if len(view) < end:
-        raise ChunkError(f"object truncated: {len(view)} of {end} bytes")
-    (body_sum,) = struct.unpack_from("<Q", view, 88)
-    if xxhash.xxh3_64_intdigest(view[HEADER_BYTES:end]) != body_sum:
+    return meta
+
+
+def _check_body(head: memoryview, meta: ChunkMeta, payload: Sequence[memoryview]) -> None:
+    """The body checksum over the tokens in ``head`` and the payload pieces, streamed (same digest as one pass)."""
+    digest = xxhash.xxh3_64(head[HEADER_BYTES : meta.payload_offset])
+    for part in payload:
+        digest.update(part)
+    (body_sum,) = struct.unpack_from("<Q", head, 88)
+    if digest.intdigest() != body_sum:
         raise ChunkError("body checksum mismatch")
-    return meta, view[meta.payload_offset : end]

@@ -2,9 +2,12 @@
 
 A ``MooncakeTier`` attaches with ``setup_dummy`` and registers one arena (``self.arena``); callers
 that build objects directly in arena slots move them with no copy at all, other buffers are staged
-through a slot. Errors are misses, never exceptions: an unreachable master or owner (-800, -900,
--901) opens a short circuit breaker so that further calls return misses at once instead of each
-waiting for an RPC timeout, and Mooncake reconnects by itself when the master is back.
+through a slot. ``shared_memory`` hands out further registered memory that the caller keeps (the
+connector puts vLLM's KV cache there), and ``get_scattered`` writes objects straight into it.
+
+Errors are misses, never exceptions: an unreachable master or owner (-800, -900, -901) opens a short
+circuit breaker so that further calls return misses at once instead of each waiting for an RPC
+timeout, and Mooncake reconnects by itself when the master is back.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from contextlib import ExitStack
 
 from mooncake.store import MooncakeDistributedStore, ReplicateConfig, SoftPinAction
 
-from cachestore.arena import Arena
+from cachestore.arena import Arena, address_of
 from cachestore.mooncake_servers import bound_rpc_timeouts
 from cachestore.tiers import TierUsage
 from indexer.errors import PrefixCacheError
@@ -63,6 +66,8 @@ class MooncakeTier:
             )
         self._closed = False
         self._close_lock = threading.Lock()
+        self._closing = threading.Event()  # tells background pre-faults to stop before the store closes
+        self._background: list[threading.Thread] = []
         base = self._store.alloc_from_mem_pool(arena_bytes)
         if not base or self._store.register_buffer(base, arena_bytes) != 0:
             self.close()
@@ -71,6 +76,7 @@ class MooncakeTier:
         # loads through each part of the arena near 2 GB/s (about 0.1 s per 512 MiB here, once).
         ctypes.memset(base, 0, arena_bytes)
         self.arena = Arena(base, arena_bytes)
+        self._regions = [(base, arena_bytes)]  # registered memory gets may write into: (address, size)
         self._prefix = object_prefix + ":"
         self._config = ReplicateConfig()
         if preferred_segment:
@@ -92,20 +98,47 @@ class MooncakeTier:
         object into many windows does not: Mooncake serves such repeats without the owner.) Best
         effort: a full pool only means the first loads pay it.
         """
-        window = min(PREFAULT_WINDOW_BYTES, self.arena.size)
-        offsets = list(range(0, self.arena.size - window + 1, window))
+        self._owner_touches(self.arena.address, self.arena.size, write_back=True)
+
+    def _owner_touches(self, address: int, size: int, *, write_back: bool, stop: threading.Event | None = None) -> None:
+        """Put warm-up objects from every window of [address, address + size) (and read them back into it
+        when ``write_back``), so the owner's mapping of that memory is faulted in before loads need it."""
+        window = min(PREFAULT_WINDOW_BYTES, size)
+        offsets = list(range(0, size - window + 1, window))
         for start in range(0, len(offsets), PREFAULT_OBJECTS):
-            batch = offsets[start : start + PREFAULT_OBJECTS]
+            if stop is not None and stop.is_set():
+                return
+            batch = [address + offset for offset in offsets[start : start + PREFAULT_OBJECTS]]
             names = [f"{self._prefix}prefault:{uuid.uuid4().hex}" for _ in batch]
-            stored = self._store.batch_put_from(names, [self.arena.address + o for o in batch], [window] * len(batch),
-                                                self._config)  # fmt: skip
+            stored = self._store.batch_put_from(names, batch, [window] * len(batch), self._config)
             try:
                 if any(code != OK for code in stored):
-                    log.debug("arena not pre-faulted on the owner side: the pool refused the warm-up objects")
+                    log.debug("memory not pre-faulted on the owner side: the pool refused the warm-up objects")
                     return
-                self._store.batch_get_into(names, [self.arena.address + o for o in batch], [window] * len(batch))
+                if write_back:
+                    self._store.batch_get_into(names, batch, [window] * len(batch))
             finally:
                 self._store.batch_remove(names, True)
+
+    def shared_memory(self, size: int) -> memoryview:
+        """``size`` zeroed bytes of shared memory registered with Mooncake, for the life of this tier.
+
+        Gets write straight into it (``get_scattered``): a caller whose own buffers live here, such as
+        the connector's KV cache, receives chunks with no copy of its own. The owner's mapping of it is
+        faulted in by a background thread (puts from every window, which only read it), so that the
+        first loads into each part do not run at page-fault speed.
+        """
+        address = self._store.alloc_from_mem_pool(size)
+        if not address or self._store.register_buffer(address, size) != 0:
+            raise TierUnavailableError(f"cannot allocate and register {size} bytes of shared memory")
+        ctypes.memset(address, 0, size)  # callers get zeros, and this process's own page faults happen now
+        self._regions.append((address, size))
+        warm = threading.Thread(target=self._owner_touches, args=(address, size),
+                                kwargs={"write_back": False, "stop": self._closing},
+                                name="prefixcache-prefault", daemon=True)  # fmt: skip
+        self._background.append(warm)
+        warm.start()
+        return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
 
     @property
     def available(self) -> bool:
@@ -180,6 +213,35 @@ class MooncakeTier:
                     out.append(-1)
             return out
 
+    def get_scattered(self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]]) -> list[int]:
+        """Read each object straight into its ``parts``, in order; their lengths must add up to the
+        object's exactly. Every part lies in registered memory (the arena or ``shared_memory``).
+        Returns each object's size, or -1 for a miss (absent, another size, or Mooncake down)."""
+        if len(keys) != len(parts):
+            raise ValueError("one list of parts per key")
+        if not keys or not self._usable():
+            return [-1] * len(keys)
+        addresses = [[self._registered_address(view) for view in views] for views in parts]
+        sizes = [[len(view) for view in views] for views in parts]
+        codes = self._store.batch_get_into_multi_buffers([self._name(k) for k in keys], addresses, sizes)
+        for code in codes:
+            if code <= 0:
+                self._note(code)
+        return [code if code > 0 else -1 for code in codes]
+
+    def registered_view(self, address: int, size: int) -> memoryview | None:
+        """A view of [address, address + size) if it lies in memory from ``shared_memory``, else None."""
+        for base, length in self._regions[1:]:  # the first region is the arena, which callers own through slots
+            if base <= address and address + size <= base + length:
+                return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
+        return None
+
+    def _registered_address(self, view: memoryview) -> int:
+        address = address_of(view)
+        if address is None or not any(base <= address <= base + size - len(view) for base, size in self._regions):
+            raise ValueError("get_scattered writes only into registered memory (the arena or shared_memory)")
+        return address
+
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Existence, at the price of a lease on each object (Mooncake grants one on every read)."""
         if not keys or not self._usable():
@@ -221,6 +283,9 @@ class MooncakeTier:
     def close(self) -> None:
         with self._close_lock:
             if not self._closed:
+                self._closing.set()
+                for thread in self._background:
+                    thread.join()
                 self._closed = True
                 self._store.close()  # any call after this would crash the process: _usable() guards them
 

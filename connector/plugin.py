@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -12,11 +14,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from connector.io_threads import io_cpus, pinning
 from connector.settings import ConnectorSettings
 
 if TYPE_CHECKING:
     import torch
 
+    from cachestore.client import CacheClient
     from indexer.namespace import NamespaceSpec
 
 log = logging.getLogger("prefixcache.connector")
@@ -32,6 +36,8 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         self._role_name = transfer.kv_role
         self._scheduler = None
         self._worker = None
+        self._cache_client: CacheClient | None = None
+        self._io_thread_setup: Callable[[], None] | None = None  # binds the connector's threads (set with the client)
         if role == KVConnectorRole.SCHEDULER:
             from connector.scheduler_side import SchedulerSide
 
@@ -68,25 +74,46 @@ class PrefixCacheConnector(KVConnectorBase_V1):
 
     # -- worker side ---------------------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    def get_mem_pool_context(self) -> AbstractContextManager | None:
+        """On the CPU backend, vLLM allocates its KV cache inside this context: in the client's shared
+        memory, so that loads write chunks straight into the pages (connector/shared_kv.py)."""
+        if not self._settings.kv_in_shared_memory or not _on_cpu_backend():
+            return None
+        from connector.shared_kv import SharedKVAllocation
 
-        from cachestore.client import CacheClient, fetch_config
-        from connector.io_threads import io_cpus, pinning
-        from connector.settings import namespace_for
+        return SharedKVAllocation(self._client().shared_memory)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from connector.worker_side import WorkerSide
 
         group = self._kv_cache_config.kv_cache_groups[0]
         layers = [kv_caches[name] for name in group.layer_names if name in kv_caches]
-        config = fetch_config(self._settings.service_url)
-        spec = namespace_for(self._vllm_config, group.kv_cache_spec, config.chunk_tokens,
-                             get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())  # fmt: skip
-        cpus = io_cpus(self._settings.io_cpus, on_cpu_backend=layers[0].device.type == "cpu",
-                       compute=os.sched_getaffinity(0), online=range(os.cpu_count() or 1))  # fmt: skip
-        log.info("prefixcache: connector threads on CPUs %s", "as the worker" if cpus is None else sorted(cpus))
-        client = CacheClient(config, spec, arena_bytes=self._settings.arena_mb << 20,
-                             redis_password=self._settings.redis_password, io_thread_setup=pinning(cpus))  # fmt: skip
-        self._worker = WorkerSide(client, layers, group.kv_cache_spec.block_size, io_thread_setup=pinning(cpus))
+        client = self._client()
+        self._worker = WorkerSide(client, layers, group.kv_cache_spec.block_size, io_thread_setup=self._io_thread_setup)
+
+    def _client(self) -> CacheClient:
+        """The worker's client, made at the first call: ``get_mem_pool_context`` needs it before the KV cache exists."""
+        if self._cache_client is None:
+            from vllm.distributed.parallel_state import (
+                get_tensor_model_parallel_rank,
+                get_tensor_model_parallel_world_size,
+            )
+
+            from cachestore.client import CacheClient, fetch_config
+            from connector.settings import namespace_for
+
+            group = self._kv_cache_config.kv_cache_groups[0]
+            config = fetch_config(self._settings.service_url)
+            spec = namespace_for(self._vllm_config, group.kv_cache_spec, config.chunk_tokens,
+                                 get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())  # fmt: skip
+            cpus = io_cpus(self._settings.io_cpus, on_cpu_backend=_on_cpu_backend(), compute=os.sched_getaffinity(0),
+                           online=range(os.cpu_count() or 1))  # fmt: skip
+            log.info("prefixcache: connector threads on CPUs %s", "as the worker" if cpus is None else sorted(cpus))
+            self._io_thread_setup = pinning(cpus)
+            self._cache_client = CacheClient(config, spec, arena_bytes=self._settings.arena_mb << 20,
+                                             redis_password=self._settings.redis_password,
+                                             io_thread_setup=self._io_thread_setup)  # fmt: skip
+        return self._cache_client
 
     @property
     def worker_namespace(self) -> NamespaceSpec | None:
@@ -117,8 +144,16 @@ class PrefixCacheConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        elif self._cache_client is not None:
+            self._cache_client.close()
         if self._scheduler is not None:
             self._scheduler.close()
+
+
+def _on_cpu_backend() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def _metadata_type() -> type:

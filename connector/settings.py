@@ -22,6 +22,8 @@ class ConnectorSettings(BaseModel):
     redis_password: str | None = Field(default=None, description="if the index needs one (never logged)")
     io_cpus: IoCpus = Field(default="auto", description="cores for the connector's threads: auto, inherit or CPU ids "
                             "(connector/io_threads.py)")  # fmt: skip
+    kv_in_shared_memory: bool = Field(default=True, description="CPU backend: vLLM's KV cache in shared memory, so "
+                                      "loads write straight into its pages (connector/shared_kv.py)")  # fmt: skip
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> ConnectorSettings:

@@ -27,7 +27,7 @@ from cachestore.codec import ChunkMeta, payload_offset
 from cachestore.nvme import read_size
 from cachestore.runs import runs_of_about
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
-from connector.pages import gather, payload_bytes, payload_view, scatter
+from connector.pages import block_runs, gather, payload_bytes, payload_view, scatter
 from indexer.namespace import tenant_id
 
 log = logging.getLogger("prefixcache.connector")
@@ -55,6 +55,7 @@ class WorkerSide:
         self.block_tokens = block_tokens
         self.load_errors: set[int] = set()
         self.loaded_chunks = 0
+        self.loaded_in_place = 0  # of loaded_chunks, those the segment owner wrote straight into their pages
         self.published_chunks = 0
         # Jobs that move held slots to the store (publishes, stores after disk reads), and those slots.
         self._background: queue.Queue[tuple[Callable[[], object], list[memoryview]] | None] = queue.Queue(
@@ -68,11 +69,101 @@ class WorkerSide:
         self._after_forward: list[tuple[Callable[[], object], list[memoryview]]] = []
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixcache-fetch",
                                            initializer=self._io_thread_setup)  # fmt: skip
+        first = self.layers[0]
+        self._page_bytes = first[0].numel() * first.element_size()
+        self._layer_starts: list[int] = []  # where each layer's block 0 lies in self._kv
+        self._kv = self._pages_in_shared_memory()
+
+    def _pages_in_shared_memory(self) -> memoryview | None:
+        """The KV cache as one view, when every layer's pages lie in the client's shared memory (the
+        connector allocated it there, on the CPU backend) and each page is contiguous; else None."""
+        page = self._page_bytes
+        if any(layer.device.type != "cpu" or layer.stride(0) * layer.element_size() != page
+               or not layer[0].is_contiguous() for layer in self.layers):  # fmt: skip
+            return None
+        low = min(layer.data_ptr() for layer in self.layers)
+        high = max(layer.data_ptr() + layer.shape[0] * page for layer in self.layers)
+        view = self.client.shared_view(low, high - low)
+        if view is not None:
+            self._layer_starts = [layer.data_ptr() - low for layer in self.layers]
+        return view
 
     # -- loads ---------------------------------------------------------------------------------------
 
     def load(self, meta: PrefixCacheMetadata) -> None:
-        """Fetch this step's chunks in groups, placing one group while the next is read.
+        """Load this step's chunks: straight into the pages when the KV cache is in shared memory, else
+        (and for chunks DRAM does not hold) through arena slots."""
+        chunks = [chunk for chunks in meta.loads.values() for chunk in chunks]
+        if chunks and self._kv is not None:
+            chunks = self._load_into_pages(chunks)
+        if chunks:
+            self._load_through_slots(chunks)
+
+    def _load_into_pages(self, chunks: list[LoadChunk]) -> list[LoadChunk]:
+        """Have the segment owner write chunks from DRAM into their pages; returns those to load otherwise.
+
+        It runs on the fetch thread, which verifies each group right after the owner wrote it: on the
+        core the owner copied on (io_cpus), whose cache still holds the bytes, where verifying from the
+        compute core ran 2-4 times slower. Pages a chunk does not load (those vLLM's own prefix cache
+        holds, or past the request's blocks) are written to scratch behind the chunk's header instead.
+        The first group with a chunk DRAM lacks ends it: the rest go through slots, where one request
+        plans every NVMe read. A chunk that fails verification goes there too; the pages it wrote are
+        overwritten by its reload or reported as load errors, and vLLM recomputes them.
+        """
+        return self._fetcher.submit(self._fetch_into_pages, chunks).result()
+
+    def _fetch_into_pages(self, chunks: list[LoadChunk]) -> list[LoadChunk]:
+        elsewhere: list[LoadChunk] = []
+        groups = runs_of_about(chunks, lambda chunk: self._object_bytes(chunk.stored_tokens), LOAD_GROUP_BYTES)
+        for i, group in enumerate(groups):
+            loaded = self._fetch_group_into_pages(group)
+            self.loaded_chunks += sum(loaded)
+            self.loaded_in_place += sum(loaded)
+            elsewhere.extend(chunk for chunk, ok in zip(group, loaded, strict=True) if not ok)
+            if not all(loaded):
+                elsewhere.extend(chunk for later in groups[i + 1 :] for chunk in later)
+                break
+        return elsewhere
+
+    def _fetch_group_into_pages(self, group: list[LoadChunk]) -> list[bool]:
+        """Per chunk of the group, whether it is now verified in its pages."""
+        slots: list[memoryview] = []
+        try:
+            for chunk in group:
+                slots.append(self.client.slot(payload_offset(chunk.stored_tokens) + self._scratch_bytes(chunk)))
+            heads = [slot[: payload_offset(chunk.stored_tokens)] for chunk, slot in zip(group, slots, strict=True)]
+            pieces = [self._pieces(chunk, slot) for chunk, slot in zip(group, slots, strict=True)]
+            return self.client.fetch_scattered([chunk.key for chunk in group], heads, pieces)
+        except Exception:  # noqa: BLE001 - a full arena or a failed call: these chunks load through slots
+            log.debug("loading %d chunks into their pages failed", len(group), exc_info=True)
+            return [False] * len(group)
+        finally:
+            for slot in slots:
+                self.client.release(slot)
+
+    def _pieces(self, chunk: LoadChunk, slot: memoryview) -> list[memoryview]:
+        """Where each part of the chunk's payload goes, in payload order (layer by layer, page by page):
+        runs of the chunk's blocks, and the scratch after its header in ``slot`` for pages it does not load."""
+        pages, page = self._pages(chunk.stored_tokens), self._page_bytes
+        before, after = chunk.first_page, pages - chunk.first_page - len(chunk.blocks)
+        scratch = slot[payload_offset(chunk.stored_tokens) :]
+        pieces = []
+        for start in self._layer_starts:
+            if before:
+                pieces.append(scratch[: before * page])
+                scratch = scratch[before * page :]
+            pieces.extend(self._kv[start + block * page : start + (block + n) * page]  # type: ignore[index]
+                          for _, block, n in block_runs(chunk.blocks))  # fmt: skip
+            if after:
+                pieces.append(scratch[: after * page])
+                scratch = scratch[after * page :]
+        return pieces
+
+    def _scratch_bytes(self, chunk: LoadChunk) -> int:
+        return (self._pages(chunk.stored_tokens) - len(chunk.blocks)) * len(self.layers) * self._page_bytes
+
+    def _load_through_slots(self, chunks: list[LoadChunk]) -> None:
+        """Fetch chunks into arena slots in groups, placing one group while the next is read.
 
         The segment owner (another process) copies a group into the arena while this thread places
         the previous one, so the load costs about one pass over the bytes, not two. Every chunk's slot
@@ -81,9 +172,6 @@ class WorkerSide:
         other nodes are asked for in one request. Slots holding chunks read from NVMe are kept, and
         stored into DRAM after the forward pass.
         """
-        chunks = [chunk for chunks in meta.loads.values() for chunk in chunks]
-        if not chunks:
-            return
         slots = self._slots(chunks)
         for chunk in chunks[len(slots) :]:
             self.load_errors.update(chunk.blocks)

@@ -3,7 +3,16 @@ import mmap
 import numpy as np
 import pytest
 
-from cachestore.codec import HEADER_BYTES, ChunkError, ChunkMeta, decode, encode, read_meta, write_header
+from cachestore.codec import (
+    HEADER_BYTES,
+    ChunkError,
+    ChunkMeta,
+    decode,
+    decode_scattered,
+    encode,
+    read_meta,
+    write_header,
+)
 from indexer.keys import chunk_key
 from indexer.tokens import pack_tokens
 
@@ -77,3 +86,37 @@ def test_bad_meta_and_payload_are_rejected_when_encoding():
         meta(tokens=b"abc")
     with pytest.raises(ValueError, match="payload is 3 bytes"):
         encode(meta(), b"abc")
+
+
+def scattered(obj: bytearray, m: ChunkMeta, cuts: list[int]) -> tuple[memoryview, list[memoryview]]:
+    """The object as a head (header and tokens) and its payload cut at ``cuts``, each piece in its own buffer."""
+    payload = bytes(obj[m.payload_offset : m.encoded_size])
+    bounds = [0, *cuts, len(payload)]
+    return memoryview(bytearray(obj[: m.payload_offset])), [
+        memoryview(bytearray(payload[a:b])) for a, b in zip(bounds, bounds[1:], strict=False)
+    ]
+
+
+def test_a_chunk_read_in_pieces_verifies_as_one_object():
+    m = meta()
+    obj = encode(m, payload(m))
+    head, pieces = scattered(obj, m, [1, 4096, 70000, 200000])
+    assert decode_scattered(head, pieces, key=KEY, namespace=NS) == m
+
+
+@pytest.mark.parametrize("piece", [0, 2, 4])
+def test_a_flipped_byte_in_any_piece_is_detected(piece):
+    m = meta()
+    head, pieces = scattered(encode(m, payload(m)), m, [1, 4096, 70000, 200000])
+    pieces[piece][-1] ^= 0x01
+    with pytest.raises(ChunkError, match="body checksum"):
+        decode_scattered(head, pieces, key=KEY, namespace=NS)
+
+
+def test_pieces_that_do_not_add_up_to_the_payload_are_refused():
+    m = meta()
+    head, pieces = scattered(encode(m, payload(m)), m, [4096])
+    with pytest.raises(ChunkError, match="pieces hold"):
+        decode_scattered(head, pieces[:1], key=KEY, namespace=NS)
+    with pytest.raises(ChunkError, match="not " + ("aa" * 16)):
+        decode_scattered(head, pieces, key=b"\xaa" * 16, namespace=NS)

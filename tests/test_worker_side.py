@@ -1,0 +1,157 @@
+"""The connector's worker side against the real stack (``prefixcache serve``: redis-server, mooncake_master,
+a segment owner, RocksDB files), with KV caches as CPU tensors: publishes from one worker, loads into another
+whose cache lies in shared memory (pages written in place) or in ordinary memory (through arena slots)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from cachestore.client import CacheClient
+from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
+from connector.worker_side import WorkerSide
+from indexer.keys import chunk_key
+from indexer.tokens import pack_tokens
+from tests.daemon_harness import Daemon, make_spec
+
+LAYERS, BLOCKS, BLOCK_TOKENS, PAGE_BYTES = 4, 64, 16, 4096
+CHUNK_TOKENS = 64  # four pages a chunk
+PAGES = CHUNK_TOKENS // BLOCK_TOKENS
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = Daemon(tmp_path / "data").start()
+    yield d
+    d.stop()
+
+
+def kv_cache(memory: memoryview | None = None) -> list[torch.Tensor]:
+    """Per-layer (blocks, page) uint8 views of one buffer, layer after layer, as vLLM lays out the CPU cache."""
+    size = LAYERS * BLOCKS * PAGE_BYTES
+    flat = torch.frombuffer(memory, dtype=torch.uint8) if memory is not None else torch.zeros(size, dtype=torch.uint8)
+    return list(flat.view(LAYERS, BLOCKS, PAGE_BYTES))
+
+
+def worker(daemon: Daemon, shared: bool) -> WorkerSide:
+    client = CacheClient.connect(daemon.url, make_spec(CHUNK_TOKENS), arena_bytes=16 << 20)
+    layers = kv_cache(client.shared_memory(LAYERS * BLOCKS * PAGE_BYTES) if shared else None)
+    return WorkerSide(client, layers, BLOCK_TOKENS)
+
+
+@pytest.fixture
+def publisher(daemon):
+    w = worker(daemon, shared=False)
+    yield w
+    w.close()
+
+
+@pytest.fixture
+def loader(daemon):
+    w = worker(daemon, shared=True)
+    yield w
+    w.close()
+
+
+def publish(w: WorkerSide, chunks: int, seed: int = 0) -> list[bytes]:
+    """Fill blocks 0.. with random pages and publish them as ``chunks`` chunks of one prompt; returns keys."""
+    generator = torch.Generator().manual_seed(seed)
+    for layer in w.layers:
+        layer[: chunks * PAGES] = torch.randint(0, 256, (chunks * PAGES, PAGE_BYTES), dtype=torch.uint8,
+                                                generator=generator)  # fmt: skip
+    parent, saves, keys = w.client.spec.root(), [], []
+    for i in range(chunks):
+        tokens = pack_tokens(list(range(seed * 1000 + i * CHUNK_TOKENS, seed * 1000 + (i + 1) * CHUNK_TOKENS)))
+        saves.append(SaveChunk(parent, tokens, list(range(i * PAGES, (i + 1) * PAGES)), None))
+        parent = chunk_key(parent, tokens)
+        keys.append(parent)
+    w.save(PrefixCacheMetadata(saves=saves))
+    deadline = time.monotonic() + 10
+    while w.published_chunks < chunks:
+        assert time.monotonic() < deadline, "publishes did not finish"
+        time.sleep(0.01)
+    return keys
+
+
+def pages(w: WorkerSide, blocks: list[int]) -> list[torch.Tensor]:
+    return [layer[blocks].clone() for layer in w.layers]
+
+
+def equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_a_cache_in_shared_memory_is_loaded_in_place_page_for_page(publisher, loader):
+    keys = publish(publisher, chunks=6)
+    assert loader._kv is not None
+    # chunk 0 whole; chunk 1 from its second page (vLLM holds the first); chunk 2 without its last page
+    plan = [LoadChunk(keys[0], CHUNK_TOKENS, 0, [40, 41, 42, 43]), LoadChunk(keys[1], CHUNK_TOKENS, 1, [20, 22, 23]),
+            LoadChunk(keys[2], CHUNK_TOKENS, 0, [50, 51, 52])]  # fmt: skip
+    loader.load(PrefixCacheMetadata(loads={"r": plan}))
+    assert loader.take_load_errors() == set()
+    assert loader.loaded_in_place == loader.loaded_chunks == 3
+    assert equal(pages(loader, [40, 41, 42, 43]), pages(publisher, [0, 1, 2, 3]))
+    assert equal(pages(loader, [20, 22, 23]), pages(publisher, [5, 6, 7]))
+    assert equal(pages(loader, [50, 51, 52]), pages(publisher, [8, 9, 10]))
+    untouched = [b for b in range(BLOCKS) if b not in (40, 41, 42, 43, 20, 22, 23, 50, 51, 52)]
+    assert all(not layer[untouched].any() for layer in loader.layers)  # skipped pages went to scratch
+
+
+def test_a_damaged_dram_copy_written_in_place_is_reloaded_from_nvme(daemon, publisher, loader):
+    keys = publish(publisher, chunks=2)
+    wait_persisted(loader.client, keys)
+    damage_dram_copy(loader.client, keys[1])
+    loader.load(PrefixCacheMetadata(loads={"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(30 + 4 * i, 34 + 4 * i)))
+                                                 for i, key in enumerate(keys)]}))  # fmt: skip
+    assert loader.take_load_errors() == set()
+    assert loader.loaded_chunks == 2 and loader.loaded_in_place == 1
+    assert loader.client.stats.corrupt == 1 and loader.client.stats.read_from_disk == 1
+    assert equal(pages(loader, list(range(30, 38))), pages(publisher, list(range(8))))
+
+
+def test_chunks_missing_from_dram_load_through_slots_from_nvme(daemon, publisher):
+    keys = publish(publisher, chunks=3)
+    wait_persisted(publisher.client, keys)
+    assert publisher.client.dram.delete(keys[1:]) == 2  # the first group hits, the rest must come from disk
+    loader = worker(daemon, shared=True)
+    try:
+        loader.load(PrefixCacheMetadata(loads={"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(4 * i, 4 * i + 4)))
+                                                     for i, key in enumerate(keys)]}))  # fmt: skip
+        assert loader.take_load_errors() == set()
+        assert loader.loaded_chunks == 3 and loader.client.stats.read_from_disk == 2
+        assert equal(pages(loader, list(range(12))), pages(publisher, list(range(12))))
+    finally:
+        loader.close()
+
+
+def test_a_cache_outside_shared_memory_loads_through_slots(daemon, publisher):
+    keys = publish(publisher, chunks=1)
+    other = worker(daemon, shared=False)
+    try:
+        assert other._kv is None
+        other.load(PrefixCacheMetadata(loads={"r": [LoadChunk(keys[0], CHUNK_TOKENS, 0, [9, 10, 11, 12])]}))
+        assert other.loaded_chunks == 1 and other.loaded_in_place == 0
+        assert equal(pages(other, [9, 10, 11, 12]), pages(publisher, [0, 1, 2, 3]))
+    finally:
+        other.close()
+
+
+def wait_persisted(client: CacheClient, keys: list[bytes], timeout_s: float = 15) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(e is not None and any(loc.tier == "nvme" for loc in e.locations) for e in client.index.get(keys)):
+        assert time.monotonic() < deadline, "chunks were not persisted in time"
+        time.sleep(0.02)
+
+
+def damage_dram_copy(client: CacheClient, key: bytes) -> None:
+    """Flip the last byte of the chunk's DRAM copy (in the pool, under its own name)."""
+    slot = client.slot(1 << 20)
+    try:
+        size = client.dram.get_into([key], [slot])[0]
+        slot[size - 1] ^= 0xFF
+        address = client.dram.arena.address + client.dram.arena.offset_of(slot)
+        assert client.dram._store.batch_upsert_from(["pc:" + key.hex()], [address], [size]) == [0]
+    finally:
+        client.release(slot)
