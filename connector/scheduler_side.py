@@ -9,6 +9,8 @@ of the prompt (vLLM must compute at least one token), so a hit is token-granular
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +80,11 @@ class SchedulerSide:
         self.publish_enabled = role in ("kv_producer", "kv_both")
         self.min_hit_tokens = settings.min_hit_tokens
         self.requests: dict[str, RequestState] = {}
+        # Promised chunks must still be there when the worker loads them. Leases are granted off the
+        # scheduler's thread: a Redis round trip there took 0.4-2 ms of every hit's TTFT on 2 cores.
+        self._to_lease: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
+        self._leaser = threading.Thread(target=self._lease_loop, name="prefixcache-lease", daemon=True)
+        self._leaser.start()
         try:
             attach_namespace(self.index, self.namespace, log)
         except IndexUnavailableError as exc:
@@ -118,10 +125,7 @@ class SchedulerSide:
             state.stored_chunks = len(state.match.keys)
             partial = state.match.partial  # the stored tail is this prompt's own: nothing left to publish
             state.tail_done = partial is not None and partial.key == state.hasher.tail_key()
-            try:  # promised chunks must still be there when the worker loads them
-                self.leases.grant([chunk.key for chunk in state.load])
-            except IndexUnavailableError as exc:
-                log.debug("chunks not leased (%s); a chunk moved meanwhile is recomputed", exc)
+            self._to_lease.put([chunk.key for chunk in state.load])
 
     def build_connector_meta(self, scheduler_output: Any) -> PrefixCacheMetadata:
         meta = PrefixCacheMetadata()
@@ -148,7 +152,19 @@ class SchedulerSide:
         self.requests.pop(request.request_id, None)
 
     def close(self) -> None:
+        self._to_lease.put(None)
+        self._leaser.join(timeout=LEASE_TIMEOUT_S * 2)
         self.stats.close()
+
+    def _lease_loop(self) -> None:
+        """Lease each load plan's chunks, in the order they were promised; the worker loads them a step
+        later. A lease that lands late, or not at all, only risks a chunk moving first: it is then read
+        from NVMe or recomputed."""
+        while (keys := self._to_lease.get()) is not None:
+            try:
+                self.leases.grant(keys)
+            except IndexUnavailableError as exc:
+                log.debug("chunks not leased (%s); a chunk moved meanwhile is recomputed", exc)
 
     # -- plans ---------------------------------------------------------------------------------------
 

@@ -4,7 +4,8 @@ Loaded by vLLM like the real one (``kv_connector_module_path: tests.e2e.probe_co
 ``PREFIXCACHE_PROBE_DIR`` set, the worker writes the pages of every chunk it publishes right after
 the forward pass computed them (``saved-<key>.pt``) and the pages of every chunk it loads right after
 placing them, before the forward pass reads them (``loaded-<key>-<first page>-<request>.pt``), each as a
-(layers, pages, *page shape) tensor. A test then compares what one instance computed with what
+(layers, pages, *page shape) tensor, and how many of them the segment owner wrote into the pages in place
+(``loaded_in_place``). A test then compares what one instance computed with what
 another loaded: the same bytes in the right blocks, or the cache is wrong.
 """
 
@@ -37,6 +38,7 @@ class ProbeConnector(PrefixCacheConnector):
         if directory is None or not isinstance(meta, PrefixCacheMetadata):
             return
         assert self._worker is not None
+        (directory / "loaded_in_place").write_text(str(self._worker.loaded_in_place))
         failed = self._worker.load_errors
         for req_id, chunks in meta.loads.items():
             for chunk in chunks:

@@ -102,6 +102,7 @@ def test_loaded_kv_is_bit_identical_to_the_kv_the_producer_computed(producer_the
     # P1 and P2: 4 full chunks and a 76-token tail each; HALF: 2 full chunks of P1 and 38 tokens of its third.
     assert len(saved) == 10
     assert len(loaded) == 13
+    assert int((probes["b"] / "loaded_in_place").read_text()) == 13  # the CPU cache is in shared memory
     for path in loaded:
         key, first_page, _request = path.stem.removeprefix("loaded-").split("-", 2)
         got = torch.load(path)
