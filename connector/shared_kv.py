@@ -4,7 +4,8 @@ On the CPU backend vLLM allocates the whole KV cache as one zero-filled int8 ten
 context the connector returns from ``get_mem_pool_context``. ``SharedKVAllocation`` intercepts that
 one ``torch.zeros`` call and hands back a tensor over memory from ``allocate`` (the client's
 Mooncake-registered shared memory), where the segment owner can write. Anything else, or an
-allocation that fails, takes the ordinary path: loads then copy through the arena as before.
+allocation that fails, takes the ordinary path: loads then copy through the arena as before. The
+memory belongs to the client, which the connector closes at shutdown, after the last forward pass.
 """
 
 from __future__ import annotations
