@@ -231,16 +231,20 @@ class MooncakeTier:
 
     def registered_view(self, address: int, size: int) -> memoryview | None:
         """A view of [address, address + size) if it lies in memory from ``shared_memory``, else None."""
-        for base, length in self._regions[1:]:  # the first region is the arena, which callers own through slots
-            if base <= address and address + size <= base + length:
-                return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
-        return None
+        if not self._within(address, size, shared_only=True):
+            return None
+        return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
 
     def _registered_address(self, view: memoryview) -> int:
         address = address_of(view)
-        if address is None or not any(base <= address <= base + size - len(view) for base, size in self._regions):
+        if address is None or not self._within(address, len(view)):
             raise ValueError("get_scattered writes only into registered memory (the arena or shared_memory)")
         return address
+
+    def _within(self, address: int, size: int, shared_only: bool = False) -> bool:
+        """Whether [address, address + size) lies in one registered region (the arena is the first)."""
+        regions = self._regions[1:] if shared_only else self._regions
+        return any(base <= address and address + size <= base + length for base, length in regions)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Existence, at the price of a lease on each object (Mooncake grants one on every read)."""
