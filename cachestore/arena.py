@@ -32,8 +32,7 @@ class Arena:
             raise ValueError("an arena is page aligned and non-empty")
         self.address = address
         self.size = size
-        self._memory = (ctypes.c_char * size).from_address(address)
-        self._view = memoryview(self._memory).cast("B")
+        self._view = view_at(address, size)
         self._free: list[tuple[int, int]] = [(0, size)]  # sorted (offset, length)
         self._lock = threading.Lock()
 
@@ -93,6 +92,11 @@ class Arena:
     def free_bytes(self) -> int:
         with self._lock:
             return sum(length for _, length in self._free)
+
+
+def view_at(address: int, size: int) -> memoryview:
+    """A writable byte view of ``size`` bytes at ``address``, memory someone else owns and keeps alive."""
+    return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
 
 
 def address_of(view: memoryview) -> int | None:

@@ -23,7 +23,7 @@ from contextlib import ExitStack
 
 from mooncake.store import MooncakeDistributedStore, ReplicateConfig, SoftPinAction
 
-from cachestore.arena import Arena, address_of
+from cachestore.arena import Arena, address_of, view_at
 from cachestore.mooncake_servers import bound_rpc_timeouts
 from cachestore.tiers import TierUsage
 from indexer.errors import PrefixCacheError
@@ -138,7 +138,7 @@ class MooncakeTier:
                                 name="prefixcache-prefault", daemon=True)  # fmt: skip
         self._background.append(warm)
         warm.start()
-        return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
+        return view_at(address, size)
 
     @property
     def available(self) -> bool:
@@ -233,7 +233,7 @@ class MooncakeTier:
         """A view of [address, address + size) if it lies in memory from ``shared_memory``, else None."""
         if not self._within(address, size, shared_only=True):
             return None
-        return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
+        return view_at(address, size)
 
     def _registered_address(self, view: memoryview) -> int:
         address = address_of(view)

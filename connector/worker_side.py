@@ -149,13 +149,14 @@ class WorkerSide:
         pages, page = self._pages(chunk.stored_tokens), self._page_bytes
         before, after = chunk.first_page, pages - chunk.first_page - len(chunk.blocks)
         scratch = slot[payload_offset(chunk.stored_tokens) :]
+        runs = [(block, n) for _, block, n in block_runs(chunk.blocks)]  # the same for every layer
         pieces = []
         for start in self._layer_starts:
             if before:
                 pieces.append(scratch[: before * page])
                 scratch = scratch[before * page :]
             pieces.extend(self._kv[start + block * page : start + (block + n) * page]  # type: ignore[index]
-                          for _, block, n in block_runs(chunk.blocks))  # fmt: skip
+                          for block, n in runs)  # fmt: skip
             if after:
                 pieces.append(scratch[: after * page])
                 scratch = scratch[after * page :]
