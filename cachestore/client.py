@@ -195,20 +195,25 @@ class CacheClient:
         """A view of ``size`` bytes at ``address`` if they lie in this client's shared memory, else None."""
         return self.dram.registered_view(address, size)
 
-    def fetch_scattered(self, keys: Sequence[bytes], heads: Sequence[memoryview],
-                        payloads: Sequence[Sequence[memoryview]]) -> list[bool]:  # fmt: skip
-        """Read chunks from DRAM straight into the caller's memory and verify them there.
+    def fetch_scattered(self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]]) -> list[bool]:
+        """Read chunks from DRAM straight into the caller's memory: each object across ``parts[i]``, in
+        order (its header and tokens, then its payload), all in the arena or ``shared_memory``. Returns
+        per key whether it arrived; one that did not may have written some of its parts.
 
-        Each object's header and tokens land in ``heads[i]`` (``payload_offset`` bytes of the arena)
-        and its payload across ``payloads[i]``, in order, all in ``shared_memory``: the connector's
-        KV pages, so a load copies each byte once. Returns, per chunk, whether it is intact in place.
-        A chunk that is not (missing, or damaged: that DRAM copy is deleted) may have written some of
-        its pieces; the caller fetches it the usual way (``fetch``), from NVMe or not at all.
+        The connector reads each chunk's header and tokens into an arena slot and its payload into the
+        KV pages themselves, so a load copies each byte once. Nothing is verified yet: the caller has
+        ``verify_scattered`` check the pieces where they landed before any of it counts as loaded.
         """
-        started, corrupt_before = time.perf_counter(), self.stats.corrupt
-        sizes = self.dram.get_scattered(keys, [[head, *payload] for head, payload in zip(heads, payloads, strict=True)])
-        ok = [size > 0 and self._verified_scattered(key, head, payload)
-              for key, head, payload, size in zip(keys, heads, payloads, sizes, strict=True)]  # fmt: skip
+        return [size > 0 for size in self.dram.get_scattered(keys, parts)]
+
+    def verify_scattered(self, keys: Sequence[bytes], heads: Sequence[memoryview],
+                         payloads: Sequence[Sequence[memoryview]], started: float) -> list[bool]:  # fmt: skip
+        """Per chunk read by ``fetch_scattered``, whether it is intact where it landed: its header and
+        tokens in ``heads[i]``, its payload across ``payloads[i]``. A damaged chunk's DRAM copy is
+        deleted. Records one fetch, timed from ``started`` (``time.perf_counter()``)."""
+        corrupt_before = self.stats.corrupt
+        ok = [self._verified_scattered(key, head, payload)
+              for key, head, payload in zip(keys, heads, payloads, strict=True)]  # fmt: skip
         self.stats.fetched += sum(ok)
         self.recorder.record_fetch(self.spec.digest, sum(ok), 0, self.stats.corrupt - corrupt_before,
                                    time.perf_counter() - started)  # fmt: skip

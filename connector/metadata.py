@@ -19,8 +19,9 @@ class LoadChunk:
 
 @dataclass
 class SaveChunk:
-    """Publish the pages ``blocks`` as the chunk of ``tokens`` (packed uint32) after ``parent``."""
+    """Publish pages ``blocks`` of request ``request`` as the chunk of ``tokens`` (packed uint32) after ``parent``."""
 
+    request: str
     parent: bytes
     tokens: bytes
     blocks: list[int]

@@ -124,10 +124,10 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         if self._worker is not None:
             meta = self._get_connector_metadata()
             if isinstance(meta, _metadata_type()):
-                self._worker.load(meta)
+                self._worker.start_load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads complete in start_load_kv, before the forward pass."""
+        """Loads are in their pages when start_load_kv returns (their verification may still run)."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         """Pages are copied once per step, after every layer has run (wait_for_save)."""

@@ -187,7 +187,8 @@ class SchedulerSide:
         for start, end in ranges:
             chunk = start // self.geometry.chunk_tokens
             parent = state.hasher.root if chunk == 0 else state.hasher.keys[chunk - 1]
-            meta.saves.append(SaveChunk(parent=parent, tokens=state.prompt[start * TOKEN_BYTES : end * TOKEN_BYTES],
+            meta.saves.append(SaveChunk(request=req_id, parent=parent,
+                                        tokens=state.prompt[start * TOKEN_BYTES : end * TOKEN_BYTES],
                                         blocks=state.blocks[self.plan_geometry.blocks(start, end)],
                                         tenant_salt=state.tenant_salt))  # fmt: skip
             state.stored_chunks = max(

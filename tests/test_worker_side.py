@@ -64,7 +64,7 @@ def publish(w: WorkerSide, chunks: int, seed: int = 0) -> list[bytes]:
     parent, saves, keys = w.client.spec.root(), [], []
     for i in range(chunks):
         tokens = pack_tokens(list(range(seed * 1000 + i * CHUNK_TOKENS, seed * 1000 + (i + 1) * CHUNK_TOKENS)))
-        saves.append(SaveChunk(parent, tokens, list(range(i * PAGES, (i + 1) * PAGES)), None))
+        saves.append(SaveChunk("p", parent, tokens, list(range(i * PAGES, (i + 1) * PAGES)), None))
         parent = chunk_key(parent, tokens)
         keys.append(parent)
     w.save(PrefixCacheMetadata(saves=saves))
@@ -73,6 +73,12 @@ def publish(w: WorkerSide, chunks: int, seed: int = 0) -> list[bytes]:
         assert time.monotonic() < deadline, "publishes did not finish"
         time.sleep(0.01)
     return keys
+
+
+def load(w: WorkerSide, loads: dict[str, list[LoadChunk]]) -> set[int]:
+    """One step's loads as vLLM drives them: start them, then (after the forward pass) ask for load errors."""
+    w.start_load(PrefixCacheMetadata(loads=loads))
+    return w.take_load_errors()
 
 
 def pages(w: WorkerSide, blocks: list[int]) -> list[torch.Tensor]:
@@ -89,8 +95,7 @@ def test_a_cache_in_shared_memory_is_loaded_in_place_page_for_page(publisher, lo
     # chunk 0 whole; chunk 1 from its second page (vLLM holds the first); chunk 2 without its last page
     plan = [LoadChunk(keys[0], CHUNK_TOKENS, 0, [40, 41, 42, 43]), LoadChunk(keys[1], CHUNK_TOKENS, 1, [20, 22, 23]),
             LoadChunk(keys[2], CHUNK_TOKENS, 0, [50, 51, 52])]  # fmt: skip
-    loader.load(PrefixCacheMetadata(loads={"r": plan}))
-    assert loader.take_load_errors() == set()
+    assert load(loader, {"r": plan}) == set()
     assert loader.loaded_in_place == loader.loaded_chunks == 3
     assert equal(pages(loader, [40, 41, 42, 43]), pages(publisher, [0, 1, 2, 3]))
     assert equal(pages(loader, [20, 22, 23]), pages(publisher, [5, 6, 7]))
@@ -99,27 +104,46 @@ def test_a_cache_in_shared_memory_is_loaded_in_place_page_for_page(publisher, lo
     assert all(not layer[untouched].any() for layer in loader.layers)  # skipped pages went to scratch
 
 
-def test_a_damaged_dram_copy_written_in_place_is_reloaded_from_nvme(daemon, publisher, loader):
+def test_a_damaged_dram_copy_read_in_place_is_a_load_error_and_the_next_load_reads_nvme(daemon, publisher, loader):
     keys = publish(publisher, chunks=2)
     wait_persisted(loader.client, keys)
     damage_dram_copy(loader.client, keys[1])
-    loader.load(PrefixCacheMetadata(loads={"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(30 + 4 * i, 34 + 4 * i)))
-                                                 for i, key in enumerate(keys)]}))  # fmt: skip
-    assert loader.take_load_errors() == set()
-    assert loader.loaded_chunks == 2 and loader.loaded_in_place == 1
-    assert loader.client.stats.corrupt == 1 and loader.client.stats.read_from_disk == 1
+    plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(30 + 4 * i, 34 + 4 * i))) for i, key in enumerate(keys)]}
+    assert load(loader, plan) == {34, 35, 36, 37}  # vLLM recomputes these and drops the step's output
+    assert loader.loaded_chunks == loader.loaded_in_place == 1 and loader.client.stats.corrupt == 1
+    assert loader.client.dram.contains([keys[1]]) == [False]  # the damaged copy is gone
+    assert load(loader, plan) == set()
+    assert loader.client.stats.read_from_disk == 1
     assert equal(pages(loader, list(range(30, 38))), pages(publisher, list(range(8))))
+
+
+def test_a_request_whose_load_failed_publishes_nothing_that_step(daemon, publisher, loader):
+    keys = publish(publisher, chunks=1)
+    damage_dram_copy(loader.client, keys[0])
+    loader.start_load(PrefixCacheMetadata(loads={"bad": [LoadChunk(keys[0], CHUNK_TOKENS, 0, [0, 1, 2, 3])]}))
+    fresh = [SaveChunk(request, loader.client.spec.root(), pack_tokens(range(7000 + i, 7000 + i + CHUNK_TOKENS)),
+                       [8 + 4 * i + p for p in range(PAGES)], None)
+             for i, request in enumerate(["bad", "good"])]  # fmt: skip
+    loader.save(PrefixCacheMetadata(saves=fresh))
+    assert loader.take_load_errors() == {0, 1, 2, 3}
+    deadline = time.monotonic() + 10
+    while loader.published_chunks < 1:
+        assert time.monotonic() < deadline, "the good request's chunk was not published"
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert loader.published_chunks == 1
+    stored = loader.client.index.get([chunk_key(save.parent, save.tokens) for save in fresh])
+    assert stored[0] is None and stored[1] is not None
 
 
 def test_chunks_missing_from_dram_load_through_slots_from_nvme(daemon, publisher):
     keys = publish(publisher, chunks=3)
     wait_persisted(publisher.client, keys)
-    assert publisher.client.dram.delete(keys[1:]) == 2  # the first group hits, the rest must come from disk
+    assert publisher.client.dram.delete(keys[1:]) == 2  # the first chunk is read in place, the rest come from disk
     loader = worker(daemon, shared=True)
     try:
-        loader.load(PrefixCacheMetadata(loads={"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(4 * i, 4 * i + 4)))
-                                                     for i, key in enumerate(keys)]}))  # fmt: skip
-        assert loader.take_load_errors() == set()
+        assert load(loader, {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(4 * i, 4 * i + 4)))
+                                   for i, key in enumerate(keys)]}) == set()  # fmt: skip
         assert loader.loaded_chunks == 3 and loader.client.stats.read_from_disk == 2
         assert equal(pages(loader, list(range(12))), pages(publisher, list(range(12))))
     finally:
@@ -131,7 +155,7 @@ def test_a_cache_outside_shared_memory_loads_through_slots(daemon, publisher):
     other = worker(daemon, shared=False)
     try:
         assert other._kv is None
-        other.load(PrefixCacheMetadata(loads={"r": [LoadChunk(keys[0], CHUNK_TOKENS, 0, [9, 10, 11, 12])]}))
+        assert load(other, {"r": [LoadChunk(keys[0], CHUNK_TOKENS, 0, [9, 10, 11, 12])]}) == set()
         assert other.loaded_chunks == 1 and other.loaded_in_place == 0
         assert equal(pages(other, [9, 10, 11, 12]), pages(publisher, [0, 1, 2, 3]))
     finally:

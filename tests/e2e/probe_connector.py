@@ -38,6 +38,7 @@ class ProbeConnector(PrefixCacheConnector):
         if directory is None or not isinstance(meta, PrefixCacheMetadata):
             return
         assert self._worker is not None
+        self._worker.finish_load()  # verified: only intact chunks are recorded
         (directory / "loaded_in_place").write_text(str(self._worker.loaded_in_place))
         failed = self._worker.load_errors
         for req_id, chunks in meta.loads.items():
