@@ -1,12 +1,12 @@
 """The connector's worker side: scatter fetched chunks into vLLM's pages, gather new chunks out of them.
 
-vLLM schedules loads as synchronous: the forward pass of their step reads them. When vLLM's KV cache
+Loads run before the forward pass (vLLM schedules them as synchronous loads). When vLLM's KV cache
 lies in the client's shared memory (connector/shared_kv.py), the segment owner writes DRAM hits
-straight into the pages, one layer after another, while the forward pass computes the layers already
-there; each layer is verified behind its read, and the verdict is in before vLLM asks for load errors.
-Other chunks are fetched into arena slots and copied in before the forward pass. A chunk that cannot
-be fetched or fails verification reports its blocks as load errors: vLLM recomputes them and discards
-that step's output for the request, and its new pages are not published.
+straight into the pages, and they are verified where they landed while the forward pass runs; the
+verdict is in before vLLM asks for load errors. Other chunks are fetched into arena slots, verified
+and copied in. A chunk that cannot be fetched or fails verification reports its blocks as load
+errors: vLLM recomputes them and discards that step's output for the request, and the request's new
+pages of that step are not published.
 Publishing copies the new chunks' pages into arena slots after the forward pass, then a background
 thread does the Mooncake put and the index registration, so the forward never waits on either. The
 same thread stores chunks a load read straight from NVMe into DRAM, from the slots they were read
@@ -135,8 +135,12 @@ class WorkerSide:
         started = time.perf_counter()
         placed, elsewhere = self._in_place(chunks)
         if placed:
-            arrived = self.client.fetch_scattered([item.chunk.key for item in placed],
-                                                  [[item.head, *item.pieces] for item in placed])  # fmt: skip
+            try:
+                arrived = self.client.fetch_scattered([item.chunk.key for item in placed],
+                                                      [[item.head, *item.pieces] for item in placed])  # fmt: skip
+            except Exception:  # noqa: BLE001 - a failed call: these chunks load through slots instead
+                log.exception("reading %d chunks into their pages failed", len(placed))
+                arrived = [False] * len(placed)
             elsewhere += self._released([item for item, ok in zip(placed, arrived, strict=True) if not ok])
             placed = [item for item, ok in zip(placed, arrived, strict=True) if ok]
         if elsewhere:  # one plan for every NVMe read
