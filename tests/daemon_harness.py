@@ -13,6 +13,7 @@ import httpx
 
 from cachestore.client import CacheClient
 from cachestore.codec import ChunkMeta
+from cachestore.dram import MooncakeTier
 from cachestore.processes import free_port_block
 from indexer.keys import chunk_key
 from indexer.namespace import NamespaceSpec
@@ -104,3 +105,17 @@ def fetch_payloads(client: CacheClient, keys: list[bytes], store_disk_reads: boo
 def make_spec(chunk_tokens: int = 64) -> NamespaceSpec:
     return NamespaceSpec(model="test-model", model_fingerprint="fp", kv_dtype="uint8", kv_layout="test-v1",
                          chunk_tokens=chunk_tokens)  # fmt: skip
+
+
+def damage_dram_copy(dram: MooncakeTier, key: bytes, max_bytes: int = 4 << 20) -> None:
+    """Flip the last byte of chunk ``key``'s DRAM copy (an object of at most ``max_bytes``), in the pool,
+    under its own name: what a bad DIMM or a stray write would leave for the next reader."""
+    slot = dram.arena.alloc(max_bytes)
+    try:
+        size = dram.get_into([key], [slot])[0]
+        assert size > 0, f"chunk {key.hex()} is not in DRAM"
+        slot[size - 1] ^= 0xFF
+        address = dram.arena.address + dram.arena.offset_of(slot)
+        assert dram._store.batch_upsert_from([dram._name(key)], [address], [size]) == [0]
+    finally:
+        dram.arena.free(slot)

@@ -14,7 +14,7 @@ from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.worker_side import WorkerSide
 from indexer.keys import chunk_key
 from indexer.tokens import pack_tokens
-from tests.daemon_harness import Daemon, make_spec
+from tests.daemon_harness import Daemon, damage_dram_copy, make_spec
 
 LAYERS, BLOCKS, BLOCK_TOKENS, PAGE_BYTES = 4, 64, 16, 4096
 CHUNK_TOKENS = 64  # four pages a chunk
@@ -107,7 +107,7 @@ def test_a_cache_in_shared_memory_is_loaded_in_place_page_for_page(publisher, lo
 def test_a_damaged_dram_copy_read_in_place_is_a_load_error_and_the_next_load_reads_nvme(daemon, publisher, loader):
     keys = publish(publisher, chunks=2)
     wait_persisted(loader.client, keys)
-    damage_dram_copy(loader.client, keys[1])
+    damage_dram_copy(loader.client.dram, keys[1])
     plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(30 + 4 * i, 34 + 4 * i))) for i, key in enumerate(keys)]}
     assert load(loader, plan) == {34, 35, 36, 37}  # vLLM recomputes these and drops the step's output
     assert loader.loaded_chunks == loader.loaded_in_place == 1 and loader.client.stats.corrupt == 1
@@ -119,7 +119,7 @@ def test_a_damaged_dram_copy_read_in_place_is_a_load_error_and_the_next_load_rea
 
 def test_a_request_whose_load_failed_publishes_nothing_that_step(daemon, publisher, loader):
     keys = publish(publisher, chunks=1)
-    damage_dram_copy(loader.client, keys[0])
+    damage_dram_copy(loader.client.dram, keys[0])
     loader.start_load(PrefixCacheMetadata(loads={"bad": [LoadChunk(keys[0], CHUNK_TOKENS, 0, [0, 1, 2, 3])]}))
     fresh = [SaveChunk(request, loader.client.spec.root(), pack_tokens(range(7000 + i, 7000 + i + CHUNK_TOKENS)),
                        [8 + 4 * i + p for p in range(PAGES)], None)
@@ -167,15 +167,3 @@ def wait_persisted(client: CacheClient, keys: list[bytes], timeout_s: float = 15
     while not all(e is not None and any(loc.tier == "nvme" for loc in e.locations) for e in client.index.get(keys)):
         assert time.monotonic() < deadline, "chunks were not persisted in time"
         time.sleep(0.02)
-
-
-def damage_dram_copy(client: CacheClient, key: bytes) -> None:
-    """Flip the last byte of the chunk's DRAM copy (in the pool, under its own name)."""
-    slot = client.slot(1 << 20)
-    try:
-        size = client.dram.get_into([key], [slot])[0]
-        slot[size - 1] ^= 0xFF
-        address = client.dram.arena.address + client.dram.arena.offset_of(slot)
-        assert client.dram._store.batch_upsert_from(["pc:" + key.hex()], [address], [size]) == [0]
-    finally:
-        client.release(slot)

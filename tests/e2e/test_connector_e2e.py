@@ -10,12 +10,16 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
-from tests.daemon_harness import Daemon
+from cachestore.client import fetch_config
+from cachestore.dram import MooncakeTier
+from tests.daemon_harness import Daemon, damage_dram_copy
 from tests.e2e.compare import same_greedy_output
 from tests.e2e.tinymodel import build_tiny_llama, random_prompt
 
@@ -123,6 +127,29 @@ def test_another_model_gets_zero_hits_not_wrong_kv(run_vllm, tmp_path_factory, d
     out = run_vllm({"model": str(other), "prompts": [P1], "max_tokens": 4,
                     "kv_transfer_config": connector_config(daemon)})  # fmt: skip
     assert out["outputs"][0]["num_cached_tokens"] == 0
+
+
+def test_damaged_dram_copies_are_recomputed_and_the_answer_is_unchanged(run_vllm, tiny_model, daemon, reference,
+                                                                       producer_then_consumer, probes):  # fmt: skip
+    """Every chunk A published is damaged in DRAM: a fresh instance reads P1's chunks straight into its
+    pages, finds them damaged while its forward pass runs, reports them, and vLLM recomputes the prompt."""
+    config = fetch_config(daemon.url)
+    dram = MooncakeTier(config.mooncake.shm_address, arena_bytes=16 << 20, object_prefix=config.key_prefix)
+    try:
+        for path in probes["a"].glob("saved-*.pt"):
+            damage_dram_copy(dram, bytes.fromhex(path.stem.removeprefix("saved-")))
+    finally:
+        dram.close()
+    corrupt_before = httpx.get(daemon.url + "/v1/stats").json()["corrupt_chunks"]
+    out = run_vllm({"model": str(tiny_model), "prompts": [P1], "max_tokens": 16,
+                    "kv_transfer_config": connector_config(daemon)})  # fmt: skip
+    ok, reason = same_greedy_output(reference["outputs"][0], out["outputs"][0])
+    assert ok, reason
+    deadline = time.monotonic() + 10  # clients report statistics every second
+    while (found := httpx.get(daemon.url + "/v1/stats").json()["corrupt_chunks"] - corrupt_before) < 5:
+        assert time.monotonic() < deadline, f"{found} damaged chunks reported"
+        time.sleep(0.2)
+    assert found == 5  # P1's 4 full chunks and its tail, each found damaged where it landed
 
 
 def test_requests_complete_when_redis_is_down(run_vllm, tiny_model, tmp_path, reference):
