@@ -23,7 +23,6 @@ left without live objects and compacts the segment with the most dead bytes.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import mmap
@@ -41,6 +40,7 @@ from typing import NamedTuple
 
 import rocksdict
 
+from cachestore.arena import address_of
 from cachestore.tiers import TierUsage
 from indexer.errors import ConfigError
 from indexer.index import Tier
@@ -93,7 +93,7 @@ def read_extent(extent: Extent, view: memoryview) -> int:
     be stale by the time it is read (compaction moved the object, the segment was deleted); the caller
     verifies what it read, as every load does, and treats a failure as a miss.
     """
-    if view.nbytes < read_size(extent.length) or _address(view) % PAGE:
+    if view.nbytes < read_size(extent.length) or not _page_aligned(view):
         return -1
     try:
         fd = _open_for_reading(extent.path)
@@ -128,8 +128,10 @@ def _byte_view(buffer: bytes | bytearray | memoryview) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def _address(view: memoryview) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+def _page_aligned(view: memoryview) -> bool:
+    """Whether O_DIRECT can read into ``view`` (writable, contiguous, starting on a page)."""
+    address = address_of(view)
+    return address is not None and address % PAGE == 0
 
 
 def _batches(extents: list[tuple[bytes, _Extent]], limit: int) -> Iterable[list[tuple[bytes, _Extent]]]:
@@ -777,7 +779,7 @@ class NvmeStore:
         if view.nbytes < extent.length:
             return -1
         try:
-            if view.nbytes >= extent.padded and _address(view) % PAGE == 0:
+            if view.nbytes >= extent.padded and _page_aligned(view):
                 got = os.preadv(fd, [view[: extent.padded]], extent.offset)
             else:
                 with self._scratch_lock:
