@@ -5,7 +5,9 @@ their own and leaves the cores it reserves (``VLLM_CPU_NUM_OF_RESERVED_CPU``) to
 processes. Threads the connector starts inherit that binding: a load's checksum verification and
 Mooncake calls, its disk reads and the background publishes would all queue behind the forward pass
 on the compute cores while the reserved ones wait on I/O. By default (``io_cpus="auto"``) they run on
-the cores the worker does not compute on instead. Elsewhere (a GPU worker is not bound to compute
+the cores no rank computes on instead, on the worker's own NUMA node: under tensor parallelism vLLM
+binds each rank to a node of its own (or to the lists in ``VLLM_CPU_OMP_THREADS_BIND``), and a spare
+core is one no rank of the engine was given. Elsewhere (a GPU worker is not bound to compute
 cores) ``auto`` leaves them where they start, as ``"inherit"`` always does; a list of CPU ids pins them
 there.
 """
@@ -14,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, NonNegativeInt
@@ -25,18 +28,53 @@ IoCpus = Literal["auto", "inherit"] | Annotated[list[NonNegativeInt], Field(min_
 
 
 def io_cpus(
-    setting: IoCpus, *, on_cpu_backend: bool, compute: Collection[int], online: Collection[int]
+    setting: IoCpus,
+    *,
+    on_cpu_backend: bool,
+    compute: Collection[int],
+    online: Collection[int],
+    other_ranks: Collection[int] = (),
+    numa_nodes: Sequence[Collection[int]] = (),
 ) -> frozenset[int] | None:
     """The CPUs for the connector's threads, or None to leave them bound as the worker is.
 
-    ``compute`` is the worker's own binding when the connector starts, ``online`` every CPU of the host.
+    ``compute`` is the worker's own binding when the connector starts, ``online`` every CPU of the host,
+    ``other_ranks`` the cores vLLM bound the engine's other ranks to (``ranks_bound_by_vllm``) and
+    ``numa_nodes`` the CPUs of each NUMA node (``numa_node_cpus``; none known: one node).
     """
     if setting == "inherit":
         return None
     if setting == "auto":
-        spare = frozenset(online) - frozenset(compute)
+        neighbours = frozenset(online)
+        own_nodes = [frozenset(node) for node in numa_nodes if not frozenset(node).isdisjoint(compute)]
+        if own_nodes:
+            neighbours &= frozenset().union(*own_nodes)
+        spare = neighbours - frozenset(compute) - frozenset(other_ranks)
         return spare if on_cpu_backend and spare else None
     return frozenset(setting)
+
+
+def ranks_bound_by_vllm(omp_threads_bind: str | None) -> frozenset[int]:
+    """Every core named in ``VLLM_CPU_OMP_THREADS_BIND`` ("0-3|4-7": one list per rank); none when vLLM
+    binds automatically (each rank on its own NUMA node) or not at all."""
+    if not omp_threads_bind or omp_threads_bind in ("auto", "nobind"):
+        return frozenset()
+    return frozenset().union(*(cpu_list(ranks) for ranks in omp_threads_bind.split("|")))
+
+
+def numa_node_cpus(sysfs: Path = Path("/sys/devices/system/node")) -> list[frozenset[int]]:
+    """The CPUs of each NUMA node of this host (empty where sysfs does not say)."""
+    return [cpu_list(path.read_text()) for path in sorted(sysfs.glob("node[0-9]*/cpulist"))]
+
+
+def cpu_list(text: str) -> frozenset[int]:
+    """CPU ids from the kernel's list format, "0-3,8,10-11"."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    return frozenset(cpus)
 
 
 def pinning(cpus: frozenset[int] | None) -> Callable[[], None]:

@@ -19,10 +19,11 @@ class LoadChunk:
 
 @dataclass
 class SaveChunk:
-    """Publish pages ``blocks`` of request ``request`` as the chunk of ``tokens`` (packed uint32) after ``parent``."""
+    """Publish pages ``blocks`` of request ``request`` as the chunk of ``tokens`` (packed uint32) after
+    ``parents[rank]``: each tensor-parallel rank stores its shard of the pages in its own key chain."""
 
     request: str
-    parent: bytes
+    parents: list[bytes]
     tokens: bytes
     blocks: list[int]
     tenant_salt: str | None
@@ -30,5 +31,11 @@ class SaveChunk:
 
 @dataclass
 class PrefixCacheMetadata(KVConnectorMetadata):
-    loads: dict[str, list[LoadChunk]] = field(default_factory=dict)
+    """``loads[rank][request]``: the chunks a tensor-parallel rank loads for a request (the same tokens and
+    blocks on every rank, each rank its own keys); ``saves``: the chunks every rank publishes."""
+
+    loads: list[dict[str, list[LoadChunk]]] = field(default_factory=list)
     saves: list[SaveChunk] = field(default_factory=list)
+
+    def loads_of(self, rank: int) -> dict[str, list[LoadChunk]]:
+        return self.loads[rank] if self.loads else {}

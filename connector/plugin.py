@@ -14,7 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from connector.io_threads import io_cpus, pinning
+from connector.io_threads import io_cpus, numa_node_cpus, pinning, ranks_bound_by_vllm
 from connector.settings import ConnectorSettings
 
 if TYPE_CHECKING:
@@ -107,7 +107,8 @@ class PrefixCacheConnector(KVConnectorBase_V1):
             spec = namespace_for(self._vllm_config, group.kv_cache_spec, config.chunk_tokens,
                                  get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())  # fmt: skip
             cpus = io_cpus(self._settings.io_cpus, on_cpu_backend=_on_cpu_backend(), compute=os.sched_getaffinity(0),
-                           online=range(os.cpu_count() or 1))  # fmt: skip
+                           online=range(os.cpu_count() or 1), numa_nodes=numa_node_cpus(),
+                           other_ranks=ranks_bound_by_vllm(os.environ.get("VLLM_CPU_OMP_THREADS_BIND")))  # fmt: skip
             log.info("prefixcache: connector threads on CPUs %s", "as the worker" if cpus is None else sorted(cpus))
             self._io_thread_setup = pinning(cpus)
             self._cache_client = CacheClient(config, spec, arena_bytes=self._settings.arena_mb << 20,

@@ -1,9 +1,11 @@
 """The connector's scheduler side: one index lookup per new request, then load and publish plans.
 
-Per request it keeps a ``PrefixHasher`` (tokens are packed and hashed once), the lookup's match and
-the request's block ids; from these it tells the worker which stored chunks to load into which
-blocks, and which newly computed chunks to publish. Loads are synchronous and stop one token short
-of the prompt (vLLM must compute at least one token), so a hit is token-granular up to ``L-1``.
+Per request it keeps a ``PrefixHasher`` per tensor-parallel rank (tokens are packed and hashed once;
+each rank stores its shard of the pages under its own namespace, so each has its own key chain), the
+lookup's matches and the request's block ids; from these it tells the workers which stored chunks to
+load into which blocks, and which newly computed chunks to publish. A prefix counts as cached as far
+as every rank holds it. Loads are synchronous and stop one token short of the prompt (vLLM must
+compute at least one token), so a hit is token-granular up to ``L-1``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from indexer.index import PrefixMatch, attach_namespace
 from indexer.keys import PrefixHasher
 from indexer.leases import Leases
 from indexer.redis_index import RedisIndex, with_password
-from indexer.tokens import TOKEN_BYTES
+from indexer.tokens import TOKEN_BYTES, token_array
 
 log = logging.getLogger("prefixcache.connector")
 LEASE_TIMEOUT_S = 1.0
@@ -36,14 +38,14 @@ LEASE_TIMEOUT_S = 1.0
 
 @dataclass
 class RequestState:
-    hasher: PrefixHasher
+    hashers: list[PrefixHasher]  # one key chain per tensor-parallel rank, in rank order
     prompt: bytes  # packed prompt tokens
     tenant_salt: str | None
-    match: PrefixMatch | None = None
-    matched_for: int = -1  # request length the match was computed for
+    matches: list[PrefixMatch] | None = None  # per rank
+    matched_for: int = -1  # request length the matches were computed for
     local_tokens: int = 0  # held by vLLM's own prefix cache
     blocks: list[int] = field(default_factory=list)
-    load: list[LoadChunk] = field(default_factory=list)
+    load: list[list[LoadChunk]] = field(default_factory=list)  # per rank
     stored_chunks: int = 0  # leading full chunks known to be in the store (loaded or published)
     tail_done: bool = False
     lookup_s: float = 0.0
@@ -51,6 +53,11 @@ class RequestState:
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt) // TOKEN_BYTES
+
+    @property
+    def matched_tokens(self) -> int:
+        """The cached prefix every rank holds."""
+        return min(match.matched_tokens for match in self.matches) if self.matches else 0
 
 
 class SchedulerSide:
@@ -60,12 +67,13 @@ class SchedulerSide:
         client_config = fetch_config(settings.service_url)
         self.geometry = ChunkGeometry(client_config.chunk_tokens, block_tokens=self.block_tokens)
         self.plan_geometry = Geometry(client_config.chunk_tokens, self.block_tokens)
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            # A stage holds only its own layers: its pages would need a namespace (and plans) of their own.
+            raise ConfigError("PrefixCacheConnector supports pipeline_parallel_size=1 for now; run without "
+                              "--kv-transfer-config or with one pipeline stage")  # fmt: skip
         tp_size = vllm_config.parallel_config.tensor_parallel_size
-        if tp_size > 1 or vllm_config.parallel_config.pipeline_parallel_size > 1:
-            # Each rank's shard needs its own key chain (its namespace root); the plans carry rank 0's.
-            raise ConfigError("PrefixCacheConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 "
-                              "for now; run without --kv-transfer-config or with one rank")  # fmt: skip
-        self.namespace = namespace_for(vllm_config, spec, client_config.chunk_tokens, 0, tp_size)
+        first = namespace_for(vllm_config, spec, client_config.chunk_tokens, 0, tp_size)
+        self.namespaces = [first.model_copy(update={"tp_rank": rank}) for rank in range(tp_size)]
         redis_url = client_config.redis_url
         if settings.redis_password:
             redis_url = with_password(redis_url, settings.redis_password)
@@ -86,7 +94,8 @@ class SchedulerSide:
         self._leaser = threading.Thread(target=self._lease_loop, name="prefixcache-lease", daemon=True)
         self._leaser.start()
         try:
-            attach_namespace(self.index, self.namespace, log)
+            for namespace in self.namespaces:
+                attach_namespace(self.index, namespace, log)
         except IndexUnavailableError as exc:
             log.warning("prefixcache index unreachable (%s): requests recompute until it answers", exc)
 
@@ -99,39 +108,40 @@ class SchedulerSide:
             return 0, False
         looked_up = state.matched_for != request.num_tokens  # vLLM may ask again for the same request
         if looked_up:
-            state.hasher.extend(request.all_token_ids[state.hasher.num_tokens : request.num_tokens])
+            _extend(state.hashers, request.all_token_ids[state.hashers[0].num_tokens : request.num_tokens])
             started = time.perf_counter()
             try:
-                state.match = self.index.lookup(state.hasher.query())
+                state.matches = self.index.lookup_many([hasher.query() for hasher in state.hashers])
             except IndexUnavailableError as exc:
                 log.debug("lookup failed, recomputing: %s", exc)
-                state.match = None
+                state.matches = None
             state.matched_for = request.num_tokens
             state.lookup_s = time.perf_counter() - started
-        external = 0
-        if state.match is not None:
-            external = min(state.match.matched_tokens, request.num_tokens - 1) - num_computed_tokens
-            external = external if external >= self.min_hit_tokens else 0
+        external = min(state.matched_tokens, request.num_tokens - 1) - num_computed_tokens
+        external = external if external >= self.min_hit_tokens else 0
         if looked_up:
-            self.stats.record_lookup(self.namespace.digest, request.num_tokens, external, state.lookup_s)
+            self.stats.record_lookup(self.namespaces[0].digest, request.num_tokens, external, state.lookup_s)
         return external, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         state = self._state(request)
         state.blocks = list(blocks.get_block_ids()[0])
-        if num_external_tokens > 0 and state.match is not None:
+        if num_external_tokens > 0 and state.matches:
             end = state.local_tokens + num_external_tokens
-            state.load = load_plan(state.match, state.blocks, state.local_tokens, end, self.plan_geometry)
-            state.stored_chunks = len(state.match.keys)
-            partial = state.match.partial  # the stored tail is this prompt's own: nothing left to publish
-            state.tail_done = partial is not None and partial.key == state.hasher.tail_key()
-            self._to_lease.put([chunk.key for chunk in state.load])
+            state.load = [load_plan(match, state.blocks, state.local_tokens, end, self.plan_geometry)
+                          for match in state.matches]  # fmt: skip
+            state.stored_chunks = min(len(match.keys) for match in state.matches)
+            # the stored tail is this prompt's own on every rank: nothing left to publish
+            state.tail_done = all(match.partial is not None and match.partial.key == hasher.tail_key()
+                                  for match, hasher in zip(state.matches, state.hashers, strict=True))  # fmt: skip
+            self._to_lease.put([chunk.key for plan in state.load for chunk in plan])
 
     def build_connector_meta(self, scheduler_output: Any) -> PrefixCacheMetadata:
-        meta = PrefixCacheMetadata()
+        meta = PrefixCacheMetadata(loads=[{} for _ in self.namespaces])
         for req_id, state in self.requests.items():
-            if state.load:
-                meta.loads[req_id], state.load = state.load, []
+            for rank, plan in enumerate(state.load):
+                meta.loads[rank][req_id] = plan
+            state.load = []
         for new in scheduler_output.scheduled_new_reqs:
             if (state := self.requests.get(new.req_id)) is not None:
                 state.blocks = list(new.block_ids[0])
@@ -172,8 +182,9 @@ class SchedulerSide:
         state = self.requests.get(request.request_id)
         if state is None:
             salt = getattr(request, "cache_salt", None)
-            hasher = PrefixHasher(self.namespace.root(salt), self.geometry).extend(request.prompt_token_ids)
-            state = RequestState(hasher=hasher, prompt=hasher.packed(), tenant_salt=salt)
+            hashers = [PrefixHasher(namespace.root(salt), self.geometry) for namespace in self.namespaces]
+            _extend(hashers, request.prompt_token_ids)
+            state = RequestState(hashers=hashers, prompt=hashers[0].packed(), tenant_salt=salt)
             self.requests[request.request_id] = state
         return state
 
@@ -186,11 +197,18 @@ class SchedulerSide:
                                                     self.plan_geometry)  # fmt: skip
         for start, end in ranges:
             chunk = start // self.geometry.chunk_tokens
-            parent = state.hasher.root if chunk == 0 else state.hasher.keys[chunk - 1]
-            meta.saves.append(SaveChunk(request=req_id, parent=parent,
+            parents = [hasher.root if chunk == 0 else hasher.keys[chunk - 1] for hasher in state.hashers]
+            meta.saves.append(SaveChunk(request=req_id, parents=parents,
                                         tokens=state.prompt[start * TOKEN_BYTES : end * TOKEN_BYTES],
                                         blocks=state.blocks[self.plan_geometry.blocks(start, end)],
                                         tenant_salt=state.tenant_salt))  # fmt: skip
             state.stored_chunks = max(
                 state.stored_chunks, chunk + 1 if end - start == self.geometry.chunk_tokens else 0
             )
+
+
+def _extend(hashers: list[PrefixHasher], tokens: Any) -> None:
+    """Append ``tokens`` to every rank's chain, converting them once."""
+    packed = token_array(tokens)
+    for hasher in hashers:
+        hasher.extend(packed)

@@ -70,6 +70,7 @@ class WorkerSide:
                  io_thread_setup: Callable[[], None] | None = None) -> None:  # fmt: skip
         """``io_thread_setup`` runs first in each thread this side starts (see connector/io_threads.py)."""
         self.client = client
+        self.rank = client.spec.tp_rank  # which shard of the pages this worker holds, and whose keys it uses
         self._io_thread_setup = io_thread_setup or (lambda: None)
         self.layers = list(layers)
         self.block_tokens = block_tokens
@@ -125,8 +126,8 @@ class WorkerSide:
         chunk when the cache is elsewhere, go through arena slots, verified before they are placed.
         """
         self.finish_load()  # the previous step's, should vLLM not have asked for its outcome
-        self._loads, self._failed_requests = meta.loads, set()
-        chunks = [chunk for chunks in meta.loads.values() for chunk in chunks]
+        self._loads, self._failed_requests = meta.loads_of(self.rank), set()
+        chunks = [chunk for chunks in self._loads.values() for chunk in chunks]
         if not chunks:
             return
         if self._kv is None:
@@ -320,7 +321,8 @@ class WorkerSide:
     def _stage(self, chunk: SaveChunk) -> tuple[ChunkMeta, memoryview] | None:
         pages = len(chunk.blocks)
         meta = ChunkMeta(
-            namespace=self.client.spec.digest, root=self.client.spec.root(chunk.tenant_salt), parent=chunk.parent,
+            namespace=self.client.spec.digest, root=self.client.spec.root(chunk.tenant_salt),
+            parent=chunk.parents[self.rank],
             tokens=chunk.tokens, dtype=str(self.layers[0].dtype).removeprefix("torch."),
             shape=(len(self.layers), pages, *self.layers[0].shape[1:]),
             tenant=int(tenant_id(chunk.tenant_salt) or "0", 16),

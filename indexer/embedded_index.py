@@ -80,6 +80,9 @@ class EmbeddedIndex:
         partial = best_partial(query, hits, candidates) if candidates else None
         return PrefixMatch(keys=list(query.keys[:hits]), chunk_tokens=query.chunk_tokens, partial=partial)
 
+    def lookup_many(self, queries: Sequence[PrefixQuery], *, touch: bool = True) -> list[PrefixMatch]:
+        return [self.lookup(query, touch=touch) for query in queries]
+
     def flush_access(self) -> None:
         """Lookups update access statistics synchronously here."""
 

@@ -213,6 +213,9 @@ class PrefixIndex(Protocol):
     def lookup(self, query: PrefixQuery, *, touch: bool = True) -> PrefixMatch:
         """The longest cached prefix. ``touch=False`` leaves access statistics alone (inspection, not use)."""
 
+    def lookup_many(self, queries: Sequence[PrefixQuery], *, touch: bool = True) -> list[PrefixMatch]:
+        """``lookup`` of each query, in one round trip: the chains of one prompt's tensor-parallel shards."""
+
     def flush_access(self) -> None:
         """Apply the last-access/hit updates of past lookups now (a backend may apply them later)."""
 

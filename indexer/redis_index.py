@@ -126,13 +126,20 @@ class RedisIndex:
         return [NamespaceSpec.model_validate_json(text) for text in raw]
 
     def lookup(self, query: PrefixQuery, *, touch: bool = True) -> PrefixMatch:
-        keys = b"".join(query.keys).hex()
-        probes = b"".join(p or _NO_PROBE for p in query.probes).hex()
+        return self.lookup_many([query], touch=touch)[0]
+
+    def lookup_many(self, queries: Sequence[PrefixQuery], *, touch: bool = True) -> list[PrefixMatch]:
+        args: list[object] = [self._prefix, self._max_candidates]
+        for query in queries:
+            args += [b"".join(query.keys).hex(), b"".join(p or _NO_PROBE for p in query.probes).hex()]
         with self._reachable():
-            reply = self._lookup(args=[self._prefix, keys, probes, self._max_candidates])
+            replies = self._lookup(args=args)
+        return [self._match(query, reply, touch) for query, reply in zip(queries, replies, strict=True)]
+
+    def _match(self, query: PrefixQuery, reply: list, touch: bool) -> PrefixMatch:
         hits = int(reply[0])
         if touch:
-            self._access.record(keys[: hits * 2 * KEY_BYTES])
+            self._access.record(b"".join(query.keys[:hits]).hex())
         candidates = [(bytes.fromhex(reply[i].decode()), reply[i + 1]) for i in range(1, len(reply), 2)]
         partial = best_partial(query, hits, candidates) if candidates else None
         return PrefixMatch(keys=list(query.keys[:hits]), chunk_tokens=query.chunk_tokens, partial=partial)

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from connector.io_threads import io_cpus, pinning
+from connector.io_threads import cpu_list, io_cpus, numa_node_cpus, pinning, ranks_bound_by_vllm
 from connector.settings import ConnectorSettings
 from indexer.errors import ConfigError
 
@@ -36,6 +36,26 @@ def test_bad_settings_are_named_in_the_error(extra, problem):
 def test_auto_moves_connector_threads_off_a_cpu_workers_compute_cores():
     assert io_cpus("auto", on_cpu_backend=True, compute={0}, online=range(2)) == {1}
     assert io_cpus("auto", on_cpu_backend=True, compute={0, 1, 2}, online=range(8)) == {3, 4, 5, 6, 7}
+
+
+def test_auto_never_takes_another_tensor_parallel_ranks_cores():
+    # two ranks bound by hand on one node ("0|1"): no core is spare
+    others = ranks_bound_by_vllm("0|1")
+    assert others == {0, 1}
+    assert io_cpus("auto", on_cpu_backend=True, compute={0}, online=range(2), other_ranks=others) is None
+    assert ranks_bound_by_vllm("0-2,7|3-5") == {0, 1, 2, 3, 4, 5, 7}
+    assert ranks_bound_by_vllm("auto") == ranks_bound_by_vllm(None) == frozenset()
+    # vLLM's own binding puts each rank on a NUMA node of its own: the spare cores are on this rank's node
+    nodes = [cpu_list("0-3"), cpu_list("4-7\n")]
+    assert io_cpus("auto", on_cpu_backend=True, compute={4, 5, 6}, online=range(8), numa_nodes=nodes) == {7}
+
+
+def test_numa_nodes_are_read_from_sysfs(tmp_path):
+    for node, cpus in (("node0", "0-1,4\n"), ("node1", "2-3\n")):
+        (tmp_path / node).mkdir()
+        (tmp_path / node / "cpulist").write_text(cpus)
+    assert numa_node_cpus(tmp_path) == [{0, 1, 4}, {2, 3}]
+    assert numa_node_cpus(tmp_path / "missing") == []
 
 
 def test_auto_leaves_threads_alone_off_the_cpu_backend_or_with_no_spare_core():

@@ -77,6 +77,19 @@ def test_grown_prompt_reuses_the_previous_turns_tail(index, spec, geometry):
     assert match.keys == keys[:1] and match.partial.key == keys[1] and match.matched_tokens == 100
 
 
+def test_lookup_many_answers_each_shards_chain_as_lookup_does(index, spec, geometry):
+    """Tensor-parallel ranks keep one chain each (their own namespace); one call looks them all up."""
+    other_rank = spec.model_copy(update={"tp_rank": 1, "tp_size": 2})
+    tokens = list(range(300))
+    publish(index, spec, tokens)
+    publish(index, other_rank, tokens[:128])  # this shard has only the first two chunks
+    queries = [prompt_query(s.root(), geometry, tokens) for s in (spec, other_rank)]
+    matches = index.lookup_many(queries)
+    assert matches == [index.lookup(q) for q in queries]
+    assert [m.matched_tokens for m in matches] == [300, 128]
+    assert index.lookup_many([]) == []
+
+
 def test_fewer_than_probe_tokens_shared_is_not_a_partial_hit(index, spec, geometry):
     publish(index, spec, list(range(128)))
     match = lookup(index, spec, geometry, list(range(64)) + list(range(64, 74)) + [7777] * 60)

@@ -64,7 +64,7 @@ def publish(w: WorkerSide, chunks: int, seed: int = 0) -> list[bytes]:
     parent, saves, keys = w.client.spec.root(), [], []
     for i in range(chunks):
         tokens = pack_tokens(list(range(seed * 1000 + i * CHUNK_TOKENS, seed * 1000 + (i + 1) * CHUNK_TOKENS)))
-        saves.append(SaveChunk("p", parent, tokens, list(range(i * PAGES, (i + 1) * PAGES)), None))
+        saves.append(SaveChunk("p", [parent], tokens, list(range(i * PAGES, (i + 1) * PAGES)), None))
         parent = chunk_key(parent, tokens)
         keys.append(parent)
     w.save(PrefixCacheMetadata(saves=saves))
@@ -77,7 +77,7 @@ def publish(w: WorkerSide, chunks: int, seed: int = 0) -> list[bytes]:
 
 def load(w: WorkerSide, loads: dict[str, list[LoadChunk]]) -> set[int]:
     """One step's loads as vLLM drives them: start them, then (after the forward pass) ask for load errors."""
-    w.start_load(PrefixCacheMetadata(loads=loads))
+    w.start_load(PrefixCacheMetadata(loads=[loads]))
     return w.take_load_errors()
 
 
@@ -120,8 +120,8 @@ def test_a_damaged_dram_copy_read_in_place_is_a_load_error_and_the_next_load_rea
 def test_a_request_whose_load_failed_publishes_nothing_that_step(daemon, publisher, loader):
     keys = publish(publisher, chunks=1)
     damage_dram_copy(loader.client.dram, keys[0])
-    loader.start_load(PrefixCacheMetadata(loads={"bad": [LoadChunk(keys[0], CHUNK_TOKENS, 0, [0, 1, 2, 3])]}))
-    fresh = [SaveChunk(request, loader.client.spec.root(), pack_tokens(range(7000 + i, 7000 + i + CHUNK_TOKENS)),
+    loader.start_load(PrefixCacheMetadata(loads=[{"bad": [LoadChunk(keys[0], CHUNK_TOKENS, 0, [0, 1, 2, 3])]}]))
+    fresh = [SaveChunk(request, [loader.client.spec.root()], pack_tokens(range(7000 + i, 7000 + i + CHUNK_TOKENS)),
                        [8 + 4 * i + p for p in range(PAGES)], None)
              for i, request in enumerate(["bad", "good"])]  # fmt: skip
     loader.save(PrefixCacheMetadata(saves=fresh))
@@ -132,7 +132,7 @@ def test_a_request_whose_load_failed_publishes_nothing_that_step(daemon, publish
         time.sleep(0.01)
     time.sleep(0.2)
     assert loader.published_chunks == 1
-    stored = loader.client.index.get([chunk_key(save.parent, save.tokens) for save in fresh])
+    stored = loader.client.index.get([chunk_key(save.parents[0], save.tokens) for save in fresh])
     assert stored[0] is None and stored[1] is not None
 
 

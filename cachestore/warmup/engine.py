@@ -80,12 +80,14 @@ class WarmupEngine:
 
         self.llm = LLM.from_engine_args(args)
 
-    def namespace(self) -> NamespaceSpec:
+    def namespaces(self) -> list[NamespaceSpec]:
+        """The namespace of each tensor-parallel rank, in rank order: each stores its shard of the pages there."""
         answers = self.llm.collective_rpc("prefixcache_namespace")
-        specs = {NamespaceSpec.model_validate_json(a) for a in answers}
-        if len(specs) != 1:
-            raise ConfigError(f"workers report {len(specs)} namespaces; the connector supports one rank only")
-        return specs.pop()
+        specs = sorted({NamespaceSpec.model_validate_json(a) for a in answers}, key=lambda spec: spec.tp_rank)
+        if [spec.tp_rank for spec in specs] != list(range(specs[0].tp_size if specs else 1)):
+            raise ConfigError(f"workers report namespaces of ranks {[spec.tp_rank for spec in specs]}: "
+                              "expected one per tensor-parallel rank")  # fmt: skip
+        return specs
 
     def limits(self) -> ModelLimits:
         tokenizer = self.llm.get_tokenizer()

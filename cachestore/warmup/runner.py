@@ -70,13 +70,16 @@ class _Prompt:
     key: str
     tokens: list[int]
     salt: str | None
-    hasher: PrefixHasher
+    hashers: list[PrefixHasher]  # one key chain per tensor-parallel rank: each stores its shard
 
     def storable_keys(self) -> list[bytes]:
-        """Keys of the chunks the connector stores for this prompt (see ``plan.storable_tokens``)."""
-        tail = len(self.tokens) % self.hasher.chunk_tokens
-        tail_key = self.hasher.tail_key() if tail >= PROBE_TOKENS else None
-        return [*self.hasher.keys, *([tail_key] if tail_key else [])]
+        """Keys of the chunks the connector stores for this prompt, every rank's (see ``plan.storable_tokens``)."""
+        keys = []
+        for hasher in self.hashers:
+            tail = len(self.tokens) % hasher.chunk_tokens
+            tail_key = hasher.tail_key() if tail >= PROBE_TOKENS else None
+            keys += [*hasher.keys, *([tail_key] if tail_key else [])]
+        return keys
 
 
 class WarmupRun:
@@ -138,15 +141,16 @@ class WarmupRun:
 
     def _warm(self, engine: WarmupEngine, config: ClientConfig, pending: list[CorpusPrompt], state: JobState,
               state_file: StateFile) -> Outcome:  # fmt: skip
-        spec = engine.namespace()
-        state.namespace = spec.digest.hex()
+        specs = engine.namespaces()
+        state.namespace = specs[0].digest.hex()
         ready, problems = check_against_model(pending, engine.encode, engine.limits())
         self._accept(problems)
         for problem in problems:
             state.outcomes[problem.key or problem.where] = "invalid"
         self.counters.prompts_invalid += len(problems)
         state_file.save(state)
-        prompts = [_Prompt(r.prompt.key, r.token_ids, r.prompt.tenant, self._hasher(spec, r.prompt.tenant, r.token_ids))
+        prompts = [_Prompt(r.prompt.key, r.token_ids, r.prompt.tenant,
+                           [self._hasher(spec, r.prompt.tenant, r.token_ids) for spec in specs])
                    for r in ready]  # fmt: skip
         password = self.o.redis_password
         index = RedisIndex(with_password(config.redis_url, password) if password else config.redis_url,
@@ -161,7 +165,7 @@ class WarmupRun:
     def _run_waves(self, engine: WarmupEngine, index: RedisIndex, prompts: list[_Prompt], state: JobState,
                    state_file: StateFile) -> Outcome:  # fmt: skip
         budget = self.o.max_prompts
-        for wave in plan.waves([p.hasher.keys for p in prompts]):
+        for wave in plan.waves([p.hashers[0].keys for p in prompts]):
             todo = [p for p in (prompts[i] for i in wave) if not self._skip_if_cached(index, p, state)]
             state_file.save(state)
             self._phase("warming")
@@ -183,7 +187,8 @@ class WarmupRun:
         return PrefixHasher(spec.root(salt), ChunkGeometry(spec.chunk_tokens)).extend(tokens)
 
     def _skip_if_cached(self, index: RedisIndex, prompt: _Prompt, state: JobState) -> bool:
-        if not plan.is_warm(index.lookup(prompt.hasher.query()), len(prompt.tokens)):
+        matches = index.lookup_many([hasher.query() for hasher in prompt.hashers])
+        if not all(plan.is_warm(match, len(prompt.tokens)) for match in matches):
             return False
         state.outcomes[prompt.key] = "cached"
         self.counters.prompts_cached += 1

@@ -1,52 +1,60 @@
 #!lua flags=no-writes
--- Longest cached prefix in one round trip; read-only, so it may run on a replica.
--- ARGV: P, keys, probes, max_candidates. keys concatenates the chain's n keys (32 hex chars each);
--- probes concatenates the probe bucket of positions 0..n (32 '0's where the prompt has none).
--- Returns {hits, cand_key_1, cand_tokens_1, ...}: the number of leading keys present, then the
--- chunks in the probe bucket at the break point (the client picks the longest token match).
-local P, keys, probes = ARGV[1], ARGV[2], ARGV[3]
-local max_candidates = tonumber(ARGV[4])
-local n = #keys / 32
-local names = {}
-for i = 1, n do names[i] = P .. 'e:' .. string.sub(keys, i * 32 - 31, i * 32) end
+-- Longest cached prefixes of one or more chains in one round trip; read-only, so it may run on a replica.
+-- ARGV: P, max_candidates, then keys_1, probes_1, keys_2, probes_2, ... keys concatenates a chain's n
+-- keys (32 hex chars each); probes concatenates the probe bucket of positions 0..n (32 '0's where the
+-- prompt has none). Returns one reply per chain, {hits, cand_key_1, cand_tokens_1, ...}: the number of
+-- leading keys present, then the chunks in the probe bucket at the break point (the client picks the
+-- longest token match). Several chains are the shards of one prompt under tensor parallelism.
+local P = ARGV[1]
+local max_candidates = tonumber(ARGV[2])
 
--- Chains are nearly always contiguous from the start, so one multi-key EXISTS usually settles it:
--- all present, or exactly the first c of them. Only a chain with holes needs the key-by-key scan.
--- (unpack takes up to ~7900 values: prompts of up to 2M tokens at 256-token chunks.)
-local function count_present(last)
-  local present = 0
-  for first = 1, last, 4096 do
-    present = present + redis.call('EXISTS', unpack(names, first, math.min(last, first + 4095)))
+local function longest(keys, probes)
+  local n = #keys / 32
+  local names = {}
+  for i = 1, n do names[i] = P .. 'e:' .. string.sub(keys, i * 32 - 31, i * 32) end
+
+  -- Chains are nearly always contiguous from the start, so one multi-key EXISTS usually settles it:
+  -- all present, or exactly the first c of them. Only a chain with holes needs the key-by-key scan.
+  -- (unpack takes up to ~7900 values: prompts of up to 2M tokens at 256-token chunks.)
+  local function count_present(last)
+    local present = 0
+    for first = 1, last, 4096 do
+      present = present + redis.call('EXISTS', unpack(names, first, math.min(last, first + 4095)))
+    end
+    return present
   end
-  return present
-end
-local hits = 0
-if n > 0 then
-  local c = count_present(n)
-  if c == n or (c > 0 and count_present(c) == c) then
-    hits = c
-  else
-    for i = 1, n do
-      if redis.call('EXISTS', names[i]) == 0 then break end
-      hits = i
+  local hits = 0
+  if n > 0 then
+    local c = count_present(n)
+    if c == n or (c > 0 and count_present(c) == c) then
+      hits = c
+    else
+      for i = 1, n do
+        if redis.call('EXISTS', names[i]) == 0 then break end
+        hits = i
+      end
     end
   end
-end
-local out = {hits}
-local probe = string.sub(probes, hits * 32 + 1, hits * 32 + 32)
-if probe ~= '' and probe ~= string.rep('0', 32) then
-  local b = P .. 'b:' .. probe
-  local fields
-  if redis.call('HLEN', b) <= max_candidates then
-    fields = redis.call('HGETALL', b)
-  else
-    fields = redis.call('HRANDFIELD', b, max_candidates, 'WITHVALUES')
-  end
-  for j = 1, #fields, 2 do
-    if redis.call('EXISTS', P .. 'e:' .. fields[j]) == 1 then
-      out[#out + 1] = fields[j]
-      out[#out + 1] = fields[j + 1]
+  local out = {hits}
+  local probe = string.sub(probes, hits * 32 + 1, hits * 32 + 32)
+  if probe ~= '' and probe ~= string.rep('0', 32) then
+    local b = P .. 'b:' .. probe
+    local fields
+    if redis.call('HLEN', b) <= max_candidates then
+      fields = redis.call('HGETALL', b)
+    else
+      fields = redis.call('HRANDFIELD', b, max_candidates, 'WITHVALUES')
+    end
+    for j = 1, #fields, 2 do
+      if redis.call('EXISTS', P .. 'e:' .. fields[j]) == 1 then
+        out[#out + 1] = fields[j]
+        out[#out + 1] = fields[j + 1]
+      end
     end
   end
+  return out
 end
-return out
+
+local replies = {}
+for q = 3, #ARGV, 2 do replies[#replies + 1] = longest(ARGV[q], ARGV[q + 1]) end
+return replies

@@ -5,8 +5,9 @@ Loaded by vLLM like the real one (``kv_connector_module_path: tests.e2e.probe_co
 the forward pass computed them (``saved-<key>.pt``) and the pages of every chunk it loads right after
 placing them, before the forward pass reads them (``loaded-<key>-<first page>-<request>.pt``), each as a
 (layers, pages, *page shape) tensor, and how many of them the segment owner wrote into the pages in place
-(``loaded_in_place``). A test then compares what one instance computed with what
-another loaded: the same bytes in the right blocks, or the cache is wrong.
+(``loaded_in_place.<tensor-parallel rank>``). Each rank records its own shard under its own keys. A
+test then compares what one instance computed with what another loaded: the same bytes in the right
+blocks, or the cache is wrong.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ class ProbeConnector(PrefixCacheConnector):
             return
         assert self._worker is not None
         self._worker.finish_load()  # verified: only intact chunks are recorded
-        (directory / "loaded_in_place").write_text(str(self._worker.loaded_in_place))
+        rank = self._worker.rank
+        (directory / f"loaded_in_place.{rank}").write_text(str(self._worker.loaded_in_place))
         failed = self._worker.load_errors
-        for req_id, chunks in meta.loads.items():
+        for req_id, chunks in meta.loads_of(rank).items():
             for chunk in chunks:
                 if not failed.intersection(chunk.blocks):
                     name = f"loaded-{chunk.key.hex()}-{chunk.first_page}-{req_id}.pt"
@@ -50,7 +52,8 @@ class ProbeConnector(PrefixCacheConnector):
     def wait_for_save(self) -> None:
         directory, meta = self._probe_dir(), self._get_connector_metadata()
         if directory is not None and isinstance(meta, PrefixCacheMetadata):
+            assert self._worker is not None
             for save in meta.saves:
-                key = chunk_key(save.parent, save.tokens)
+                key = chunk_key(save.parents[self._worker.rank], save.tokens)
                 torch.save(self._pages(save.blocks), directory / f"saved-{key.hex()}.pt")
         super().wait_for_save()

@@ -12,6 +12,7 @@ SPEC.json::
      "kv_transfer_params": {...} | null,    # SamplingParams.extra_args["kv_transfer_params"], every prompt
      "max_num_batched_tokens": 512,         # optional; chunked prefill
      "kv_cache_dtype": "auto",              # optional
+     "tensor_parallel_size": 1,             # optional; ranks are processes sharing this machine's cores
      "logprobs": 2}                         # top-k alternatives recorded per generated token
 
 The prompts go through one ``generate`` call each, in order, so a later prompt can hit chunks an earlier one
@@ -36,7 +37,7 @@ import traceback
 from pathlib import Path
 
 _KEYS = {"model", "prompts", "max_tokens", "prefix_caching", "kv_transfer_config", "kv_transfer_params",
-         "max_num_batched_tokens", "kv_cache_dtype", "logprobs"}  # fmt: skip
+         "max_num_batched_tokens", "kv_cache_dtype", "logprobs", "tensor_parallel_size"}  # fmt: skip
 
 
 class SpecError(ValueError):
@@ -79,6 +80,8 @@ def run(spec: dict) -> tuple[dict, object]:
         kwargs["max_num_batched_tokens"] = int(spec["max_num_batched_tokens"])
     if spec.get("kv_cache_dtype") is not None:
         kwargs["kv_cache_dtype"] = spec["kv_cache_dtype"]
+    if spec.get("tensor_parallel_size") is not None:
+        kwargs["tensor_parallel_size"] = int(spec["tensor_parallel_size"])
     t0 = time.perf_counter()
     llm = LLM(
         model=spec["model"],

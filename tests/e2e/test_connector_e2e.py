@@ -29,6 +29,7 @@ CHUNK = 256  # the daemon's default chunk size: two 128-token CPU blocks
 P1 = random_prompt(seed=11, length=1100)
 P2 = random_prompt(seed=12, length=1100)
 HALF = P1[:550] + random_prompt(seed=13, length=550)  # shares only the first half of P1
+P3 = random_prompt(seed=14, length=1100)  # for the tensor-parallel runs
 PROMPTS = [P1, P2, HALF]
 # On CPUs with AMX, the same prompt computed along different paths (in one pass; after a cached
 # prefix; in prefill steps of another size) differs by up to ~0.1 in logprob, cache or no cache: the
@@ -101,18 +102,23 @@ def test_a_fresh_instance_loads_every_cached_token_and_answers_the_same(referenc
 
 def test_loaded_kv_is_bit_identical_to_the_kv_the_producer_computed(producer_then_consumer, probes):
     """Every page B loaded holds exactly the bytes A computed for that chunk, in the block B asked for."""
-    saved = {p.name.removeprefix("saved-").removesuffix(".pt"): p for p in probes["a"].glob("saved-*.pt")}
-    loaded = sorted(probes["b"].glob("loaded-*.pt"))
     # P1 and P2: 4 full chunks and a 76-token tail each; HALF: 2 full chunks of P1 and 38 tokens of its third.
-    assert len(saved) == 10
-    assert len(loaded) == 13
-    assert int((probes["b"] / "loaded_in_place").read_text()) == 13  # the CPU cache is in shared memory
+    assert assert_loaded_pages_were_saved(probes["a"], probes["b"]) == (10, 13)
+    assert int((probes["b"] / "loaded_in_place.0").read_text()) == 13  # the CPU cache is in shared memory
+
+
+def assert_loaded_pages_were_saved(saved_dir: Path, loaded_dir: Path) -> tuple[int, int]:
+    """Each page recorded in ``loaded_dir`` equals, bit for bit, the page of the chunk of the same key recorded
+    in ``saved_dir`` that its first page names; returns (chunks saved, chunks loaded)."""
+    saved = {p.name.removeprefix("saved-").removesuffix(".pt"): p for p in saved_dir.glob("saved-*.pt")}
+    loaded = sorted(loaded_dir.glob("loaded-*.pt"))
     for path in loaded:
         key, first_page, _request = path.stem.removeprefix("loaded-").split("-", 2)
         got = torch.load(path)
         want = torch.load(saved[key])[:, int(first_page) : int(first_page) + got.shape[1]]
         assert got.shape == want.shape, path.name
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"{path.name}: pages differ from A's"
+    return len(saved), len(loaded)
 
 
 def test_a_prompt_sharing_half_gets_exactly_that_half(half_reference, producer_then_consumer):
@@ -169,6 +175,30 @@ def test_requests_complete_when_redis_is_down(run_vllm, tiny_model, tmp_path, re
     assert out["outputs"][0]["num_cached_tokens"] == 0
     ok, reason = same_greedy_output(reference["outputs"][0], out["outputs"][0])
     assert ok, reason
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel(run_vllm, tiny_model, daemon, tmp_path_factory):
+    """Two tensor-parallel ranks, one core each: a run without the connector; A publishes P3 and exits; B (a
+    fresh process, vLLM's own prefix cache off) runs it. Returns (reference, a, b, probe directories)."""
+    probe = {name: tmp_path_factory.mktemp(f"probe-tp-{name}") for name in ("a", "b")}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    spec = {"model": str(tiny_model), "prompts": [P3], "max_tokens": 16, "tensor_parallel_size": 2}
+    reference = run_vllm(spec, env=env)
+    a, b = (run_vllm({**spec, "kv_transfer_config": connector_config(daemon, probe=True)},
+                     env={**env, "PREFIXCACHE_PROBE_DIR": str(probe[name])}) for name in ("a", "b"))  # fmt: skip
+    return reference, a, b, probe
+
+
+def test_two_tensor_parallel_ranks_each_load_their_own_shard_and_answer_the_same(tensor_parallel):
+    reference, a, b, probe = tensor_parallel
+    assert b["outputs"][0]["num_cached_tokens"] == len(P3) - 1
+    for run in (a, b):
+        ok, reason = same_greedy_output(reference["outputs"][0], run["outputs"][0])
+        assert ok, reason
+    # each rank published P3's 4 full chunks and its tail under keys of its own, and loaded exactly those
+    assert assert_loaded_pages_were_saved(probe["a"], probe["b"]) == (10, 10)
+    assert [int((probe["b"] / f"loaded_in_place.{rank}").read_text()) for rank in (0, 1)] == [5, 5]
 
 
 def _children_named(parent: int, name: str) -> list[int]:

@@ -65,12 +65,13 @@ def stack(tmp_path_factory, tiny_model):
     daemon.stop()
 
 
-def warmup_cli(daemon: Daemon, corpus: Path, model: Path, *flags: str) -> dict:
+def warmup_cli(daemon: Daemon, corpus: Path, model: Path, *flags: str, engine_options: tuple[str, ...] = (),
+               env: dict[str, str] | None = None) -> dict:  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-m", "cachestore", "warmup", str(corpus), "--model", str(model), "--service-url", daemon.url,
          "--state-dir", str(daemon.data_dir / "warmup"), "--on-error", "skip", "--batch-size", "2", "--arena-mb", "128",
-         "--json", *flags, "--", *ENGINE_OPTIONS],
-        cwd=REPO, env=vllm_env(), capture_output=True, text=True, timeout=900,
+         "--json", *flags, "--", *ENGINE_OPTIONS, *engine_options],
+        cwd=REPO, env=vllm_env(env), capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads(proc.stdout)
@@ -144,3 +145,16 @@ def test_a_fresh_instance_hits_every_warmed_token_and_answers_like_one_without_t
     for i, (ref, got) in enumerate(zip(cold["outputs"], warm["outputs"], strict=True)):
         ok, reason = same_greedy_output(ref, got)
         assert ok, f"prompt {i}: {reason}"
+
+
+def test_a_tensor_parallel_job_stores_every_ranks_shard_of_every_chunk(stack, three_runs, tiny_model):
+    """Two ranks, one core each: each rank stores its shard under its own namespace. Nothing the one-rank
+    runs stored counts (another namespace), and the job is complete only once both ranks' chunks are."""
+    daemon, corpus, prompts = stack
+    report = warmup_cli(daemon, corpus, tiny_model, engine_options=("--tensor-parallel-size", "2"),
+                        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})  # fmt: skip
+    counters = report["counters"]
+    assert report["outcome"] == "finished" and report["job_id"] != three_runs[0]["job_id"]
+    assert counters["prompts_done"] == counters["prompts_total"] == len(prompts)
+    assert counters["prompts_done_before"] == 0 and counters["prompts_failed"] == 0
+    assert counters["chunks_added"] == 2 * len(storable_keys(report["namespace"], prompts))
