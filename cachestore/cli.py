@@ -50,6 +50,7 @@ def serve(
     admin_token: Annotated[Optional[str], typer.Option(help="bearer token admin calls need")] = None,  # noqa: UP045
     open_reads: Annotated[Optional[bool], typer.Option("--open-reads", help="reads need no token")] = None,  # noqa: UP045
     kv_events_endpoint: Annotated[Optional[str], typer.Option(help="KV events: ZMQ tcp://*:PORT")] = None,  # noqa: UP045
+    cpus: Annotated[Optional[str], typer.Option(help="run the daemon and its servers on CPUs: 1, 2-3")] = None,  # noqa: UP045
 ) -> None:
     """Run this node's daemon. With no --redis-url it starts its own redis-server under the data dir."""
     from cachestore.daemon import NodeDaemon
@@ -62,7 +63,7 @@ def serve(
         mooncake_metadata_url=mooncake_metadata_url, mooncake_protocol=mooncake_protocol,
         mooncake_device_names=mooncake_device_names, mooncake_host=mooncake_host, admin_token=admin_token,
         open_reads=open_reads,
-        kv_events_endpoint=kv_events_endpoint,
+        kv_events_endpoint=kv_events_endpoint, cpus=cpus,
     )  # fmt: skip
     with _clear_errors():
         NodeDaemon(load_settings(flags, config)).serve()

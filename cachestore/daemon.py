@@ -8,6 +8,7 @@ demotion). With no external addresses it also runs the index (redis-server) and 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import time
@@ -35,6 +36,7 @@ from cachestore.api import (
 )
 from cachestore.auth import AccessPolicy
 from cachestore.client_stats import ClientTotals, read_client_stats
+from cachestore.cpus import allowed_cpus
 from cachestore.demotion import Demoter
 from cachestore.dram import MooncakeTier
 from cachestore.eviction import Evictor
@@ -87,6 +89,11 @@ class NodeDaemon:
 
     def start(self) -> None:
         s = self.settings
+        engine_cpus = allowed_cpus()  # warm-up engines are vLLM engines: they keep the cores the daemon had
+        if s.cpu_set is not None:
+            # before any thread or server starts: each inherits the binding
+            os.sched_setaffinity(0, s.cpu_set)
+            log.info("daemon and its servers bound to CPUs %s", s.cpus)
         self._start_index()
         self.leases = Leases(redis.Redis.from_url(self.index.url), s.key_prefix)
         self._start_mooncake()
@@ -114,7 +121,8 @@ class NodeDaemon:
             log.info("publishing KV events on %s", s.kv_events_endpoint)
         self.evictor = Evictor(self.index, self.dram, self.nvme, s.node)
         self.admin = CacheAdmin(self.index, self.evictor)
-        self.warmup_jobs = WarmupJobs(s.data_dir / "warmup" / "jobs", local_url(s.host, s.port), s.data_dir / "warmup")
+        self.warmup_jobs = WarmupJobs(s.data_dir / "warmup" / "jobs", local_url(s.host, s.port), s.data_dir / "warmup",
+                                      engine_cpus=engine_cpus)  # fmt: skip
         self.warmup_jobs.start()
         self._stack.callback(self.warmup_jobs.stop)
 

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import ByteSize, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from cachestore.cpus import allowed_cpus, cpu_list, format_cpu_list
 from indexer.chunking import DEFAULT_CHUNK_TOKENS, MAX_CHUNK_TOKENS
 from indexer.errors import ConfigError
 from indexer.redis_index import redact_url
@@ -69,6 +70,10 @@ class Settings(BaseSettings):
         default=None, description="ZMQ PUB endpoint for vLLM-format KV events, e.g. tcp://*:5557; unset: off"
     )
     kv_events_topic: str = Field(default="", description="topic frame of every KV-event message")
+    cpus: str | None = Field(
+        default=None, description="CPUs the daemon and its servers run on, e.g. the cores vLLM reserves: '1' or "
+        "'2-3,6'; unset: wherever the OS puts them (cachestore/cpus.py)"
+    )  # fmt: skip
 
     @field_validator("redis_url")
     @classmethod
@@ -76,6 +81,20 @@ class Settings(BaseSettings):
         if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"must start with redis://, rediss:// or unix:// (got {redact_url(url)!r})")
         return url
+
+    @field_validator("cpus")
+    @classmethod
+    def _cpu_list(cls, text: str | None) -> str | None:
+        if text is not None:
+            missing = cpu_list(text) - allowed_cpus()
+            if missing:
+                raise ValueError(f"CPUs {format_cpu_list(missing)} are not available to this process "
+                                 f"(it may run on {format_cpu_list(allowed_cpus())})")  # fmt: skip
+        return text
+
+    @property
+    def cpu_set(self) -> frozenset[int] | None:
+        return cpu_list(self.cpus) if self.cpus is not None else None
 
     @field_validator("admin_token")
     @classmethod

@@ -22,6 +22,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, NonNegativeInt
 
+from cachestore.cpus import cpu_list
+
 log = logging.getLogger("prefixcache.connector")
 
 IoCpus = Literal["auto", "inherit"] | Annotated[list[NonNegativeInt], Field(min_length=1)]
@@ -65,16 +67,6 @@ def ranks_bound_by_vllm(omp_threads_bind: str | None) -> frozenset[int]:
 def numa_node_cpus(sysfs: Path = Path("/sys/devices/system/node")) -> list[frozenset[int]]:
     """The CPUs of each NUMA node of this host (empty where sysfs does not say)."""
     return [cpu_list(path.read_text()) for path in sorted(sysfs.glob("node[0-9]*/cpulist"))]
-
-
-def cpu_list(text: str) -> frozenset[int]:
-    """CPU ids from the kernel's list format, "0-3,8,10-11"."""
-    cpus: set[int] = set()
-    for part in text.strip().split(","):
-        if part:
-            first, _, last = part.partition("-")
-            cpus.update(range(int(first), int(last or first) + 1))
-    return frozenset(cpus)
 
 
 def pinning(cpus: frozenset[int] | None) -> Callable[[], None]:

@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from connector.io_threads import cpu_list, io_cpus, numa_node_cpus, pinning, ranks_bound_by_vllm
+from cachestore.cpus import cpu_list
+from connector.io_threads import io_cpus, numa_node_cpus, pinning, ranks_bound_by_vllm
 from connector.settings import ConnectorSettings
 from indexer.errors import ConfigError
 

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from cachestore.processes import ManagedProcess, ServerStartError, free_port, free_port_block, port_open
+from cachestore.warmup.jobs import WarmupJobs
 
 CLI = [sys.executable, "-m", "cachestore"]
 
@@ -95,6 +96,28 @@ def test_serve_starts_the_embedded_stack_reports_ready_and_stops_cleanly(tmp_pat
     assert wait_until_gone(port, 1) == []
 
 
+def test_cpus_binds_the_daemon_and_every_server_it_starts(tmp_path):
+    proc, port = start_serve(tmp_path, "--cpus", "0")
+    pids = [proc.pid, *children_of(port)]
+    assert len(pids) == 4
+    assert {pid: os.sched_getaffinity(pid) for pid in pids} == {pid: {0} for pid in pids}
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_warmup_engines_run_on_the_cpus_the_daemon_had_before_binding(tmp_path):
+    before = frozenset(os.sched_getaffinity(0))
+    jobs = WarmupJobs(tmp_path, "http://127.0.0.1:1", tmp_path, engine_cpus=before)
+    report = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
+    try:
+        os.sched_setaffinity(0, {min(before)})  # as `serve --cpus` binds the daemon
+        out = subprocess.run(report, capture_output=True, text=True, preexec_fn=jobs._child_setup).stdout
+    finally:
+        os.sched_setaffinity(0, before)
+    assert out.strip() == str(sorted(before))
+
+
 def test_the_embedded_stack_dies_with_a_killed_daemon(tmp_path):
     proc, port = start_serve(tmp_path)
     proc.kill()
@@ -112,6 +135,8 @@ def test_the_embedded_stack_dies_with_a_killed_daemon(tmp_path):
         ([], {"PREFIXCACHE_PORT": "abc"}, "invalid setting port"),
         (["--config", "/nonexistent.toml"], {}, "cannot read config file /nonexistent.toml"),
         (["--port", "notanumber"], {}, "Invalid value for '--port'"),
+        (["--cpus", "1-0"], {}, "invalid setting cpus: '1-0' is not a CPU list"),
+        ([], {"PREFIXCACHE_CPUS": "4095"}, "CPUs 4095 are not available to this process"),
     ],
 )
 def test_bad_settings_get_a_clear_error_and_exit_2(tmp_path, args, env, message):

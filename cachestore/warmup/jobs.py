@@ -110,8 +110,11 @@ class _Job:
 
 
 class WarmupJobs:
-    def __init__(self, directory: Path, service_url: str, state_dir: Path) -> None:
+    def __init__(self, directory: Path, service_url: str, state_dir: Path,
+                 engine_cpus: frozenset[int] | None = None) -> None:  # fmt: skip
+        """``engine_cpus``: the CPUs a job's engine runs on (None: the daemon's own)."""
         self.directory = directory
+        self.engine_cpus = engine_cpus
         self.service_url = service_url
         self.state_dir = state_dir
         self._jobs: dict[str, _Job] = {}
@@ -199,7 +202,13 @@ class WarmupJobs:
             env[TENANT_ENV] = r.tenant
         with open(job.report_path, "wb") as out, open(job.log_path, "ab") as log:
             return subprocess.Popen([*argv, "--", *r.engine_options], stdout=out, stderr=log, stdin=subprocess.DEVNULL,
-                                    env=env, start_new_session=True, preexec_fn=_die_with_parent)  # fmt: skip
+                                    env=env, start_new_session=True, preexec_fn=self._child_setup)  # fmt: skip
+
+    def _child_setup(self) -> None:
+        """Runs in the job's process before it starts: dies with the daemon, runs on the engine's CPUs."""
+        _die_with_parent()
+        if self.engine_cpus is not None:
+            os.sched_setaffinity(0, self.engine_cpus)
 
     # -- views ---------------------------------------------------------------------------------------------
 
