@@ -20,13 +20,15 @@ class LoadChunk:
 @dataclass
 class SaveChunk:
     """Publish pages ``blocks`` of request ``request`` as the chunk of ``tokens`` (packed uint32) after
-    ``parents[rank]``: each tensor-parallel rank stores its shard of the pages in its own key chain."""
+    ``parents[rank]``: each tensor-parallel rank stores its shard of the pages in its own key chain, from
+    the root of the request's tenant and variant (connector/request_identity.py)."""
 
     request: str
     parents: list[bytes]
     tokens: bytes
     blocks: list[int]
     tenant_salt: str | None
+    variant: bytes = b""
 
 
 @dataclass

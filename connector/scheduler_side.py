@@ -5,7 +5,9 @@ each rank stores its shard of the pages under its own namespace, so each has its
 lookup's matches and the request's block ids; from these it tells the workers which stored chunks to
 load into which blocks, and which newly computed chunks to publish. A prefix counts as cached as far
 as every rank holds it. Loads are synchronous and stop one token short of the prompt (vLLM must
-compute at least one token), so a hit is token-granular up to ``L-1``.
+compute at least one token), so a hit is token-granular up to ``L-1``. A request's LoRA adapter and
+multimodal inputs give it a key space of its own (connector/request_identity.py); a prompt given as
+embeddings is neither looked up nor published.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from cachestore.client import fetch_config
 from cachestore.client_stats import ClientStatsRecorder
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.plans import Geometry, chunks_to_publish, load_plan
+from connector.request_identity import request_variant
 from connector.settings import ConnectorSettings, namespace_for
 from indexer.chunking import ChunkGeometry
 from indexer.errors import ConfigError, IndexUnavailableError
@@ -38,9 +41,10 @@ LEASE_TIMEOUT_S = 1.0
 
 @dataclass
 class RequestState:
-    hashers: list[PrefixHasher]  # one key chain per tensor-parallel rank, in rank order
+    hashers: list[PrefixHasher]  # one key chain per tensor-parallel rank, in rank order; none: not cacheable
     prompt: bytes  # packed prompt tokens
     tenant_salt: str | None
+    variant: bytes = b""
     matches: list[PrefixMatch] | None = None  # per rank
     matched_for: int = -1  # request length the matches were computed for
     local_tokens: int = 0  # held by vLLM's own prefix cache
@@ -104,7 +108,7 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         state = self._state(request)
         state.local_tokens = num_computed_tokens
-        if not self.load_enabled:
+        if not self.load_enabled or not state.hashers:
             return 0, False
         looked_up = state.matched_for != request.num_tokens  # vLLM may ask again for the same request
         if looked_up:
@@ -182,15 +186,19 @@ class SchedulerSide:
         state = self.requests.get(request.request_id)
         if state is None:
             salt = getattr(request, "cache_salt", None)
-            hashers = [PrefixHasher(namespace.root(salt), self.geometry) for namespace in self.namespaces]
-            _extend(hashers, request.prompt_token_ids)
-            state = RequestState(hashers=hashers, prompt=hashers[0].packed(), tenant_salt=salt)
+            variant = request_variant(request)
+            if variant is None:
+                state = RequestState(hashers=[], prompt=b"", tenant_salt=salt)
+            else:
+                hashers = [PrefixHasher(ns.root(salt, variant), self.geometry) for ns in self.namespaces]
+                _extend(hashers, request.prompt_token_ids)
+                state = RequestState(hashers=hashers, prompt=hashers[0].packed(), tenant_salt=salt, variant=variant)
             self.requests[request.request_id] = state
         return state
 
     def _plan_saves(self, req_id: str, state: RequestState, computed: int, so: Any, meta: PrefixCacheMetadata) -> None:
         """Publish every prompt chunk this step completes, and the prompt's tail once the prompt is done."""
-        if not self.publish_enabled:
+        if not self.publish_enabled or not state.hashers:
             return
         done = computed + so.num_scheduled_tokens.get(req_id, 0)
         ranges, state.tail_done = chunks_to_publish(state.stored_chunks, done, state.prompt_tokens, state.tail_done,
@@ -201,7 +209,7 @@ class SchedulerSide:
             meta.saves.append(SaveChunk(request=req_id, parents=parents,
                                         tokens=state.prompt[start * TOKEN_BYTES : end * TOKEN_BYTES],
                                         blocks=state.blocks[self.plan_geometry.blocks(start, end)],
-                                        tenant_salt=state.tenant_salt))  # fmt: skip
+                                        tenant_salt=state.tenant_salt, variant=state.variant))  # fmt: skip
             state.stored_chunks = max(
                 state.stored_chunks, chunk + 1 if end - start == self.geometry.chunk_tokens else 0
             )

@@ -321,7 +321,7 @@ class WorkerSide:
     def _stage(self, chunk: SaveChunk) -> tuple[ChunkMeta, memoryview] | None:
         pages = len(chunk.blocks)
         meta = ChunkMeta(
-            namespace=self.client.spec.digest, root=self.client.spec.root(chunk.tenant_salt),
+            namespace=self.client.spec.digest, root=self.client.spec.root(chunk.tenant_salt, chunk.variant),
             parent=chunk.parents[self.rank],
             tokens=chunk.tokens, dtype=str(self.layers[0].dtype).removeprefix("torch."),
             shape=(len(self.layers), pages, *self.layers[0].shape[1:]),

@@ -3,7 +3,8 @@
 Hashing every byte of a 100+ GB checkpoint at start-up would add minutes, so the fingerprint covers
 the config files in full and, for each weight file, its size plus three 4 MiB samples (start, middle,
 end). Any fine-tune or re-quantisation changes bytes in all of them. The result is cached on disk,
-keyed by each file's path, size and mtime, so it is computed once per checkpoint.
+keyed by each file's path, size and mtime, so it is computed once per checkpoint, and in the process,
+so that fingerprinting a request's LoRA adapter costs a few ``stat`` calls.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from pathlib import Path
 
 import xxhash
 
-CONFIG_FILES = ("config.json", "generation_config.json", "quantize_config.json", "quant_config.json")
+CONFIG_FILES = ("config.json", "generation_config.json", "quantize_config.json", "quant_config.json",
+                "adapter_config.json")  # fmt: skip
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 SAMPLE_BYTES = 4 << 20
 _CACHE_VERSION = 1
+_known: dict[str, str] = {}  # this process's fingerprints, by the same key as the file cache
 
 
 def default_cache_path() -> Path:
@@ -39,13 +42,16 @@ def fingerprint_model(model: str, cache_path: Path | None = None) -> str:
     )
     if not files:
         return "name:" + model
-    cache_path = cache_path or default_cache_path()
-    cache = _load_cache(cache_path)
     stat_key = json.dumps(
         [str(directory.resolve())] + [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
     )
+    if stat_key in _known:
+        return _known[stat_key]
+    cache_path = cache_path or default_cache_path()
+    cache = _load_cache(cache_path)
     cached = cache.get(stat_key)
     if cached:
+        _known[stat_key] = cached
         return cached
     combined = xxhash.xxh3_128()
     for path in files:
@@ -54,6 +60,7 @@ def fingerprint_model(model: str, cache_path: Path | None = None) -> str:
     fingerprint = combined.hexdigest()
     cache[stat_key] = fingerprint
     _store_cache(cache_path, cache)
+    _known[stat_key] = fingerprint
     return fingerprint
 
 

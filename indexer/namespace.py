@@ -45,15 +45,20 @@ class NamespaceSpec(BaseModel):
         """16-byte xxh3-128 digest of the canonical description."""
         return xxhash.xxh3_128_digest(self.canonical_json().encode())
 
-    def root(self, tenant_salt: str | None = None) -> bytes:
+    def root(self, tenant_salt: str | None = None, variant: bytes = b"") -> bytes:
         """The parent digest of a prompt's first chunk.
 
         A tenant salt (vLLM's ``cache_salt``) gives each tenant a disjoint key space inside the same
-        namespace; it is not part of the registered description, so it is never stored or shown.
+        namespace; it is not part of the registered description, so it is never stored or shown. A
+        variant does the same for what else decides a request's KV besides its tokens: its LoRA adapter
+        and multimodal inputs (connector/request_identity.py).
         """
-        if not tenant_salt:
-            return self.digest
-        return xxhash.xxh3_128_digest(self.digest + b"\x00tenant\x00" + tenant_salt.encode())
+        root = self.digest
+        if tenant_salt:
+            root = xxhash.xxh3_128_digest(root + b"\x00tenant\x00" + tenant_salt.encode())
+        if variant:
+            root = xxhash.xxh3_128_digest(root + b"\x00variant\x00" + variant)
+        return root
 
 
 def tenant_id(tenant_salt: str | None) -> str:

@@ -31,6 +31,8 @@ def test_golden_namespace_digest():
     )
     assert GOLDEN_SPEC.digest.hex() == "165654c619e026832b4e64c5db3b798b"
     assert GOLDEN_SPEC.root("tenant-a").hex() == "0054314106fefd367ee46c14d1449954"
+    # a request variant (connector/request_identity.py) after the tenant: xxh3_128(root ‖ "\0variant\0" ‖ variant)
+    assert GOLDEN_SPEC.root("tenant-a", b'[["lora","sql","",""]]').hex() == "15f782a86bba731c43290996c32e6f40"
 
 
 def test_golden_chunk_keys():

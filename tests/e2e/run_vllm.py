@@ -13,6 +13,7 @@ SPEC.json::
      "max_num_batched_tokens": 512,         # optional; chunked prefill
      "kv_cache_dtype": "auto",              # optional
      "tensor_parallel_size": 1,             # optional; ranks are processes sharing this machine's cores
+     "loras": ["/path/to/adapter" | null, ...],  # optional; a LoRA adapter (or none) per prompt
      "logprobs": 2}                         # top-k alternatives recorded per generated token
 
 The prompts go through one ``generate`` call each, in order, so a later prompt can hit chunks an earlier one
@@ -37,7 +38,7 @@ import traceback
 from pathlib import Path
 
 _KEYS = {"model", "prompts", "max_tokens", "prefix_caching", "kv_transfer_config", "kv_transfer_params",
-         "max_num_batched_tokens", "kv_cache_dtype", "logprobs", "tensor_parallel_size"}  # fmt: skip
+         "max_num_batched_tokens", "kv_cache_dtype", "logprobs", "tensor_parallel_size", "loras"}  # fmt: skip
 
 
 class SpecError(ValueError):
@@ -56,6 +57,9 @@ def load_spec(path: Path) -> dict:
     prompts = spec.get("prompts")
     if not prompts or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts):
         raise SpecError("spec.prompts must be a non-empty list of non-empty lists of token ids")
+    loras = spec.get("loras")
+    if loras is not None and (len(loras) != len(prompts) or not all(p is None or Path(p).is_dir() for p in loras)):
+        raise SpecError("spec.loras must hold an adapter directory or null per prompt")
     return spec
 
 
@@ -82,6 +86,11 @@ def run(spec: dict) -> tuple[dict, object]:
         kwargs["kv_cache_dtype"] = spec["kv_cache_dtype"]
     if spec.get("tensor_parallel_size") is not None:
         kwargs["tensor_parallel_size"] = int(spec["tensor_parallel_size"])
+    loras = spec.get("loras") or [None] * len(spec["prompts"])
+    if any(loras):
+        from tests.e2e.tinymodel import LORA_RANK
+
+        kwargs.update(enable_lora=True, max_lora_rank=LORA_RANK, max_loras=1)
     t0 = time.perf_counter()
     llm = LLM(
         model=spec["model"],
@@ -107,9 +116,15 @@ def run(spec: dict) -> tuple[dict, object]:
         extra_args=extra_args,
     )
     outputs = []
-    for prompt in spec["prompts"]:
+    from vllm.lora.request import LoRARequest
+
+    adapters = {
+        path: LoRARequest(Path(path).name, i + 1, path) for i, path in enumerate(dict.fromkeys(filter(None, loras)))
+    }
+    for prompt, lora in zip(spec["prompts"], loras, strict=True):
         t0 = time.perf_counter()
-        (result,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        (result,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False,
+                                 lora_request=adapters.get(lora))  # fmt: skip
         wall_s = time.perf_counter() - t0
         completion = result.outputs[0]
         metrics = result.metrics

@@ -21,7 +21,7 @@ from cachestore.client import fetch_config
 from cachestore.dram import MooncakeTier
 from tests.daemon_harness import Daemon, damage_dram_copy
 from tests.e2e.compare import same_greedy_output
-from tests.e2e.tinymodel import build_tiny_llama, random_prompt
+from tests.e2e.tinymodel import build_lora_adapter, build_tiny_llama, random_prompt
 
 pytestmark = pytest.mark.e2e
 
@@ -30,6 +30,7 @@ P1 = random_prompt(seed=11, length=1100)
 P2 = random_prompt(seed=12, length=1100)
 HALF = P1[:550] + random_prompt(seed=13, length=550)  # shares only the first half of P1
 P3 = random_prompt(seed=14, length=1100)  # for the tensor-parallel runs
+P4 = random_prompt(seed=15, length=700)  # for the LoRA runs
 PROMPTS = [P1, P2, HALF]
 # On CPUs with AMX, the same prompt computed along different paths (in one pass; after a cached
 # prefix; in prefill steps of another size) differs by up to ~0.1 in logprob, cache or no cache: the
@@ -199,6 +200,26 @@ def test_two_tensor_parallel_ranks_each_load_their_own_shard_and_answer_the_same
     # each rank published P3's 4 full chunks and its tail under keys of its own, and loaded exactly those
     assert assert_loaded_pages_were_saved(probe["a"], probe["b"]) == (10, 10)
     assert [int((probe["b"] / f"loaded_in_place.{rank}").read_text()) for rank in (0, 1)] == [5, 5]
+
+
+@pytest.fixture(scope="module")
+def lora_runs(run_vllm, tiny_model, daemon, tmp_path_factory):
+    """An adapter on K and V: a run without the connector (P4 without the adapter, then with it); A publishes P4
+    computed with the adapter and exits; B (a fresh process) runs P4 without the adapter, then with it."""
+    adapter = str(build_lora_adapter(tmp_path_factory.mktemp("lora") / "kv-adapter"))
+    spec = {"model": str(tiny_model), "prompts": [P4, P4], "loras": [None, adapter], "max_tokens": 16}
+    reference = run_vllm(spec)
+    run_vllm({**spec, "prompts": [P4], "loras": [adapter], "kv_transfer_config": connector_config(daemon)})
+    return reference, run_vllm({**spec, "kv_transfer_config": connector_config(daemon)})
+
+
+def test_kv_computed_with_a_lora_adapter_is_found_only_with_that_adapter(lora_runs):
+    reference, b = lora_runs
+    assert reference["outputs"][0]["logprobs"] != reference["outputs"][1]["logprobs"]  # the adapter changes the KV
+    assert [out["num_cached_tokens"] for out in b["outputs"]] == [0, len(P4) - 1]
+    for ref, got in zip(reference["outputs"], b["outputs"], strict=True):
+        ok, reason = same_greedy_output(ref, got)
+        assert ok, reason
 
 
 def _children_named(parent: int, name: str) -> list[int]:

@@ -125,6 +125,38 @@ def build_tiny_llama(directory: Path, seed: int = 0, initializer_range: float = 
     return directory
 
 
+LORA_RANK = 8
+
+
+def build_lora_adapter(directory: Path, seed: int = 0, scale: float = 0.1) -> Path:
+    """A random rank-8 LoRA adapter (PEFT format) for the tiny Llama on the K and V projections of every layer,
+    so it changes the KV a prompt computes. ``scale`` keeps its outputs within reach of the base model's."""
+    import torch
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    hidden, kv_out = (
+        _ARCH["hidden_size"],
+        _ARCH["num_key_value_heads"] * _ARCH["hidden_size"] // _ARCH["num_attention_heads"],
+    )
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(_ARCH["num_hidden_layers"]):
+        for proj in ("k_proj", "v_proj"):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(LORA_RANK, hidden, generator=generator) * scale
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(kv_out, LORA_RANK, generator=generator) * scale
+    save_file(
+        {k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()}, directory / "adapter_model.safetensors"
+    )
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": LORA_RANK, "lora_alpha": LORA_RANK,
+              "target_modules": ["k_proj", "v_proj"], "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+              "base_model_name_or_path": None}  # fmt: skip
+    (directory / "adapter_config.json").write_text(json.dumps(config, indent=1))
+    return directory
+
+
 def random_prompt(seed: int, length: int, vocab: int = VOCAB) -> list[int]:
     """``length`` token ids in ``[3, vocab)`` (no special tokens), the same for the same arguments."""
     rng = random.Random(f"prompt-{seed}")
