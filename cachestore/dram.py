@@ -66,6 +66,8 @@ class MooncakeTier:
             )
         self._closed = False
         self._close_lock = threading.Lock()
+        self._closing = threading.Event()  # tells background pre-faults to stop before the store closes
+        self._background: list[threading.Thread] = []
         base = self._store.alloc_from_mem_pool(arena_bytes)
         if not base or self._store.register_buffer(base, arena_bytes) != 0:
             self.close()
@@ -96,15 +98,16 @@ class MooncakeTier:
         object into many windows does not: Mooncake serves such repeats without the owner.) Best
         effort: a full pool only means the first loads pay it.
         """
-        self._owner_writes(self.arena.address, self.arena.size)
+        self._owner_touches(self.arena.address, self.arena.size, write_back=True)
 
-    def _owner_writes(self, address: int, size: int) -> None:
-        """Put warm-up objects from every window of [address, address + size) and read them back into it,
-        so the owner's mapping of that memory is faulted in, writable, before loads need it. The memory
-        must not be in use: it is rewritten with what it held when its window was put."""
+    def _owner_touches(self, address: int, size: int, *, write_back: bool, stop: threading.Event | None = None) -> None:
+        """Put warm-up objects from every window of [address, address + size) (and read them back into it
+        when ``write_back``), so the owner's mapping of that memory is faulted in before loads need it."""
         window = min(PREFAULT_WINDOW_BYTES, size)
         offsets = list(range(0, size - window + 1, window))
         for start in range(0, len(offsets), PREFAULT_OBJECTS):
+            if stop is not None and stop.is_set():
+                return
             batch = [address + offset for offset in offsets[start : start + PREFAULT_OBJECTS]]
             names = [f"{self._prefix}prefault:{uuid.uuid4().hex}" for _ in batch]
             stored = self._store.batch_put_from(names, batch, [window] * len(batch), self._config)
@@ -112,7 +115,8 @@ class MooncakeTier:
                 if any(code != OK for code in stored):
                     log.debug("memory not pre-faulted on the owner side: the pool refused the warm-up objects")
                     return
-                self._store.batch_get_into(names, batch, [window] * len(batch))
+                if write_back:
+                    self._store.batch_get_into(names, batch, [window] * len(batch))
             finally:
                 self._store.batch_remove(names, True)
 
@@ -120,18 +124,20 @@ class MooncakeTier:
         """``size`` zeroed bytes of shared memory registered with Mooncake, for the life of this tier.
 
         Gets write straight into it (``get_scattered``): a caller whose own buffers live here, such as
-        the connector's KV cache, receives chunks with no copy of its own. Before it is handed out, the
-        owner writes every page of it once (zeros over zeros, ~0.5 s per GiB here), so that loads never
-        pay for the owner's page faults: a 32 MiB get into pages the owner had only read from ran in
-        8.2 ms, against 5.4 ms after this. It has to happen before the caller has the memory, since it
-        rewrites it; touching it from a background thread while vLLM wrote KV there could undo its writes.
+        the connector's KV cache, receives chunks with no copy of its own. The owner's mapping of it is
+        faulted in by a background thread (puts from every window, which only read it), so that the
+        first loads into each part do not run at page-fault speed.
         """
         address = self._store.alloc_from_mem_pool(size)
         if not address or self._store.register_buffer(address, size) != 0:
             raise TierUnavailableError(f"cannot allocate and register {size} bytes of shared memory")
         ctypes.memset(address, 0, size)  # callers get zeros, and this process's own page faults happen now
         self._regions.append((address, size))
-        self._owner_writes(address, size)
+        warm = threading.Thread(target=self._owner_touches, args=(address, size),
+                                kwargs={"write_back": False, "stop": self._closing},
+                                name="prefixcache-prefault", daemon=True)  # fmt: skip
+        self._background.append(warm)
+        warm.start()
         return view_at(address, size)
 
     @property
@@ -281,6 +287,9 @@ class MooncakeTier:
     def close(self) -> None:
         with self._close_lock:
             if not self._closed:
+                self._closing.set()
+                for thread in self._background:
+                    thread.join()
                 self._closed = True
                 self._store.close()  # any call after this would crash the process: _usable() guards them
 
