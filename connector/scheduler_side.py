@@ -26,9 +26,9 @@ from cachestore.client_stats import ClientStatsRecorder
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.plans import Geometry, chunks_to_publish, load_plan
 from connector.request_identity import request_variant
-from connector.settings import ConnectorSettings, namespace_for
+from connector.settings import ConnectorSettings, check_supported, namespace_for
 from indexer.chunking import ChunkGeometry
-from indexer.errors import ConfigError, IndexUnavailableError
+from indexer.errors import IndexUnavailableError
 from indexer.index import PrefixMatch, attach_namespace
 from indexer.keys import PrefixHasher
 from indexer.leases import Leases
@@ -66,15 +66,12 @@ class RequestState:
 
 class SchedulerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings, role: str) -> None:
+        check_supported(vllm_config, kv_cache_config)
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self.block_tokens = spec.block_size
         client_config = fetch_config(settings.service_url)
         self.geometry = ChunkGeometry(client_config.chunk_tokens, block_tokens=self.block_tokens)
         self.plan_geometry = Geometry(client_config.chunk_tokens, self.block_tokens)
-        if vllm_config.parallel_config.pipeline_parallel_size > 1:
-            # A stage holds only its own layers: its pages would need a namespace (and plans) of their own.
-            raise ConfigError("PrefixCacheConnector supports pipeline_parallel_size=1 for now; run without "
-                              "--kv-transfer-config or with one pipeline stage")  # fmt: skip
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         first = namespace_for(vllm_config, spec, client_config.chunk_tokens, 0, tp_size)
         self.namespaces = [first.model_copy(update={"tp_rank": rank}) for rank in range(tp_size)]

@@ -34,6 +34,21 @@ class ConnectorSettings(BaseModel):
             raise ConfigError(f"invalid kv_connector_extra_config for PrefixCacheConnector: {problems}") from None
 
 
+def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
+    """Refuse, at start-up, engines whose KV the connector cannot map completely: it would load some
+    layers' pages and leave the rest unwritten, which is wrong KV, not a miss."""
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        # A stage holds only its own layers: its pages would need a namespace (and plans) of their own.
+        raise ConfigError("PrefixCacheConnector supports pipeline_parallel_size=1 for now; run without "
+                          "--kv-transfer-config or with one pipeline stage")  # fmt: skip
+    groups = len(kv_cache_config.kv_cache_groups)
+    if groups != 1:
+        # vLLM turns its hybrid KV cache manager off for connectors without SupportsHMA, unless told not to.
+        raise ConfigError(f"PrefixCacheConnector maps one KV cache group and this engine has {groups}: run without "
+                          "--no-disable-hybrid-kv-cache-manager (models that need it, such as hybrid SSM models, "
+                          "are not supported)")  # fmt: skip
+
+
 def namespace_for(vllm_config: Any, kv_cache_spec: Any, chunk_tokens: int, tp_rank: int, tp_size: int) -> NamespaceSpec:
     """Everything that makes this engine's KV pages incompatible with another's.
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import threading
+from types import SimpleNamespace
 
 import pytest
 
 from cachestore.cpus import cpu_list
 from connector.io_threads import io_cpus, numa_node_cpus, pinning, ranks_bound_by_vllm
-from connector.settings import ConnectorSettings
+from connector.settings import ConnectorSettings, check_supported
 from indexer.errors import ConfigError
 
 
@@ -88,3 +89,17 @@ def test_a_refused_binding_leaves_the_thread_where_it_was(caplog):
     before = os.sched_getaffinity(0)
     pinning(frozenset({100_000}))()  # no such CPU
     assert os.sched_getaffinity(0) == before and "cannot bind" in caplog.text
+
+
+def engine(pipeline: int = 1, groups: int = 1) -> tuple[SimpleNamespace, SimpleNamespace]:
+    """The parts of vLLM's config and KV cache config the connector checks at start-up."""
+    return (SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=pipeline)),
+            SimpleNamespace(kv_cache_groups=[object()] * groups))  # fmt: skip
+
+
+def test_engines_whose_kv_the_connector_cannot_map_whole_are_refused_at_start_up():
+    check_supported(*engine())
+    with pytest.raises(ConfigError, match="pipeline_parallel_size=1"):
+        check_supported(*engine(pipeline=2))
+    with pytest.raises(ConfigError, match="one KV cache group and this engine has 2"):
+        check_supported(*engine(groups=2))
