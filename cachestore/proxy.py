@@ -38,6 +38,7 @@ from cachestore.proxy_routing import (
 )
 from indexer.chunking import ChunkGeometry
 from indexer.errors import ConfigError, IndexUnavailableError
+from indexer.index import PrefixIndex
 from indexer.keys import prompt_query
 from indexer.redis_index import RedisIndex, with_password
 
@@ -117,22 +118,30 @@ class CachedPrefix:
     """Cache-aware routing's view of the index: is a prompt's whole publishable prefix already stored?
 
     The proxy does not know a decode instance's namespace (model fingerprint, KV layout...), only the
-    model name the client asked for, so it checks every namespace registered under that name.
+    model name the client asked for, so it checks every namespace registered under that name. Under
+    tensor parallelism each rank stores its shard in a namespace of its own: a prefix is stored once
+    every rank's is.
     """
 
-    def __init__(self, service_url: str, redis_password: str | None) -> None:
+    def __init__(self, index: PrefixIndex) -> None:
+        self.index = index
+
+    @classmethod
+    def of_service(cls, service_url: str, redis_password: str | None) -> CachedPrefix:
+        """The index the daemon at ``service_url`` uses."""
         config = fetch_config(service_url)
         url = with_password(config.redis_url, redis_password) if redis_password else config.redis_url
-        self.index = RedisIndex(url, key_prefix=config.key_prefix)
+        return cls(RedisIndex(url, key_prefix=config.key_prefix))
 
     def complete(self, model: str, tokens: list[int], tenant_salt: str | None) -> bool:
         try:
             for spec in self.index.namespaces():
                 if spec.model != model or spec.tp_rank or spec.pp_rank:
                     continue
-                query = prompt_query(spec.root(tenant_salt), ChunkGeometry(spec.chunk_tokens), tokens)
-                match = self.index.lookup(query)
-                if match.matched_tokens >= publishable_tokens(len(tokens), spec.chunk_tokens):
+                ranks = [spec.model_copy(update={"tp_rank": rank}) for rank in range(spec.tp_size)]
+                geometry = ChunkGeometry(spec.chunk_tokens)
+                matches = self.index.lookup_many([prompt_query(r.root(tenant_salt), geometry, tokens) for r in ranks])
+                if all(m.matched_tokens >= publishable_tokens(len(tokens), spec.chunk_tokens) for m in matches):
                     return True
         except IndexUnavailableError as exc:
             log.debug("index unreachable, assuming a miss: %s", exc)
@@ -148,7 +157,9 @@ class Proxy:
         self.prefill = InstancePool(settings.prefill, settings.retry_after_s)
         self.decode = InstancePool(settings.decode, settings.retry_after_s)
         self.stats = ProxyStats()
-        self.cache = CachedPrefix(settings.service_url, settings.redis_password) if settings.service_url else None
+        self.cache = (
+            CachedPrefix.of_service(settings.service_url, settings.redis_password) if settings.service_url else None
+        )
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(settings.timeout_s, connect=5.0))
 
     async def close(self) -> None:

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from cachestore.processes import free_port
-from cachestore.proxy import ProxySettings, create_app
+from cachestore.proxy import CachedPrefix, ProxySettings, create_app
 from cachestore.proxy_routing import (
     InstancePool,
     prefill_body,
@@ -18,6 +18,7 @@ from cachestore.proxy_routing import (
     tokenize_body,
 )
 from indexer.errors import ConfigError
+from tests.test_index import publish
 
 
 class Clock:
@@ -128,3 +129,17 @@ async def test_a_body_that_is_not_a_json_object_is_a_400(nothing_listening):
         response = await client.post("/v1/chat/completions", json=[1, 2])
         assert response.status_code == 400 and response.json()["error"]["type"] == "BadRequestError"
     await app.state.proxy.close()
+
+
+def test_a_prefix_counts_as_stored_once_every_tensor_parallel_rank_holds_it(index, spec):
+    """Cache-aware routing skips the prefill only when each rank's shard of the prompt is stored."""
+    ranks = [spec.model_copy(update={"tp_rank": rank, "tp_size": 2}) for rank in (0, 1)]
+    for rank in ranks:
+        index.register_namespace(rank)
+    prompt = list(range(200))  # three 64-token chunks and an 8-token tail (too short to publish)
+    cache = CachedPrefix(index)
+    publish(index, ranks[0], prompt[:192])
+    assert not cache.complete(spec.model, prompt, None)
+    publish(index, ranks[1], prompt[:192])
+    assert cache.complete(spec.model, prompt, None)
+    assert not cache.complete("another-model", prompt, None) and not cache.complete(spec.model, prompt, "tenant")
