@@ -138,9 +138,9 @@ class CachedPrefix:
             for spec in self.index.namespaces():
                 if spec.model != model or spec.tp_rank or spec.pp_rank:
                     continue
-                ranks = [spec.model_copy(update={"tp_rank": rank}) for rank in range(spec.tp_size)]
                 geometry = ChunkGeometry(spec.chunk_tokens)
-                matches = self.index.lookup_many([prompt_query(r.root(tenant_salt), geometry, tokens) for r in ranks])
+                matches = self.index.lookup_many([prompt_query(rank.root(tenant_salt), geometry, tokens)
+                                                  for rank in spec.tensor_parallel_ranks()])  # fmt: skip
                 if all(m.matched_tokens >= publishable_tokens(len(tokens), spec.chunk_tokens) for m in matches):
                     return True
         except IndexUnavailableError as exc:

@@ -74,7 +74,7 @@ class SchedulerSide:
         self.plan_geometry = Geometry(client_config.chunk_tokens, self.block_tokens)
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         first = namespace_for(vllm_config, spec, client_config.chunk_tokens, 0, tp_size)
-        self.namespaces = [first.model_copy(update={"tp_rank": rank}) for rank in range(tp_size)]
+        self.namespaces = first.tensor_parallel_ranks()
         redis_url = client_config.redis_url
         if settings.redis_password:
             redis_url = with_password(redis_url, settings.redis_password)

@@ -45,6 +45,11 @@ class NamespaceSpec(BaseModel):
         """16-byte xxh3-128 digest of the canonical description."""
         return xxhash.xxh3_128_digest(self.canonical_json().encode())
 
+    def tensor_parallel_ranks(self) -> list[NamespaceSpec]:
+        """This namespace as each tensor-parallel rank has it, in rank order: each rank stores its shard of
+        the KV (its heads) in its own namespace."""
+        return [self.model_copy(update={"tp_rank": rank}) for rank in range(self.tp_size)]
+
     def root(self, tenant_salt: str | None = None, variant: bytes = b"") -> bytes:
         """The parent digest of a prompt's first chunk.
 

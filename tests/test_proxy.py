@@ -133,7 +133,7 @@ async def test_a_body_that_is_not_a_json_object_is_a_400(nothing_listening):
 
 def test_a_prefix_counts_as_stored_once_every_tensor_parallel_rank_holds_it(index, spec):
     """Cache-aware routing skips the prefill only when each rank's shard of the prompt is stored."""
-    ranks = [spec.model_copy(update={"tp_rank": rank, "tp_size": 2}) for rank in (0, 1)]
+    ranks = spec.model_copy(update={"tp_size": 2}).tensor_parallel_ranks()
     for rank in ranks:
         index.register_namespace(rank)
     prompt = list(range(200))  # three 64-token chunks and an 8-token tail (too short to publish)
