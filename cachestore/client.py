@@ -187,6 +187,15 @@ class CacheClient:
                                    time.perf_counter() - started)  # fmt: skip
         return out
 
+    def read_ahead(self, chunks: Sequence[tuple[bytes, memoryview]]) -> None:
+        """Start bringing back chunks the caller found missing from DRAM, each into its slot (of
+        ``read_size`` bytes): this node's are read straight from its NVMe, other nodes' are promoted.
+        The ``fetch`` of those slots then waits for them instead of asking DRAM again. A caller that
+        stops before fetching them all calls ``settle_reads`` before releasing the slots.
+        """
+        if chunks:
+            self._plan_nvme([key for key, _ in chunks], dict(chunks), upcoming=())
+
     def shared_memory(self, size: int) -> memoryview:
         """Zeroed shared memory that ``fetch_scattered`` can write into (see ``MooncakeTier.shared_memory``)."""
         return self.dram.shared_memory(size)

@@ -34,10 +34,15 @@ class SaveChunk:
 @dataclass
 class PrefixCacheMetadata(KVConnectorMetadata):
     """``loads[rank][request]``: the chunks a tensor-parallel rank loads for a request (the same tokens and
-    blocks on every rank, each rank its own keys); ``saves``: the chunks every rank publishes."""
+    blocks on every rank, each rank its own keys); ``saves``: the chunks every rank publishes.
+
+    ``load_early``: the worker may start the loads at the first hook of the step (``handle_preemptions``),
+    before vLLM prepares the step, because vLLM itself writes none of their blocks first (no zeroing,
+    no copy-on-write into them)."""
 
     loads: list[dict[str, list[LoadChunk]]] = field(default_factory=list)
     saves: list[SaveChunk] = field(default_factory=list)
+    load_early: bool = False
 
     def loads_of(self, rank: int) -> dict[str, list[LoadChunk]]:
         return self.loads[rank] if self.loads else {}

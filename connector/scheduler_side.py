@@ -143,6 +143,10 @@ class SchedulerSide:
             for rank, plan in enumerate(state.load):
                 meta.loads[rank][req_id] = plan
             state.load = []
+        loaded = {
+            block for plan in meta.loads for chunks in plan.values() for chunk in chunks for block in chunk.blocks
+        }
+        meta.load_early = bool(loaded) and loaded.isdisjoint(blocks_vllm_writes_first(scheduler_output))
         for new in scheduler_output.scheduled_new_reqs:
             if (state := self.requests.get(new.req_id)) is not None:
                 state.blocks = list(new.block_ids[0])
@@ -210,6 +214,15 @@ class SchedulerSide:
             state.stored_chunks = max(
                 state.stored_chunks, chunk + 1 if end - start == self.geometry.chunk_tokens else 0
             )
+
+
+def blocks_vllm_writes_first(scheduler_output: Any) -> set[int]:
+    """Blocks the worker's model runner writes at the start of the step, before ``start_load_kv``: those
+    it zeroes (caches with Mamba layers or mixed precisions) and the destinations of its copy-on-write
+    copies. A load into one of them must not start before that (``PrefixCacheMetadata.load_early``)."""
+    written = set(getattr(scheduler_output, "new_block_ids_to_zero", None) or ())
+    written.update(copy.dst_block_id for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ())
+    return written
 
 
 def _extend(hashers: list[PrefixHasher], tokens: Any) -> None:

@@ -2,11 +2,11 @@
 
 Loads run before the forward pass (vLLM schedules them as synchronous loads). When vLLM's KV cache
 lies in the client's shared memory (connector/shared_kv.py), the segment owner writes DRAM hits
-straight into the pages, and they are verified where they landed while the forward pass runs; the
-verdict is in before vLLM asks for load errors. Other chunks are fetched into arena slots, verified
-and copied in. A chunk that cannot be fetched or fails verification reports its blocks as load
-errors: vLLM recomputes them and discards that step's output for the request, and the request's new
-pages of that step are not published.
+straight into the pages, from vLLM's first hook of the step where that is safe, and they are verified
+where they landed while the forward pass runs; the verdict is in before vLLM asks for load errors.
+Other chunks are fetched into arena slots, verified and copied in. A chunk that cannot be fetched or
+fails verification reports its blocks as load errors: vLLM recomputes them and discards that step's
+output for the request, and the request's new pages of that step are not published.
 Publishing copies the new chunks' pages into arena slots after the forward pass, then a background
 thread does the Mooncake put and the index registration, so the forward never waits on either. The
 same thread stores chunks a load read straight from NVMe into DRAM, from the slots they were read
@@ -65,6 +65,18 @@ class _InPlace:
         return self.slot[: payload_offset(self.chunk.stored_tokens)]
 
 
+@dataclass
+class _ReadInPlace:
+    """What a step's in-place read left: chunks that arrived in their pages (to verify), chunks to load
+    through slots with the slots they got (their NVMe reads already started), and when the read started
+    (the fetch is timed from then)."""
+
+    placed: list[_InPlace]
+    elsewhere: list[LoadChunk]
+    slots: list[memoryview]
+    started: float
+
+
 class WorkerSide:
     def __init__(self, client: CacheClient, layers: Sequence[torch.Tensor], block_tokens: int,
                  io_thread_setup: Callable[[], None] | None = None) -> None:  # fmt: skip
@@ -77,6 +89,7 @@ class WorkerSide:
         self.load_errors: set[int] = set()
         self.loaded_chunks = 0
         self.loaded_in_place = 0  # of loaded_chunks, those the segment owner wrote straight into their pages
+        self.loaded_early = 0  # chunks read in place from begin_load, before start_load (verified or not)
         self.published_chunks = 0
         # Jobs that move held slots to the store (publishes, stores after disk reads), and those slots.
         self._background: queue.Queue[tuple[Callable[[], object], list[memoryview]] | None] = queue.Queue(
@@ -96,6 +109,10 @@ class WorkerSide:
         self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixcache-verify",
                                             initializer=self._io_thread_setup)  # fmt: skip
         self._verification: Future[None] | None = None
+        # begin_load's reads: a thread on the worker's own core (it only waits for the segment owner; on the
+        # reserved core it waited up to 1 ms behind vLLM's busy-polling engine core to be scheduled)
+        self._early_reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixcache-early")
+        self._begun: tuple[PrefixCacheMetadata, Future[_ReadInPlace]] | None = None  # begin_load's read
         first = self.layers[0]
         self._page_bytes = first[0].numel() * first.element_size()
         self._layer_starts: list[int] = []  # where each layer's block 0 lies in self._kv
@@ -117,22 +134,57 @@ class WorkerSide:
 
     # -- loads ---------------------------------------------------------------------------------------
 
+    def begin_load(self, meta: PrefixCacheMetadata) -> None:
+        """Start this step's in-place reads at vLLM's first hook of the step (``handle_preemptions``).
+
+        vLLM then spends about a millisecond preparing the step (inputs, block tables) before it calls
+        ``start_load_kv``; the segment owner copies meanwhile. Only when the scheduler side saw that vLLM
+        writes none of the loaded blocks itself first (``meta.load_early``), and only into a cache in shared
+        memory, which exists on the CPU backend alone, where vLLM runs no step while it schedules the next.
+        """
+        chunks = self._chunks_of(meta)
+        if not meta.load_early or self._kv is None or not chunks:
+            return
+        self.finish_load()  # the previous step's verification reads pages too; it is over by now
+        self._begun = (meta, self._early_reader.submit(self._read_in_place, chunks))
+
     def start_load(self, meta: PrefixCacheMetadata) -> None:
         """Load this step's chunks into their pages before the forward pass (vLLM calls this first).
 
         When the KV cache is in shared memory, the segment owner writes DRAM hits straight into the
-        pages in one call, and a thread of this side's own verifies them where they landed while the
-        forward pass runs (``finish_load`` collects the verdict). Chunks DRAM does not hold, and every
-        chunk when the cache is elsewhere, go through arena slots, verified before they are placed.
+        pages in one call (started by ``begin_load`` where it could be), and a thread of this side's own
+        verifies them where they landed while the forward pass runs (``finish_load`` collects the
+        verdict). Chunks DRAM does not hold, and every chunk when the cache is elsewhere, go through
+        arena slots, verified before they are placed.
         """
+        begun, self._begun = self._begun, None
+        if begun is not None and begun[0] is not meta:  # never happens with vLLM: one metadata per step
+            self._abandon(begun[1].result())
+            begun = None
         self.finish_load()  # the previous step's, should vLLM not have asked for its outcome
         self._loads, self._failed_requests = meta.loads_of(self.rank), set()
-        chunks = [chunk for chunks in self._loads.values() for chunk in chunks]
+        chunks = self._chunks_of(meta)
         if not chunks:
             return
         if self._kv is None:
             self._load_through_slots(chunks)
             return
+        if begun is not None:
+            read = begun[1].result()
+            self.loaded_early += len(read.placed)
+        else:
+            read = self._read_in_place(chunks)
+        if read.elsewhere:
+            self._load_through_slots(read.elsewhere, read.slots)
+        if read.placed:
+            self._verification = self._verifier.submit(self._verify, read.placed, read.started)
+
+    def _chunks_of(self, meta: PrefixCacheMetadata) -> list[LoadChunk]:
+        return [chunk for chunks in meta.loads_of(self.rank).values() for chunk in chunks]
+
+    def _read_in_place(self, chunks: list[LoadChunk]) -> _ReadInPlace:
+        """Have the segment owner copy every chunk DRAM holds straight into its pages, in one call, then
+        start bringing the others back from NVMe into slots of their own (one plan for every NVMe read)."""
         started = time.perf_counter()
         placed, elsewhere = self._in_place(chunks)
         if placed:
@@ -144,10 +196,10 @@ class WorkerSide:
                 arrived = [False] * len(placed)
             elsewhere += self._released([item for item, ok in zip(placed, arrived, strict=True) if not ok])
             placed = [item for item, ok in zip(placed, arrived, strict=True) if ok]
-        if elsewhere:  # one plan for every NVMe read
-            self._load_through_slots(elsewhere)
-        if placed:
-            self._verification = self._verifier.submit(self._verify, placed, started)
+        slots = self._slots(elsewhere)
+        if slots:
+            self.client.read_ahead([(chunk.key, slot) for chunk, slot in zip(elsewhere, slots, strict=False)])
+        return _ReadInPlace(placed, elsewhere, slots, started)
 
     def finish_load(self) -> None:
         """Wait for the verification of this step's loads: after this, ``load_errors`` holds every block that
@@ -216,13 +268,20 @@ class WorkerSide:
             else:
                 self.load_errors.update(item.chunk.blocks)
 
+    def _abandon(self, read: _ReadInPlace) -> None:
+        """Give back every slot of a read that will not be finished, once no disk read writes into them."""
+        self.client.settle_reads()
+        self._released(read.placed)
+        for slot in read.slots:
+            self.client.release(slot)
+
     def _released(self, items: list[_InPlace]) -> list[LoadChunk]:
         """Give back the slots of ``items``; returns their chunks."""
         for item in items:
             self.client.release(item.slot)
         return [item.chunk for item in items]
 
-    def _load_through_slots(self, chunks: list[LoadChunk]) -> None:
+    def _load_through_slots(self, chunks: list[LoadChunk], slots: list[memoryview] | None = None) -> None:
         """Fetch chunks into arena slots in groups, placing one group while the next is read.
 
         The segment owner (another process) copies a group into the arena while this thread places
@@ -230,9 +289,9 @@ class WorkerSide:
         is taken up front and each fetch names the chunks still to come with their slots: chunks that
         must come back from this node's NVMe are read into place ahead of their turn, and those on
         other nodes are asked for in one request. Slots holding chunks read from NVMe are kept, and
-        stored into DRAM after the forward pass.
+        stored into DRAM after the forward pass. ``slots``: those ``_slots`` already gave these chunks.
         """
-        slots = self._slots(chunks)
+        slots = self._slots(chunks) if slots is None else slots
         for chunk in chunks[len(slots) :]:
             self.load_errors.update(chunk.blocks)
         upcoming = [(chunk.key, slot) for chunk, slot in zip(chunks, slots, strict=False)]
@@ -362,8 +421,11 @@ class WorkerSide:
                     self.client.release(slot)
 
     def close(self) -> None:
+        if self._begun is not None:
+            self._abandon(self._begun[1].result())
         self.finish_load()
         self._verifier.shutdown(wait=True)
+        self._early_reader.shutdown(wait=True)
         self._fetcher.shutdown(wait=True)
         for _, slots in self._after_forward:
             for slot in slots:

@@ -1,6 +1,11 @@
 """The connector's plan arithmetic (pure logic; the engine tests run it inside real vLLM)."""
 
+from types import SimpleNamespace
+
+from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+
 from connector.plans import Geometry, chunks_to_publish, load_plan
+from connector.scheduler_side import blocks_vllm_writes_first
 from indexer.index import PartialHit, PrefixMatch
 
 G = Geometry(chunk_tokens=256, block_tokens=128)
@@ -40,3 +45,9 @@ def test_full_chunks_are_published_as_soon_as_computed_and_the_tail_once_the_pro
 
 def test_a_tail_shorter_than_the_probe_is_not_published():
     assert chunks_to_publish(0, 1030, 1030, False, G) == ([(0, 256), (256, 512), (512, 768), (768, 1024)], True)
+
+
+def test_blocks_vllm_zeroes_or_copies_into_are_written_before_a_load_may_start():
+    step = SimpleNamespace(new_block_ids_to_zero=[3, 4], kv_cache_block_copies=[KVCacheBlockCopy(7, 9)])
+    assert blocks_vllm_writes_first(step) == {3, 4, 9}  # the copy's source is only read
+    assert blocks_vllm_writes_first(SimpleNamespace(new_block_ids_to_zero=None, kv_cache_block_copies=None)) == set()

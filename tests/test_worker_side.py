@@ -104,6 +104,28 @@ def test_a_cache_in_shared_memory_is_loaded_in_place_page_for_page(publisher, lo
     assert all(not layer[untouched].any() for layer in loader.layers)  # skipped pages went to scratch
 
 
+def test_a_load_begun_at_the_steps_first_hook_is_finished_by_start_load(publisher, loader):
+    keys = publish(publisher, chunks=2)
+    plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(10 + 4 * i, 14 + 4 * i))) for i, key in enumerate(keys)]}
+    meta = PrefixCacheMetadata(loads=[plan], load_early=True)
+    loader.begin_load(meta)
+    loader.start_load(meta)
+    assert loader.take_load_errors() == set()
+    assert loader.loaded_early == loader.loaded_in_place == loader.loaded_chunks == 2
+    assert equal(pages(loader, list(range(10, 18))), pages(publisher, list(range(8))))
+
+
+def test_a_load_vllm_writes_blocks_of_first_does_not_begin_early(publisher, loader):
+    keys = publish(publisher, chunks=1)
+    meta = PrefixCacheMetadata(loads=[{"r": [LoadChunk(keys[0], CHUNK_TOKENS, 0, [4, 5, 6, 7])]}], load_early=False)
+    loader.begin_load(meta)
+    time.sleep(0.2)  # a read begun now would have landed
+    assert not any(layer[4:8].any() for layer in loader.layers)  # nothing written before start_load
+    assert load(loader, meta.loads[0]) == set()
+    assert loader.loaded_early == 0 and loader.loaded_in_place == 1
+    assert equal(pages(loader, [4, 5, 6, 7]), pages(publisher, [0, 1, 2, 3]))
+
+
 def test_a_damaged_dram_copy_read_in_place_is_a_load_error_and_the_next_load_reads_nvme(daemon, publisher, loader):
     keys = publish(publisher, chunks=2)
     wait_persisted(loader.client, keys)
@@ -146,6 +168,25 @@ def test_chunks_missing_from_dram_load_through_slots_from_nvme(daemon, publisher
                                    for i, key in enumerate(keys)]}) == set()  # fmt: skip
         assert loader.loaded_chunks == 3 and loader.client.stats.read_from_disk == 2
         assert equal(pages(loader, list(range(12))), pages(publisher, list(range(12))))
+    finally:
+        loader.close()
+
+
+def test_chunks_missing_from_dram_are_read_from_nvme_from_the_steps_first_hook(daemon, publisher):
+    keys = publish(publisher, chunks=3)
+    wait_persisted(publisher.client, keys)
+    assert publisher.client.dram.delete(keys[:2]) == 2
+    loader = worker(daemon, shared=True)
+    try:
+        plan = {
+            "r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(20 + 4 * i, 24 + 4 * i))) for i, key in enumerate(keys)]
+        }
+        meta = PrefixCacheMetadata(loads=[plan], load_early=True)
+        loader.begin_load(meta)
+        loader.start_load(meta)
+        assert loader.take_load_errors() == set()
+        assert loader.loaded_early == 1 and loader.loaded_chunks == 3 and loader.client.stats.read_from_disk == 2
+        assert equal(pages(loader, list(range(20, 32))), pages(publisher, list(range(12))))
     finally:
         loader.close()
 

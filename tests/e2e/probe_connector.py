@@ -5,7 +5,8 @@ Loaded by vLLM like the real one (``kv_connector_module_path: tests.e2e.probe_co
 the forward pass computed them (``saved-<key>.pt``) and the pages of every chunk it loads right after
 placing them, before the forward pass reads them (``loaded-<key>-<first page>-<request>.pt``), each as a
 (layers, pages, *page shape) tensor, and how many of them the segment owner wrote into the pages in place
-(``loaded_in_place.<tensor-parallel rank>``). Each rank records its own shard under its own keys. A
+(``loaded_in_place.<tensor-parallel rank>``), and how many of those reads began at vLLM's first hook of the
+step (``loaded_early.<rank>``). Each rank records its own shard under its own keys. A
 test then compares what one instance computed with what another loaded: the same bytes in the right
 blocks, or the cache is wrong.
 """
@@ -42,6 +43,7 @@ class ProbeConnector(PrefixCacheConnector):
         self._worker.finish_load()  # verified: only intact chunks are recorded
         rank = self._worker.rank
         (directory / f"loaded_in_place.{rank}").write_text(str(self._worker.loaded_in_place))
+        (directory / f"loaded_early.{rank}").write_text(str(self._worker.loaded_early))
         failed = self._worker.load_errors
         for req_id, chunks in meta.loads_of(rank).items():
             for chunk in chunks:

@@ -106,6 +106,7 @@ def test_loaded_kv_is_bit_identical_to_the_kv_the_producer_computed(producer_the
     # P1 and P2: 4 full chunks and a 76-token tail each; HALF: 2 full chunks of P1 and 38 tokens of its third.
     assert assert_loaded_pages_were_saved(probes["a"], probes["b"]) == (10, 13)
     assert int((probes["b"] / "loaded_in_place.0").read_text()) == 13  # the CPU cache is in shared memory
+    assert int((probes["b"] / "loaded_early.0").read_text()) == 13  # every read began in handle_preemptions
 
 
 def assert_loaded_pages_were_saved(saved_dir: Path, loaded_dir: Path) -> tuple[int, int]:
