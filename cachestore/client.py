@@ -189,12 +189,16 @@ class CacheClient:
 
     def read_ahead(self, chunks: Sequence[tuple[bytes, memoryview]]) -> None:
         """Start bringing back chunks the caller found missing from DRAM, each into its slot (of
-        ``read_size`` bytes): this node's are read straight from its NVMe, other nodes' are promoted.
-        The ``fetch`` of those slots then waits for them instead of asking DRAM again. A caller that
+        ``read_size`` bytes): this node's are read straight from its NVMe (asked first, without reading
+        the index: the common case on a node that published them), other nodes' are promoted. The
+        ``fetch`` of those slots then waits for them instead of asking DRAM again. A caller that
         stops before fetching them all calls ``settle_reads`` before releasing the slots.
         """
-        if chunks:
-            self._plan_nvme([key for key, _ in chunks], dict(chunks), upcoming=())
+        if not chunks:
+            return
+        slots = dict(chunks)
+        if elsewhere := self._read_here(list(slots), slots):
+            self._plan_nvme(elsewhere, slots, upcoming=())  # another node's NVMe, if any, promotes them
 
     def shared_memory(self, size: int) -> memoryview:
         """Zeroed shared memory that ``fetch_scattered`` can write into (see ``MooncakeTier.shared_memory``)."""
@@ -294,15 +298,20 @@ class CacheClient:
         for node, node_keys in by_node.items():
             if node != self.node:
                 self._request_promotion(node, node_keys)
-                continue
-            try:
-                found = locate(self._redis, self._prefix, node, node_keys, self._promote_timeout_s)
-            except redis.RedisError as exc:
-                log.debug("locating chunks on this node's NVMe failed: %s", exc)
-                continue
-            for key, extent in zip(node_keys, found, strict=True):
-                if extent is not None:
-                    self._disk_reads_ahead[key] = (slots[key], self._disk.submit(read_extent, extent, slots[key]))
+            else:
+                self._read_here(node_keys, slots)
+
+    def _read_here(self, keys: list[bytes], slots: dict[bytes, memoryview]) -> list[bytes]:
+        """Start reading ``keys`` from this node's segment files into their slots; returns those not there."""
+        try:
+            found = locate(self._redis, self._prefix, self.node, keys, self._promote_timeout_s)
+        except redis.RedisError as exc:
+            log.debug("locating chunks on this node's NVMe failed: %s", exc)
+            return keys
+        for key, extent in zip(keys, found, strict=True):
+            if extent is not None:
+                self._disk_reads_ahead[key] = (slots[key], self._disk.submit(read_extent, extent, slots[key]))
+        return [key for key, extent in zip(keys, found, strict=True) if extent is None]
 
     def _request_promotion(self, node: str, keys: list[bytes]) -> None:
         """Ask ``node``'s daemon to promote ``keys``; fetches wait for its answers (a failed request: misses)."""

@@ -9,12 +9,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 @dataclass
 class LoadChunk:
-    """Load pages ``first_page ..`` of stored chunk ``key`` (holding ``stored_tokens``) into ``blocks``."""
+    """Load pages ``first_page ..`` of stored chunk ``key`` (holding ``stored_tokens``) into ``blocks``;
+    ``in_dram``: False when the lookup found the chunk on NVMe alone (its read starts there at once)."""
 
     key: bytes
     stored_tokens: int
     first_page: int
     blocks: list[int]
+    in_dram: bool = True
 
 
 @dataclass

@@ -23,7 +23,7 @@ def load_plan(match: PrefixMatch, blocks: list[int], start: int, end: int, g: Ge
     """Chunks of ``match`` covering tokens [start, end), with the request blocks their pages go to.
 
     ``start`` is block-aligned (what vLLM's own prefix cache holds); a chunk it cuts is loaded from
-    the page where the local copy ends.
+    the page where the local copy ends. The partial chunk's tiers are not looked up: it tries DRAM.
     """
     c = g.chunk_tokens
     stored = [(key, c) for key in match.keys]
@@ -34,7 +34,8 @@ def load_plan(match: PrefixMatch, blocks: list[int], start: int, end: int, g: Ge
         lo, hi = max(start, i * c), min(end, i * c + stored_tokens)
         if lo < hi:
             span = g.blocks(lo, hi)
-            plan.append(LoadChunk(key, stored_tokens, span.start - i * c // g.block_tokens, blocks[span]))
+            plan.append(LoadChunk(key, stored_tokens, span.start - i * c // g.block_tokens, blocks[span],
+                                  in_dram=i not in match.without_dram))  # fmt: skip
     return plan
 
 

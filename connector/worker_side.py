@@ -186,7 +186,8 @@ class WorkerSide:
         """Have the segment owner copy every chunk DRAM holds straight into its pages, in one call, then
         start bringing the others back from NVMe into slots of their own (one plan for every NVMe read)."""
         started = time.perf_counter()
-        placed, elsewhere = self._in_place(chunks)
+        placed, elsewhere = self._in_place([chunk for chunk in chunks if chunk.in_dram])
+        elsewhere += [chunk for chunk in chunks if not chunk.in_dram]
         if placed:
             try:
                 arrived = self.client.fetch_scattered([item.chunk.key for item in placed],

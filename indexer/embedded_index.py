@@ -77,8 +77,11 @@ class EmbeddedIndex:
                 slot.entry = replace(slot.entry, last_access_s=now, hits=slot.entry.hits + 1)
             probe = query.probes[hits]
             candidates = list(self._buckets.get(probe, {}).items())[: self._max_candidates] if probe else []
+            without_dram = frozenset(i for i, key in enumerate(query.keys[:hits])
+                                     if all(at.tier != "dram" for at in self._slots[key].locations))  # fmt: skip
         partial = best_partial(query, hits, candidates) if candidates else None
-        return PrefixMatch(keys=list(query.keys[:hits]), chunk_tokens=query.chunk_tokens, partial=partial)
+        return PrefixMatch(keys=list(query.keys[:hits]), chunk_tokens=query.chunk_tokens, partial=partial,
+                           without_dram=without_dram)  # fmt: skip
 
     def lookup_many(self, queries: Sequence[PrefixQuery], *, touch: bool = True) -> list[PrefixMatch]:
         return [self.lookup(query, touch=touch) for query in queries]

@@ -136,11 +136,16 @@ class PartialHit:
 
 @dataclass(frozen=True)
 class PrefixMatch:
-    """The longest cached prefix: full chunks ``keys`` then, optionally, part of one more chunk."""
+    """The longest cached prefix: full chunks ``keys`` then, optionally, part of one more chunk.
+
+    ``without_dram``: positions in ``keys`` whose chunk the index lists in no DRAM tier (only on NVMe),
+    so a loader can start reading them from disk at once instead of asking DRAM first.
+    """
 
     keys: list[bytes]
     chunk_tokens: int
     partial: PartialHit | None = None
+    without_dram: frozenset[int] = frozenset()
 
     @property
     def full_tokens(self) -> int:

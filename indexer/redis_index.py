@@ -140,9 +140,11 @@ class RedisIndex:
         hits = int(reply[0])
         if touch:
             self._access.record(b"".join(query.keys[:hits]).hex())
-        candidates = [(bytes.fromhex(reply[i].decode()), reply[i + 1]) for i in range(1, len(reply), 2)]
+        without_dram = frozenset(i for i, flag in enumerate(reply[1]) if flag == ord("0"))
+        candidates = [(bytes.fromhex(reply[i].decode()), reply[i + 1]) for i in range(2, len(reply), 2)]
         partial = best_partial(query, hits, candidates) if candidates else None
-        return PrefixMatch(keys=list(query.keys[:hits]), chunk_tokens=query.chunk_tokens, partial=partial)
+        return PrefixMatch(keys=list(query.keys[:hits]), chunk_tokens=query.chunk_tokens, partial=partial,
+                           without_dram=without_dram)  # fmt: skip
 
     def flush_access(self) -> None:
         """Apply pending last-access/hit updates now (they are otherwise applied in the background)."""

@@ -184,6 +184,23 @@ def test_another_nodes_nvme_chunks_are_promoted_in_one_streamed_request(daemon, 
         remote.close()
 
 
+@pytest.mark.parametrize("node", ["node-a", "node-elsewhere"])
+def test_chunks_read_ahead_are_fetched_without_asking_dram_again(daemon, client, node):
+    """What a loader knows DRAM lacks: this node reads it from its segment files, another node has it promoted."""
+    keys, payloads = restart_with_nvme_only(daemon, client, list(range(64 * 4)), seed=8)
+    reader = CacheClient(fetch_config(daemon.url).model_copy(update={"node": node}), make_spec(), arena_bytes=64 << 20)
+    try:
+        slots = [reader.slot(4 << 20) for _ in keys]
+        reader.read_ahead(list(zip(keys, slots, strict=True)))
+        assert [bytes(v) for v in reader.fetch(keys, slots)] == payloads
+        expected = (4, 0) if node == "node-a" else (0, 4)
+        assert (reader.stats.read_from_disk, reader.stats.promoted) == expected and reader.stats.missing == 0
+        for slot in slots:
+            reader.release(slot)
+    finally:
+        reader.close()
+
+
 def test_an_index_lost_with_redis_is_rebuilt_from_the_nvme_tier(daemon, client, tmp_path):
     tokens = list(range(64 * 3 + 20))
     keys, payloads = publish_prompt(client, tokens, seed=3)

@@ -1,5 +1,6 @@
 """The connector's plan arithmetic (pure logic; the engine tests run it inside real vLLM)."""
 
+import dataclasses
 from types import SimpleNamespace
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
@@ -28,6 +29,11 @@ def test_full_chunks_then_the_pages_of_a_partial_tail():
 def test_a_partial_hit_loads_only_the_pages_it_needs():
     plan = load_plan(match(2, partial_tokens=88, stored=256), BLOCKS, 0, 600, G)
     assert [(c.first_page, c.blocks) for c in plan] == [(0, [100, 101]), (0, [102, 103]), (0, [104])]
+
+
+def test_chunks_the_lookup_found_on_nvme_alone_are_marked_so():
+    m = dataclasses.replace(match(3, partial_tokens=40, stored=232), without_dram=frozenset({1}))
+    assert [c.in_dram for c in load_plan(m, BLOCKS, 0, 808, G)] == [True, False, True, True]  # the partial: unknown
 
 
 def test_what_vllm_holds_locally_is_not_loaded_again():

@@ -90,6 +90,20 @@ def test_lookup_many_answers_each_shards_chain_as_lookup_does(index, spec, geome
     assert index.lookup_many([]) == []
 
 
+def test_lookup_says_which_hits_have_no_dram_copy(index, spec, geometry):
+    """A loader reads those from NVMe at once instead of asking DRAM first."""
+    tokens = list(range(256))
+    keys = publish(index, spec, tokens, location=NVME)
+    index.add_location([keys[1], keys[3]], DRAM)
+    index.drop_location([keys[3]], NVME)
+    longer = tokens + list(range(5000, 5010))
+    match = lookup(index, spec, geometry, longer)
+    assert match.keys == keys and match.without_dram == {0, 2}
+    index.drop_location([keys[1]], DRAM)
+    assert lookup(index, spec, geometry, longer).without_dram == {0, 1, 2}
+    assert lookup(index, spec, geometry, list(range(1000, 1300))).without_dram == set()  # a miss
+
+
 def test_fewer_than_probe_tokens_shared_is_not_a_partial_hit(index, spec, geometry):
     publish(index, spec, list(range(128)))
     match = lookup(index, spec, geometry, list(range(64)) + list(range(64, 74)) + [7777] * 60)

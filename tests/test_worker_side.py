@@ -178,9 +178,9 @@ def test_chunks_missing_from_dram_are_read_from_nvme_from_the_steps_first_hook(d
     assert publisher.client.dram.delete(keys[:2]) == 2
     loader = worker(daemon, shared=True)
     try:
-        plan = {
-            "r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(20 + 4 * i, 24 + 4 * i))) for i, key in enumerate(keys)]
-        }
+        # the lookup says which chunks DRAM lacks: the first is read from disk at once, the second found missing
+        plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(20 + 4 * i, 24 + 4 * i)), in_dram=i > 0)
+                      for i, key in enumerate(keys)]}  # fmt: skip
         meta = PrefixCacheMetadata(loads=[plan], load_early=True)
         loader.begin_load(meta)
         loader.start_load(meta)

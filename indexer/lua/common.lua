@@ -1,6 +1,7 @@
 -- Shared by every prefixcache script. Key layout under the prefix P (e.g. "pc:"):
 --   P e:<key>     HASH   one chunk entry: parent root ns tenant ntok size ctime atime hits pin probe,
 --                        plus one field "l:<tier>@<node>" per location (value: ms it was added)
+--                        and "dram", how many of them are DRAM copies (lookups read that one field)
 --   P k:<parent>  SET    keys of the chunks registered directly below <parent>
 --   P b:<probe>   HASH   probe bucket: <key> -> packed tokens of chunks sharing parent and first tokens
 --   P ns          HASH   namespace digest -> canonical description (JSON)
@@ -23,6 +24,11 @@ end
 local function tally(P, ns, scope, size, sign)
   redis.call('HINCRBY', P .. 'u', ns .. ':' .. scope .. 'chunks', sign)
   redis.call('HINCRBY', P .. 'u', ns .. ':' .. scope .. 'bytes', sign * tonumber(size))
+end
+
+-- Count an added (+1) or dropped (-1) location in the entry's "dram" field if it is a DRAM copy.
+local function count_dram(e, location, sign)
+  if string.sub(location, 1, 5) == 'dram@' then redis.call('HINCRBY', e, 'dram', sign) end
 end
 
 local function tier_of(location)

@@ -9,11 +9,13 @@ for i = 5, #ARGV do
     if redis.call('EXISTS', e) == 0 then
       out[#out + 1] = ARGV[i]
     elseif redis.call('HSET', e, loc, now) == 1 then
+      count_dram(e, ARGV[4], 1)
       feed(P, 'add', ARGV[4], ARGV[i])
       local meta = redis.call('HMGET', e, 'ns', 'size')
       tally(P, meta[1], tier_of(ARGV[4]), meta[2], 1)
     end
   elseif redis.call('HDEL', e, loc) == 1 then
+    count_dram(e, ARGV[4], -1)
     feed(P, 'drop', ARGV[4], ARGV[i])
     local meta = redis.call('HMGET', e, 'ns', 'size')
     tally(P, meta[1], tier_of(ARGV[4]), meta[2], -1)
