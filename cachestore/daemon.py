@@ -89,8 +89,9 @@ class NodeDaemon:
 
     def start(self) -> None:
         s = self.settings
-        engine_cpus = allowed_cpus()  # warm-up engines are vLLM engines: they keep the cores the daemon had
+        engine_cpus = None  # where warm-up engines run: unbound, as the daemon
         if s.cpu_set is not None:
+            engine_cpus = allowed_cpus()  # warm-up engines are vLLM engines: they keep the cores the daemon had
             # before any thread or server starts: each inherits the binding
             os.sched_setaffinity(0, s.cpu_set)
             log.info("daemon and its servers bound to CPUs %s", s.cpus)

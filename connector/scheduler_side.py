@@ -30,10 +30,10 @@ from connector.settings import ConnectorSettings, check_supported, namespace_for
 from indexer.chunking import ChunkGeometry
 from indexer.errors import IndexUnavailableError
 from indexer.index import PrefixMatch, attach_namespace
-from indexer.keys import PrefixHasher
+from indexer.keys import PrefixHasher, extend_all
 from indexer.leases import Leases
 from indexer.redis_index import RedisIndex, with_password
-from indexer.tokens import TOKEN_BYTES, token_array
+from indexer.tokens import TOKEN_BYTES
 
 log = logging.getLogger("prefixcache.connector")
 LEASE_TIMEOUT_S = 1.0
@@ -109,7 +109,7 @@ class SchedulerSide:
             return 0, False
         looked_up = state.matched_for != request.num_tokens  # vLLM may ask again for the same request
         if looked_up:
-            _extend(state.hashers, request.all_token_ids[state.hashers[0].num_tokens : request.num_tokens])
+            extend_all(state.hashers, request.all_token_ids[state.hashers[0].num_tokens : request.num_tokens])
             started = time.perf_counter()
             try:
                 state.matches = self.index.lookup_many([hasher.query() for hasher in state.hashers])
@@ -192,7 +192,7 @@ class SchedulerSide:
                 state = RequestState(hashers=[], prompt=b"", tenant_salt=salt)
             else:
                 hashers = [PrefixHasher(ns.root(salt, variant), self.geometry) for ns in self.namespaces]
-                _extend(hashers, request.prompt_token_ids)
+                extend_all(hashers, request.prompt_token_ids)
                 state = RequestState(hashers=hashers, prompt=hashers[0].packed(), tenant_salt=salt, variant=variant)
             self.requests[request.request_id] = state
         return state
@@ -223,10 +223,3 @@ def blocks_vllm_writes_first(scheduler_output: Any) -> set[int]:
     written = set(getattr(scheduler_output, "new_block_ids_to_zero", None) or ())
     written.update(copy.dst_block_id for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ())
     return written
-
-
-def _extend(hashers: list[PrefixHasher], tokens: Any) -> None:
-    """Append ``tokens`` to every rank's chain, converting them once."""
-    packed = token_array(tokens)
-    for hasher in hashers:
-        hasher.extend(packed)

@@ -140,6 +140,14 @@ class PrefixHasher:
         return self.root if position == 0 else self._keys[position - 1]
 
 
+def extend_all(hashers: Sequence[PrefixHasher], tokens: TokenIds) -> None:
+    """Append ``tokens`` to every chain, converting them once (tensor-parallel ranks keep one chain each
+    over the same prompt)."""
+    packed = token_array(tokens)
+    for hasher in hashers:
+        hasher.extend(packed)
+
+
 def prompt_query(root: bytes, geometry: ChunkGeometry, tokens: TokenIds) -> PrefixQuery:
     """One-shot helper: the lookup query of a whole prompt."""
     return PrefixHasher(root, geometry).extend(tokens).query()

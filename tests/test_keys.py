@@ -11,7 +11,7 @@ import xxhash
 
 from indexer.chunking import PROBE_TOKENS, ChunkGeometry
 from indexer.errors import ConfigError, InvalidTokensError
-from indexer.keys import PrefixHasher, chunk_key, probe_of, prompt_query
+from indexer.keys import PrefixHasher, chunk_key, extend_all, probe_of, prompt_query
 from indexer.namespace import NamespaceSpec, tenant_id
 from indexer.tokens import pack_tokens
 
@@ -125,3 +125,15 @@ def test_empty_prompt_is_rejected():
 def test_bad_chunk_geometry_is_rejected(chunk, block, message):
     with pytest.raises(ConfigError, match=message):
         ChunkGeometry(chunk, block)
+
+
+def test_extend_all_gives_each_chain_what_extending_it_alone_gives():
+    geometry = ChunkGeometry(64)
+    roots = [b"\x01" * 16, b"\x02" * 16]
+    tokens = list(range(200))
+    chains = [PrefixHasher(root, geometry) for root in roots]
+    extend_all(chains, tokens[:100])
+    extend_all(chains, tokens[100:])
+    assert [c.query() for c in chains] == [prompt_query(root, geometry, tokens) for root in roots]
+    with pytest.raises(InvalidTokensError):
+        extend_all(chains, [1, -2])

@@ -35,7 +35,7 @@ from cachestore.warmup.state import JobState, StateFile, job_id
 from indexer.chunking import PROBE_TOKENS, ChunkGeometry
 from indexer.fingerprint import fingerprint_model
 from indexer.index import ChunkEntry
-from indexer.keys import PrefixHasher
+from indexer.keys import PrefixHasher, extend_all
 from indexer.namespace import NamespaceSpec, tenant_id
 from indexer.redis_index import RedisIndex, with_password
 
@@ -150,8 +150,7 @@ class WarmupRun:
         self.counters.prompts_invalid += len(problems)
         state_file.save(state)
         prompts = [_Prompt(r.prompt.key, r.token_ids, r.prompt.tenant,
-                           [self._hasher(spec, r.prompt.tenant, r.token_ids) for spec in specs])
-                   for r in ready]  # fmt: skip
+                           self._hashers(specs, r.prompt.tenant, r.token_ids)) for r in ready]  # fmt: skip
         password = self.o.redis_password
         index = RedisIndex(with_password(config.redis_url, password) if password else config.redis_url,
                            key_prefix=config.key_prefix)  # fmt: skip
@@ -183,8 +182,11 @@ class WarmupRun:
         return "incomplete" if self.counters.prompts_failed else "finished"
 
     @staticmethod
-    def _hasher(spec: NamespaceSpec, salt: str | None, tokens: list[int]) -> PrefixHasher:
-        return PrefixHasher(spec.root(salt), ChunkGeometry(spec.chunk_tokens)).extend(tokens)
+    def _hashers(specs: list[NamespaceSpec], salt: str | None, tokens: list[int]) -> list[PrefixHasher]:
+        """One key chain per tensor-parallel rank (each stores its shard), the tokens converted once."""
+        hashers = [PrefixHasher(spec.root(salt), ChunkGeometry(spec.chunk_tokens)) for spec in specs]
+        extend_all(hashers, tokens)
+        return hashers
 
     def _skip_if_cached(self, index: RedisIndex, prompt: _Prompt, state: JobState) -> bool:
         matches = index.lookup_many([hasher.query() for hasher in prompt.hashers])
