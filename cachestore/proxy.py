@@ -39,7 +39,7 @@ from cachestore.proxy_routing import (
 from indexer.chunking import ChunkGeometry
 from indexer.errors import ConfigError, IndexUnavailableError
 from indexer.index import PrefixIndex
-from indexer.keys import prompt_query
+from indexer.keys import PrefixHasher, extend_all
 from indexer.redis_index import RedisIndex, with_password
 
 log = logging.getLogger("prefixcache.proxy")
@@ -139,8 +139,9 @@ class CachedPrefix:
                 if spec.model != model or spec.tp_rank or spec.pp_rank:
                     continue
                 geometry = ChunkGeometry(spec.chunk_tokens)
-                matches = self.index.lookup_many([prompt_query(rank.root(tenant_salt), geometry, tokens)
-                                                  for rank in spec.tensor_parallel_ranks()])  # fmt: skip
+                chains = [PrefixHasher(rank.root(tenant_salt), geometry) for rank in spec.tensor_parallel_ranks()]
+                extend_all(chains, tokens)  # the tokens converted once, not once per rank
+                matches = self.index.lookup_many([chain.query() for chain in chains])
                 if all(m.matched_tokens >= publishable_tokens(len(tokens), spec.chunk_tokens) for m in matches):
                     return True
         except IndexUnavailableError as exc:
