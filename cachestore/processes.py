@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import shutil
 import signal
 import socket
@@ -39,12 +40,35 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+_EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_BLOCK_PORT = 20000  # above the well-known and registered service ports most hosts run
+
+
+def _ephemeral_ports() -> range:
+    """The ports the kernel hands to outgoing connections (Linux's default when it cannot be read)."""
+    try:
+        low, high = (int(field) for field in _EPHEMERAL_RANGE_FILE.read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
 def free_port_block(count: int, host: str = "127.0.0.1") -> int:
-    """A port P such that P..P+count-1 are all free right now (for a daemon's derived ports)."""
+    """A port P such that P..P+count-1 are all free right now (for a daemon's derived ports).
+
+    The block lies outside the kernel's ephemeral range: a daemon binds its ports one by one over
+    seconds, and inside that range any outgoing connection (Redis clients, HTTP probes) may take a
+    port of the block in between.
+    """
+    ephemeral = _ephemeral_ports()
+    below = range(_LOWEST_BLOCK_PORT, max(_LOWEST_BLOCK_PORT, ephemeral.start - count + 1))
+    above = range(ephemeral.stop, max(ephemeral.stop, 65536 - count + 1))
+    bases = below if len(below) >= len(above) else above
+    if not bases:
+        raise OSError(f"no room for a block of {count} ports outside the ephemeral range {ephemeral}")
+    chooser = random.SystemRandom()
     for _ in range(100):
-        base = free_port(host)
-        if base + count > 65535:
-            continue
+        base = chooser.choice(bases)
         try:
             with contextlib.ExitStack() as held:
                 for port in range(base, base + count):
