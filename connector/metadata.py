@@ -40,11 +40,18 @@ class PrefixCacheMetadata(KVConnectorMetadata):
 
     ``load_early``: the worker may start the loads at the first hook of the step (``handle_preemptions``),
     before vLLM prepares the step, because vLLM itself writes none of their blocks first (no zeroing,
-    no copy-on-write into them)."""
+    no copy-on-write into them).
+
+    ``load_async``: requests of ``loads`` that vLLM holds in ``WAITING_FOR_REMOTE_KVS`` while they load:
+    the worker loads them on a thread of its own and reports each in ``finished_recving`` once its pages
+    are in and verified (connector/load_policy.py says which)."""
 
     loads: list[dict[str, list[LoadChunk]]] = field(default_factory=list)
     saves: list[SaveChunk] = field(default_factory=list)
     load_early: bool = False
+    load_async: set[str] = field(default_factory=set)
 
-    def loads_of(self, rank: int) -> dict[str, list[LoadChunk]]:
-        return self.loads[rank] if self.loads else {}
+    def loads_of(self, rank: int, *, asynchronous: bool = False) -> dict[str, list[LoadChunk]]:
+        """Rank ``rank``'s loads of this step that are synchronous (or, with ``asynchronous``, the others)."""
+        loads = self.loads[rank] if self.loads else {}
+        return {req: chunks for req, chunks in loads.items() if (req in self.load_async) == asynchronous}

@@ -67,7 +67,13 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return self._scheduler.build_connector_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output)
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Blocks are never held past the request: vLLM itself keeps those of a request aborted while it
+        loads asynchronously until the workers report that load over."""
         assert self._scheduler is not None
         self._scheduler.request_finished(request)
         return False, None
@@ -143,6 +149,13 @@ class PrefixCacheConnector(KVConnectorBase_V1):
             meta = self._get_connector_metadata()
             if isinstance(meta, _metadata_type()):
                 self._worker.save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose asynchronous loads are over; their failed blocks go to the load errors vLLM asks
+        for next, in the same pass."""
+        if self._worker is None:
+            return None, None
+        return None, self._worker.finished_async_loads() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

@@ -4,8 +4,9 @@ Per request it keeps a ``PrefixHasher`` per tensor-parallel rank (tokens are pac
 each rank stores its shard of the pages under its own namespace, so each has its own key chain), the
 lookup's matches and the request's block ids; from these it tells the workers which stored chunks to
 load into which blocks, and which newly computed chunks to publish. A prefix counts as cached as far
-as every rank holds it. Loads are synchronous and stop one token short of the prompt (vLLM must
-compute at least one token), so a hit is token-granular up to ``L-1``. A request's LoRA adapter and
+as every rank holds it. Loads stop one token short of the prompt (vLLM must compute at least one
+token), so a hit is token-granular up to ``L-1``. They run before the step's forward pass, or, where
+other requests would wait on them, asynchronously (connector/load_policy.py). A request's LoRA adapter and
 multimodal inputs give it a key space of its own (connector/request_identity.py); a prompt given as
 embeddings is neither looked up nor published.
 """
@@ -23,6 +24,7 @@ import redis
 
 from cachestore.client import fetch_config
 from cachestore.client_stats import ClientStatsRecorder
+from connector.load_policy import load_asynchronously, reads_nvme
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.plans import Geometry, chunks_to_publish, load_plan
 from connector.request_identity import request_variant
@@ -50,6 +52,7 @@ class RequestState:
     local_tokens: int = 0  # held by vLLM's own prefix cache
     blocks: list[int] = field(default_factory=list)
     load: list[list[LoadChunk]] = field(default_factory=list)  # per rank
+    load_async: bool = False  # vLLM holds the request while it loads (get_num_new_matched_tokens said so)
     stored_chunks: int = 0  # leading full chunks known to be in the store (loaded or published)
     tail_done: bool = False
     lookup_s: float = 0.0
@@ -88,6 +91,12 @@ class SchedulerSide:
         self.load_enabled = role in ("kv_consumer", "kv_both")
         self.publish_enabled = role in ("kv_producer", "kv_both")
         self.min_hit_tokens = settings.min_hit_tokens
+        self.async_loads, self.async_bytes = settings.async_loads, settings.async_load_mib << 20
+        self.bytes_per_token = (
+            spec.page_size_bytes * len(kv_cache_config.kv_cache_groups[0].layer_names) // self.block_tokens
+        )  # per rank: ranks load their shards side by side
+        self._running: set[str] = set()  # scheduled in the last step and not finished since
+        self._loading_async: set[str] = set()  # asynchronous loads the workers have not reported over yet
         self.requests: dict[str, RequestState] = {}
         # Promised chunks must still be there when the worker loads them. Leases are granted off the
         # scheduler's thread: a Redis round trip there took 0.4-2 ms of every hit's TTFT on 2 cores.
@@ -122,7 +131,13 @@ class SchedulerSide:
         external = external if external >= self.min_hit_tokens else 0
         if looked_up:
             self.stats.record_lookup(self.namespaces[0].digest, request.num_tokens, external, state.lookup_s)
-        return external, False
+        end = num_computed_tokens + external
+        state.load_async = external > 0 and load_asynchronously(
+            self.async_loads, others_running=bool(self._running - {request.request_id}),
+            load_in_flight=bool(self._loading_async),
+            reads_nvme=any(reads_nvme(match, num_computed_tokens, end) for match in state.matches or ()),
+            load_bytes=external * self.bytes_per_token, async_bytes=self.async_bytes)  # fmt: skip
+        return external, state.load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         state = self._state(request)
@@ -136,16 +151,19 @@ class SchedulerSide:
             state.tail_done = all(match.partial is not None and match.partial.key == hasher.tail_key()
                                   for match, hasher in zip(state.matches, state.hashers, strict=True))  # fmt: skip
             self._to_lease.put([chunk.key for plan in state.load for chunk in plan])
+            if state.load_async:
+                self._loading_async.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output: Any) -> PrefixCacheMetadata:
         meta = PrefixCacheMetadata(loads=[{} for _ in self.namespaces])
         for req_id, state in self.requests.items():
             for rank, plan in enumerate(state.load):
                 meta.loads[rank][req_id] = plan
+            if state.load and state.load_async:
+                meta.load_async.add(req_id)
             state.load = []
-        loaded = {
-            block for plan in meta.loads for chunks in plan.values() for chunk in chunks for block in chunk.blocks
-        }
+        loaded = {block for rank in range(len(self.namespaces)) for chunks in meta.loads_of(rank).values()
+                  for chunk in chunks for block in chunk.blocks}  # fmt: skip
         meta.load_early = bool(loaded) and loaded.isdisjoint(blocks_vllm_writes_first(scheduler_output))
         for new in scheduler_output.scheduled_new_reqs:
             if (state := self.requests.get(new.req_id)) is not None:
@@ -161,10 +179,16 @@ class SchedulerSide:
             elif added:
                 state.blocks.extend(added[0])
             self._plan_saves(req_id, state, cached.num_computed_tokens[i], scheduler_output, meta)
+        self._running = set(scheduler_output.num_scheduled_tokens)
         return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' report of the step: asynchronous loads that are over (intact or not)."""
+        self._loading_async.difference_update(connector_output.finished_recving or ())
 
     def request_finished(self, request: Any) -> None:
         self.requests.pop(request.request_id, None)
+        self._running.discard(request.request_id)
 
     def close(self) -> None:
         self._to_lease.put(None)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -22,6 +22,11 @@ class ConnectorSettings(BaseModel):
     redis_password: str | None = Field(default=None, description="if the index needs one (never logged)")
     io_cpus: IoCpus = Field(default="auto", description="cores for the connector's threads: auto, inherit or CPU ids "
                             "(connector/io_threads.py)")  # fmt: skip
+    async_loads: Literal["auto", "always", "never"] = Field(
+        default="auto", description="load hits while vLLM runs other requests' steps (connector/load_policy.py): "
+        "auto does so for hits that read NVMe or are large, when other requests are running")  # fmt: skip
+    async_load_mib: int = Field(default=64, ge=1, description="auto: a hit this large (MiB per rank) loads "
+                                "asynchronously when other requests are running")  # fmt: skip
     kv_in_shared_memory: bool = Field(default=True, description="CPU backend: vLLM's KV cache in shared memory, so "
                                       "loads write straight into its pages (connector/shared_kv.py)")  # fmt: skip
 

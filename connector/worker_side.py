@@ -1,9 +1,11 @@
 """The connector's worker side: scatter fetched chunks into vLLM's pages, gather new chunks out of them.
 
-Loads run before the forward pass (vLLM schedules them as synchronous loads). When vLLM's KV cache
-lies in the client's shared memory (connector/shared_kv.py), the segment owner writes DRAM hits
-straight into the pages, from vLLM's first hook of the step where that is safe, and they are verified
-where they landed while the forward pass runs; the verdict is in before vLLM asks for load errors.
+Synchronous loads run before the forward pass; asynchronous ones on a thread of their own while vLLM
+runs other requests' steps, each reported in ``finished_recving`` once over (connector/load_policy.py
+says which is which). Loads run one at a time. When vLLM's KV cache lies in the client's shared
+memory (connector/shared_kv.py), the segment owner writes DRAM hits straight into the pages, from
+vLLM's first hook of the step where that is safe, and they are verified where they landed (while the
+forward pass runs, for a synchronous load); the verdict is in before vLLM asks for load errors.
 Other chunks are fetched into arena slots, verified and copied in. A chunk that cannot be fetched or
 fails verification reports its blocks as load errors: vLLM recomputes them and discards that step's
 output for the request, and the request's new pages of that step are not published.
@@ -90,6 +92,8 @@ class WorkerSide:
         self.loaded_chunks = 0
         self.loaded_in_place = 0  # of loaded_chunks, those the segment owner wrote straight into their pages
         self.loaded_early = 0  # chunks read in place from begin_load, before start_load (verified or not)
+        self.loaded_async = 0  # requests whose asynchronous loads are over (intact or not)
+        self._counting = threading.Lock()  # loads are counted from several threads
         self.published_chunks = 0
         # Jobs that move held slots to the store (publishes, stores after disk reads), and those slots.
         self._background: queue.Queue[tuple[Callable[[], object], list[memoryview]] | None] = queue.Queue(
@@ -113,6 +117,10 @@ class WorkerSide:
         # reserved core it waited up to 1 ms behind vLLM's busy-polling engine core to be scheduled)
         self._early_reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixcache-early")
         self._begun: tuple[PrefixCacheMetadata, Future[_ReadInPlace]] | None = None  # begin_load's read
+        # Asynchronous loads, in the order vLLM scheduled them: their requests, and the blocks that failed.
+        self._async_loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixcache-async-load",
+                                                initializer=self._io_thread_setup)  # fmt: skip
+        self._async_loads: list[tuple[set[str], Future[set[int]]]] = []
         first = self.layers[0]
         self._page_bytes = first[0].numel() * first.element_size()
         self._layer_starts: list[int] = []  # where each layer's block 0 lies in self._kv
@@ -143,7 +151,7 @@ class WorkerSide:
         memory, which exists on the CPU backend alone, where vLLM runs no step while it schedules the next.
         """
         chunks = self._chunks_of(meta)
-        if not meta.load_early or self._kv is None or not chunks:
+        if not meta.load_early or self._kv is None or not chunks or self._async_load_in_flight():
             return
         self.finish_load()  # the previous step's verification reads pages too; it is over by now
         self._begun = (meta, self._early_reader.submit(self._read_in_place, chunks))
@@ -163,23 +171,70 @@ class WorkerSide:
             begun = None
         self.finish_load()  # the previous step's, should vLLM not have asked for its outcome
         self._loads, self._failed_requests = meta.loads_of(self.rank), set()
-        chunks = self._chunks_of(meta)
-        if not chunks:
-            return
+        if chunks := self._chunks_of(meta):
+            self._load_now(chunks, begun[1].result() if begun is not None else None)
+        if later := meta.loads_of(self.rank, asynchronous=True):
+            chunks = [chunk for request in later.values() for chunk in request]
+            self._async_loads.append((set(later), self._async_loader.submit(self._load_async, chunks)))
+
+    def _load_now(self, chunks: list[LoadChunk], begun: _ReadInPlace | None) -> None:
+        """This step's synchronous loads; ``begun``: what ``begin_load`` read of them already."""
+        if self._async_load_in_flight():
+            # The scheduler side makes every load asynchronous while one is in flight, so vLLM never gets here.
+            log.warning("a synchronous load waits for the asynchronous loads in flight")
+            for _, job in self._async_loads:
+                job.exception()
         if self._kv is None:
-            self._load_through_slots(chunks)
+            self._after_disk_reads(self._load_through_slots(chunks, self.load_errors))
             return
         if begun is not None:
-            read = begun[1].result()
-            self.loaded_early += len(read.placed)
-        else:
-            read = self._read_in_place(chunks)
+            self.loaded_early += len(begun.placed)
+        read = begun or self._read_in_place(chunks)
         if read.elsewhere:
-            self._load_through_slots(read.elsewhere, read.slots)
+            self._after_disk_reads(self._load_through_slots(read.elsewhere, self.load_errors, read.slots))
         if read.placed:
-            self._verification = self._verifier.submit(self._verify, read.placed, read.started)
+            self._verification = self._verifier.submit(self._verify, read.placed, read.started, self.load_errors)
+
+    def _load_async(self, chunks: list[LoadChunk]) -> set[int]:
+        """One step's asynchronous loads, on their own thread: placed and verified before they are reported
+        over, so the chunks read from NVMe are stored into DRAM at once. Returns the blocks that failed."""
+        errors: set[int] = set()
+        try:
+            if self._kv is None:
+                stores = self._load_through_slots(chunks, errors)
+            else:
+                read = self._read_in_place(chunks)
+                stores = self._load_through_slots(read.elsewhere, errors, read.slots) if read.elsewhere else None
+                if read.placed:
+                    self._verify(read.placed, read.started, errors)
+        except Exception:  # noqa: BLE001 - a failed load is recomputed; the request must not fail
+            log.exception("loading %d chunks asynchronously failed; recomputing them", len(chunks))
+            return {block for chunk in chunks for block in chunk.blocks}
+        if stores is not None:
+            self._in_background(*stores)
+        return errors
+
+    def _async_load_in_flight(self) -> bool:
+        return any(not job.done() for _, job in self._async_loads)
+
+    def finished_async_loads(self) -> set[str]:
+        """Requests whose asynchronous loads are over, intact or not; their failed blocks are in
+        ``load_errors`` from now, so vLLM recomputes them (it asks for those in the same pass)."""
+        over: set[str] = set()
+        while self._async_loads and self._async_loads[0][1].done():
+            requests, job = self._async_loads.pop(0)
+            self.load_errors.update(job.result())
+            over |= requests
+        self.loaded_async += len(over)
+        return over
+
+    def _after_disk_reads(self, stores: tuple[Callable[[], object], list[memoryview]] | None) -> None:
+        """Store what a synchronous load read from NVMe into DRAM once the forward pass is over."""
+        if stores is not None:
+            self._after_forward.append(stores)
 
     def _chunks_of(self, meta: PrefixCacheMetadata) -> list[LoadChunk]:
+        """This rank's synchronous loads of the step."""
         return [chunk for chunks in meta.loads_of(self.rank).values() for chunk in chunks]
 
     def _read_in_place(self, chunks: list[LoadChunk]) -> _ReadInPlace:
@@ -250,10 +305,10 @@ class WorkerSide:
                 scratch = scratch[after * page :]
         return pieces
 
-    def _verify(self, items: list[_InPlace], started: float) -> None:
+    def _verify(self, items: list[_InPlace], started: float, errors: set[int]) -> None:
         """The verifier thread: check chunks where they landed while the forward pass reads them (on 2
         cores, 4097-token hits took 29.0 ms verifying first and 25.3 ms this way, against 21.3 and 19.0 ms
-        for vLLM's own prefix cache). Never raises: a chunk that fails is a load error."""
+        for vLLM's own prefix cache). Never raises: a chunk that fails goes to ``errors``."""
         try:
             intact = self.client.verify_scattered([item.chunk.key for item in items], [item.head for item in items],
                                                   [item.pieces for item in items], started)  # fmt: skip
@@ -263,11 +318,15 @@ class WorkerSide:
         finally:
             self._released(items)
         for item, ok in zip(items, intact, strict=True):
-            if ok:
-                self.loaded_chunks += 1
-                self.loaded_in_place += 1
-            else:
-                self.load_errors.update(item.chunk.blocks)
+            if not ok:
+                errors.update(item.chunk.blocks)
+        self._count_loaded(sum(intact), in_place=True)
+
+    def _count_loaded(self, chunks: int, in_place: bool = False) -> None:
+        with self._counting:
+            self.loaded_chunks += chunks
+            if in_place:
+                self.loaded_in_place += chunks
 
     def _abandon(self, read: _ReadInPlace) -> None:
         """Give back every slot of a read that will not be finished, once no disk read writes into them."""
@@ -282,19 +341,21 @@ class WorkerSide:
             self.client.release(item.slot)
         return [item.chunk for item in items]
 
-    def _load_through_slots(self, chunks: list[LoadChunk], slots: list[memoryview] | None = None) -> None:
+    def _load_through_slots(self, chunks: list[LoadChunk], errors: set[int], slots: list[memoryview] | None = None
+                            ) -> tuple[Callable[[], object], list[memoryview]] | None:  # fmt: skip
         """Fetch chunks into arena slots in groups, placing one group while the next is read.
 
         The segment owner (another process) copies a group into the arena while this thread places
         the previous one, so the load costs about one pass over the bytes, not two. Every chunk's slot
         is taken up front and each fetch names the chunks still to come with their slots: chunks that
         must come back from this node's NVMe are read into place ahead of their turn, and those on
-        other nodes are asked for in one request. Slots holding chunks read from NVMe are kept, and
-        stored into DRAM after the forward pass. ``slots``: those ``_slots`` already gave these chunks.
+        other nodes are asked for in one request. Blocks of chunks that fail go to ``errors``.
+        ``slots``: those ``_slots`` already gave these chunks. Returns the job that stores the chunks read
+        from NVMe into DRAM, with the slots it holds, for the caller to run once the load is over.
         """
         slots = self._slots(chunks) if slots is None else slots
         for chunk in chunks[len(slots) :]:
-            self.load_errors.update(chunk.blocks)
+            errors.update(chunk.blocks)
         upcoming = [(chunk.key, slot) for chunk, slot in zip(chunks, slots, strict=False)]
         groups = runs_of_about(upcoming, lambda pair: len(pair[1]), LOAD_GROUP_BYTES)
         ends = list(itertools.accumulate(len(group) for group in groups))
@@ -307,7 +368,7 @@ class WorkerSide:
                 if i + 1 < len(groups):
                     pending = self._fetcher.submit(self._fetch, groups[i + 1], upcoming[ends[i + 1] :])
                 read_from_disk.update(fetched.from_disk)
-                self._place(chunks[ends[i] - len(group) : ends[i]], fetched.payloads)
+                self._place(chunks[ends[i] - len(group) : ends[i]], fetched.payloads, errors)
         finally:
             if pending is not None:
                 pending.exception()  # the fetch in flight must finish before its slots are released
@@ -316,9 +377,9 @@ class WorkerSide:
             for key, slot in upcoming:
                 if key not in read_from_disk:
                     self.client.release(slot)
-        if held:
-            self._after_forward.append((functools.partial(self.client.store_disk_reads, list(read_from_disk.items())),
-                                        held))  # fmt: skip
+        if not held:
+            return None
+        return functools.partial(self.client.store_disk_reads, list(read_from_disk.items())), held
 
     def _slots(self, chunks: list[LoadChunk]) -> list[memoryview]:
         """An arena slot for each chunk, in order, while the arena has room (the rest are recomputed)."""
@@ -341,15 +402,15 @@ class WorkerSide:
         fetched.from_disk = dict(self.client.take_disk_reads())
         return fetched
 
-    def _place(self, chunks: list[LoadChunk], payloads: list[memoryview | None]) -> None:
+    def _place(self, chunks: list[LoadChunk], payloads: list[memoryview | None], errors: set[int]) -> None:
         for chunk, payload in zip(chunks, payloads, strict=True):
             pages = self._pages(chunk.stored_tokens)
             if payload is None or len(payload) != payload_bytes(self.layers, pages):
-                self.load_errors.update(chunk.blocks)
+                errors.update(chunk.blocks)
                 continue
             src = payload_view(payload, self.layers, pages)[:, chunk.first_page :]
             scatter(src, self.layers, chunk.blocks)
-            self.loaded_chunks += 1
+            self._count_loaded(1)
 
     def take_load_errors(self) -> set[int]:
         self.finish_load()
@@ -425,6 +486,7 @@ class WorkerSide:
         if self._begun is not None:
             self._abandon(self._begun[1].result())
         self.finish_load()
+        self._async_loader.shutdown(wait=True)
         self._verifier.shutdown(wait=True)
         self._early_reader.shutdown(wait=True)
         self._fetcher.shutdown(wait=True)

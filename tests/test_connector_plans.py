@@ -1,10 +1,11 @@
-"""The connector's plan arithmetic (pure logic; the engine tests run it inside real vLLM)."""
+"""The connector's plan arithmetic and load policy (pure logic; the engine tests run it inside real vLLM)."""
 
 import dataclasses
 from types import SimpleNamespace
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 
+from connector.load_policy import load_asynchronously, reads_nvme
 from connector.plans import Geometry, chunks_to_publish, load_plan
 from connector.scheduler_side import blocks_vllm_writes_first
 from indexer.index import PartialHit, PrefixMatch
@@ -57,3 +58,21 @@ def test_blocks_vllm_zeroes_or_copies_into_are_written_before_a_load_may_start()
     step = SimpleNamespace(new_block_ids_to_zero=[3, 4], kv_cache_block_copies=[KVCacheBlockCopy(7, 9)])
     assert blocks_vllm_writes_first(step) == {3, 4, 9}  # the copy's source is only read
     assert blocks_vllm_writes_first(SimpleNamespace(new_block_ids_to_zero=None, kv_cache_block_copies=None)) == set()
+
+
+def test_an_idle_engine_loads_synchronously_and_a_busy_one_asynchronously_when_the_hit_is_slow():
+    def decide(mode="auto", others_running=True, load_in_flight=False, reads_nvme=False, load_bytes=1 << 20):
+        return load_asynchronously(mode, others_running=others_running, load_in_flight=load_in_flight,
+                                   reads_nvme=reads_nvme, load_bytes=load_bytes, async_bytes=64 << 20)  # fmt: skip
+
+    assert not decide(others_running=False, reads_nvme=True, load_bytes=1 << 30)  # nobody waits on it
+    assert not decide()  # a small DRAM hit: a few milliseconds of the step
+    assert decide(reads_nvme=True) and decide(load_bytes=64 << 20)
+    assert decide(others_running=False, load_in_flight=True)  # it would wait behind the one in flight
+    assert decide("always", others_running=False) and not decide("never", reads_nvme=True)
+
+
+def test_a_load_reads_nvme_when_a_chunk_it_covers_is_on_nvme_alone():
+    match = PrefixMatch([b"a", b"b", b"c"], chunk_tokens=256, without_dram=frozenset({1}))
+    assert reads_nvme(match, 0, 300) and reads_nvme(match, 256, 512)
+    assert not reads_nvme(match, 0, 256) and not reads_nvme(match, 512, 700)

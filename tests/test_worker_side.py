@@ -208,3 +208,56 @@ def wait_persisted(client: CacheClient, keys: list[bytes], timeout_s: float = 15
     while not all(e is not None and any(loc.tier == "nvme" for loc in e.locations) for e in client.index.get(keys)):
         assert time.monotonic() < deadline, "chunks were not persisted in time"
         time.sleep(0.02)
+
+
+def finished_async(w: WorkerSide, timeout_s: float = 10) -> set[str]:
+    """Poll as vLLM does once per step until an asynchronous load is reported over."""
+    deadline = time.monotonic() + timeout_s
+    while not (over := w.finished_async_loads()):
+        assert time.monotonic() < deadline, "the asynchronous load was never reported over"
+        time.sleep(0.005)
+    return over
+
+
+def test_an_asynchronous_load_is_reported_over_once_its_pages_are_in_beside_a_synchronous_one(publisher, loader):
+    keys = publish(publisher, chunks=3)
+    loads = {"now": [LoadChunk(keys[0], CHUNK_TOKENS, 0, [0, 1, 2, 3])],
+             "later": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(4 * i, 4 * i + 4))) for i, key in enumerate(keys)
+                       if i > 0]}  # fmt: skip
+    loader.start_load(PrefixCacheMetadata(loads=[loads], load_async={"later"}))
+    assert loader.take_load_errors() == set()
+    assert equal(pages(loader, [0, 1, 2, 3]), pages(publisher, [0, 1, 2, 3]))  # the synchronous one is in now
+    assert finished_async(loader) == {"later"}
+    assert loader.take_load_errors() == set() and loader.loaded_async == 1 and loader.loaded_chunks == 3
+    assert equal(pages(loader, list(range(4, 12))), pages(publisher, list(range(4, 12))))
+    assert loader.finished_async_loads() == set()  # reported once
+
+
+def test_a_damaged_chunk_of_an_asynchronous_load_fails_in_the_pass_that_reports_the_load_over(publisher, loader):
+    keys = publish(publisher, chunks=2)
+    damage_dram_copy(loader.client.dram, keys[1])
+    plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(40 + 4 * i, 44 + 4 * i))) for i, key in enumerate(keys)]}
+    loader.start_load(PrefixCacheMetadata(loads=[plan], load_async={"r"}))
+    assert finished_async(loader) == {"r"}
+    assert loader.take_load_errors() == {44, 45, 46, 47}  # vLLM recomputes from the first of them
+    assert equal(pages(loader, [40, 41, 42, 43]), pages(publisher, [0, 1, 2, 3]))
+
+
+def test_an_asynchronous_load_from_nvme_puts_what_it_read_back_into_dram(daemon, publisher):
+    keys = publish(publisher, chunks=2)
+    wait_persisted(publisher.client, keys)
+    assert publisher.client.dram.delete(keys) == 2
+    loader = worker(daemon, shared=True)
+    try:
+        plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(8 + 4 * i, 12 + 4 * i)), in_dram=False)
+                      for i, key in enumerate(keys)]}  # fmt: skip
+        loader.start_load(PrefixCacheMetadata(loads=[plan], load_async={"r"}))
+        assert finished_async(loader) == {"r"}
+        assert loader.take_load_errors() == set() and loader.client.stats.read_from_disk == 2
+        assert equal(pages(loader, list(range(8, 16))), pages(publisher, list(range(8))))
+        deadline = time.monotonic() + 10  # stored from the slots it was read into, in the background
+        while loader.client.dram.contains(keys) != [True, True]:
+            assert time.monotonic() < deadline, "chunks read from NVMe were not put back into DRAM"
+            time.sleep(0.01)
+    finally:
+        loader.close()

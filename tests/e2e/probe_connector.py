@@ -5,10 +5,11 @@ Loaded by vLLM like the real one (``kv_connector_module_path: tests.e2e.probe_co
 the forward pass computed them (``saved-<key>.pt``) and the pages of every chunk it loads right after
 placing them, before the forward pass reads them (``loaded-<key>-<first page>-<request>.pt``), each as a
 (layers, pages, *page shape) tensor, and how many of them the segment owner wrote into the pages in place
-(``loaded_in_place.<tensor-parallel rank>``), and how many of those reads began at vLLM's first hook of the
-step (``loaded_early.<rank>``). Each rank records its own shard under its own keys. A
-test then compares what one instance computed with what another loaded: the same bytes in the right
-blocks, or the cache is wrong.
+(``loaded_in_place.<tensor-parallel rank>``), how many of those reads began at vLLM's first hook of the
+step (``loaded_early.<rank>``), and how many requests loaded asynchronously (``loaded_async.<rank>``); an
+asynchronous load's pages are recorded once the worker reports it over. Each rank records its own shard
+under its own keys. A test then compares what one instance computed with what another loaded: the same
+bytes in the right blocks, or the cache is wrong.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from typing import Any
 import torch
 
 from connector import PrefixCacheConnector
-from connector.metadata import PrefixCacheMetadata
+from connector.metadata import LoadChunk, PrefixCacheMetadata
 from indexer.keys import chunk_key
 
 
 class ProbeConnector(PrefixCacheConnector):
+    _loading: dict[str, list[LoadChunk]]  # asynchronous loads not reported over yet
+
     def _probe_dir(self) -> Path | None:
         directory = os.environ.get("PREFIXCACHE_PROBE_DIR")
         return Path(directory) if directory and self._worker is not None else None
@@ -44,8 +47,23 @@ class ProbeConnector(PrefixCacheConnector):
         rank = self._worker.rank
         (directory / f"loaded_in_place.{rank}").write_text(str(self._worker.loaded_in_place))
         (directory / f"loaded_early.{rank}").write_text(str(self._worker.loaded_early))
+        self._record(directory, meta.loads_of(rank))
+        self._loading = {**getattr(self, "_loading", {}), **meta.loads_of(rank, asynchronous=True)}
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving = super().get_finished(finished_req_ids)
+        directory = self._probe_dir()
+        if directory is not None and recving:
+            assert self._worker is not None
+            self._record(directory, {req_id: self._loading.pop(req_id) for req_id in recving})
+            (directory / f"loaded_async.{self._worker.rank}").write_text(str(self._worker.loaded_async))
+        return sending, recving
+
+    def _record(self, directory: Path, loads: dict[str, list[LoadChunk]]) -> None:
+        """The pages of every chunk of ``loads`` that arrived intact."""
+        assert self._worker is not None
         failed = self._worker.load_errors
-        for req_id, chunks in meta.loads_of(rank).items():
+        for req_id, chunks in loads.items():
             for chunk in chunks:
                 if not failed.intersection(chunk.blocks):
                     name = f"loaded-{chunk.key.hex()}-{chunk.first_page}-{req_id}.pt"

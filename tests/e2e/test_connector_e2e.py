@@ -40,13 +40,14 @@ PROMPTS = [P1, P2, HALF]
 HALF_SPLIT = 550
 
 
-def connector_config(daemon: Daemon, role: str = "kv_both", probe: bool = False) -> dict:
-    """The connector's kv_transfer_config; ``probe`` loads the recording subclass (tests/e2e/probe_connector.py)."""
+def connector_config(daemon: Daemon, role: str = "kv_both", probe: bool = False, **extra: object) -> dict:
+    """The connector's kv_transfer_config; ``probe`` loads the recording subclass (tests/e2e/probe_connector.py);
+    ``extra``: more of its settings."""
     return {
         "kv_connector": "ProbeConnector" if probe else "PrefixCacheConnector",
         "kv_connector_module_path": "tests.e2e.probe_connector" if probe else "connector",
         "kv_role": role,
-        "kv_connector_extra_config": {"service_url": daemon.url, "arena_mb": 128},
+        "kv_connector_extra_config": {"service_url": daemon.url, "arena_mb": 128, **extra},
     }
 
 
@@ -182,17 +183,19 @@ def test_requests_complete_when_redis_is_down(run_vllm, tiny_model, tmp_path, re
 @pytest.fixture(scope="module")
 def tensor_parallel(run_vllm, tiny_model, daemon, tmp_path_factory):
     """Two tensor-parallel ranks, one core each: a run without the connector; A publishes P3 and exits; B (a
-    fresh process, vLLM's own prefix cache off) runs it. Returns (reference, a, b, probe directories)."""
+    fresh process, vLLM's own prefix cache off) loads it asynchronously: vLLM holds the request in
+    WAITING_FOR_REMOTE_KVS until both ranks report their shards in. Returns (reference, a, b, probe directories)."""
     probe = {name: tmp_path_factory.mktemp(f"probe-tp-{name}") for name in ("a", "b")}
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     spec = {"model": str(tiny_model), "prompts": [P3], "max_tokens": 16, "tensor_parallel_size": 2}
     reference = run_vllm(spec, env=env)
-    a, b = (run_vllm({**spec, "kv_transfer_config": connector_config(daemon, probe=True)},
-                     env={**env, "PREFIXCACHE_PROBE_DIR": str(probe[name])}) for name in ("a", "b"))  # fmt: skip
+    a, b = (run_vllm({**spec, "kv_transfer_config": connector_config(daemon, probe=True, async_loads=mode)},
+                     env={**env, "PREFIXCACHE_PROBE_DIR": str(probe[name])})
+            for name, mode in (("a", "auto"), ("b", "always")))  # fmt: skip
     return reference, a, b, probe
 
 
-def test_two_tensor_parallel_ranks_each_load_their_own_shard_and_answer_the_same(tensor_parallel):
+def test_two_tensor_parallel_ranks_each_load_their_own_shard_asynchronously_and_answer_the_same(tensor_parallel):
     reference, a, b, probe = tensor_parallel
     assert b["outputs"][0]["num_cached_tokens"] == len(P3) - 1
     for run in (a, b):
@@ -201,6 +204,7 @@ def test_two_tensor_parallel_ranks_each_load_their_own_shard_and_answer_the_same
     # each rank published P3's 4 full chunks and its tail under keys of its own, and loaded exactly those
     assert assert_loaded_pages_were_saved(probe["a"], probe["b"]) == (10, 10)
     assert [int((probe["b"] / f"loaded_in_place.{rank}").read_text()) for rank in (0, 1)] == [5, 5]
+    assert [int((probe["b"] / f"loaded_async.{rank}").read_text()) for rank in (0, 1)] == [1, 1]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,36 @@
+"""Which hits load asynchronously: pure logic, decided by the scheduler side per request.
+
+A synchronous load runs before the step's forward pass, so every request in the step waits for it: a
+few milliseconds for a DRAM hit of a few thousand tokens, far more for one read from NVMe or for a
+long prompt of a large model. An asynchronous load parks the request in vLLM's
+``WAITING_FOR_REMOTE_KVS`` while a worker thread loads it, and the running requests keep stepping. It
+costs the hit itself an engine step or two and the overlap with vLLM's preparation of the step, so it
+is worth it only when someone else would wait.
+
+Loads run one at a time, in the order they were scheduled: the client has one set of reads in
+flight. So once an asynchronous load is in flight, every later load is asynchronous too, or it would
+hold up its whole step behind the one in flight.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from indexer.index import PrefixMatch
+
+AsyncLoads = Literal["auto", "always", "never"]
+
+
+def load_asynchronously(mode: AsyncLoads, *, others_running: bool, load_in_flight: bool, reads_nvme: bool,
+                        load_bytes: int, async_bytes: int) -> bool:  # fmt: skip
+    """``auto``: asynchronously when one is in flight, or when other requests are running and the hit
+    reads NVMe or moves at least ``async_bytes``; an idle engine loads synchronously, which is faster."""
+    if mode != "auto":
+        return mode == "always"
+    return load_in_flight or (others_running and (reads_nvme or load_bytes >= async_bytes))
+
+
+def reads_nvme(match: PrefixMatch, start: int, end: int) -> bool:
+    """Whether loading tokens [start, end) of ``match`` reads a chunk the index lists on NVMe alone."""
+    first, stop = start // match.chunk_tokens, -(-end // match.chunk_tokens)
+    return any(first <= chunk < stop for chunk in match.without_dram)
