@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import numpy as np
 from rich.console import Console
 from rich.table import Table
+
+from indexer.chunking import PROBE_TOKENS
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -35,3 +40,31 @@ def write_results(name: str, payload: dict) -> Path:
     meta = {"machine": platform.node(), "python": platform.python_version(), "unix_time": int(time.time())}
     path.write_text(json.dumps({**payload, "meta": meta}, indent=2) + "\n")
     return path
+
+
+def wait_until_persisted(url: str, prompts: list[list[int]], timeout_s: float = 300) -> None:
+    """Every chunk of ``prompts`` a producer published reached the NVMe tier (write-behind), so a daemon restart
+    loses none."""
+    chunk = httpx.get(url + "/v1/config").json()["chunk_tokens"]
+    # full chunks, plus the tail where it is long enough to be published (connector/plans.py)
+    expected = sum(len(p) // chunk + (len(p) % chunk >= PROBE_TOKENS) for p in prompts)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if httpx.get(url + "/v1/stats").json()["write_behind"]["persisted"] >= expected:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"write-behind persisted fewer than {expected} chunks in {timeout_s} s")
+
+
+@contextmanager
+def bound_to(cpus: frozenset[int] | None) -> Iterator[None]:
+    """Servers started inside run on ``cpus`` (None: anywhere): they inherit this thread's binding."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)

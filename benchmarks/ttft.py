@@ -31,18 +31,14 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import httpx
-
-from benchmarks.common import print_table, write_results
+from benchmarks.common import bound_to, print_table, wait_until_persisted, write_results
 from cachestore.cpus import format_cpu_list
 from cachestore.mooncake_servers import LocalMooncake
 from cachestore.processes import ManagedProcess, free_port, port_open
-from indexer.chunking import PROBE_TOKENS
 from tests.daemon_harness import Daemon
 from tests.e2e.launch import EngineRunError, run_engine, vllm_env
 from tests.e2e.tinymodel import build_tiny_llama, random_prompt
@@ -100,19 +96,6 @@ class Runner:
                 self.cases.append(Case(len(prompt), record_as, out["ttft_s"], out["num_cached_tokens"],
                                        out["token_ids"][0]))  # fmt: skip
 
-    @contextmanager
-    def starting_servers(self) -> Iterator[None]:
-        """Servers started inside run on ``server_cpus``: they inherit this thread's binding."""
-        if self.server_cpus is None:
-            yield
-            return
-        before = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, self.server_cpus)
-        try:
-            yield
-        finally:
-            os.sched_setaffinity(0, before)
-
     def cross_process(self, config: str, kv_transfer_config: dict, env: dict[str, str] | None = None) -> None:
         self.engine(f"{config}-producer", kv_transfer_config, env=env)
         self.engine(f"{config}-consumer", kv_transfer_config, env=env, record_as=config)
@@ -142,7 +125,7 @@ def mooncake_store(run: Runner) -> None:
     the producer."""
     directory = run.workdir / "mooncake-store"
     directory.mkdir()
-    with run.starting_servers():
+    with bound_to(run.server_cpus):
         pool = LocalMooncake(directory, segment_bytes=2 << 30)
     try:
         config = directory / "mooncake.json"
@@ -171,7 +154,7 @@ def lmcache_mp(run: Runner) -> None:
          "--disable-observability", "--supported-transfer-mode", "auto"],
         run.workdir / "lmcache-server.log", lambda: port_open("127.0.0.1", port), env=vllm_env(),
     )  # fmt: skip
-    with run.starting_servers():
+    with bound_to(run.server_cpus):
         server.start(timeout_s=120)
     try:
         extra = {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}
@@ -193,7 +176,7 @@ def prefixcache(run: Runner) -> None:
         run.engine(COLD_BESIDE_PUBLISHING, record_as=COLD_BESIDE_PUBLISHING)
         run.engine("prefixcache-producer", config, record_as="prefixcache-publishing")
         run.engine("prefixcache-consumer-dram", config, record_as="prefixcache-dram")
-        _wait_until_persisted(daemon.url, run.prompts)
+        wait_until_persisted(daemon.url, [WARM_PROMPT, *run.prompts])
         daemon.stop()
         daemon.start()  # the segment owner starts empty: every chunk now comes from the NVMe tier
         run.engine("prefixcache-consumer-nvme", config, record_as="prefixcache-nvme")
@@ -209,19 +192,6 @@ ROWS: dict[str, Callable[[Runner], None]] = {
     "lmcache-mp": lmcache_mp,
     "prefixcache": prefixcache,
 }
-
-
-def _wait_until_persisted(url: str, prompts: list[list[int]], timeout_s: float = 300) -> None:
-    """Every chunk the producer published reached the NVMe tier (write-behind), so a restart loses none."""
-    chunk = httpx.get(url + "/v1/config").json()["chunk_tokens"]
-    # full chunks, plus the tail where it is long enough to be published (connector/plans.py)
-    expected = sum(len(p) // chunk + (len(p) % chunk >= PROBE_TOKENS) for p in [WARM_PROMPT, *prompts])
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if httpx.get(url + "/v1/stats").json()["write_behind"]["persisted"] >= expected:
-            return
-        time.sleep(0.5)
-    raise RuntimeError(f"write-behind persisted fewer than {expected} chunks in {timeout_s} s")
 
 
 # -- report ------------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ SPEC.json::
      "kv_cache_dtype": "auto",              # optional
      "tensor_parallel_size": 1,             # optional; ranks are processes sharing this machine's cores
      "loras": ["/path/to/adapter" | null, ...],  # optional; a LoRA adapter (or none) per prompt
-     "logprobs": 2}                         # top-k alternatives recorded per generated token
+     "logprobs": 2,                         # top-k alternatives recorded per generated token
+     "beside": {"prompts": [[ids...], ...], "max_tokens": 96, "after_tokens": 16}}  # optional, see below
 
 The prompts go through one ``generate`` call each, in order, so a later prompt can hit chunks an earlier one
 published. Decoding is greedy (temperature 0, ignore_eos). OUT.json::
@@ -24,7 +25,10 @@ published. Decoding is greedy (temperature 0, ignore_eos). OUT.json::
                   "num_cached_tokens": int, "finish_reason": str, "ttft_s": float | null, "wall_s": float}, ...]}
 
 ``ttft_s`` is vLLM's first-token latency (arrival to first token, engine side); ``wall_s`` is the wall time of the
-``generate`` call. The engine runs in this process's children: run this script in a fresh process per engine.
+``generate`` call. With ``beside``, each prompt is submitted while the engine decodes ``beside.prompts[i]``, once that
+decode has produced ``after_tokens`` tokens, and its output adds ``beside_token_s``: when each of the decode's tokens
+arrived, in seconds from the prompt's submission (what a hit costs the requests already running).
+The engine runs in this process's children: run this script in a fresh process per engine.
 Exits 2 on a bad spec and 1 on any other failure, with the reason on stderr.
 """
 
@@ -38,7 +42,7 @@ import traceback
 from pathlib import Path
 
 _KEYS = {"model", "prompts", "max_tokens", "prefix_caching", "kv_transfer_config", "kv_transfer_params",
-         "max_num_batched_tokens", "kv_cache_dtype", "logprobs", "tensor_parallel_size", "loras"}  # fmt: skip
+         "max_num_batched_tokens", "kv_cache_dtype", "logprobs", "tensor_parallel_size", "loras", "beside"}  # fmt: skip
 
 
 class SpecError(ValueError):
@@ -60,6 +64,13 @@ def load_spec(path: Path) -> dict:
     loras = spec.get("loras")
     if loras is not None and (len(loras) != len(prompts) or not all(p is None or Path(p).is_dir() for p in loras)):
         raise SpecError("spec.loras must hold an adapter directory or null per prompt")
+    beside = spec.get("beside")
+    if beside is not None and (
+        not isinstance(beside, dict)
+        or len(beside.get("prompts") or ()) != len(prompts)
+        or not 0 < int(beside.get("after_tokens", 0)) < int(beside.get("max_tokens", 0))
+    ):
+        raise SpecError("spec.beside needs a prompt per prompt and 0 < after_tokens < max_tokens")  # fmt: skip
     return spec
 
 
@@ -121,10 +132,15 @@ def run(spec: dict) -> tuple[dict, object]:
     adapters = {
         path: LoRARequest(Path(path).name, i + 1, path) for i, path in enumerate(dict.fromkeys(filter(None, loras)))
     }
-    for prompt, lora in zip(spec["prompts"], loras, strict=True):
+    beside = spec.get("beside")
+    for i, (prompt, lora) in enumerate(zip(spec["prompts"], loras, strict=True)):
         t0 = time.perf_counter()
-        (result,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False,
-                                 lora_request=adapters.get(lora))  # fmt: skip
+        if beside is None:
+            (result,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False,
+                                     lora_request=adapters.get(lora))  # fmt: skip
+            beside_token_s = None
+        else:
+            result, beside_token_s = _beside_a_decode(llm, prompt, params, beside, i)
         wall_s = time.perf_counter() - t0
         completion = result.outputs[0]
         metrics = result.metrics
@@ -141,9 +157,33 @@ def run(spec: dict) -> tuple[dict, object]:
                 "finish_reason": completion.finish_reason,
                 "ttft_s": float(ttft) if ttft else None,
                 "wall_s": wall_s,
+                **({"beside_token_s": beside_token_s} if beside_token_s is not None else {}),
             }
         )
     return {"engine_start_s": engine_start_s, "import_s": import_s, "outputs": outputs}, llm
+
+
+def _beside_a_decode(llm, prompt: list[int], params, beside: dict, i: int) -> tuple[object, list[float]]:
+    """Run ``prompt`` once decode ``i`` of ``beside`` is under way; its output, and the decode's token times."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    decode = SamplingParams(max_tokens=int(beside["max_tokens"]), temperature=0.0, ignore_eos=True)
+    engine.add_request(f"beside-{i}", {"prompt_token_ids": beside["prompts"][i]}, decode)
+    arrivals: list[float] = []
+    submitted, result = None, None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            now = time.perf_counter()
+            if out.request_id == f"beside-{i}":
+                arrivals += [now] * (len(out.outputs[0].token_ids) - len(arrivals))
+                if submitted is None and len(arrivals) >= int(beside["after_tokens"]):
+                    engine.add_request(f"prompt-{i}", {"prompt_token_ids": prompt}, params)
+                    submitted = now
+            elif out.finished:
+                result = out
+    assert result is not None and submitted is not None, "the decode ended before the prompt was submitted"
+    return result, [t - submitted for t in arrivals]
 
 
 def _shutdown(llm) -> None:

@@ -230,3 +230,31 @@ def test_kv_computed_with_a_lora_adapter_is_found_only_with_that_adapter(lora_ru
 def _children_named(parent: int, name: str) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(parent), name], capture_output=True, text=True).stdout
     return [int(pid) for pid in out.split()]
+
+
+@pytest.fixture(scope="module")
+def busy_nvme_hit(run_vllm, tiny_model, daemon, producer_then_consumer, probes, tmp_path_factory):
+    """After a daemon restart (P1's chunks on NVMe only), P1 arrives while the engine decodes another request:
+    with ``async_loads: auto`` it loads while that request keeps decoding. Returns (its output, probe directory)."""
+    deadline = time.monotonic() + 60
+    for path in probes["a"].glob("saved-*.pt"):
+        key = path.stem.removeprefix("saved-")
+        while "nvme" not in httpx.get(f"{daemon.url}/v1/chunks/{key}").json()["tiers"]:
+            assert time.monotonic() < deadline, f"chunk {key} never reached NVMe"
+            time.sleep(0.2)
+    daemon.stop()
+    daemon.start()  # the segment owner starts empty
+    probe = tmp_path_factory.mktemp("probe-busy")
+    out = run_vllm({"model": str(tiny_model), "prompts": [P1], "max_tokens": 4, "prefix_caching": False,
+                    "beside": {"prompts": [random_prompt(seed=16, length=64)], "max_tokens": 64, "after_tokens": 8},
+                    "kv_transfer_config": connector_config(daemon, probe=True)},
+                   env={"PREFIXCACHE_PROBE_DIR": str(probe)})  # fmt: skip
+    return out["outputs"][0], probe
+
+
+def test_a_hit_from_nvme_loads_asynchronously_while_another_request_decodes(busy_nvme_hit, probes):
+    out, probe = busy_nvme_hit
+    assert out["num_cached_tokens"] == len(P1) - 1
+    assert int((probe / "loaded_async.0").read_text()) == 1  # B, with nobody else running, loaded synchronously
+    assert assert_loaded_pages_were_saved(probes["a"], probe) == (10, 5)  # P1's 4 full chunks and its tail
+    assert len(out["beside_token_s"]) == 64  # the running request decoded every token meanwhile

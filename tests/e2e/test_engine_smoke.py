@@ -31,6 +31,9 @@ def test_reference_engine_is_deterministic(run_vllm, tiny_model):
 def test_a_bad_spec_fails_with_its_reason(run_vllm, tmp_path):
     with pytest.raises(AssertionError, match="bad spec"):
         run_vllm({"model": str(tmp_path / "missing"), "prompts": [[5, 6, 7]]})
+    with pytest.raises(AssertionError, match="beside needs"):
+        run_vllm({"model": str(tmp_path), "prompts": [[5, 6, 7]],
+                  "beside": {"prompts": [[1, 2]], "max_tokens": 8, "after_tokens": 8}})  # fmt: skip
 
 
 def _output(tokens: list[int], tops: list[tuple[float, float]], alternatives: list[int] | None = None) -> dict:
