@@ -1,6 +1,6 @@
 """What a cache hit costs the requests already running: synchronous against asynchronous loads.
 
-    python -m benchmarks.stall [--size 8065] [--repeats 3]
+    python -m benchmarks.stall [--size 8065] [--repeats 3] [--only dram-sync,dram-async,nvme-sync,nvme-auto]
 
 A synchronous load runs before its step's forward pass, so every running request's next token waits
 for it; an asynchronous one (connector/load_policy.py) runs while the engine keeps stepping. Each
@@ -56,16 +56,23 @@ def measure(out: dict) -> dict:
     arrivals = np.asarray(out["beside_token_s"])
     gaps = np.diff(arrivals)
     before = gaps[arrivals[1:] <= 0]
+    after = gaps[arrivals[1:] > 0]
     return {"ttft_ms": out["ttft_s"] * 1000, "cached_tokens": out["num_cached_tokens"],
-            "decode_step_ms": float(np.median(before)) * 1000,
-            "stall_ms": float(gaps[arrivals[1:] > 0].max()) * 1000, "first_token": out["token_ids"][0]}  # fmt: skip
+            "decode_step_ms": float(np.median(before)) * 1000, "stall_ms": float(after.max()) * 1000,
+            "gaps_after_ms": [round(float(gap) * 1000, 1) for gap in after[:12]],
+            "first_token": out["token_ids"][0]}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=int, default=8065, help="hit prompt length in tokens")
     parser.add_argument("--repeats", type=int, default=3, help="hit prompts (the median is reported)")
+    parser.add_argument("--only", default=",".join(name for name, _ in ROWS), help="rows to run")
     args = parser.parse_args(argv)
+    rows = [(name, mode) for name, mode in ROWS if name in args.only.split(",")]
+    unknown = set(args.only.split(",")) - {name for name, _ in ROWS}
+    if unknown or not rows:
+        parser.error(f"unknown rows {sorted(unknown)}; known: {', '.join(name for name, _ in ROWS)}")
     if not 512 <= args.size <= 8065:
         parser.error("--size must be in [512, 8065] (the tiny model's context, with room for the decode)")
     if args.repeats < 1:
@@ -82,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             print("[stall] producer ...", flush=True)
             run_engine(engine_spec(model, [WARM_PROMPT, *prompts], daemon, "auto", decodes=False), workdir, "producer")
             wait_until_persisted(daemon.url, [WARM_PROMPT, *prompts])
-            for name, mode in ROWS:
+            for name, mode in rows:
                 if name.startswith("nvme"):
                     daemon.stop()
                     daemon.start()  # the segment owner starts empty: every chunk comes from the NVMe tier
@@ -105,12 +112,12 @@ def report(results: dict[str, list[dict]], size: int) -> dict:
                 ["row", "hit TTFT", "decode step", "decode stall", "stall / step", "cached tokens"],
                 [[name, m["ttft_ms"], m["decode_step_ms"], m["stall_ms"], m["stall_ms"] / m["decode_step_ms"],
                   min(h["cached_tokens"] for h in results[name])] for name, m in medians.items()])  # fmt: skip
+    pairs = [(tier, mode) for tier, mode in (("dram", "async"), ("nvme", "auto"))
+             if f"{tier}-{mode}" in medians and f"{tier}-sync" in medians]  # fmt: skip
     ratios = {
-        f"{tier}: stall async / sync": medians[f"{tier}-{mode}"]["stall_ms"] / medians[f"{tier}-sync"]["stall_ms"]
-        for tier, mode in (("dram", "async"), ("nvme", "auto"))
-    } | {
-        f"{tier}: hit TTFT async / sync": medians[f"{tier}-{mode}"]["ttft_ms"] / medians[f"{tier}-sync"]["ttft_ms"]
-        for tier, mode in (("dram", "async"), ("nvme", "auto"))
+        f"{tier}: {what} async / sync": medians[f"{tier}-{mode}"][key] / medians[f"{tier}-sync"][key]
+        for tier, mode in pairs
+        for what, key in (("stall", "stall_ms"), ("hit TTFT", "ttft_ms"))
     }
     for name, value in ratios.items():
         print(f"  {name}: {value:.2f}")
