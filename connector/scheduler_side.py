@@ -163,7 +163,7 @@ class SchedulerSide:
                 meta.load_async.add(req_id)
             state.load = []
         # every rank loads the same blocks (each its own shard of the pages): rank 0's plans name them all
-        loaded = {block for chunks in meta.loads_of(0).values() for chunk in chunks for block in chunk.blocks}
+        loaded = {block for chunks in meta.loads[0].values() for chunk in chunks for block in chunk.blocks}
         meta.load_early = bool(loaded) and loaded.isdisjoint(blocks_vllm_writes_first(scheduler_output))
         for new in scheduler_output.scheduled_new_reqs:
             if (state := self.requests.get(new.req_id)) is not None:

@@ -121,6 +121,7 @@ class WorkerSide:
         self._async_loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixcache-async-load",
                                                 initializer=self._io_thread_setup)  # fmt: skip
         self._async_loads: list[tuple[set[str], Future[set[int]]]] = []
+        self._async_begun: PrefixCacheMetadata | None = None  # the step whose asynchronous loads begin_load started
         first = self.layers[0]
         self._page_bytes = first[0].numel() * first.element_size()
         self._layer_starts: list[int] = []  # where each layer's block 0 lies in self._kv
@@ -149,9 +150,19 @@ class WorkerSide:
         ``start_load_kv``; the segment owner copies meanwhile. Only when the scheduler side saw that vLLM
         writes none of the loaded blocks itself first (``meta.load_early``), and only into a cache in shared
         memory, which exists on the CPU backend alone, where vLLM runs no step while it schedules the next.
+
+        A step whose loads are all asynchronous starts them here too: vLLM calls ``start_load_kv`` after the
+        forward pass of such a step, and a load begun a forward pass earlier is often over a step earlier.
         """
+        if not meta.load_early or self._kv is None:
+            return
         chunks = self._chunks_of(meta)
-        if not meta.load_early or self._kv is None or not chunks or self._async_load_in_flight():
+        if not chunks:
+            if later := meta.loads_of(self.rank, asynchronous=True):
+                self._load_in_background(later)
+                self._async_begun = meta
+            return
+        if self._async_load_in_flight():
             return
         self.finish_load()  # the previous step's verification reads pages too; it is over by now
         self._begun = (meta, self._early_reader.submit(self._read_in_place, chunks))
@@ -166,6 +177,7 @@ class WorkerSide:
         arena slots, verified before they are placed.
         """
         begun, self._begun = self._begun, None
+        async_begun, self._async_begun = self._async_begun, None
         if begun is not None and begun[0] is not meta:  # never happens with vLLM: one metadata per step
             self._abandon(begun[1].result())
             begun = None
@@ -173,9 +185,13 @@ class WorkerSide:
         self._loads, self._failed_requests = meta.loads_of(self.rank), set()
         if chunks := self._chunks_of(meta):
             self._load_now(chunks, begun[1].result() if begun is not None else None)
-        if later := meta.loads_of(self.rank, asynchronous=True):
-            chunks = [chunk for request in later.values() for chunk in request]
-            self._async_loads.append((set(later), self._async_loader.submit(self._load_async, chunks)))
+        if async_begun is not meta and (later := meta.loads_of(self.rank, asynchronous=True)):
+            self._load_in_background(later)
+
+    def _load_in_background(self, loads: dict[str, list[LoadChunk]]) -> None:
+        """Queue one step's asynchronous loads behind those in flight."""
+        chunks = [chunk for request in loads.values() for chunk in request]
+        self._async_loads.append((set(loads), self._async_loader.submit(self._load_async, chunks)))
 
     def _load_now(self, chunks: list[LoadChunk], begun: _ReadInPlace | None) -> None:
         """This step's synchronous loads; ``begun``: what ``begin_load`` read of them already."""

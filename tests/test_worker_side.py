@@ -261,3 +261,16 @@ def test_an_asynchronous_load_from_nvme_puts_what_it_read_back_into_dram(daemon,
             time.sleep(0.01)
     finally:
         loader.close()
+
+
+def test_a_step_whose_loads_are_all_asynchronous_begins_them_at_its_first_hook(publisher, loader):
+    keys = publish(publisher, chunks=2)
+    plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(24 + 4 * i, 28 + 4 * i))) for i, key in enumerate(keys)]}
+    meta = PrefixCacheMetadata(loads=[plan], load_early=True, load_async={"r"})
+    loader.begin_load(meta)
+    assert finished_async(loader) == {"r"}  # vLLM calls start_load_kv only after such a step's forward pass
+    loader.start_load(meta)
+    assert loader.take_load_errors() == set() and loader.loaded_chunks == 2 and loader.loaded_async == 1
+    time.sleep(0.2)
+    assert loader.finished_async_loads() == set() and loader.loaded_chunks == 2  # begun once, not again
+    assert equal(pages(loader, list(range(24, 32))), pages(publisher, list(range(8))))
