@@ -3,9 +3,10 @@
 A synchronous load runs before the step's forward pass, so every request in the step waits for it: a
 few milliseconds for a DRAM hit of a few thousand tokens, far more for one read from NVMe or for a
 long prompt of a large model. An asynchronous load parks the request in vLLM's
-``WAITING_FOR_REMOTE_KVS`` while a worker thread loads it, and the running requests keep stepping. It
-costs the hit itself an engine step or two and the overlap with vLLM's preparation of the step, so it
-is worth it only when someone else would wait.
+``WAITING_FOR_REMOTE_KVS`` while a worker thread loads it, and the running requests keep stepping. A
+short load can cost the hit itself a step: its load is reported over at the end of one step and the
+hit computed in the next, where a synchronous load and the hit's computation share one step. So it is
+worth it only when someone else would wait, on a load long enough to matter.
 
 Loads run one at a time, in the order they were scheduled: the client has one set of reads in
 flight. So once an asynchronous load is in flight, every later load is asynchronous too, or it would
