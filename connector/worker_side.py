@@ -174,7 +174,8 @@ class WorkerSide:
         pages in one call (started by ``begin_load`` where it could be), and a thread of this side's own
         verifies them where they landed while the forward pass runs (``finish_load`` collects the
         verdict). Chunks DRAM does not hold, and every chunk when the cache is elsewhere, go through
-        arena slots, verified before they are placed.
+        arena slots, verified before they are placed. The step's asynchronous loads then queue behind
+        those in flight, unless ``begin_load`` queued them already.
         """
         begun, self._begun = self._begun, None
         async_begun, self._async_begun = self._async_begun, None
@@ -200,29 +201,22 @@ class WorkerSide:
             log.warning("a synchronous load waits for the asynchronous loads in flight")
             for _, job in self._async_loads:
                 job.exception()
-        if self._kv is None:
-            self._after_disk_reads(self._load_through_slots(chunks, self.load_errors))
-            return
         if begun is not None:
             self.loaded_early += len(begun.placed)
-        read = begun or self._read_in_place(chunks)
-        if read.elsewhere:
-            self._after_disk_reads(self._load_through_slots(read.elsewhere, self.load_errors, read.slots))
-        if read.placed:
-            self._verification = self._verifier.submit(self._verify, read.placed, read.started, self.load_errors)
+        stores, placed = self._load(chunks, self.load_errors, begun)
+        if stores is not None:  # stored into DRAM once the forward pass is over
+            self._after_forward.append(stores)
+        if placed is not None:
+            self._verification = self._verifier.submit(self._verify, placed.placed, placed.started, self.load_errors)
 
     def _load_async(self, chunks: list[LoadChunk]) -> set[int]:
         """One step's asynchronous loads, on their own thread: placed and verified before they are reported
         over, so the chunks read from NVMe are stored into DRAM at once. Returns the blocks that failed."""
         errors: set[int] = set()
         try:
-            if self._kv is None:
-                stores = self._load_through_slots(chunks, errors)
-            else:
-                read = self._read_in_place(chunks)
-                stores = self._load_through_slots(read.elsewhere, errors, read.slots) if read.elsewhere else None
-                if read.placed:
-                    self._verify(read.placed, read.started, errors)
+            stores, placed = self._load(chunks, errors)
+            if placed is not None:
+                self._verify(placed.placed, placed.started, errors)
         except Exception:  # noqa: BLE001 - a failed load is recomputed; the request must not fail
             log.exception("loading %d chunks asynchronously failed; recomputing them", len(chunks))
             return {block for chunk in chunks for block in chunk.blocks}
@@ -244,10 +238,16 @@ class WorkerSide:
         self.loaded_async += len(over)
         return over
 
-    def _after_disk_reads(self, stores: tuple[Callable[[], object], list[memoryview]] | None) -> None:
-        """Store what a synchronous load read from NVMe into DRAM once the forward pass is over."""
-        if stores is not None:
-            self._after_forward.append(stores)
+    def _load(self, chunks: list[LoadChunk], errors: set[int], begun: _ReadInPlace | None = None
+              ) -> tuple[tuple[Callable[[], object], list[memoryview]] | None, _ReadInPlace | None]:  # fmt: skip
+        """Load ``chunks``, all but verifying those read in place (``begun``: what of them is read already).
+        Blocks of chunks that fail go to ``errors``. Returns the job that stores the chunks read from NVMe
+        into DRAM (see ``_load_through_slots``), and the in-place read whose chunks are still to verify."""
+        if self._kv is None:
+            return self._load_through_slots(chunks, errors), None
+        read = begun or self._read_in_place(chunks)
+        stores = self._load_through_slots(read.elsewhere, errors, read.slots) if read.elsewhere else None
+        return stores, read if read.placed else None
 
     def _chunks_of(self, meta: PrefixCacheMetadata) -> list[LoadChunk]:
         """This rank's synchronous loads of the step."""
