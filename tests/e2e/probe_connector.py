@@ -26,7 +26,9 @@ from indexer.keys import chunk_key
 
 
 class ProbeConnector(PrefixCacheConnector):
-    _loading: dict[str, list[LoadChunk]]  # asynchronous loads not reported over yet
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._loading: dict[str, list[LoadChunk]] = {}  # asynchronous loads not reported over yet
 
     def _probe_dir(self) -> Path | None:
         directory = os.environ.get("PREFIXCACHE_PROBE_DIR")
@@ -48,7 +50,7 @@ class ProbeConnector(PrefixCacheConnector):
         (directory / f"loaded_in_place.{rank}").write_text(str(self._worker.loaded_in_place))
         (directory / f"loaded_early.{rank}").write_text(str(self._worker.loaded_early))
         self._record(directory, meta.loads_of(rank))
-        self._loading = {**getattr(self, "_loading", {}), **meta.loads_of(rank, asynchronous=True)}
+        self._loading.update(meta.loads_of(rank, asynchronous=True))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, recving = super().get_finished(finished_req_ids)
