@@ -122,6 +122,7 @@ class WorkerSide:
                                                 initializer=self._io_thread_setup)  # fmt: skip
         self._async_loads: list[tuple[set[str], Future[set[int]]]] = []
         self._async_begun: PrefixCacheMetadata | None = None  # the step whose asynchronous loads begin_load started
+        self._warned_windowed = False  # a load larger than the arena's room is logged once
         first = self.layers[0]
         self._page_bytes = first[0].numel() * first.element_size()
         self._layer_starts: list[int] = []  # where each layer's block 0 lies in self._kv
@@ -359,24 +360,48 @@ class WorkerSide:
 
     def _load_through_slots(self, chunks: list[LoadChunk], errors: set[int], slots: list[memoryview] | None = None
                             ) -> tuple[Callable[[], object], list[memoryview]] | None:  # fmt: skip
-        """Fetch chunks into arena slots in groups, placing one group while the next is read.
+        """Fetch chunks into arena slots and place them, in windows of as many chunks as the arena has room
+        for: a hit larger than the arena still loads whole (a GPU hit of an 8B model's 8k-token prompt is
+        1 GiB), in the slots each window gives back. Blocks of chunks that fail go to ``errors``.
+
+        ``slots``: those ``_slots`` already gave the first chunks. Returns the job that stores the chunks the
+        last window read from NVMe into DRAM, with the slots it holds, for the caller to run once the load
+        is over. Earlier windows' NVMe reads are not stored back: the next window needs their slots.
+        """
+        stores = None
+        while chunks:
+            if slots is None:
+                if stores is not None:
+                    self._drop(stores)
+                    stores = None
+                slots = self._slots(chunks)
+            if not slots:
+                log.warning("arena full: recomputing instead of loading %d chunks", len(chunks))
+                for chunk in chunks:
+                    errors.update(chunk.blocks)
+                break
+            if len(slots) < len(chunks):
+                self._warn_windowed(chunks)
+            window, chunks = chunks[: len(slots)], chunks[len(slots) :]
+            stores = self._load_window(window, slots, errors)
+            slots = None
+        return stores
+
+    def _load_window(self, chunks: list[LoadChunk], slots: list[memoryview], errors: set[int]
+                     ) -> tuple[Callable[[], object], list[memoryview]] | None:  # fmt: skip
+        """Load chunks that all have slots, in groups, placing one group while the next is read.
 
         The segment owner (another process) copies a group into the arena while this thread places
-        the previous one, so the load costs about one pass over the bytes, not two. Every chunk's slot
-        is taken up front and each fetch names the chunks still to come with their slots: chunks that
-        must come back from this node's NVMe are read into place ahead of their turn, and those on
-        other nodes are asked for in one request. Blocks of chunks that fail go to ``errors``.
-        ``slots``: those ``_slots`` already gave these chunks. Returns the job that stores the chunks read
-        from NVMe into DRAM, with the slots it holds, for the caller to run once the load is over.
+        the previous one, so the load costs about one pass over the bytes, not two. Each fetch names
+        the chunks still to come with their slots: chunks that must come back from this node's NVMe are
+        read into place ahead of their turn, and those on other nodes are asked for in one request.
+        Returns the job that stores the chunks read from NVMe into DRAM, with the slots it holds.
         """
-        slots = self._slots(chunks) if slots is None else slots
-        for chunk in chunks[len(slots) :]:
-            errors.update(chunk.blocks)
-        upcoming = [(chunk.key, slot) for chunk, slot in zip(chunks, slots, strict=False)]
+        upcoming = list(zip((chunk.key for chunk in chunks), slots, strict=True))
         groups = runs_of_about(upcoming, lambda pair: len(pair[1]), LOAD_GROUP_BYTES)
         ends = list(itertools.accumulate(len(group) for group in groups))
         read_from_disk: dict[bytes, memoryview] = {}
-        pending = self._fetcher.submit(self._fetch, groups[0], upcoming[ends[0] :]) if groups else None
+        pending = self._fetcher.submit(self._fetch, groups[0], upcoming[ends[0] :])
         try:
             for i, group in enumerate(groups):
                 fetched = pending.result()  # type: ignore[union-attr] # one is in flight per group left
@@ -397,14 +422,25 @@ class WorkerSide:
             return None
         return functools.partial(self.client.store_disk_reads, list(read_from_disk.items())), held
 
+    def _drop(self, stores: tuple[Callable[[], object], list[memoryview]]) -> None:
+        """Give back the slots of a store into DRAM that will not run."""
+        for slot in stores[1]:
+            self.client.release(slot)
+
+    def _warn_windowed(self, chunks: list[LoadChunk]) -> None:
+        if not self._warned_windowed:
+            self._warned_windowed = True
+            log.warning("a %d-chunk load does not fit in the arena's free room: it loads in windows, which is "
+                        "slower; raise arena_mb (warned once)", len(chunks))  # fmt: skip
+
     def _slots(self, chunks: list[LoadChunk]) -> list[memoryview]:
-        """An arena slot for each chunk, in order, while the arena has room (the rest are recomputed)."""
+        """An arena slot for each of the first chunks, in order, while the arena has room."""
         slots: list[memoryview] = []
         try:
             for chunk in chunks:
                 slots.append(self.client.slot(read_size(self._object_bytes(chunk.stored_tokens))))
         except ArenaFullError:
-            log.warning("arena full: recomputing instead of loading %d chunks", len(chunks) - len(slots))
+            pass  # the rest load in a later window (_load_through_slots)
         return slots
 
     def _fetch(self, group: list[tuple[bytes, memoryview]], upcoming: list[tuple[bytes, memoryview]]) -> _Fetched:
@@ -506,9 +542,8 @@ class WorkerSide:
         self._verifier.shutdown(wait=True)
         self._early_reader.shutdown(wait=True)
         self._fetcher.shutdown(wait=True)
-        for _, slots in self._after_forward:
-            for slot in slots:
-                self.client.release(slot)
+        for stores in self._after_forward:
+            self._drop(stores)
         self._background.put(None)
         self._background_thread.join(timeout=30)
         self.client.close()

@@ -35,8 +35,8 @@ def kv_cache(memory: memoryview | None = None) -> list[torch.Tensor]:
     return list(flat.view(LAYERS, BLOCKS, PAGE_BYTES))
 
 
-def worker(daemon: Daemon, shared: bool) -> WorkerSide:
-    client = CacheClient.connect(daemon.url, make_spec(CHUNK_TOKENS), arena_bytes=16 << 20)
+def worker(daemon: Daemon, shared: bool, arena_bytes: int = 16 << 20) -> WorkerSide:
+    client = CacheClient.connect(daemon.url, make_spec(CHUNK_TOKENS), arena_bytes=arena_bytes)
     layers = kv_cache(client.shared_memory(LAYERS * BLOCKS * PAGE_BYTES) if shared else None)
     return WorkerSide(client, layers, BLOCK_TOKENS)
 
@@ -201,6 +201,43 @@ def test_a_cache_outside_shared_memory_loads_through_slots(daemon, publisher):
         assert equal(pages(other, [9, 10, 11, 12]), pages(publisher, [0, 1, 2, 3]))
     finally:
         other.close()
+
+
+#: An arena with room for three chunks' slots at a time (a chunk's object is 69632 bytes read-aligned)
+THREE_SLOTS = 3 * 69632
+
+
+def test_a_load_larger_than_the_arena_loads_whole_in_windows(daemon, publisher):
+    keys = publish(publisher, chunks=8)
+    small = worker(daemon, shared=False, arena_bytes=THREE_SLOTS)
+    try:
+        plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(4 * i, 4 * i + 4))) for i, key in enumerate(keys)]}
+        assert load(small, plan) == set()
+        assert small.loaded_chunks == 8
+        assert equal(pages(small, list(range(32))), pages(publisher, list(range(32))))
+        assert small.client.dram.arena.free_bytes == THREE_SLOTS  # every window's slots given back
+    finally:
+        small.close()
+
+
+def test_a_load_from_nvme_larger_than_the_arena_loads_whole_and_its_last_window_goes_back_to_dram(daemon, publisher):
+    keys = publish(publisher, chunks=8)
+    wait_persisted(publisher.client, keys)
+    assert publisher.client.dram.delete(keys) == 8
+    small = worker(daemon, shared=True, arena_bytes=THREE_SLOTS)
+    try:
+        plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(4 * i, 4 * i + 4)), in_dram=False)
+                      for i, key in enumerate(keys)]}  # fmt: skip
+        assert load(small, plan) == set()
+        assert small.loaded_chunks == 8 and small.client.stats.read_from_disk == 8
+        assert equal(pages(small, list(range(32))), pages(publisher, list(range(32))))
+        small.save(PrefixCacheMetadata())  # after the forward pass: the last window's reads are stored back
+        deadline = time.monotonic() + 10
+        while small.client.dram.contains(keys[-1:]) != [True]:
+            assert time.monotonic() < deadline, "the last window's chunks were not put back into DRAM"
+            time.sleep(0.01)
+    finally:
+        small.close()
 
 
 def wait_persisted(client: CacheClient, keys: list[bytes], timeout_s: float = 15) -> None:
