@@ -106,7 +106,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
             )
 
             from cachestore.client import CacheClient, fetch_config
-            from connector.settings import namespace_for
+            from connector.settings import arena_mib, kv_bytes_per_token, namespace_for
 
             group = self._kv_cache_config.kv_cache_groups[0]
             config = fetch_config(self._settings.service_url)
@@ -117,7 +117,10 @@ class PrefixCacheConnector(KVConnectorBase_V1):
                            other_ranks=ranks_bound_by_vllm(os.environ.get("VLLM_CPU_OMP_THREADS_BIND")))  # fmt: skip
             log.info("prefixcache: connector threads on CPUs %s", "as the worker" if cpus is None else sorted(cpus))
             self._io_thread_setup = pinning(cpus)
-            self._cache_client = CacheClient(config, spec, arena_bytes=self._settings.arena_mb << 20,
+            step_tokens = self._vllm_config.scheduler_config.max_num_batched_tokens
+            arena = arena_mib(self._settings.arena_mb, step_tokens, config.chunk_tokens, kv_bytes_per_token(group))
+            log.info("prefixcache: a %d MiB arena (arena_mb=%s)", arena, self._settings.arena_mb)
+            self._cache_client = CacheClient(config, spec, arena_bytes=arena << 20,
                                              redis_password=self._settings.redis_password,
                                              io_thread_setup=self._io_thread_setup)  # fmt: skip
         return self._cache_client

@@ -28,7 +28,7 @@ from connector.load_policy import load_asynchronously, reads_nvme
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.plans import Geometry, chunks_to_publish, load_plan
 from connector.request_identity import request_variant
-from connector.settings import ConnectorSettings, check_supported, namespace_for
+from connector.settings import ConnectorSettings, check_supported, kv_bytes_per_token, namespace_for
 from indexer.chunking import ChunkGeometry
 from indexer.errors import IndexUnavailableError
 from indexer.index import PrefixMatch, attach_namespace
@@ -92,9 +92,8 @@ class SchedulerSide:
         self.publish_enabled = role in ("kv_producer", "kv_both")
         self.min_hit_tokens = settings.min_hit_tokens
         self.async_loads, self.async_bytes = settings.async_loads, settings.async_load_mib << 20
-        self.bytes_per_token = (
-            spec.page_size_bytes * len(kv_cache_config.kv_cache_groups[0].layer_names) // self.block_tokens
-        )  # per rank: ranks load their shards side by side
+        # per rank: ranks load their shards side by side
+        self.bytes_per_token = kv_bytes_per_token(kv_cache_config.kv_cache_groups[0])
         self._running: set[str] = set()  # scheduled in the last step and not finished since
         self._loading_async: set[str] = set()  # asynchronous loads the workers have not reported over yet
         self.requests: dict[str, RequestState] = {}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -17,7 +17,9 @@ class ConnectorSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     service_url: str = Field(description="the node daemon, e.g. http://127.0.0.1:8600")
-    arena_mb: int = Field(default=512, ge=16, le=1 << 20, description="registered buffer for loads and publishes")
+    arena_mb: Annotated[int, Field(ge=16, le=1 << 20)] | Literal["auto"] = Field(
+        default="auto", description="registered buffer for loads and publishes, in MiB; auto sizes it for two "
+        "steps of publishes (arena_mib)")  # fmt: skip
     min_hit_tokens: int = Field(default=16, ge=1, description="smaller external hits are not worth a load")
     redis_password: str | None = Field(default=None, description="if the index needs one (never logged)")
     io_cpus: IoCpus = Field(default="auto", description="cores for the connector's threads: auto, inherit or CPU ids "
@@ -37,6 +39,34 @@ class ConnectorSettings(BaseModel):
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
             raise ConfigError(f"invalid kv_connector_extra_config for PrefixCacheConnector: {problems}") from None
+
+
+#: Bounds of an automatically sized arena, in MiB: the floor serves small models well (the tiny test model's
+#: hits of 8k tokens are 64 MiB), and the ceiling keeps a huge model from pinning gigabytes unasked.
+AUTO_ARENA_MIB = (512, 4096)
+
+
+def arena_mib(setting: int | Literal["auto"], step_tokens: int, chunk_tokens: int, bytes_per_token: int) -> int:
+    """The arena's size in MiB: ``setting``, or for ``"auto"`` room for two steps of publishes.
+
+    A step publishes at most the chunks its ``step_tokens`` (vLLM's ``max_num_batched_tokens``) complete,
+    plus one partly covered at each end, and their slots stay held until the background thread has put
+    them; two steps' worth lets one step stage while the last one's puts finish. A publish that finds
+    the arena full is dropped, and with a fixed 512 MiB an 8B model on a GPU (128 KiB of KV per token)
+    published only the first 4k tokens of a longer prefill step. Loads larger than the arena still
+    load whole, in windows.
+    """
+    if setting != "auto":
+        return setting
+    step_bytes = (step_tokens + 2 * chunk_tokens) * bytes_per_token
+    floor, ceiling = AUTO_ARENA_MIB
+    return min(max(floor, -(-2 * step_bytes // (1 << 20))), ceiling)
+
+
+def kv_bytes_per_token(kv_cache_group: Any) -> int:
+    """Bytes of KV one token takes on one rank, over every layer of vLLM's (single) KV cache group."""
+    spec = kv_cache_group.kv_cache_spec
+    return spec.page_size_bytes * len(kv_cache_group.layer_names) // spec.block_size
 
 
 def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:

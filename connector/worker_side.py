@@ -122,7 +122,7 @@ class WorkerSide:
                                                 initializer=self._io_thread_setup)  # fmt: skip
         self._async_loads: list[tuple[set[str], Future[set[int]]]] = []
         self._async_begun: PrefixCacheMetadata | None = None  # the step whose asynchronous loads begin_load started
-        self._warned_windowed = False  # a load larger than the arena's room is logged once
+        self._warned: set[str] = set()  # what the arena's size costs is logged once per kind
         first = self.layers[0]
         self._page_bytes = first[0].numel() * first.element_size()
         self._layer_starts: list[int] = []  # where each layer's block 0 lies in self._kv
@@ -381,7 +381,7 @@ class WorkerSide:
                     errors.update(chunk.blocks)
                 break
             if len(slots) < len(chunks):
-                self._warn_windowed(chunks)
+                self._warn_once("a load did not fit in the arena's free room and loads in windows, more slowly")
             window, chunks = chunks[: len(slots)], chunks[len(slots) :]
             stores = self._load_window(window, slots, errors)
             slots = None
@@ -427,11 +427,10 @@ class WorkerSide:
         for slot in stores[1]:
             self.client.release(slot)
 
-    def _warn_windowed(self, chunks: list[LoadChunk]) -> None:
-        if not self._warned_windowed:
-            self._warned_windowed = True
-            log.warning("a %d-chunk load does not fit in the arena's free room: it loads in windows, which is "
-                        "slower; raise arena_mb (warned once)", len(chunks))  # fmt: skip
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            log.warning("%s; raise arena_mb (warned once)", message)
 
     def _slots(self, chunks: list[LoadChunk]) -> list[memoryview]:
         """An arena slot for each of the first chunks, in order, while the arena has room."""
@@ -503,6 +502,7 @@ class WorkerSide:
         try:
             slot = self.client.stage(meta)
         except ArenaFullError:
+            self._warn_once("the arena was full: chunks computed in a step were not published")
             return None
         gather(
             self.layers, chunk.blocks, payload_view(slot[meta.payload_offset : meta.encoded_size], self.layers, pages)

@@ -10,13 +10,13 @@ import pytest
 
 from cachestore.cpus import cpu_list
 from connector.io_threads import io_cpus, numa_node_cpus, pinning, ranks_bound_by_vllm
-from connector.settings import ConnectorSettings, check_supported
+from connector.settings import ConnectorSettings, arena_mib, check_supported, kv_bytes_per_token
 from indexer.errors import ConfigError
 
 
 def test_defaults_need_only_the_service_url():
     settings = ConnectorSettings.parse({"service_url": "http://127.0.0.1:8600"})
-    assert settings.io_cpus == "auto" and settings.arena_mb == 512
+    assert settings.io_cpus == "auto" and settings.arena_mb == "auto"
     assert settings.async_loads == "auto" and settings.async_load_mib == 64
 
 
@@ -25,6 +25,7 @@ def test_defaults_need_only_the_service_url():
     [
         ({}, "service_url"),
         ({"service_url": "http://x", "arena_mb": 1}, "arena_mb"),
+        ({"service_url": "http://x", "arena_mb": "big"}, "arena_mb"),
         ({"service_url": "http://x", "servce_url": "http://y"}, "servce_url"),
         ({"service_url": "http://x", "io_cpus": "all"}, "io_cpus"),
         ({"service_url": "http://x", "io_cpus": [-1]}, "io_cpus"),
@@ -36,6 +37,26 @@ def test_defaults_need_only_the_service_url():
 def test_bad_settings_are_named_in_the_error(extra, problem):
     with pytest.raises(ConfigError, match=problem):
         ConnectorSettings.parse(extra)
+
+
+def test_an_explicit_arena_size_is_kept():
+    assert ConnectorSettings.parse({"service_url": "http://x", "arena_mb": 128}).arena_mb == 128
+    assert arena_mib(128, step_tokens=8192, chunk_tokens=256, bytes_per_token=128 << 10) == 128
+
+
+def test_an_automatic_arena_holds_two_steps_of_publishes_within_its_bounds():
+    tiny_cpu_model = arena_mib("auto", step_tokens=8192, chunk_tokens=256, bytes_per_token=8 << 10)
+    llama_8b_on_a_gpu = arena_mib("auto", step_tokens=8192, chunk_tokens=256, bytes_per_token=128 << 10)
+    llama_70b_on_one_gpu = arena_mib("auto", step_tokens=8192, chunk_tokens=256, bytes_per_token=320 << 10)
+    assert tiny_cpu_model == 512  # the floor: 2 x 8704 tokens x 8 KiB is 136 MiB
+    assert llama_8b_on_a_gpu == 2 * (8192 + 2 * 256) * 128 // 1024  # 2176 MiB
+    assert llama_70b_on_one_gpu == 4096  # the ceiling
+
+
+def test_kv_bytes_per_token_count_every_layer_of_the_group():
+    group = SimpleNamespace(kv_cache_spec=SimpleNamespace(page_size_bytes=131072, block_size=128),
+                            layer_names=[f"model.layers.{i}.self_attn" for i in range(8)])  # fmt: skip
+    assert kv_bytes_per_token(group) == 8192  # the tiny test Llama: 8 layers x 4 heads x 128 x bf16
 
 
 def test_auto_moves_connector_threads_off_a_cpu_workers_compute_cores():

@@ -240,6 +240,28 @@ def test_a_load_from_nvme_larger_than_the_arena_loads_whole_and_its_last_window_
         small.close()
 
 
+def test_a_step_publishing_more_than_the_arena_holds_publishes_what_fits_and_says_so(daemon, caplog):
+    small = worker(daemon, shared=False, arena_bytes=THREE_SLOTS)
+    try:
+        parent, saves = small.client.spec.root(), []
+        for i in range(8):
+            tokens = pack_tokens(range(50_000 + i * CHUNK_TOKENS, 50_000 + (i + 1) * CHUNK_TOKENS))
+            saves.append(SaveChunk("p", [parent], tokens, list(range(i * PAGES, (i + 1) * PAGES)), None))
+            parent = chunk_key(parent, tokens)
+        with caplog.at_level("WARNING", logger="prefixcache.connector"):
+            small.save(PrefixCacheMetadata(saves=saves))
+        deadline = time.monotonic() + 10
+        while small.published_chunks < 3:
+            assert time.monotonic() < deadline, "the chunks that fit were not published"
+            time.sleep(0.01)
+        assert small.published_chunks == 3
+        assert [r.getMessage() for r in caplog.records if "arena_mb" in r.getMessage()] == [
+            "the arena was full: chunks computed in a step were not published; raise arena_mb (warned once)"
+        ]
+    finally:
+        small.close()
+
+
 def wait_persisted(client: CacheClient, keys: list[bytes], timeout_s: float = 15) -> None:
     deadline = time.monotonic() + timeout_s
     while not all(e is not None and any(loc.tier == "nvme" for loc in e.locations) for e in client.index.get(keys)):
