@@ -370,7 +370,7 @@ class WorkerSide:
         """
         stores = None
         while chunks:
-            if slots is None:
+            if not slots:
                 if stores is not None:
                     self._drop(stores)
                     stores = None

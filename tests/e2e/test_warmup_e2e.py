@@ -135,7 +135,7 @@ def test_a_fresh_instance_hits_every_warmed_token_and_answers_like_one_without_t
     stack, three_runs, run_vllm, tiny_model
 ):
     daemon, _, prompts = stack
-    extra = {"service_url": daemon.url, "arena_mb": 128}
+    extra = {"service_url": daemon.url}  # the arena sized automatically (arena_mb: auto)
     consumer = {"kv_connector": "PrefixCacheConnector", "kv_connector_module_path": "connector",
                 "kv_role": "kv_consumer", "kv_connector_extra_config": extra}  # fmt: skip
     warm = run_vllm({"model": str(tiny_model), "prompts": prompts, "max_tokens": 8, "kv_transfer_config": consumer})
