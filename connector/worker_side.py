@@ -381,7 +381,7 @@ class WorkerSide:
                     errors.update(chunk.blocks)
                 break
             if len(slots) < len(chunks):
-                self._warn_once("a load did not fit in the arena's free room and loads in windows, more slowly")
+                self._warn_once("a load did not fit in the arena's free room and loads in windows")
             window, chunks = chunks[: len(slots)], chunks[len(slots) :]
             stores = self._load_window(window, slots, errors)
             slots = None
