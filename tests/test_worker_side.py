@@ -4,7 +4,11 @@ whose cache lies in shared memory (pages written in place) or in ordinary memory
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +23,7 @@ from tests.daemon_harness import Daemon, damage_dram_copy, make_spec
 LAYERS, BLOCKS, BLOCK_TOKENS, PAGE_BYTES = 4, 64, 16, 4096
 CHUNK_TOKENS = 64  # four pages a chunk
 PAGES = CHUNK_TOKENS // BLOCK_TOKENS
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -260,6 +265,28 @@ def test_a_step_publishing_more_than_the_arena_holds_publishes_what_fits_and_say
         ]
     finally:
         small.close()
+
+
+def test_a_worker_process_publishes_and_loads_in_place_again_after_the_daemon_restarts_under_it(tmp_path):
+    """vLLM keeps running while ``prefixcache serve`` restarts (an upgrade, a crash under systemd): its one
+    Mooncake attachment per process reconnects to the new segment owner with its memory, KV cache included.
+    (Two attachments in one process fail to: each vLLM worker, like tests/worker_process.py, holds one.)"""
+    daemon = Daemon(tmp_path / "data").start()
+    child = subprocess.Popen([sys.executable, "-m", "tests.worker_process", daemon.url], cwd=REPO, text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        daemon.stop()
+        daemon.start()
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        result = json.loads(child.stdout.readline())
+        assert result["republished"] and result["new_chunk_loaded"] and result["new_chunk_in_place"], result
+        assert result["old_chunk_loaded"] and result["read_from_disk"] == 1, result  # DRAM restarted empty
+    finally:
+        child.kill()
+        child.wait()
+        daemon.stop()
 
 
 def wait_persisted(client: CacheClient, keys: list[bytes], timeout_s: float = 15) -> None:
