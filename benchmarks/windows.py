@@ -7,8 +7,8 @@ recomputed. This runs one worker side against the real daemon (``prefixcache ser
 mooncake_master, a segment owner, RocksDB files) and loads a 256 MiB hit of 2 MiB chunks (8 layers of
 two 128 KiB pages, the tiny test Llama's chunk) into a KV cache of CPU tensors, from DRAM and, with the
 DRAM copies deleted, from NVMe, with arenas of 512 MiB (one window), 64 MiB and 32 MiB. Rows alternate
-within each round, so every row sees the same machine; figures are medians, and ratios are per-round
-ratios to the one-window load of the same tier.
+within each round, each going first in turn, so every row sees the same machine; figures are medians,
+and ratios are per-round ratios to the one-window load of the same tier.
 
 Last run (medians of 7, a 2-core VM): windows cost nothing measurable, and smaller ones were faster: per
 round, 0.91x and 0.86x the one-window time from DRAM, 0.77x from NVMe, with 4 and 8 windows.
@@ -108,10 +108,12 @@ def main(argv: list[str] | None = None) -> int:
             loaders = {arena: worker(daemon, arena) for arena in ARENAS_MIB}
             times: dict[tuple[str, int], list[float]] = {}
             everything_in_dram = loaders[ARENAS_MIB[0]]  # one window: it stores every chunk it read back
-            for _ in range(args.rounds):
-                for arena, loader in loaders.items():
+            for round_ in range(args.rounds):
+                shift = round_ % len(ARENAS_MIB)  # each row goes first in turn: no row always follows the same one
+                order = [(arena, loaders[arena]) for arena in ARENAS_MIB[shift:] + ARENAS_MIB[:shift]]
+                for arena, loader in order:
                     times.setdefault(("dram", arena), []).append(timed_load(loader, plan, in_dram=True))
-                for arena, loader in loaders.items():
+                for arena, loader in order:
                     publisher.client.dram.delete(keys)
                     times.setdefault(("nvme", arena), []).append(timed_load(loader, plan, in_dram=False))
                     # the last window's chunks go back into DRAM in the background; let that end first

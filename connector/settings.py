@@ -42,7 +42,7 @@ class ConnectorSettings(BaseModel):
 
 
 #: Bounds of an automatically sized arena, in MiB: the floor serves small models well (the tiny test model's
-#: hits of 8k tokens are 64 MiB), and the ceiling keeps a huge model from pinning gigabytes unasked.
+#: hits of 8k tokens are 64 MiB), and the ceiling keeps a huge model from pinning more than 4 GiB unasked.
 AUTO_ARENA_MIB = (512, 4096)
 
 
