@@ -6,12 +6,12 @@ slots (connector/worker_side.py, ``_load_through_slots``); before, the chunks pa
 recomputed. This runs one worker side against the real daemon (``prefixcache serve``: redis-server,
 mooncake_master, a segment owner, RocksDB files) and loads a 256 MiB hit of 2 MiB chunks (8 layers of
 two 128 KiB pages, the tiny test Llama's chunk) into a KV cache of CPU tensors, from DRAM and, with the
-DRAM copies deleted, from NVMe, with arenas of 512 MiB (one window), 64 MiB and 32 MiB. Rows alternate
-within each round, each going first in turn, so every row sees the same machine; figures are medians,
-and ratios are per-round ratios to the one-window load of the same tier.
+DRAM copies deleted before each load, from NVMe, with arenas of 512 MiB (one window), 64 MiB and 32 MiB.
+Rows alternate within each round, each going first in turn, so every row sees the same machine; figures
+are medians, and ratios are per-round ratios to the one-window load of the same tier.
 
-Last run (medians of 7, a 2-core VM): windows cost nothing measurable, and smaller ones were faster: per
-round, 0.91x and 0.86x the one-window time from DRAM, 0.77x from NVMe, with 4 and 8 windows.
+Last run (medians of 9, a 2-core VM): windows cost nothing. Per round, 4 and 8 windows took 1.07x and
+1.00x the one-window time from DRAM, and 0.84x and 0.74x from NVMe.
 
 Run: ``python -m benchmarks.windows [--rounds 5]``. Writes ``benchmarks/results/windows.json``.
 """
@@ -107,20 +107,17 @@ def main(argv: list[str] | None = None) -> int:
             wait_until(lambda: persisted(publisher.client, keys), "persisting to NVMe")
             loaders = {arena: worker(daemon, arena) for arena in ARENAS_MIB}
             times: dict[tuple[str, int], list[float]] = {}
-            everything_in_dram = loaders[ARENAS_MIB[0]]  # one window: it stores every chunk it read back
-            for round_ in range(args.rounds):
-                shift = round_ % len(ARENAS_MIB)  # each row goes first in turn: no row always follows the same one
-                order = [(arena, loaders[arena]) for arena in ARENAS_MIB[shift:] + ARENAS_MIB[:shift]]
-                for arena, loader in order:
-                    times.setdefault(("dram", arena), []).append(timed_load(loader, plan, in_dram=True))
-                for arena, loader in order:
-                    publisher.client.dram.delete(keys)
-                    times.setdefault(("nvme", arena), []).append(timed_load(loader, plan, in_dram=False))
-                    # the last window's chunks go back into DRAM in the background; let that end first
-                    wait_until(lambda: publisher.client.dram.contains(keys[-1:]) == [True], "stores into DRAM")
-                publisher.client.dram.delete(keys)
-                timed_load(everything_in_dram, plan, in_dram=False)
-                wait_until(lambda: all(publisher.client.dram.contains(keys)), "stores into DRAM")
+            for tier in ("dram", "nvme"):
+                for round_ in range(args.rounds):
+                    shift = round_ % len(ARENAS_MIB)  # each row goes first in turn
+                    for arena in ARENAS_MIB[shift:] + ARENAS_MIB[:shift]:
+                        loader = loaders[arena]
+                        if tier == "nvme":
+                            publisher.client.dram.delete(keys)
+                        times.setdefault((tier, arena), []).append(timed_load(loader, plan, in_dram=tier == "dram"))
+                        # chunks read from NVMe go back into DRAM in the background; let that end first
+                        arena_of = loader.client.dram.arena
+                        wait_until(lambda arena_of=arena_of: arena_of.free_bytes == arena_of.size, "stores into DRAM")
         finally:
             for w in [publisher, *(loaders or {}).values()]:
                 if w is not None:
