@@ -381,7 +381,10 @@ class WorkerSide:
                     errors.update(chunk.blocks)
                 break
             if len(slots) < len(chunks):
-                self._warn_once("a load did not fit in the arena's free room and loads in windows")
+                self._warn_once(
+                    "a load did not fit in the arena's free room and loads in windows; what earlier "
+                    "windows read from NVMe is not put back into DRAM"
+                )
             window, chunks = chunks[: len(slots)], chunks[len(slots) :]
             stores = self._load_window(window, slots, errors)
             slots = None
