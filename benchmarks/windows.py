@@ -32,7 +32,7 @@ from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.worker_side import WorkerSide
 from indexer.keys import chunk_key
 from indexer.tokens import pack_tokens
-from tests.daemon_harness import Daemon, make_spec
+from tests.daemon_harness import Daemon, make_spec, wait_persisted
 
 LAYERS, PAGE_BYTES, BLOCK_TOKENS, CHUNK_TOKENS = 8, 128 << 10, 128, 256
 PAGES = CHUNK_TOKENS // BLOCK_TOKENS
@@ -74,10 +74,6 @@ def wait_until(condition, what: str, timeout_s: float = 120) -> None:  # noqa: A
         time.sleep(0.01)
 
 
-def persisted(client: CacheClient, keys: list[bytes]) -> bool:
-    return all(e is not None and any(loc.tier == "nvme" for loc in e.locations) for e in client.index.get(keys))
-
-
 def timed_load(loader: WorkerSide, plan: list[LoadChunk], in_dram: bool) -> float:
     chunks = [LoadChunk(c.key, c.stored_tokens, c.first_page, c.blocks, in_dram=in_dram) for c in plan]
     started = time.perf_counter()
@@ -104,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             publisher = worker(daemon, 64)
             plan = publish(publisher)
             keys = [chunk.key for chunk in plan]
-            wait_until(lambda: persisted(publisher.client, keys), "persisting to NVMe")
+            wait_persisted(publisher.client, keys, timeout_s=120)
             loaders = {arena: worker(daemon, arena) for arena in ARENAS_MIB}
             times: dict[tuple[str, int], list[float]] = {}
             for tier in ("dram", "nvme"):

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from cachestore.client import CacheClient
-from indexer.index import Location
 from tests.daemon_harness import Daemon, make_spec
 
 TOKEN = "s3cret-admin-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-NVME = Location("nvme", "node-a")
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +34,3 @@ def api(daemon: Daemon, client: CacheClient) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=daemon.url, headers=AUTH, timeout=60) as http:
         yield http
         assert http.post("/v1/evict", json={"all": True, "force": True}).status_code == 200
-
-
-def wait_persisted(client: CacheClient, keys: list[bytes], timeout_s: float = 20) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if all(e is not None and NVME in e.locations for e in client.index.get(keys)):
-            return
-        time.sleep(0.05)
-    raise AssertionError("chunks were not persisted in time")

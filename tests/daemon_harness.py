@@ -119,3 +119,13 @@ def damage_dram_copy(dram: MooncakeTier, key: bytes, max_bytes: int = 4 << 20) -
         assert dram._store.batch_upsert_from([dram._name(key)], [address], [size]) == [0]
     finally:
         dram.arena.free(slot)
+
+
+def wait_persisted(client: CacheClient, keys: list[bytes], timeout_s: float = 15) -> float:
+    """Seconds until every key has an NVMe location (the daemon's write-behind persisted it)."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if all(e is not None and any(loc.tier == "nvme" for loc in e.locations) for e in client.index.get(keys)):
+            return time.monotonic() - started
+        time.sleep(0.02)
+    raise AssertionError("chunks were not persisted in time")

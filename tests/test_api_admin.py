@@ -8,8 +8,8 @@ import time
 
 import httpx
 
-from tests.admin_stack import TOKEN, api, client, daemon, wait_persisted  # noqa: F401 - fixtures
-from tests.daemon_harness import fetch_payloads, publish_prompt
+from tests.admin_stack import TOKEN, api, client, daemon  # noqa: F401 - fixtures
+from tests.daemon_harness import fetch_payloads, publish_prompt, wait_persisted
 
 CHUNK = 64  # make_spec()'s chunk size
 
@@ -46,7 +46,7 @@ def test_without_the_token_only_health_and_config_answer(daemon):
 def test_lookup_reports_matched_tokens_and_each_chunks_tier(api, client):
     tokens = list(range(CHUNK * 3 + 20))
     keys, _ = publish_prompt(client, tokens)
-    wait_persisted(client, keys)
+    wait_persisted(client, keys, timeout_s=20)
     found = api.post("/v1/lookup", json={"namespace": ns(client), "token_ids": tokens + [99999] * 10}).json()
     assert found["requested_tokens"] == len(tokens) + 10 and found["matched_tokens"] == len(tokens)
     assert [c["key"] for c in found["chunks"]] == [k.hex() for k in keys] and found["matched_chunks"] == 4
@@ -73,7 +73,7 @@ def test_evict_by_prefix_removes_exactly_its_chunks_and_those_below_from_every_t
     prompt, _ = publish_prompt(client, list(range(CHUNK * 4 + 10)), seed=1)
     branch, _ = publish_prompt(client, list(range(CHUNK)) + [7] * 100, seed=2)  # shares the first chunk
     other, other_payloads = publish_prompt(client, list(range(1000, 1000 + CHUNK * 2)), seed=3)
-    wait_persisted(client, prompt + branch + other)
+    wait_persisted(client, prompt + branch + other, timeout_s=20)
     gone = set(prompt + branch)  # branch[0] is prompt[0]
     body = {"prefix": {"namespace": ns(client), "token_ids": list(range(CHUNK * 2))}}
     dry = api.post("/v1/evict", json={**body, "dry_run": True}).json()
@@ -93,7 +93,7 @@ def test_evict_by_prefix_removes_exactly_its_chunks_and_those_below_from_every_t
 def test_pinned_chunks_survive_an_eviction_storm(api, client):
     pinned, payloads = publish_prompt(client, list(range(CHUNK * 3)), seed=4)
     rest, _ = publish_prompt(client, list(range(5000, 5000 + CHUNK * 6)), seed=5)
-    wait_persisted(client, pinned + rest)
+    wait_persisted(client, pinned + rest, timeout_s=20)
     answer = api.post("/v1/pin", json={"prefix": {"namespace": ns(client), "token_ids": list(range(CHUNK * 3))}})
     assert answer.json()["chunks"] == 3 and answer.json()["pinned_until_s"] is None
     storm = [

@@ -16,7 +16,7 @@ from cachestore.codec import read_meta
 from indexer.index import Location
 from indexer.keys import prompt_query
 from indexer.leases import Leases
-from tests.daemon_harness import Daemon, fetch_payloads, make_spec, publish_prompt
+from tests.daemon_harness import Daemon, fetch_payloads, make_spec, publish_prompt, wait_persisted
 
 NVME = Location("nvme", "node-a")
 DRAM = Location("dram", "node-a")
@@ -47,16 +47,6 @@ def wait_for(condition, timeout_s: float = 10) -> bool:
             return False
         time.sleep(0.05)
     return True
-
-
-def wait_persisted(client: CacheClient, keys: list[bytes], timeout_s: float = 15) -> float:
-    """Seconds until every key has an NVMe location."""
-    started = time.monotonic()
-    while time.monotonic() - started < timeout_s:
-        if all(e is not None and NVME in e.locations for e in client.index.get(keys)):
-            return time.monotonic() - started
-        time.sleep(0.02)
-    raise AssertionError("chunks were not persisted in time")
 
 
 def test_publish_lookup_fetch_round_trip(client):

@@ -18,7 +18,7 @@ from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.worker_side import WorkerSide
 from indexer.keys import chunk_key
 from indexer.tokens import pack_tokens
-from tests.daemon_harness import Daemon, damage_dram_copy, make_spec
+from tests.daemon_harness import Daemon, damage_dram_copy, make_spec, wait_persisted
 
 LAYERS, BLOCKS, BLOCK_TOKENS, PAGE_BYTES = 4, 64, 16, 4096
 CHUNK_TOKENS = 64  # four pages a chunk
@@ -287,13 +287,6 @@ def test_a_worker_process_publishes_and_loads_in_place_again_after_the_daemon_re
         child.kill()
         child.wait()
         daemon.stop()
-
-
-def wait_persisted(client: CacheClient, keys: list[bytes], timeout_s: float = 15) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not all(e is not None and any(loc.tier == "nvme" for loc in e.locations) for e in client.index.get(keys)):
-        assert time.monotonic() < deadline, "chunks were not persisted in time"
-        time.sleep(0.02)
 
 
 def finished_async(w: WorkerSide, timeout_s: float = 10) -> set[str]:

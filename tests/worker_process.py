@@ -22,7 +22,7 @@ from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.worker_side import WorkerSide
 from indexer.keys import chunk_key
 from indexer.tokens import pack_tokens
-from tests.daemon_harness import make_spec
+from tests.daemon_harness import make_spec, wait_persisted
 
 LAYERS, BLOCKS, BLOCK_TOKENS, PAGE_BYTES, CHUNK_TOKENS = 2, 32, 16, 4096, 64
 PAGES = CHUNK_TOKENS // BLOCK_TOKENS
@@ -58,23 +58,14 @@ def published(worker: WorkerSide, count: int, timeout_s: float) -> bool:
     return True
 
 
-def persisted(client: CacheClient, key: bytes, timeout_s: float = 15) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        entry = client.index.get([key])[0]
-        if entry is not None and any(location.tier == "nvme" for location in entry.locations):
-            return True
-        time.sleep(0.02)
-    return False
-
-
 def main(service_url: str) -> None:
     client = CacheClient.connect(service_url, make_spec(CHUNK_TOKENS), arena_bytes=16 << 20)
     memory = client.shared_memory(LAYERS * BLOCKS * PAGE_BYTES)
     layers = list(torch.frombuffer(memory, dtype=torch.uint8).view(LAYERS, BLOCKS, PAGE_BYTES))
     worker = WorkerSide(client, layers, BLOCK_TOKENS)
     first, first_pages = publish(worker, seed=1, blocks=[0, 1, 2, 3])
-    ready = published(worker, 1, 10) and persisted(client, first) and load(worker, first, [8, 9, 10, 11], first_pages)
+    ready = published(worker, 1, 10) and load(worker, first, [8, 9, 10, 11], first_pages)
+    wait_persisted(client, [first])  # so that it outlives the restart, on NVMe
     print("ready" if ready else "not ready", flush=True)
     sys.stdin.readline()  # the daemon restarts meanwhile
     started = time.monotonic()
