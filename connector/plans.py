@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from connector.metadata import LoadChunk
@@ -37,6 +38,16 @@ def load_plan(match: PrefixMatch, blocks: list[int], start: int, end: int, g: Ge
             plan.append(LoadChunk(key, stored_tokens, span.start - i * c // g.block_tokens, blocks[span],
                                   in_dram=i not in match.without_dram))  # fmt: skip
     return plan
+
+
+def stored_prefix(matches: Sequence[PrefixMatch], tail_keys: Sequence[bytes | None]) -> tuple[int, bool]:
+    """What the lookup found stored on every rank: how many leading full chunks, and whether the prompt's own
+    tail (``tail_keys``, per rank) too. Neither is published again, whether the request loads it or vLLM's own
+    prefix cache held it already."""
+    full = min(len(match.keys) for match in matches)
+    tail = all(match.partial is not None and match.partial.key == key
+               for match, key in zip(matches, tail_keys, strict=True))  # fmt: skip
+    return full, tail
 
 
 def chunks_to_publish(

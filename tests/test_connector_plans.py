@@ -6,7 +6,7 @@ from types import SimpleNamespace
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 
 from connector.load_policy import load_asynchronously, reads_nvme
-from connector.plans import Geometry, chunks_to_publish, load_plan
+from connector.plans import Geometry, chunks_to_publish, load_plan, stored_prefix
 from connector.scheduler_side import blocks_vllm_writes_first
 from indexer.index import PartialHit, PrefixMatch
 
@@ -52,6 +52,16 @@ def test_full_chunks_are_published_as_soon_as_computed_and_the_tail_once_the_pro
 
 def test_a_tail_shorter_than_the_probe_is_not_published():
     assert chunks_to_publish(0, 1030, 1030, False, G) == ([(0, 256), (256, 512), (512, 768), (768, 1024)], True)
+
+
+def test_what_every_rank_has_stored_is_not_published_again():
+    tail = b"p" * 16  # match()'s partial key
+    assert stored_prefix([match(4, partial_tokens=40, stored=41)], [tail]) == (4, True)
+    assert stored_prefix([match(4, partial_tokens=40, stored=41), match(3)], [tail, tail]) == (3, False)  # per rank
+    assert stored_prefix([match(4, partial_tokens=40, stored=41)], [b"q" * 16]) == (4, False)  # another prompt's tail
+    assert stored_prefix([match(4)], [None]) == (4, False)  # a prompt of whole chunks
+    # a repeat vLLM's own prefix cache holds whole (4 chunks and 1 token) publishes none of it again
+    assert chunks_to_publish(4, 1025, 1025, False, G) == ([], True)
 
 
 def test_blocks_vllm_zeroes_or_copies_into_are_written_before_a_load_may_start():

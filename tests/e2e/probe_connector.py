@@ -6,8 +6,9 @@ the forward pass computed them (``saved-<key>.pt``) and the pages of every chunk
 placing them, before the forward pass reads them (``loaded-<key>-<first page>-<request>.pt``), each as a
 (layers, pages, *page shape) tensor, and how many of them the segment owner wrote into the pages in place
 (``loaded_in_place.<tensor-parallel rank>``), how many of those reads began at vLLM's first hook of the
-step (``loaded_early.<rank>``), and how many requests loaded asynchronously (``loaded_async.<rank>``); an
-asynchronous load's pages are recorded once the worker reports it over. Each rank records its own shard
+step (``loaded_early.<rank>``), how many requests loaded asynchronously (``loaded_async.<rank>``) and how
+many chunks it was asked to publish (``saves.<rank>``); an asynchronous load's pages are recorded once the
+worker reports it over. Each rank records its own shard
 under its own keys. A test then compares what one instance computed with what another loaded: the same
 bytes in the right blocks, or the cache is wrong.
 """
@@ -29,6 +30,7 @@ class ProbeConnector(PrefixCacheConnector):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._loading: dict[str, list[LoadChunk]] = {}  # asynchronous loads not reported over yet
+        self._saves = 0  # chunks the scheduler side asked this worker to publish
 
     def _probe_dir(self) -> Path | None:
         directory = os.environ.get("PREFIXCACHE_PROBE_DIR")
@@ -78,4 +80,6 @@ class ProbeConnector(PrefixCacheConnector):
             for save in meta.saves:
                 key = chunk_key(save.parents[self._worker.rank], save.tokens)
                 torch.save(self._pages(save.blocks), directory / f"saved-{key.hex()}.pt")
+            self._saves += len(meta.saves)
+            (directory / f"saves.{self._worker.rank}").write_text(str(self._saves))
         super().wait_for_save()

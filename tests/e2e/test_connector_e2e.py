@@ -31,6 +31,7 @@ P2 = random_prompt(seed=12, length=1100)
 HALF = P1[:550] + random_prompt(seed=13, length=550)  # shares only the first half of P1
 P3 = random_prompt(seed=14, length=1100)  # for the tensor-parallel runs
 P4 = random_prompt(seed=15, length=700)  # for the LoRA runs
+P5 = random_prompt(seed=17, length=4 * CHUNK + 1)  # whole chunks and one token: vLLM's own cache holds all but one
 PROMPTS = [P1, P2, HALF]
 # On CPUs with AMX, the same prompt computed along different paths (in one pass; after a cached
 # prefix; in prefill steps of another size) differs by up to ~0.1 in logprob, cache or no cache: the
@@ -129,6 +130,31 @@ def test_a_prompt_sharing_half_gets_exactly_that_half(half_reference, producer_t
     assert b["outputs"][2]["num_cached_tokens"] == 550
     ok, reason = same_greedy_output(half_reference["outputs"][0], b["outputs"][2])
     assert ok, reason
+
+
+@pytest.fixture(scope="module")
+def with_vllm_prefix_cache(run_vllm, tiny_model, daemon, producer_then_consumer, tmp_path_factory):
+    """An instance with vLLM's own prefix cache on runs P1 (published by A), then P5 twice: the repeat is
+    served by vLLM's own cache. Returns (its output, probe directory)."""
+    probe = tmp_path_factory.mktemp("probe-prefix-cache")
+    out = run_vllm({"model": str(tiny_model), "prompts": [P1, P5, P5], "max_tokens": 16, "prefix_caching": True,
+                    "kv_transfer_config": connector_config(daemon, probe=True)},
+                   env={"PREFIXCACHE_PROBE_DIR": str(probe)})  # fmt: skip
+    return out, probe
+
+
+def test_with_vllms_own_prefix_cache_on_hits_load_and_what_is_stored_is_not_published_again(
+    reference, with_vllm_prefix_cache
+):
+    out, probe = with_vllm_prefix_cache
+    assert [o["num_cached_tokens"] for o in out["outputs"]] == [len(P1) - 1, 0, 4 * CHUNK]
+    ok, reason = same_greedy_output(reference["outputs"][0], out["outputs"][0])
+    assert ok, reason
+    ok, reason = same_greedy_output(out["outputs"][1], out["outputs"][2])  # vLLM's own hit answers the same
+    assert ok, reason
+    # P1 was stored whole and P5's one-token tail is too short to publish: only P5's first run publishes, its four
+    # chunks. Before, the repeat published them again from the pages vLLM's own cache held.
+    assert int((probe / "saves.0").read_text()) == 4
 
 
 def test_another_model_gets_zero_hits_not_wrong_kv(run_vllm, tmp_path_factory, daemon, producer_then_consumer):
