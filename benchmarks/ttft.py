@@ -9,10 +9,11 @@ vLLM's own prefix cache off unless it is the row. Each engine process first runs
 prompt so that no measured prompt pays for first-request set-up. Cross-process rows are what a
 cache is for: a producer process computes the prompts and exits, then a fresh consumer process runs
 them again and its TTFT is the row's figure. For prefixcache the consumer runs three times: against
-the DRAM tier; against it again with vLLM's own prefix cache on, each prompt twice, so that our hit
-and vLLM's own hit on the same prompt are measured in one engine seconds apart (the ratio least
-exposed to this VM's drift between engines), and what our connector costs vLLM's own hits shows;
-and after restarting the daemon, when every chunk comes from the NVMe tier.
+the DRAM tier; against it again with vLLM's own prefix cache on, each prompt twice in a row, in
+rounds that empty vLLM's cache before each pair, so that our hit and vLLM's own hit on the same
+prompt are measured in one engine milliseconds apart (the ratio least exposed to this VM's drift
+between engines), and what our connector costs vLLM's own hits shows; and after restarting the
+daemon, when every chunk comes from the NVMe tier.
 
 The servers of every cache (our daemon with ``--cpus``, the peers' Mooncake pool and LMCache server)
 run on the core vLLM reserves, the last one, as a vLLM CPU host would run them; ``--servers-on
@@ -52,6 +53,7 @@ MAX_BATCHED_TOKENS = 8192  # one prefill step per prompt in every row (ExampleCo
 CEILING = "vllm-prefix-cache"
 DRAM_BESIDE = "prefixcache-dram-beside-vllm-prefix-cache"  # our hit in an engine with vLLM's own prefix cache on
 CEILING_BESIDE = "vllm-prefix-cache-beside-prefixcache"  # vLLM's own hit in an engine with our connector
+PAIRED_ROUNDS = 3  # pairs per prompt in that engine: hits are cheap, and more pairs steady the ratio
 COLD_BESIDE_PUBLISHING = "cold-beside-publishing"
 
 
@@ -84,13 +86,17 @@ class Runner:
         record_as: str | None = None,
         twice: bool = False,
         record_first_as: str | None = None,
+        rounds: int = 1,
     ) -> None:
         """One fresh engine process over every prompt; ``twice`` runs each prompt again and records the repeat as
-        ``record_as`` (and the first run as ``record_first_as``, if given)."""
-        measured = [p for p in self.prompts for _ in range(2 if twice else 1)]
+        ``record_as`` (and the first run as ``record_first_as``, if given). ``rounds`` > 1 goes over the prompts
+        that many times, emptying vLLM's own prefix cache before each prompt's first run."""
+        measured = [p for _ in range(rounds) for p in self.prompts for _ in range(2 if twice else 1)]
         spec = {"model": str(self.model), "prompts": [WARM_PROMPT, *measured], "max_tokens": 1, "logprobs": 0,
                 "prefix_caching": prefix_caching, "kv_transfer_config": kv_transfer_config,
                 "max_num_batched_tokens": MAX_BATCHED_TOKENS}  # fmt: skip
+        if rounds > 1:
+            spec["reset_prefix_cache_before"] = list(range(1, len(measured) + 1, 2 if twice else 1))
         print(f"[ttft] {name} ...", flush=True)
         t0 = time.perf_counter()
         result = run_engine(spec, self.workdir, name, timeout_s=1800, env=env)
@@ -103,7 +109,8 @@ class Runner:
 
     def _record(self, config: str | None, outputs: list[dict]) -> None:
         if config is not None:
-            for prompt, out in zip(self.prompts, outputs, strict=True):
+            prompts = self.prompts * (len(outputs) // len(self.prompts))
+            for prompt, out in zip(prompts, outputs, strict=True):
                 self.cases.append(Case(len(prompt), config, out["ttft_s"], out["num_cached_tokens"],
                                        out["token_ids"][0]))  # fmt: skip
 
@@ -188,9 +195,9 @@ def prefixcache(run: Runner) -> None:
         run.engine("prefixcache-producer", config, record_as="prefixcache-publishing")
         run.engine("prefixcache-consumer-dram", config, record_as="prefixcache-dram")
         # vLLM's own prefix cache on, as in production: each prompt's first run is a DRAM hit of ours and its
-        # repeat a hit of vLLM's own, in the same engine a few seconds apart (the ratio drifts least)
+        # repeat a hit of vLLM's own, in the same engine a few milliseconds apart (the ratio drifts least)
         run.engine("prefixcache-beside-vllm-prefix-cache", config, prefix_caching=True, twice=True,
-                   record_first_as=DRAM_BESIDE, record_as=CEILING_BESIDE)  # fmt: skip
+                   record_first_as=DRAM_BESIDE, record_as=CEILING_BESIDE, rounds=PAIRED_ROUNDS)  # fmt: skip
         wait_until_persisted(daemon.url, [WARM_PROMPT, *run.prompts])
         daemon.stop()
         daemon.start()  # the segment owner starts empty: every chunk now comes from the NVMe tier

@@ -15,6 +15,7 @@ SPEC.json::
      "tensor_parallel_size": 1,             # optional; ranks are processes sharing this machine's cores
      "loras": ["/path/to/adapter" | null, ...],  # optional; a LoRA adapter (or none) per prompt
      "logprobs": 2,                         # top-k alternatives recorded per generated token
+     "reset_prefix_cache_before": [3, 5],   # optional; prompt indices before which vLLM's own prefix cache is emptied
      "beside": {"prompts": [[ids...], ...], "max_tokens": 96, "after_tokens": 16}}  # optional, see below
 
 The prompts go through one ``generate`` call each, in order, so a later prompt can hit chunks an earlier one
@@ -42,7 +43,8 @@ import traceback
 from pathlib import Path
 
 _KEYS = {"model", "prompts", "max_tokens", "prefix_caching", "kv_transfer_config", "kv_transfer_params",
-         "max_num_batched_tokens", "kv_cache_dtype", "logprobs", "tensor_parallel_size", "loras", "beside"}  # fmt: skip
+         "max_num_batched_tokens", "kv_cache_dtype", "logprobs", "tensor_parallel_size", "loras", "beside",
+         "reset_prefix_cache_before"}  # fmt: skip
 
 
 class SpecError(ValueError):
@@ -64,6 +66,9 @@ def load_spec(path: Path) -> dict:
     loras = spec.get("loras")
     if loras is not None and (len(loras) != len(prompts) or not all(p is None or Path(p).is_dir() for p in loras)):
         raise SpecError("spec.loras must hold an adapter directory or null per prompt")
+    resets = spec.get("reset_prefix_cache_before", [])
+    if not isinstance(resets, list) or not all(isinstance(i, int) and 0 <= i < len(prompts) for i in resets):
+        raise SpecError("spec.reset_prefix_cache_before must be a list of prompt indices")
     beside = spec.get("beside")
     if beside is not None and (
         not isinstance(beside, dict)
@@ -133,7 +138,10 @@ def run(spec: dict) -> tuple[dict, object]:
         path: LoRARequest(Path(path).name, i + 1, path) for i, path in enumerate(dict.fromkeys(filter(None, loras)))
     }
     beside = spec.get("beside")
+    resets = set(spec.get("reset_prefix_cache_before", ()))
     for i, (prompt, lora) in enumerate(zip(spec["prompts"], loras, strict=True)):
+        if i in resets and not llm.reset_prefix_cache():
+            raise RuntimeError(f"vLLM refused to reset its prefix cache before prompt {i}")
         t0 = time.perf_counter()
         if beside is None:
             (result,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False,
