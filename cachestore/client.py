@@ -130,6 +130,11 @@ class CacheClient:
     def release(self, view: memoryview) -> None:
         self.dram.arena.free(view)
 
+    @property
+    def arena_memory(self) -> tuple[int, int]:
+        """(address, size) of the registered arena every slot lies in: a GPU worker pins it for its copies."""
+        return self.dram.arena.address, self.dram.arena.size
+
     def publish(self, chunks: Sequence[tuple[ChunkMeta, memoryview]], tenant_salt: str | None = None) -> list[bool]:
         """Store each (meta, slot holding its payload) in DRAM, then register what was stored."""
         if not chunks:

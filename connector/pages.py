@@ -38,15 +38,20 @@ def block_runs(blocks: Sequence[int]) -> Iterator[tuple[int, int, int]]:
             start = i
 
 
-def gather(layers: Sequence[torch.Tensor], blocks: Sequence[int], out: torch.Tensor) -> None:
-    """Copy pages ``blocks`` of every layer into ``out`` (layers, len(blocks), ...); device pages land on the host."""
+def gather(
+    layers: Sequence[torch.Tensor], blocks: Sequence[int], out: torch.Tensor, non_blocking: bool = False
+) -> None:
+    """Copy pages ``blocks`` of every layer into ``out`` (layers, len(blocks), ...); device pages land on the
+    host (``non_blocking``: queued on the current stream, see connector/page_copies.py)."""
     for at, block, n in block_runs(blocks):
         for layer, dst in zip(layers, out, strict=True):
-            dst[at : at + n].copy_(layer[block : block + n])
+            dst[at : at + n].copy_(layer[block : block + n], non_blocking=non_blocking)
 
 
-def scatter(src: torch.Tensor, layers: Sequence[torch.Tensor], blocks: Sequence[int]) -> None:
+def scatter(
+    src: torch.Tensor, layers: Sequence[torch.Tensor], blocks: Sequence[int], non_blocking: bool = False
+) -> None:
     """Copy the first ``len(blocks)`` pages of ``src`` into pages ``blocks`` of every layer."""
     for at, block, n in block_runs(blocks):
         for layer, pages in zip(layers, src, strict=True):
-            layer[block : block + n].copy_(pages[at : at + n])
+            layer[block : block + n].copy_(pages[at : at + n], non_blocking=non_blocking)

@@ -9,8 +9,9 @@ forward pass runs, for a synchronous load); the verdict is in before vLLM asks f
 Other chunks are fetched into arena slots, verified and copied in. A chunk that cannot be fetched or
 fails verification reports its blocks as load errors: vLLM recomputes them and discards that step's
 output for the request, and the request's new pages of that step are not published.
-Publishing copies the new chunks' pages into arena slots after the forward pass, then a background
-thread does the Mooncake put and the index registration, so the forward never waits on either. The
+Publishing copies the new chunks' pages into arena slots after the forward pass (on a GPU, on a
+stream of its own: connector/page_copies.py), then a background thread does the Mooncake put and the
+index registration, so the forward never waits on either. The
 same thread stores chunks a load read straight from NVMe into DRAM, from the slots they were read
 into, once the forward pass is over.
 """
@@ -35,7 +36,8 @@ from cachestore.codec import ChunkMeta, payload_offset
 from cachestore.nvme import read_size
 from cachestore.runs import runs_of_about
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
-from connector.pages import block_runs, gather, payload_bytes, payload_view, scatter
+from connector.page_copies import page_copies_for
+from connector.pages import block_runs, payload_bytes, payload_view
 from indexer.namespace import tenant_id
 
 log = logging.getLogger("prefixcache.connector")
@@ -96,8 +98,8 @@ class WorkerSide:
         self._counting = threading.Lock()  # loads are counted from several threads
         self.published_chunks = 0
         # Jobs that move held slots to the store (publishes, stores after disk reads), and those slots.
-        self._background: queue.Queue[tuple[Callable[[], object], list[memoryview]] | None] = queue.Queue(
-            _BACKGROUND_QUEUE
+        self._background: queue.Queue[tuple[Callable[[], object], list[memoryview], Callable[[], None]] | None] = (
+            queue.Queue(_BACKGROUND_QUEUE)
         )
         self._background_thread = threading.Thread(
             target=self._background_loop, name="prefixcache-background", daemon=True
@@ -123,6 +125,7 @@ class WorkerSide:
         self._async_loads: list[tuple[set[str], Future[set[int]]]] = []
         self._async_begun: PrefixCacheMetadata | None = None  # the step whose asynchronous loads begin_load started
         self._warned: set[str] = set()  # what the arena's size costs is logged once per kind
+        self._copies = page_copies_for(self.layers, client.arena_memory)  # at once on CPU, on streams on a GPU
         first = self.layers[0]
         self._page_bytes = first[0].numel() * first.element_size()
         self._layer_starts: list[int] = []  # where each layer's block 0 lies in self._kv
@@ -417,6 +420,7 @@ class WorkerSide:
             if pending is not None:
                 pending.exception()  # the fetch in flight must finish before its slots are released
             self.client.settle_reads()
+            self._copies.loaded()  # and so must the copies out of them (into a GPU's pages)
             held = [slot for (key, slot) in upcoming if key in read_from_disk]
             for key, slot in upcoming:
                 if key not in read_from_disk:
@@ -463,7 +467,7 @@ class WorkerSide:
                 errors.update(chunk.blocks)
                 continue
             src = payload_view(payload, self.layers, pages)[:, chunk.first_page :]
-            scatter(src, self.layers, chunk.blocks)
+            self._copies.scatter(src, self.layers, chunk.blocks)
             self._count_loaded(1)
 
     def take_load_errors(self) -> set[int]:
@@ -490,8 +494,11 @@ class WorkerSide:
             staged = self._stage(chunk)
             if staged is not None:
                 by_tenant.setdefault(chunk.tenant_salt, []).append(staged)
+        if not by_tenant:
+            return
+        copied = self._copies.saved()  # a GPU's pages are still on their way into the slots
         for salt, batch in by_tenant.items():
-            self._in_background(functools.partial(self._publish, batch, salt), [slot for _, slot in batch])
+            self._in_background(functools.partial(self._publish, batch, salt), [slot for _, slot in batch], copied)
 
     def _stage(self, chunk: SaveChunk) -> tuple[ChunkMeta, memoryview] | None:
         pages = len(chunk.blocks)
@@ -507,7 +514,7 @@ class WorkerSide:
         except ArenaFullError:
             self._warn_once("the arena was full: chunks computed in a step were not published")
             return None
-        gather(
+        self._copies.gather(
             self.layers, chunk.blocks, payload_view(slot[meta.payload_offset : meta.encoded_size], self.layers, pages)
         )
         return meta, slot
@@ -517,19 +524,23 @@ class WorkerSide:
 
     # -- background ----------------------------------------------------------------------------------
 
-    def _in_background(self, job: Callable[[], object], slots: list[memoryview]) -> None:
-        """Run ``job`` on the background thread, then release ``slots``; if it has fallen behind, drop the job."""
+    def _in_background(self, job: Callable[[], object], slots: list[memoryview],
+                       copied: Callable[[], None] = lambda: None) -> None:  # fmt: skip
+        """Run ``job`` on the background thread, then release ``slots``; if it has fallen behind, drop the job.
+        ``copied`` waits for copies into the slots still in flight: nothing reads or reuses them before."""
         try:
-            self._background.put_nowait((job, slots))
+            self._background.put_nowait((job, slots, copied))
         except queue.Full:  # these chunks are simply not cached (or not brought back to DRAM)
+            copied()
             for slot in slots:
                 self.client.release(slot)
 
     def _background_loop(self) -> None:
         self._io_thread_setup()
         while (item := self._background.get()) is not None:
-            job, slots = item
+            job, slots, copied = item
             try:
+                copied()
                 job()
             except Exception:  # noqa: BLE001 - best effort; the forward path never sees it
                 log.exception("background store of %d chunks failed", len(slots))
@@ -549,6 +560,7 @@ class WorkerSide:
             self._drop(stores)
         self._background.put(None)
         self._background_thread.join(timeout=30)
+        self._copies.close()
         self.client.close()
 
     # -- sizes ---------------------------------------------------------------------------------------

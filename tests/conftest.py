@@ -16,6 +16,7 @@ from indexer.embedded_index import EmbeddedIndex
 from indexer.index import PrefixIndex
 from indexer.namespace import NamespaceSpec
 from indexer.redis_index import RedisIndex
+from tests.daemon_harness import Daemon
 
 _prefixes = itertools.count()
 
@@ -43,6 +44,14 @@ def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeNode]
     node = MooncakeNode(tmp_path_factory.mktemp("mooncake"))
     yield node
     node.stop()
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    """A ``prefixcache serve`` of the test's own: the whole stack, as a node runs it."""
+    d = Daemon(tmp_path / "data").start()
+    yield d
+    d.stop()
 
 
 @pytest.fixture

@@ -22,13 +22,6 @@ NVME = Location("nvme", "node-a")
 DRAM = Location("dram", "node-a")
 
 
-@pytest.fixture
-def daemon(tmp_path):
-    d = Daemon(tmp_path / "data").start()
-    yield d
-    d.stop()
-
-
 def connect(daemon: Daemon, spec=None) -> CacheClient:
     return CacheClient.connect(daemon.url, spec or make_spec(), arena_bytes=64 << 20)
 

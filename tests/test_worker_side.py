@@ -26,13 +26,6 @@ PAGES = CHUNK_TOKENS // BLOCK_TOKENS
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture
-def daemon(tmp_path):
-    d = Daemon(tmp_path / "data").start()
-    yield d
-    d.stop()
-
-
 def kv_cache(memory: memoryview | None = None) -> list[torch.Tensor]:
     """Per-layer (blocks, page) uint8 views of one buffer, layer after layer, as vLLM lays out the CPU cache."""
     size = LAYERS * BLOCKS * PAGE_BYTES
