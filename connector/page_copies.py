@@ -7,10 +7,11 @@ overwrite them, and the host must not read or reuse a slot while a copy still mo
 copies run at DMA speed and never block the thread that queues them:
 
 - **Publishes** (``gather``): the save stream waits for the compute stream (the forward pass that wrote
-  the pages), copies the pages into slots, and ``saved`` makes the compute stream wait for it in turn: a
-  finished request's blocks are handed to the next request at once, and its next forward pass must not
-  overwrite pages still being copied. ``saved`` returns what the publishing thread waits on before it
-  reads the slots, so vLLM's own thread never waits for a device-to-host copy.
+  the pages) and copies the pages into slots; ``saved`` returns what the publishing thread waits on
+  before it reads them, so vLLM's own thread never waits for a device-to-host copy. A finished request's
+  blocks go to the next request at once, so the next step's kernels must not overwrite pages still being
+  copied: ``before_step``, at vLLM's first hook of every step, makes the compute stream wait for the
+  copies. Not earlier: this step's sampling, queued after the publish, need not wait for it.
 - **Loads** (``scatter``): the load stream waits for the save stream (a block whose old pages are still
   being published may be loaded into) and, on the thread that runs the model, for the compute stream;
   ``loaded`` blocks until every page is in, before the slots go back to the arena and before the load
@@ -39,8 +40,10 @@ class PageCopies(Protocol):
         """Start copying pages ``blocks`` of every layer into ``out``."""
 
     def saved(self) -> Callable[[], None]:
-        """After the gathers so far: later forward passes leave their pages alone until they are copied;
-        returns what to call before reading ``out`` (it waits for the copies)."""
+        """What to call before reading the ``out`` of the gathers so far: it waits for their copies."""
+
+    def before_step(self) -> None:
+        """At vLLM's first hook of a step: the step's kernels wait for the gathers still reading pages."""
 
     def scatter(self, src: torch.Tensor, layers: Sequence[torch.Tensor], blocks: Sequence[int]) -> None:
         """Start copying the first ``len(blocks)`` pages of ``src`` into pages ``blocks`` of every layer."""
@@ -74,6 +77,9 @@ class HostPageCopies:
     def saved(self) -> Callable[[], None]:
         return _nothing
 
+    def before_step(self) -> None:
+        pass
+
     def scatter(self, src: torch.Tensor, layers: Sequence[torch.Tensor], blocks: Sequence[int]) -> None:
         scatter(src, layers, blocks)
 
@@ -97,17 +103,23 @@ class CudaPageCopies:
         self._save_stream = torch.cuda.Stream(device)
         self._load_stream = torch.cuda.Stream(device)
         self._pinned = pin_host_memory(*host_memory)
+        self._gathering = False  # gathers queued since the last step began
 
     def gather(self, layers: Sequence[torch.Tensor], blocks: Sequence[int], out: torch.Tensor) -> None:
         self._save_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._save_stream):
             gather(layers, blocks, out, non_blocking=True)
+        self._gathering = True
 
     def saved(self) -> Callable[[], None]:
-        torch.cuda.current_stream(self.device).wait_stream(self._save_stream)
         copied = torch.cuda.Event(blocking=True)  # the publishing thread sleeps while it waits, it does not spin
         copied.record(self._save_stream)
         return copied.synchronize
+
+    def before_step(self) -> None:
+        if self._gathering:
+            torch.cuda.current_stream(self.device).wait_stream(self._save_stream)
+            self._gathering = False
 
     def scatter(self, src: torch.Tensor, layers: Sequence[torch.Tensor], blocks: Sequence[int]) -> None:
         self._load_stream.wait_stream(self._save_stream)

@@ -133,7 +133,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """vLLM's first hook of every step, about 1 ms before ``start_load_kv``: DRAM hits start here."""
         if self._worker is not None and isinstance(kv_connector_metadata, _metadata_type()):
-            self._worker.begin_load(kv_connector_metadata)
+            self._worker.begin_step(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self._worker is not None:

@@ -147,6 +147,12 @@ class WorkerSide:
 
     # -- loads ---------------------------------------------------------------------------------------
 
+    def begin_step(self, meta: PrefixCacheMetadata) -> None:
+        """vLLM's first hook of every step (``handle_preemptions``): on a GPU, the step's kernels wait for the
+        publishes still copying pages out (connector/page_copies.py); then ``begin_load``."""
+        self._copies.before_step()
+        self.begin_load(meta)
+
     def begin_load(self, meta: PrefixCacheMetadata) -> None:
         """Start this step's in-place reads at vLLM's first hook of the step (``handle_preemptions``).
 

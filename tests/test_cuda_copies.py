@@ -41,7 +41,7 @@ def device_cache(blocks: int, page_bytes: int, layers: int = LAYERS) -> list[tor
 
 
 @needs_cuda
-def test_gathered_pages_are_those_the_queued_forward_wrote_not_those_a_later_one_writes(host_memory):
+def test_gathered_pages_are_those_the_queued_forward_wrote_not_those_the_next_step_writes(host_memory):
     layers = device_cache(blocks=64, page_bytes=1 << 20)  # 4 layers of 64 MiB
     copies = CudaPageCopies(torch.device("cuda"), (address_of(host_memory), len(host_memory)))
     try:
@@ -52,6 +52,7 @@ def test_gathered_pages_are_those_the_queued_forward_wrote_not_those_a_later_one
         out = host_tensor(host_memory, len(blocks))
         copies.gather(layers, blocks, out)
         copied = copies.saved()
+        copies.before_step()
         for layer in layers:
             layer.fill_(7)  # the next step may reuse the blocks at once: it must wait for the copies
         copied()
