@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
 import pytest
 
 
@@ -98,3 +99,12 @@ def test_use_after_close_raises_instead_of_crashing(mooncake):
     tier.close()
     with pytest.raises(RuntimeError, match="after close"):
         tier.get_into([os.urandom(16)], [memoryview(bytearray(10))])
+
+
+def test_shared_memory_is_handed_out_zeroed_after_the_owner_wrote_every_page(tier):
+    memory = tier.shared_memory(16 << 20)  # the owner's pre-fault reads each window and writes it back
+    assert not np.frombuffer(memory, dtype=np.uint8).any()
+    k, data = key(99), os.urandom(3 << 20)
+    assert tier.put([(k, data)]) == [True]
+    assert tier.get_scattered([k], [[memory[5 << 20 : 6 << 20], memory[10 << 20 : 12 << 20]]]) == [3 << 20]
+    assert bytes(memory[5 << 20 : 6 << 20]) + bytes(memory[10 << 20 : 12 << 20]) == data
