@@ -11,9 +11,8 @@ fails verification reports its blocks as load errors: vLLM recomputes them and d
 output for the request, and the request's new pages of that step are not published.
 Publishing copies the new chunks' pages into arena slots after the forward pass (on a GPU, on a
 stream of its own: connector/page_copies.py), then a background thread does the Mooncake put and the
-index registration, so the forward never waits on either. The
-same thread stores chunks a load read straight from NVMe into DRAM, from the slots they were read
-into, once the forward pass is over.
+index registration, so the forward never waits on either. The same thread stores chunks a load read
+straight from NVMe into DRAM, from the slots they were read into, once the forward pass is over.
 """
 
 from __future__ import annotations
