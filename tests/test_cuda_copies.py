@@ -11,11 +11,20 @@ import torch
 
 from cachestore.arena import address_of
 from cachestore.client import CacheClient
-from connector.metadata import LoadChunk, PrefixCacheMetadata
 from connector.page_copies import CudaPageCopies, HostPageCopies, page_copies_for
 from connector.worker_side import WorkerSide
 from tests.daemon_harness import make_spec
-from tests.test_worker_side import BLOCK_TOKENS, BLOCKS, CHUNK_TOKENS, LAYERS, PAGE_BYTES, PAGES, equal, pages, publish
+from tests.test_worker_side import (
+    BLOCK_TOKENS,
+    BLOCKS,
+    CHUNK_TOKENS,
+    LAYERS,
+    PAGE_BYTES,
+    load,
+    loaded_partial_pages,
+    partial_pages_plan,
+    publish,
+)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
 
@@ -103,11 +112,6 @@ def cuda_workers(daemon):
 def test_a_gpu_worker_publishes_and_another_loads_bit_for_bit_through_pinned_slots(cuda_workers):
     publisher, loader = cuda_workers
     keys = publish(publisher, chunks=3)
-    plan = [LoadChunk(keys[0], CHUNK_TOKENS, 0, [40, 41, 42, 43]), LoadChunk(keys[1], CHUNK_TOKENS, 1, [20, 22, 23]),
-            LoadChunk(keys[2], CHUNK_TOKENS, 0, [50, 51, 52])]  # fmt: skip
-    loader.start_load(PrefixCacheMetadata(loads=[{"r": plan}]))
-    assert loader.take_load_errors() == set()
+    assert load(loader, {"r": partial_pages_plan(keys)}) == set()
     assert loader.loaded_chunks == 3
-    assert equal(pages(loader, [40, 41, 42, 43]), pages(publisher, list(range(PAGES))))
-    assert equal(pages(loader, [20, 22, 23]), pages(publisher, [5, 6, 7]))
-    assert equal(pages(loader, [50, 51, 52]), pages(publisher, [8, 9, 10]))
+    assert loaded_partial_pages(loader, publisher)

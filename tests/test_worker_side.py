@@ -87,17 +87,25 @@ def equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
+def partial_pages_plan(keys: list[bytes]) -> list[LoadChunk]:
+    """Chunk 0 whole; chunk 1 from its second page (vLLM holds the first); chunk 2 without its last page."""
+    return [LoadChunk(keys[0], CHUNK_TOKENS, 0, [40, 41, 42, 43]), LoadChunk(keys[1], CHUNK_TOKENS, 1, [20, 22, 23]),
+            LoadChunk(keys[2], CHUNK_TOKENS, 0, [50, 51, 52])]  # fmt: skip
+
+
+def loaded_partial_pages(loader: WorkerSide, publisher: WorkerSide) -> bool:
+    """Whether ``partial_pages_plan`` put the publisher's pages into the loader's blocks."""
+    return (equal(pages(loader, [40, 41, 42, 43]), pages(publisher, [0, 1, 2, 3]))
+            and equal(pages(loader, [20, 22, 23]), pages(publisher, [5, 6, 7]))
+            and equal(pages(loader, [50, 51, 52]), pages(publisher, [8, 9, 10])))  # fmt: skip
+
+
 def test_a_cache_in_shared_memory_is_loaded_in_place_page_for_page(publisher, loader):
     keys = publish(publisher, chunks=6)
     assert loader._kv is not None
-    # chunk 0 whole; chunk 1 from its second page (vLLM holds the first); chunk 2 without its last page
-    plan = [LoadChunk(keys[0], CHUNK_TOKENS, 0, [40, 41, 42, 43]), LoadChunk(keys[1], CHUNK_TOKENS, 1, [20, 22, 23]),
-            LoadChunk(keys[2], CHUNK_TOKENS, 0, [50, 51, 52])]  # fmt: skip
-    assert load(loader, {"r": plan}) == set()
+    assert load(loader, {"r": partial_pages_plan(keys)}) == set()
     assert loader.loaded_in_place == loader.loaded_chunks == 3
-    assert equal(pages(loader, [40, 41, 42, 43]), pages(publisher, [0, 1, 2, 3]))
-    assert equal(pages(loader, [20, 22, 23]), pages(publisher, [5, 6, 7]))
-    assert equal(pages(loader, [50, 51, 52]), pages(publisher, [8, 9, 10]))
+    assert loaded_partial_pages(loader, publisher)
     untouched = [b for b in range(BLOCKS) if b not in (40, 41, 42, 43, 20, 22, 23, 50, 51, 52)]
     assert all(not layer[untouched].any() for layer in loader.layers)  # skipped pages went to scratch
 
