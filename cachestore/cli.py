@@ -78,13 +78,15 @@ def proxy(
     routing: Annotated[Optional[str], typer.Option(help="round-robin or cache-aware [default: round-robin]")] = None,  # noqa: UP045
     service_url: Annotated[Optional[str], typer.Option(help="a prefixcache daemon, for cache-aware routing")] = None,  # noqa: UP045
     timeout_s: Annotated[Optional[float], typer.Option(help="longest request to an instance [default: 600]")] = None,  # noqa: UP045
+    publish_wait_s: Annotated[Optional[float], typer.Option(help="wait for a prefill's chunks [default: 2]")] = None,  # noqa: UP045
+    retry_after_s: Annotated[Optional[float], typer.Option(help="a failed instance goes last [default: 10]")] = None,  # noqa: UP045
 ) -> None:
     """OpenAI-compatible front for disaggregated prefill: each request is prefilled on a prefill instance,
     which publishes the prompt's KV, then generated on a decode instance, which loads it from the store."""
     from cachestore.proxy import ProxySettings, serve
 
     flags = dict(prefill=prefill, decode=decode, host=host, port=port, routing=routing, service_url=service_url,
-                 timeout_s=timeout_s)  # fmt: skip
+                 timeout_s=timeout_s, publish_wait_s=publish_wait_s, retry_after_s=retry_after_s)  # fmt: skip
     with _clear_errors():
         serve(ProxySettings.parse(flags))
 

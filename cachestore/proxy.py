@@ -112,6 +112,7 @@ class ProxyStats:
     prefill_skipped: int = 0  # cache-aware: the whole prefix was already in the store
     prefill_failed: int = 0  # no prefill instance answered: the decode instance prefilled itself
     decode_failed: int = 0  # no decode instance answered: the client got a 502
+    publish_wait_expired: int = 0  # cache-aware: a prefill's chunks missed the index for publish_wait_s
 
 
 class CachedPrefix:
@@ -176,10 +177,10 @@ class Proxy:
         if aware and await self._cached(body, tokens):
             self.stats.prefill_skipped += 1
         else:
-            error = await self._prefill(path, body)
-            if error is not None:
-                return error
-            if aware and self.settings.publish_wait_s > 0:
+            prefilled = await self._prefill(path, body)
+            if isinstance(prefilled, Response):
+                return prefilled
+            if prefilled and aware and self.settings.publish_wait_s > 0:
                 await self._wait_published(body, tokens)
         return await self._decode(path, body, decode_order)
 
@@ -204,13 +205,22 @@ class Proxy:
 
     async def _wait_published(self, body: dict[str, Any], tokens: list[int]) -> None:
         """A prefill instance registers its chunks just after it answers; the decode instance should find them."""
-        deadline = asyncio.get_running_loop().time() + self.settings.publish_wait_s
-        while not await self._cached(body, tokens) and asyncio.get_running_loop().time() < deadline:
+        clock = asyncio.get_running_loop().time
+        started = clock()
+        while not await self._cached(body, tokens):
+            if clock() - started >= self.settings.publish_wait_s:
+                self.stats.publish_wait_expired += 1
+                log.warning("a prefill's chunks were not all in the index after %.1f s: the decode instance "
+                            "computes what is missing (raise --publish-wait-s if this repeats)",
+                            self.settings.publish_wait_s)  # fmt: skip
+                return
             await asyncio.sleep(PUBLISH_POLL_S)
+        log.debug("a prefill's chunks reached the index %.3f s after it answered", clock() - started)
 
-    async def _prefill(self, path: str, body: dict[str, Any]) -> Response | None:
-        """Run the prompt on a prefill instance. Returns an error response only for the client's own mistakes
-        (4xx: the decode instance would refuse the request too); an instance failure just skips the step."""
+    async def _prefill(self, path: str, body: dict[str, Any]) -> Response | bool:
+        """Run the prompt on a prefill instance; whether one did. An instance failure just skips the step (the
+        decode instance prefills itself, and nothing is waited for); the client's own mistakes (4xx: the decode
+        instance would refuse the request too) come back as the error response to relay."""
         request = prefill_body(body)
         for url in self.prefill.order():
             try:
@@ -222,14 +232,14 @@ class Proxy:
             if response.status_code < 400:
                 self.prefill.succeeded(url)
                 self.stats.prefilled += 1
-                return None
+                return True
             if response.status_code < 500:
                 return _relay(response)
             log.warning("prefill instance %s answered %d; trying the next", url, response.status_code)
             self.prefill.failed(url)
         self.stats.prefill_failed += 1
         log.warning("no prefill instance answered: the decode instance prefills the prompt itself")
-        return None
+        return False
 
     async def _decode(self, path: str, body: dict[str, Any], order: list[str]) -> Response:
         stream = bool(body.get("stream"))

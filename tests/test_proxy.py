@@ -86,6 +86,8 @@ def test_text_and_chat_prompts_are_tokenized_by_the_engine_batches_are_not():
         ({"prefill": ["http://a:1"], "decode": ["http://b:1"], "routing": "cache-aware"}, "needs --service-url"),
         ({"prefill": ["http://a:1"], "decode": ["http://b:1"], "routing": "random"}, "routing: Input should be"),
         ({"prefill": ["http://a:1"], "decode": ["http://b:1"], "port": 0}, "port: Input should be greater"),
+        ({"prefill": ["http://a:1"], "decode": ["http://b:1"], "publish_wait_s": -1}, "publish_wait_s: Input should"),
+        ({"prefill": ["http://a:1"], "decode": ["http://b:1"], "retry_after_s": 0}, "retry_after_s: Input should"),
     ],
 )
 def test_bad_settings_are_refused_with_the_field_and_the_reason(values, message):
@@ -114,7 +116,8 @@ async def test_with_no_instance_reachable_the_client_gets_an_openai_style_502(no
         error = response.json()["error"]
         assert error["code"] == 502 and "no decode instance answered" in error["message"]
         stats = (await client.get("/proxy/stats")).json()
-        assert stats == {"requests": 1, "prefilled": 0, "prefill_skipped": 0, "prefill_failed": 1, "decode_failed": 1}
+        assert stats == {"requests": 1, "prefilled": 0, "prefill_skipped": 0, "prefill_failed": 1, "decode_failed": 1,
+                         "publish_wait_expired": 0}  # fmt: skip
         health = (await client.get("/health")).json()
         assert health["prefill_down"] == nothing_listening.prefill
         assert sorted(health["decode_down"]) == sorted(nothing_listening.decode)
@@ -143,3 +146,19 @@ def test_a_prefix_counts_as_stored_once_every_tensor_parallel_rank_holds_it(inde
     publish(index, ranks[1], prompt[:192])
     assert cache.complete(spec.model, prompt, None)
     assert not cache.complete("another-model", prompt, None) and not cache.complete(spec.model, prompt, "tenant")
+
+
+@pytest.mark.anyio
+async def test_with_no_prefill_instance_answering_nothing_waits_for_chunks_it_never_published(daemon):
+    """Cache-aware routing waits for a prefill's chunks to reach the index, but only after a prefill ran: with
+    every prefill instance down the decode instance is asked at once, not ``publish_wait_s`` later."""
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    settings = ProxySettings.parse({"prefill": urls[:1], "decode": urls[1:], "routing": "cache-aware",
+                                    "service_url": daemon.url, "publish_wait_s": 60})  # fmt: skip
+    app = create_app(settings)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+        response = await client.post("/v1/completions", json={"model": "m", "prompt": list(range(300))})
+        assert response.status_code == 502
+        stats = (await client.get("/proxy/stats")).json()
+        assert stats["prefill_failed"] == 1 and stats["decode_failed"] == 1 and stats["publish_wait_expired"] == 0
+    await app.state.proxy.close()

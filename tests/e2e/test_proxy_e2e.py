@@ -96,7 +96,8 @@ def cluster(tiny_model, tmp_path_factory) -> Iterator[dict[str, Server]]:
             server.wait_ready()
         servers["proxy"] = Server("proxy", [sys.executable, "-m", "cachestore", "proxy", "--port", "{port}",
                                             "--prefill", servers["prefill"].url, "--decode", servers["decode"].url,
-                                            "--routing", "cache-aware", "--service-url", daemon.url],
+                                            "--routing", "cache-aware", "--service-url", daemon.url,
+                                            "--publish-wait-s", "30", "--retry-after-s", "3600"],
                                   logs, "/health").wait_ready()  # fmt: skip
         yield servers
     finally:
