@@ -92,7 +92,7 @@ class CacheClient:
         self._disk = ThreadPoolExecutor(DISK_READERS, thread_name_prefix="prefixcache-disk-read",
                                         initializer=io_thread_setup)  # fmt: skip
         self.dram = MooncakeTier(config.mooncake.shm_address, arena_bytes=arena_bytes, object_prefix=config.key_prefix,
-                                 preferred_segment=config.mooncake.segment)  # fmt: skip
+                                 preferred_segment=config.mooncake.segment, thread_setup=io_thread_setup)  # fmt: skip
         self.namespace_check: NamespaceCheck | None = None
         try:
             self.namespace_check = attach_namespace(self.index, spec, log)

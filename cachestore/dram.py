@@ -7,7 +7,8 @@ connector puts vLLM's KV cache there), and ``get_scattered`` writes objects stra
 
 Errors are misses, never exceptions: an unreachable master or owner (-800, -900, -901) opens a short
 circuit breaker so that further calls return misses at once instead of each waiting for an RPC
-timeout, and Mooncake reconnects by itself when the master is back.
+timeout, and Mooncake reconnects by itself when the master is back. An owner that dropped this
+process (no heartbeat for 10 s) is made to take it back (cachestore/attachment.py).
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 
 from mooncake.store import MooncakeDistributedStore, ReplicateConfig, SoftPinAction
 
 from cachestore.arena import Arena, address_of, view_at
+from cachestore.attachment import INVALID_PARAMS, AttachmentKeeper
 from cachestore.mooncake_servers import bound_rpc_timeouts
 from cachestore.tiers import TierUsage
 from indexer.errors import PrefixCacheError
@@ -36,6 +38,8 @@ LOCAL_BUFFER_BYTES = 16 << 20
 #: Warm-up objects of the owner-side pre-fault (``_prefault_owner_side``): size, and how many at once.
 PREFAULT_WINDOW_BYTES = 4 << 20
 PREFAULT_OBJECTS = 4
+#: Registered bytes past the arena that the attachment probe reads into (it never finds its object).
+PROBE_BYTES = 4096
 
 
 class TierUnavailableError(PrefixCacheError, ConnectionError):
@@ -55,7 +59,9 @@ class MooncakeTier:
         metrics_url: str | None = None,
         put_retry_s: float = 1.0,
         breaker_s: float = 1.0,
+        thread_setup: Callable[[], None] | None = None,
     ) -> None:
+        """``thread_setup`` runs first in the thread this tier starts (the connector binds it to cores)."""
         bound_rpc_timeouts()
         self._store = MooncakeDistributedStore()
         rc = self._store.setup_dummy(0, LOCAL_BUFFER_BYTES, shm_address)
@@ -66,15 +72,18 @@ class MooncakeTier:
             )
         self._closed = False
         self._close_lock = threading.Lock()
-        base = self._store.alloc_from_mem_pool(arena_bytes)
-        if not base or self._store.register_buffer(base, arena_bytes) != 0:
+        self._keeper: AttachmentKeeper | None = None
+        registered = arena_bytes + PROBE_BYTES
+        base = self._store.alloc_from_mem_pool(registered)
+        if not base or self._store.register_buffer(base, registered) != 0:
             self.close()
             raise TierUnavailableError(f"cannot allocate and register a {arena_bytes}-byte shared-memory arena")
         # Touch every page now: a fresh shared-memory page faults on first use, which would cap the first
         # loads through each part of the arena near 2 GB/s (about 0.1 s per 512 MiB here, once).
-        ctypes.memset(base, 0, arena_bytes)
+        ctypes.memset(base, 0, registered)
         self.arena = Arena(base, arena_bytes)
-        self._regions = [(base, arena_bytes)]  # registered memory gets may write into: (address, size)
+        self._probe_address = base + arena_bytes
+        self._regions = [(base, registered)]  # registered memory gets may write into: (address, size)
         self._prefix = object_prefix + ":"
         self._config = ReplicateConfig()
         if preferred_segment:
@@ -85,6 +94,24 @@ class MooncakeTier:
         self._put_retry_s = put_retry_s
         self._breaker_s = breaker_s
         self._down_until = 0.0
+        self._keeper = AttachmentKeeper(self._probe_attachment, self._answer_misses_for, shm_address,
+                                        thread_setup=thread_setup)  # fmt: skip
+        self._keeper.start()
+
+    def _probe_attachment(self) -> int:
+        """Read an object that never exists: -704 while the owner maps this process's memory, -600 once it
+        has dropped it (cachestore/attachment.py)."""
+        name = self._prefix + "attachment-probe"
+        return self._store.batch_get_into([name], [self._probe_address], [PROBE_BYTES])[0]
+
+    def _answer_misses_for(self, seconds: float) -> None:
+        """Calls answer misses without reaching Mooncake for ``seconds`` (the circuit breaker, opened)."""
+        self._down_until = max(self._down_until, time.monotonic() + seconds)
+
+    @property
+    def reattachments(self) -> int:
+        """How many times the segment owner had dropped this process and was made to take it back."""
+        return self._keeper.repairs if self._keeper is not None else 0
 
     def _prefault_owner_side(self, address: int, size: int) -> None:
         """Have the segment owner write once to every page of [address, address + size), as gets do.
@@ -280,6 +307,8 @@ class MooncakeTier:
         with self._close_lock:
             if not self._closed:
                 self._closed = True
+                if self._keeper is not None:
+                    self._keeper.stop()  # it calls the store too
                 self._store.close()  # any call after this would crash the process: _usable() guards them
 
     def _usable(self) -> bool:
@@ -288,7 +317,9 @@ class MooncakeTier:
         return self.available
 
     def _note(self, code: int) -> None:
-        if code in UNREACHABLE:
+        if code == INVALID_PARAMS and self._keeper is not None:
+            self._keeper.suspect()  # the owner may have dropped this process
+        elif code in UNREACHABLE:
             if self.available:
                 log.warning(
                     "Mooncake unreachable (code %d): serving misses for %.1fs, then retrying", code, self._breaker_s

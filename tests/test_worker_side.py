@@ -5,9 +5,11 @@ whose cache lies in shared memory (pages written in place) or in ordinary memory
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -268,25 +270,51 @@ def test_a_step_publishing_more_than_the_arena_holds_publishes_what_fits_and_say
         small.close()
 
 
+def worker_process_across(daemon: Daemon, break_attachment: Callable[[subprocess.Popen], None]) -> dict:
+    """Run tests/worker_process.py against ``daemon``, breaking its attachment once it is ready; its report."""
+    child = subprocess.Popen([sys.executable, "-m", "tests.worker_process", daemon.url], cwd=REPO, text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        break_attachment(child)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        return json.loads(child.stdout.readline())
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_a_worker_process_publishes_and_loads_in_place_again_after_the_daemon_restarts_under_it(tmp_path):
     """vLLM keeps running while ``prefixcache serve`` restarts (an upgrade, a crash under systemd): its one
     Mooncake attachment per process reconnects to the new segment owner with its memory, KV cache included.
     (Two attachments in one process fail to: each vLLM worker, like tests/worker_process.py, holds one.)"""
     daemon = Daemon(tmp_path / "data").start()
-    child = subprocess.Popen([sys.executable, "-m", "tests.worker_process", daemon.url], cwd=REPO, text=True,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
     try:
-        assert child.stdout.readline().strip() == "ready"
-        daemon.stop()
-        daemon.start()
-        child.stdin.write("go\n")
-        child.stdin.flush()
-        result = json.loads(child.stdout.readline())
+        result = worker_process_across(daemon, lambda _: (daemon.stop(), daemon.start()))
         assert result["republished"] and result["new_chunk_loaded"] and result["new_chunk_in_place"], result
         assert result["old_chunk_loaded"] and result["read_from_disk"] == 1, result  # DRAM restarted empty
     finally:
-        child.kill()
-        child.wait()
+        daemon.stop()
+
+
+def test_a_worker_process_the_segment_owner_dropped_is_taken_back_with_its_memory(tmp_path):
+    """The owner drops a process it heard no heartbeat from for 10 s (stopped, starved of CPU) and, left to
+    Mooncake, every later call fails for good; seen in CI as a prefill instance that stopped publishing. The
+    attachment keeper has the owner map the process's memory again: publishes and in-place loads work."""
+    daemon = Daemon(tmp_path / "data").start()
+
+    def stop_for_longer_than_the_heartbeat_ttl(child: subprocess.Popen) -> None:
+        child.send_signal(signal.SIGSTOP)
+        time.sleep(13)
+        child.send_signal(signal.SIGCONT)
+
+    try:
+        result = worker_process_across(daemon, stop_for_longer_than_the_heartbeat_ttl)
+        assert result["reattachments"] == 1, result
+        assert result["republished"] and result["new_chunk_loaded"] and result["new_chunk_in_place"], result
+        assert result["old_chunk_loaded"] and result["read_from_disk"] == 0, result  # still in DRAM
+    finally:
         daemon.stop()
 
 

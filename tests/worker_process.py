@@ -1,11 +1,11 @@
-"""A connector worker side in a process of its own, as each vLLM worker is, for tests that restart the
-daemon under it (tests/test_worker_side.py). Mooncake's own reconnection restores a process's one
-attachment to a restarted segment owner; this process holds only that one.
+"""A connector worker side in a process of its own, as each vLLM worker is, for tests that break its
+Mooncake attachment (tests/test_worker_side.py): restart the daemon under it, or stop the process for
+longer than the segment owner waits for its heartbeat. A process holds one attachment, as a vLLM worker does.
 
     python -m tests.worker_process SERVICE_URL
 
-It publishes a chunk and loads it back, prints ``ready`` and waits for a line on stdin (the test restarts
-the daemon meanwhile). Then, for up to 60 s, it publishes a second chunk until that works, loads both
+It publishes a chunk and loads it back, prints ``ready`` and waits for a line on stdin (the test breaks
+the attachment meanwhile). Then, for up to 60 s, it publishes a second chunk until that works, loads both
 chunks again and prints one JSON line of what happened.
 """
 
@@ -58,6 +58,15 @@ def published(worker: WorkerSide, count: int, timeout_s: float) -> bool:
     return True
 
 
+def reattachments(client: CacheClient, timeout_s: float) -> int:
+    """How often the segment owner was made to take this process back; the count lands just after the calls
+    that needed it work again, so it is waited for a little."""
+    deadline = time.monotonic() + timeout_s
+    while not client.dram.reattachments and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return client.dram.reattachments
+
+
 def main(service_url: str) -> None:
     client = CacheClient.connect(service_url, make_spec(CHUNK_TOKENS), arena_bytes=16 << 20)
     memory = client.shared_memory(LAYERS * BLOCKS * PAGE_BYTES)
@@ -82,6 +91,7 @@ def main(service_url: str) -> None:
         "new_chunk_in_place": worker.loaded_in_place > in_place,
         "old_chunk_loaded": load(worker, first, [16, 17, 18, 19], first_pages),
         "read_from_disk": client.stats.read_from_disk,
+        "reattachments": reattachments(client, timeout_s=3),
     }
     print(json.dumps(result), flush=True)
     worker.close()
