@@ -116,6 +116,10 @@ class AttachmentKeeper(BackgroundLoop):
         """A call answered as it would after the owner dropped this process: check now."""
         self._suspected.set()
 
+    def stop(self) -> None:
+        self._suspected.set()  # the step waits on it
+        super().stop()
+
     def _run(self) -> None:
         if self._thread_setup is not None:
             self._thread_setup()
