@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.compare import NEAR_TIE_LOGPROB, compare_runs, same_greedy_output
+from tests.e2e.compare import NEAR_TIE_LOGPROB, ONE_BF16_STEP, compare_runs, same_greedy_output
 from tests.e2e.tinymodel import random_prompt
 
 pytestmark = pytest.mark.e2e
@@ -64,6 +64,14 @@ def test_same_greedy_output_accepts_only_near_ties():
     ok, reason = same_greedy_output(ref, shifted, logprob_atol=1e-3)
     assert not ok and "logprobs differ by 0.1" in reason
     assert not same_greedy_output(ref, _output([10, 20], [(-0.5, -2.0), (-0.7, -0.8)]))[0]  # shorter
+    # A one-step tie across batches: accepted only when the candidate saw the same two tokens, swapped, as close.
+    step = _output([10, 20, 30], [(-0.5, -2.0), (-2.0, -2.0 - 0.125), (-0.1, -3.0)], alternatives=[11, 21, 31])
+    swapped = _output([10, 21, 30], [(-0.5, -2.0), (-2.0, -2.125), (-0.1, -3.0)], alternatives=[11, 20, 31])
+    assert not same_greedy_output(step, swapped)[0]
+    assert same_greedy_output(step, swapped, ONE_BF16_STEP, mirrored_tie=True)[0]
+    sure = _output([10, 21, 30], [(-0.5, -2.0), (-1.5, -2.5), (-0.1, -3.0)], alternatives=[11, 20, 31])
+    ok, reason = same_greedy_output(step, sure, ONE_BF16_STEP, mirrored_tie=True)
+    assert not ok and "not the same tie" in reason
     assert compare_runs({"outputs": [ref, ref]}, {"outputs": [ref, wrong]}) == [
         "prompt 1: " + same_greedy_output(ref, wrong)[1]
     ]

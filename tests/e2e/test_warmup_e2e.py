@@ -22,7 +22,7 @@ from cachestore.warmup.plan import storable_tokens
 from indexer.chunking import ChunkGeometry
 from indexer.keys import PrefixHasher
 from tests.daemon_harness import Daemon
-from tests.e2e.compare import same_greedy_output
+from tests.e2e.compare import ONE_BF16_STEP, same_greedy_output
 from tests.e2e.conftest import REPO, vllm_env
 from tests.e2e.tinymodel import random_prompt
 
@@ -142,8 +142,9 @@ def test_a_fresh_instance_hits_every_warmed_token_and_answers_like_one_without_t
     cold = run_vllm({"model": str(tiny_model), "prompts": prompts, "max_tokens": 8})
     # Token-granular hits: everything but the one token vLLM must compute, tails included.
     assert [o["num_cached_tokens"] for o in warm["outputs"]] == [len(p) - 1 for p in prompts]
+    # The warm-up computed this KV in batches of prompts, the reference in lone prefills: a one-step lead may swap.
     for i, (ref, got) in enumerate(zip(cold["outputs"], warm["outputs"], strict=True)):
-        ok, reason = same_greedy_output(ref, got)
+        ok, reason = same_greedy_output(ref, got, ONE_BF16_STEP, mirrored_tie=True)
         assert ok, f"prompt {i}: {reason}"
 
 
