@@ -33,10 +33,6 @@ from cachestore.background import BackgroundLoop
 
 log = logging.getLogger("prefixcache.dram")
 
-#: What a call answers once the owner has unmapped the caller's memory (and for a few genuine misuses).
-INVALID_PARAMS = -600
-#: What a read of an absent object answers while the attachment is intact.
-OBJECT_NOT_FOUND = -704
 #: Longer than Mooncake's 1 s between pings: one ping falls in each repair attempt.
 REPAIR_ATTEMPT_S = 1.5
 _TCP_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
@@ -93,13 +89,14 @@ class AttachmentKeeper(BackgroundLoop):
     """Checks the attachment every ``interval_s`` and whenever a call failed as a dropped one would
     (``suspect``); repairs it when the owner has dropped it.
 
-    ``probe`` reads an object that never exists into registered memory and returns Mooncake's code;
-    ``hold_calls(s)`` makes the tier answer misses for ``s`` seconds without calling Mooncake.
+    ``probe`` says whether the owner still maps this process's memory (None: cannot tell, Mooncake is
+    unreachable or reconnecting); ``hold_calls(s)`` makes the tier answer misses for ``s`` seconds without
+    calling Mooncake.
     """
 
     name = "prefixcache-attachment"
 
-    def __init__(self, probe: Callable[[], int], hold_calls: Callable[[float], None], owner_address: str, *,
+    def __init__(self, probe: Callable[[], bool | None], hold_calls: Callable[[float], None], owner_address: str, *,
                  interval_s: float = 2.0, repair_timeout_s: float = 15.0,
                  thread_setup: Callable[[], None] | None = None) -> None:  # fmt: skip
         super().__init__()
@@ -128,7 +125,7 @@ class AttachmentKeeper(BackgroundLoop):
     def step(self) -> None:
         self._suspected.wait(self._interval_s)
         self._suspected.clear()
-        if self.stopping or self._probe() != INVALID_PARAMS:
+        if self.stopping or self._probe() is not False:
             return
         started = time.monotonic()
         deadline = started + self._repair_timeout_s
@@ -143,11 +140,11 @@ class AttachmentKeeper(BackgroundLoop):
                 return
             shut_down(connections)
             self._stop.wait(REPAIR_ATTEMPT_S)
-            code = self._probe()
-            while code not in (INVALID_PARAMS, OBJECT_NOT_FOUND) and time.monotonic() < deadline:
+            intact = self._probe()
+            while intact is None and time.monotonic() < deadline:
                 self._stop.wait(0.5)  # Mooncake is reconnecting: calls fail without reaching the owner
-                code = self._probe()
-            if code == OBJECT_NOT_FOUND:
+                intact = self._probe()
+            if intact:
                 self.repairs += 1
                 log.warning("the Mooncake segment owner at %s had dropped this process (it heard no ping for 10 s); "
                             "its memory is registered again after %.1f s", self._owner,

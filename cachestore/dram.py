@@ -25,7 +25,7 @@ from contextlib import ExitStack
 from mooncake.store import MooncakeDistributedStore, ReplicateConfig, SoftPinAction
 
 from cachestore.arena import Arena, address_of, view_at
-from cachestore.attachment import INVALID_PARAMS, AttachmentKeeper
+from cachestore.attachment import AttachmentKeeper
 from cachestore.mooncake_servers import bound_rpc_timeouts
 from cachestore.tiers import TierUsage
 from indexer.errors import PrefixCacheError
@@ -33,6 +33,8 @@ from indexer.errors import PrefixCacheError
 log = logging.getLogger("prefixcache.dram")
 
 OK, MISS, FULL = 0, -704, -200
+#: What every call answers once the segment owner has dropped this process (and a get into parts of the wrong size).
+INVALID_PARAMS = -600
 UNREACHABLE = frozenset({-1, -800, -900, -901})
 LOCAL_BUFFER_BYTES = 16 << 20
 #: Warm-up objects of the owner-side pre-fault (``_prefault_owner_side``): size, and how many at once.
@@ -98,11 +100,12 @@ class MooncakeTier:
                                         thread_setup=thread_setup)  # fmt: skip
         self._keeper.start()
 
-    def _probe_attachment(self) -> int:
-        """Read an object that never exists: -704 while the owner maps this process's memory, -600 once it
-        has dropped it (cachestore/attachment.py)."""
+    def _probe_attachment(self) -> bool | None:
+        """Whether the owner still maps this process's memory, from a read of an object that never exists: a
+        miss while it does, -600 once it has dropped it; anything else cannot tell (cachestore/attachment.py)."""
         name = self._prefix + "attachment-probe"
-        return self._store.batch_get_into([name], [self._probe_address], [PROBE_BYTES])[0]
+        code = self._store.batch_get_into([name], [self._probe_address], [PROBE_BYTES])[0]
+        return {MISS: True, INVALID_PARAMS: False}.get(code)
 
     def _answer_misses_for(self, seconds: float) -> None:
         """Calls answer misses without reaching Mooncake for ``seconds`` (the circuit breaker, opened)."""
