@@ -33,10 +33,14 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[obje
     Console(width=200).print(table)
 
 
-def write_results(name: str, payload: dict) -> Path:
-    """Write ``benchmarks/results/<name>.json`` with the machine it ran on."""
+def write_results(name: str, payload: dict, *, partial: bool = False) -> Path:
+    """Write ``benchmarks/results/<name>.json`` with the machine it ran on.
+
+    A ``partial`` run (some rows or sizes only, as when checking one change) goes to ``<name>.partial.json``
+    instead, which git ignores: it must not overwrite the full run that the README quotes.
+    """
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
+    path = RESULTS_DIR / (f"{name}.partial.json" if partial else f"{name}.json")
     meta = {"machine": platform.node(), "python": platform.python_version(), "unix_time": int(time.time())}
     path.write_text(json.dumps({**payload, "meta": meta}, indent=2) + "\n")
     return path

@@ -326,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
                 failed[name] = str(exc).splitlines()[0]
                 print(f"[ttft] {name} failed: {failed[name]}")
         payload = {**report(run.cases, sizes), "failed_rows": failed}
-    path = write_results("ttft", {"sizes": sizes, "repeats": args.repeats, "servers_on": args.servers_on, **payload})
+    path = write_results("ttft", {"sizes": sizes, "repeats": args.repeats, "servers_on": args.servers_on, **payload},
+                         partial=only != list(ROWS) or sizes != list(DEFAULT_SIZES))  # fmt: skip
     print(f"[ttft] wrote {path}")
     return 0
 
