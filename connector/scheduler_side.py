@@ -11,7 +11,8 @@ as every rank holds it. Loads stop one token short of the prompt (vLLM must comp
 token), so a hit is token-granular up to ``L-1``. They run before the step's forward pass, or, where
 other requests would wait on them, asynchronously (connector/load_policy.py). A request's LoRA adapter and
 multimodal inputs give it a key space of its own (connector/request_identity.py); a prompt given as
-embeddings is neither looked up nor published.
+embeddings is neither looked up nor published. A request can turn loading or publishing off for itself
+(connector/request_params.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from connector.load_policy import load_asynchronously, reads_nvme
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.plans import Geometry, chunks_to_publish, load_plan, stored_prefix
 from connector.request_identity import request_variant
+from connector.request_params import request_cache_params
 from connector.settings import ConnectorSettings, check_supported, kv_bytes_per_token, namespace_for
 from indexer.chunking import ChunkGeometry
 from indexer.errors import IndexUnavailableError
@@ -50,6 +52,8 @@ class RequestState:
     prompt: bytes  # packed prompt tokens
     tenant_salt: str | None
     variant: bytes = b""
+    loads: bool = True  # this request may load (the engine's role allows it and the request did not opt out)
+    publishes: bool = True  # likewise, publish
     matches: list[PrefixMatch] | None = None  # per rank
     matched_for: int = -1  # request length the matches were computed for
     local_tokens: int = 0  # held by vLLM's own prefix cache
@@ -116,10 +120,13 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         state = self._state(request)
         state.local_tokens = num_computed_tokens
-        # A producer loads nothing: it looks up only where vLLM's own prefix cache holds a full chunk or more,
-        # to learn which of those chunks are stored already and need not be published again.
-        publish_only = not self.load_enabled
-        if not state.hashers or (publish_only and num_computed_tokens < self.geometry.chunk_tokens):
+        # A producer, or a request that opted out of loading, loads nothing: it looks up only where vLLM's own
+        # prefix cache holds a full chunk or more, to learn which of those chunks are stored already and need
+        # not be published again.
+        publish_only = not state.loads
+        if not state.hashers or not (state.loads or state.publishes):
+            return 0, False
+        if publish_only and num_computed_tokens < self.geometry.chunk_tokens:
             return 0, False
         looked_up = state.matched_for != request.num_tokens  # vLLM may ask again for the same request
         if looked_up:
@@ -226,12 +233,17 @@ class SchedulerSide:
                 hashers = [PrefixHasher(ns.root(salt, variant), self.geometry) for ns in self.namespaces]
                 extend_all(hashers, request.prompt_token_ids)
                 state = RequestState(hashers=hashers, prompt=hashers[0].packed(), tenant_salt=salt, variant=variant)
+            params, problem = request_cache_params(getattr(request, "kv_transfer_params", None))
+            if problem:
+                log.warning("request %s: %s; it neither loads nor publishes", request.request_id, problem)
+            state.loads = self.load_enabled and params.load
+            state.publishes = self.publish_enabled and params.publish
             self.requests[request.request_id] = state
         return state
 
     def _plan_saves(self, req_id: str, state: RequestState, computed: int, so: Any, meta: PrefixCacheMetadata) -> None:
         """Publish every prompt chunk this step completes, and the prompt's tail once the prompt is done."""
-        if not self.publish_enabled or not state.hashers:
+        if not state.publishes or not state.hashers:
             return
         done = computed + so.num_scheduled_tokens.get(req_id, 0)
         ranges, state.tail_done = chunks_to_publish(state.stored_chunks, done, state.prompt_tokens, state.tail_done,

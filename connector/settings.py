@@ -37,8 +37,13 @@ class ConnectorSettings(BaseModel):
         try:
             return cls.model_validate(extra or {})
         except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
+            problems = validation_problems(exc, "config")
             raise ConfigError(f"invalid kv_connector_extra_config for PrefixCacheConnector: {problems}") from None
+
+
+def validation_problems(exc: ValidationError, whole: str) -> str:
+    """One line naming each bad key and what is wrong with it (``whole``: the name of the object itself)."""
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or whole}: {e['msg']}" for e in exc.errors())
 
 
 #: Bounds of an automatically sized arena, in MiB: the floor serves small models well (the tiny test model's

@@ -1,4 +1,5 @@
-"""The connector's settings (``kv_connector_extra_config``) and where its threads run: pure logic."""
+"""The connector's settings (``kv_connector_extra_config``), a request's own ``kv_transfer_params``, and where the
+connector's threads run: pure logic."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from cachestore.cpus import cpu_list
 from connector.io_threads import io_cpus, numa_node_cpus, pinning, ranks_bound_by_vllm
+from connector.request_params import NO_CACHE, RequestCacheParams, request_cache_params
 from connector.settings import ConnectorSettings, arena_mib, check_supported, kv_bytes_per_token
 from indexer.errors import ConfigError
 
@@ -37,6 +39,35 @@ def test_defaults_need_only_the_service_url():
 def test_bad_settings_are_named_in_the_error(extra, problem):
     with pytest.raises(ConfigError, match=problem):
         ConnectorSettings.parse(extra)
+
+
+@pytest.mark.parametrize(
+    "kv_transfer_params, wanted",
+    [
+        (None, RequestCacheParams(load=True, publish=True)),
+        ({"do_remote_prefill": True}, RequestCacheParams(load=True, publish=True)),  # another connector's keys
+        ({"prefixcache": {}}, RequestCacheParams(load=True, publish=True)),
+        ({"prefixcache": {"publish": False}}, RequestCacheParams(load=True, publish=False)),
+        ({"prefixcache": {"load": False}, "do_remote_prefill": True}, RequestCacheParams(load=False, publish=True)),
+    ],
+)
+def test_a_request_may_turn_loading_or_publishing_off_for_itself(kv_transfer_params, wanted):
+    assert request_cache_params(kv_transfer_params) == (wanted, None)
+
+
+@pytest.mark.parametrize(
+    "entry, problem",
+    [
+        ({"pubish": False}, "pubish: Extra inputs are not permitted"),
+        ({"publish": "false"}, "publish: Input should be a valid boolean"),  # a string could mean either
+        ({"load": 0}, "load: Input should be a valid boolean"),
+        (False, "prefixcache: Input should be a valid dictionary"),
+    ],
+)
+def test_a_malformed_request_entry_turns_the_cache_off_for_that_request_and_says_why(entry, problem):
+    params, said = request_cache_params({"prefixcache": entry})
+    assert params == NO_CACHE and not params.load and not params.publish  # a typo must not publish a private prompt
+    assert said is not None and said.startswith('kv_transfer_params["prefixcache"] is invalid') and problem in said
 
 
 def test_an_explicit_arena_size_is_kept():

@@ -9,7 +9,7 @@ SPEC.json::
      "max_tokens": 16,
      "prefix_caching": false,               # vLLM's own (in-GPU-memory) prefix cache
      "kv_transfer_config": {...} | null,    # KVTransferConfig(**this)
-     "kv_transfer_params": {...} | null,    # SamplingParams.extra_args["kv_transfer_params"], every prompt
+     "kv_transfer_params": [{...} | null, ...],  # optional; SamplingParams.extra_args["kv_transfer_params"] per prompt
      "max_num_batched_tokens": 512,         # optional; chunked prefill
      "kv_cache_dtype": "auto",              # optional
      "tensor_parallel_size": 1,             # optional; ranks are processes sharing this machine's cores
@@ -63,6 +63,13 @@ def load_spec(path: Path) -> dict:
     prompts = spec.get("prompts")
     if not prompts or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts):
         raise SpecError("spec.prompts must be a non-empty list of non-empty lists of token ids")
+    params = spec.get("kv_transfer_params")
+    if params is not None and (
+        not isinstance(params, list)
+        or len(params) != len(prompts)
+        or not all(p is None or isinstance(p, dict) for p in params)
+    ):
+        raise SpecError("spec.kv_transfer_params must hold an object or null per prompt")
     loras = spec.get("loras")
     if loras is not None and (len(loras) != len(prompts) or not all(p is None or Path(p).is_dir() for p in loras)):
         raise SpecError("spec.loras must hold an adapter directory or null per prompt")
@@ -121,16 +128,16 @@ def run(spec: dict) -> tuple[dict, object]:
     )
     engine_start_s = time.perf_counter() - t0
 
-    extra_args = None
-    if spec.get("kv_transfer_params") is not None:
-        extra_args = {"kv_transfer_params": spec["kv_transfer_params"]}
-    params = SamplingParams(
-        max_tokens=int(spec.get("max_tokens", 16)),
-        temperature=0.0,
-        ignore_eos=True,
-        logprobs=int(spec.get("logprobs", 2)),
-        extra_args=extra_args,
-    )
+    def sampling(kv_transfer_params: dict | None) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=int(spec.get("max_tokens", 16)),
+            temperature=0.0,
+            ignore_eos=True,
+            logprobs=int(spec.get("logprobs", 2)),
+            extra_args=None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params},
+        )
+
+    transfer_params = spec.get("kv_transfer_params") or [None] * len(spec["prompts"])
     outputs = []
     from vllm.lora.request import LoRARequest
 
@@ -139,7 +146,8 @@ def run(spec: dict) -> tuple[dict, object]:
     }
     beside = spec.get("beside")
     resets = set(spec.get("reset_prefix_cache_before", ()))
-    for i, (prompt, lora) in enumerate(zip(spec["prompts"], loras, strict=True)):
+    for i, (prompt, lora, kv_params) in enumerate(zip(spec["prompts"], loras, transfer_params, strict=True)):
+        params = sampling(kv_params)
         if i in resets and not llm.reset_prefix_cache():
             raise RuntimeError(f"vLLM refused to reset its prefix cache before prompt {i}")
         t0 = time.perf_counter()

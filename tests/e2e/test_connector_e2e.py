@@ -32,6 +32,10 @@ HALF = P1[:550] + random_prompt(seed=13, length=550)  # shares only the first ha
 P3 = random_prompt(seed=14, length=1100)  # for the tensor-parallel runs
 P4 = random_prompt(seed=15, length=700)  # for the LoRA runs
 P5 = random_prompt(seed=17, length=4 * CHUNK + 1)  # whole chunks and one token: vLLM's own cache holds all but one
+P6 = random_prompt(seed=18, length=1100)  # A runs it asking not to publish it
+NO_PUBLISH = {"prefixcache": {"publish": False}}
+NO_LOAD = {"prefixcache": {"load": False}}
+MISSPELT = {"prefixcache": {"pubish": False}}  # a malformed entry: the request neither loads nor publishes
 PROMPTS = [P1, P2, HALF]
 # On CPUs with AMX, the same prompt computed along different paths (in one pass; after a cached
 # prefix; in prefill steps of another size) differs by up to ~0.1 in logprob, cache or no cache: the
@@ -80,11 +84,14 @@ def probes(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def producer_then_consumer(run_vllm, tiny_model, daemon, probes):
-    """Instance A publishes P1 and P2 and exits; instance B (fresh process) runs all three prompts."""
-    a = run_vllm({"model": str(tiny_model), "prompts": [P1, P2], "max_tokens": 16,
+    """Instance A publishes P1 and P2, runs P6 asking not to publish it, and exits; instance B (fresh process)
+    runs all three prompts, then P6, P1 asking not to load, and P2 with a misspelt request parameter."""
+    a = run_vllm({"model": str(tiny_model), "prompts": [P1, P2, P6], "max_tokens": 16,
+                  "kv_transfer_params": [None, None, NO_PUBLISH],
                   "kv_transfer_config": connector_config(daemon, probe=True)},
                  env={"PREFIXCACHE_PROBE_DIR": str(probes["a"])})  # fmt: skip
-    b = run_vllm({"model": str(tiny_model), "prompts": PROMPTS, "max_tokens": 16, "prefix_caching": False,
+    b = run_vllm({"model": str(tiny_model), "prompts": [*PROMPTS, P6, P1, P2], "max_tokens": 16,
+                  "prefix_caching": False, "kv_transfer_params": [None, None, None, None, NO_LOAD, MISSPELT],
                   "kv_transfer_config": connector_config(daemon, probe=True)},
                  env={"PREFIXCACHE_PROBE_DIR": str(probes["b"])})  # fmt: skip
     return a, b
@@ -92,15 +99,28 @@ def producer_then_consumer(run_vllm, tiny_model, daemon, probes):
 
 def test_a_fresh_instance_loads_every_cached_token_and_answers_the_same(reference, producer_then_consumer):
     a, b = producer_then_consumer
-    assert [r["num_cached_tokens"] for r in a["outputs"]] == [0, 0]
+    assert [r["num_cached_tokens"] for r in a["outputs"]] == [0, 0, 0]
     # Token-granular: everything but the one token vLLM must compute, tails included.
     assert [r["num_cached_tokens"] for r in b["outputs"][:2]] == [len(P1) - 1, len(P2) - 1]
     for ref, got in zip(reference["outputs"][:2], b["outputs"][:2], strict=True):
         ok, reason = same_greedy_output(ref, got)
         assert ok, reason
-    for ref, got in zip(reference["outputs"][:2], a["outputs"], strict=True):
+    for ref, got in zip(reference["outputs"][:2], a["outputs"][:2], strict=True):
         ok, reason = same_greedy_output(ref, got)
         assert ok, reason  # publishing never changes an answer either
+
+
+def test_a_request_can_keep_its_prompt_out_of_the_store_or_refuse_hits(reference, producer_then_consumer, probes):
+    """P6, which A ran asking not to publish it, is not found by B; P1 asking not to load, and P2 with a misspelt
+    ``prefixcache`` entry, are computed whole although both are stored, and answer as a run without the cache."""
+    _, b = producer_then_consumer
+    assert [r["num_cached_tokens"] for r in b["outputs"][3:]] == [0, 0, 0]
+    for ref, got in zip(reference["outputs"][:2], b["outputs"][4:], strict=True):
+        ok, reason = same_greedy_output(ref, got)
+        assert ok, reason
+    # A published P1's and P2's chunks only; B loaded those of its first three prompts only
+    assert len(list(probes["a"].glob("saved-*.pt"))) == 10
+    assert int((probes["b"] / "loaded_in_place.0").read_text()) == 13
 
 
 def test_loaded_kv_is_bit_identical_to_the_kv_the_producer_computed(producer_then_consumer, probes):
