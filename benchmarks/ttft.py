@@ -13,7 +13,9 @@ the DRAM tier; against it again with vLLM's own prefix cache on, each prompt twi
 rounds that empty vLLM's cache before each pair, so that our hit and vLLM's own hit on the same
 prompt are measured in one engine milliseconds apart (the ratio least exposed to this VM's drift
 between engines), and what our connector costs vLLM's own hits shows; and after restarting the
-daemon, when every chunk comes from the NVMe tier.
+daemon, when every chunk comes from the NVMe tier. Publishing's cost is measured inside the producer: each
+prompt runs twice there, once published and once asking the connector to leave it alone (a request's own
+``kv_transfer_params``), alternately first, both computed whole.
 
 The servers of every cache (our daemon with ``--cpus``, the peers' Mooncake pool and LMCache server)
 run on the core vLLM reserves, the last one, as a vLLM CPU host would run them; ``--servers-on
@@ -54,7 +56,9 @@ CEILING = "vllm-prefix-cache"
 DRAM_BESIDE = "prefixcache-dram-beside-vllm-prefix-cache"  # our hit in an engine with vLLM's own prefix cache on
 CEILING_BESIDE = "vllm-prefix-cache-beside-prefixcache"  # vLLM's own hit in an engine with our connector
 PAIRED_ROUNDS = 3  # pairs per prompt in that engine: hits are cheap, and more pairs steady the ratio
-COLD_BESIDE_PUBLISHING = "cold-beside-publishing"
+PUBLISHING = "prefixcache-publishing"
+BYPASSED = "prefixcache-bypassed"  # the same prompts in the publishing engine, asking our connector to leave them be
+BYPASS = {"prefixcache": {"load": False, "publish": False}}  # a request's own kv_transfer_params
 
 
 @dataclass
@@ -92,20 +96,42 @@ class Runner:
         ``record_as`` (and the first run as ``record_first_as``, if given). ``rounds`` > 1 goes over the prompts
         that many times, emptying vLLM's own prefix cache before each prompt's first run."""
         measured = [p for _ in range(rounds) for p in self.prompts for _ in range(2 if twice else 1)]
-        spec = {"model": str(self.model), "prompts": [WARM_PROMPT, *measured], "max_tokens": 1, "logprobs": 0,
-                "prefix_caching": prefix_caching, "kv_transfer_config": kv_transfer_config,
-                "max_num_batched_tokens": MAX_BATCHED_TOKENS}  # fmt: skip
+        spec = self._spec(measured, kv_transfer_config, prefix_caching)
         if rounds > 1:
             spec["reset_prefix_cache_before"] = list(range(1, len(measured) + 1, 2 if twice else 1))
-        print(f"[ttft] {name} ...", flush=True)
-        t0 = time.perf_counter()
-        result = run_engine(spec, self.workdir, name, timeout_s=1800, env=env)
-        print(f"[ttft] {name}: {time.perf_counter() - t0:.0f} s (engine start {result['engine_start_s']:.0f} s)")
-        outputs = result["outputs"][1:]
+        outputs = self._run(name, spec, env)
         if twice:
             self._record(record_first_as, outputs[0::2])
             outputs = outputs[1::2]
         self._record(record_as, outputs)
+
+    def beside_bypass(self, name: str, kv_transfer_config: dict, record_as: str, record_bypass_as: str) -> None:
+        """One engine with ``kv_transfer_config`` running each prompt twice, vLLM's own prefix cache off: once as
+        is, once asking the connector neither to load nor to publish it (``BYPASS``), alternately first. Both
+        compute the prompt whole (what the first run publishes, the bypassed one does not look up), so their
+        TTFTs, milliseconds apart in one engine, differ by what the connector's work costs the prefill."""
+        measured, params = [], []
+        for i, prompt in enumerate(self.prompts):
+            measured += [prompt, prompt]
+            params += [None, BYPASS] if i % 2 == 0 else [BYPASS, None]
+        spec = {**self._spec(measured, kv_transfer_config, False), "kv_transfer_params": [None, *params]}
+        outputs = self._run(name, spec, None)
+        self._record(record_as, [out for out, param in zip(outputs, params, strict=True) if param is None])
+        self._record(record_bypass_as, [out for out, param in zip(outputs, params, strict=True) if param is BYPASS])
+
+    def _spec(self, measured: list[list[int]], kv_transfer_config: dict | None, prefix_caching: bool) -> dict:
+        """An engine spec (tests/e2e/run_vllm.py) that runs the warm-up prompt, then ``measured``."""
+        return {"model": str(self.model), "prompts": [WARM_PROMPT, *measured], "max_tokens": 1, "logprobs": 0,
+                "prefix_caching": prefix_caching, "kv_transfer_config": kv_transfer_config,
+                "max_num_batched_tokens": MAX_BATCHED_TOKENS}  # fmt: skip
+
+    def _run(self, name: str, spec: dict, env: dict[str, str] | None) -> list[dict]:
+        """Run one engine process; the outputs of the measured prompts (the warm-up prompt's left out)."""
+        print(f"[ttft] {name} ...", flush=True)
+        t0 = time.perf_counter()
+        result = run_engine(spec, self.workdir, name, timeout_s=1800, env=env)
+        print(f"[ttft] {name}: {time.perf_counter() - t0:.0f} s (engine start {result['engine_start_s']:.0f} s)")
+        return result["outputs"][1:]
 
     def _record(self, config: str | None, outputs: list[dict]) -> None:
         if config is not None:
@@ -183,16 +209,15 @@ def lmcache_mp(run: Runner) -> None:
 
 
 def prefixcache(run: Runner) -> None:
-    """Ours: the producer's TTFT is cold with publishing on, compared with a cold run just before it (this
-    VM's speed drifts over the minutes between the first row and this one); consumers hit DRAM, then
-    (after a restart) NVMe."""
+    """Ours: the producer's TTFT is cold with publishing on, compared in the same engine with the same prompt
+    computed while the connector leaves it alone (engines started minutes apart differ by more than publishing
+    costs); consumers hit DRAM, then (after a restart) NVMe."""
     cpus = ["--cpus", format_cpu_list(run.server_cpus)] if run.server_cpus is not None else []
     daemon = Daemon(run.workdir / "prefixcache", *cpus, dram="2GiB", nvme="4GiB").start()
     try:
         config = {"kv_connector": "PrefixCacheConnector", "kv_connector_module_path": "connector",
                   "kv_role": "kv_both", "kv_connector_extra_config": {"service_url": daemon.url}}  # fmt: skip
-        run.engine(COLD_BESIDE_PUBLISHING, record_as=COLD_BESIDE_PUBLISHING)
-        run.engine("prefixcache-producer", config, record_as="prefixcache-publishing")
+        run.beside_bypass("prefixcache-producer", config, record_as=PUBLISHING, record_bypass_as=BYPASSED)
         run.engine("prefixcache-consumer-dram", config, record_as="prefixcache-dram")
         # vLLM's own prefix cache on, as in production: each prompt's first run is a DRAM hit of ours and its
         # repeat a hit of vLLM's own, in the same engine a few milliseconds apart (the ratio drifts least)
@@ -248,10 +273,7 @@ def ratios(table: dict[tuple[str, int], Case], sizes: list[int]) -> dict[str, di
         "mooncake-store-connector / prefixcache-dram": ("mooncake-store-connector", "prefixcache-dram"),
         "example-connector / prefixcache-dram": ("example-connector", "prefixcache-dram"),
         "prefixcache-dram / cold": ("prefixcache-dram", "cold"),
-        "prefixcache-publishing / cold-beside-publishing (target <= 1.05)": (
-            "prefixcache-publishing",
-            COLD_BESIDE_PUBLISHING,
-        ),
+        f"{PUBLISHING} / {BYPASSED} (one engine; target <= 1.05)": (PUBLISHING, BYPASSED),
     }
     out: dict[str, dict[int, float]] = {}
     for name, (a, b) in wanted.items():
