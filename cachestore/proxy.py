@@ -7,7 +7,9 @@ only the rest. Any of X prefill instances can serve any of Y decode instances: t
 they meet, so no instance needs to know another and the proxy never touches KV bytes.
 
 Routing is round robin, or cache-aware: the proxy asks the index how much of the prompt is already
-cached and skips the prefill step when a prefill could add nothing. Failures degrade, never break:
+cached and skips the prefill step when a prefill could add nothing. A request that turns publishing or
+loading off for itself (``kv_transfer_params``, cachestore/request_params.py) cannot travel through the
+store, so it goes to a decode instance directly; a malformed such entry is answered 400. Failures degrade, never break:
 a prefill instance that cannot be reached (or answers 5xx) is skipped and the decode instance
 prefills the prompt itself; a decode instance that cannot be reached is replaced by the next one;
 only when none answers does the client get an error, as an OpenAI-style JSON body with status 502.
@@ -36,6 +38,7 @@ from cachestore.proxy_routing import (
     publishable_tokens,
     tokenize_body,
 )
+from cachestore.request_params import request_cache_params
 from indexer.chunking import ChunkGeometry
 from indexer.errors import ConfigError, IndexUnavailableError
 from indexer.index import PrefixIndex
@@ -113,6 +116,7 @@ class ProxyStats:
     prefill_failed: int = 0  # no prefill instance answered: the decode instance prefilled itself
     decode_failed: int = 0  # no decode instance answered: the client got a 502
     publish_wait_expired: int = 0  # cache-aware: a prefill's chunks missed the index for publish_wait_s
+    not_through_the_store: int = 0  # the request turned publishing or loading off: sent to decode directly
 
 
 class CachedPrefix:
@@ -171,7 +175,13 @@ class Proxy:
 
     async def generate(self, path: str, body: dict[str, Any]) -> Response:
         self.stats.requests += 1
+        params, problem = request_cache_params(body.get("kv_transfer_params"))
+        if problem:
+            return error_response(400, problem, "BadRequestError")
         decode_order = self.decode.order()
+        if not (params.publish and params.load):  # a prefill instance's work would never reach the decode instance
+            self.stats.not_through_the_store += 1
+            return await self._decode(path, body, decode_order)
         tokens = await self._prompt_tokens(path, body, decode_order[0])
         aware = self.settings.routing == "cache-aware" and tokens is not None and "model" in body
         if aware and await self._cached(body, tokens):

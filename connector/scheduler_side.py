@@ -12,7 +12,7 @@ token), so a hit is token-granular up to ``L-1``. They run before the step's for
 other requests would wait on them, asynchronously (connector/load_policy.py). A request's LoRA adapter and
 multimodal inputs give it a key space of its own (connector/request_identity.py); a prompt given as
 embeddings is neither looked up nor published. A request can turn loading or publishing off for itself
-(connector/request_params.py).
+(cachestore/request_params.py).
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ import redis
 
 from cachestore.client import fetch_config
 from cachestore.client_stats import ClientStatsRecorder
+from cachestore.request_params import request_cache_params
 from connector.load_policy import load_asynchronously, reads_nvme
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.plans import Geometry, chunks_to_publish, load_plan, stored_prefix
 from connector.request_identity import request_variant
-from connector.request_params import request_cache_params
 from connector.settings import ConnectorSettings, check_supported, kv_bytes_per_token, namespace_for
 from indexer.chunking import ChunkGeometry
 from indexer.errors import IndexUnavailableError

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from connector.io_threads import IoCpus
-from indexer.errors import ConfigError
+from indexer.errors import ConfigError, validation_problems
 from indexer.namespace import NamespaceSpec
 
 
@@ -39,11 +39,6 @@ class ConnectorSettings(BaseModel):
         except ValidationError as exc:
             problems = validation_problems(exc, "config")
             raise ConfigError(f"invalid kv_connector_extra_config for PrefixCacheConnector: {problems}") from None
-
-
-def validation_problems(exc: ValidationError, whole: str) -> str:
-    """One line naming each bad key and what is wrong with it (``whole``: the name of the object itself)."""
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or whole}: {e['msg']}" for e in exc.errors())
 
 
 #: Bounds of an automatically sized arena, in MiB: the floor serves small models well (the tiny test model's

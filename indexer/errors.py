@@ -1,5 +1,12 @@
 """Errors the indexer raises. Each names what was wrong and what to do, so callers can show it as is."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
 
 class PrefixCacheError(Exception):
     """Base class of every error prefixcache raises on purpose."""
@@ -15,3 +22,9 @@ class InvalidTokensError(PrefixCacheError, ValueError):
 
 class IndexUnavailableError(PrefixCacheError, ConnectionError):
     """The index backend (Redis) cannot be reached. Callers treat this as a cache miss, never as data."""
+
+
+def validation_problems(exc: ValidationError, whole: str) -> str:
+    """One line naming each bad key of a validated object and what is wrong with it (``whole``: the name of the
+    object itself, for problems with it as a whole)."""
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or whole}: {e['msg']}" for e in exc.errors())

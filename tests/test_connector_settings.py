@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from cachestore.cpus import cpu_list
+from cachestore.request_params import NO_CACHE, RequestCacheParams, request_cache_params
 from connector.io_threads import io_cpus, numa_node_cpus, pinning, ranks_bound_by_vllm
-from connector.request_params import NO_CACHE, RequestCacheParams, request_cache_params
 from connector.settings import ConnectorSettings, arena_mib, check_supported, kv_bytes_per_token
 from indexer.errors import ConfigError
 

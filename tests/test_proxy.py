@@ -117,10 +117,36 @@ async def test_with_no_instance_reachable_the_client_gets_an_openai_style_502(no
         assert error["code"] == 502 and "no decode instance answered" in error["message"]
         stats = (await client.get("/proxy/stats")).json()
         assert stats == {"requests": 1, "prefilled": 0, "prefill_skipped": 0, "prefill_failed": 1, "decode_failed": 1,
-                         "publish_wait_expired": 0}  # fmt: skip
+                         "publish_wait_expired": 0, "not_through_the_store": 0}  # fmt: skip
         health = (await client.get("/health")).json()
         assert health["prefill_down"] == nothing_listening.prefill
         assert sorted(health["decode_down"]) == sorted(nothing_listening.decode)
+    await app.state.proxy.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("opt_out", [{"publish": False}, {"load": False}])
+async def test_a_request_that_turns_the_store_off_for_itself_goes_to_a_decode_instance_directly(nothing_listening,
+                                                                                               opt_out):  # fmt: skip
+    app = create_app(nothing_listening)
+    body = {"model": "m", "prompt": [1, 2, 3], "kv_transfer_params": {"prefixcache": opt_out}}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+        assert (await client.post("/v1/completions", json=body)).status_code == 502
+        stats = (await client.get("/proxy/stats")).json()
+        # no prefill instance was tried: its KV could not have reached the decode instance
+        assert stats["not_through_the_store"] == 1 and stats["prefill_failed"] == 0 and stats["decode_failed"] == 1
+    await app.state.proxy.close()
+
+
+@pytest.mark.anyio
+async def test_a_malformed_prefixcache_request_entry_is_a_400_naming_it(nothing_listening):
+    app = create_app(nothing_listening)
+    body = {"model": "m", "prompt": [1, 2, 3], "kv_transfer_params": {"prefixcache": {"pubish": False}}}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+        response = await client.post("/v1/completions", json=body)
+        assert response.status_code == 400
+        assert 'kv_transfer_params["prefixcache"] is invalid (pubish' in response.json()["error"]["message"]
+        assert (await client.get("/proxy/stats")).json()["decode_failed"] == 0  # nothing was sent anywhere
     await app.state.proxy.close()
 
 

@@ -8,7 +8,10 @@ keys beside it are left alone, so the same request can pass through a ``MultiCon
 
 A request whose ``prefixcache`` entry is malformed neither loads nor publishes: a request that meant to keep its
 prompt out of the store must not publish it because of a typo. The engine cannot refuse a request from a
-connector hook, so the problem is logged and the request is computed as if there were no cache.
+connector hook, so the connector logs the problem and computes the request as if there were no cache; the
+proxy (cachestore/proxy.py), which can refuse it, answers 400.
+
+It lives outside the ``connector`` package, which imports vLLM, because the proxy reads it too.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError
 
-from connector.settings import validation_problems
+from indexer.errors import validation_problems
 
 PARAMS_KEY = "prefixcache"
 
