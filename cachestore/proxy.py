@@ -9,10 +9,12 @@ they meet, so no instance needs to know another and the proxy never touches KV b
 Routing is round robin, or cache-aware: the proxy asks the index how much of the prompt is already
 cached and skips the prefill step when a prefill could add nothing. A request that turns publishing or
 loading off for itself (``kv_transfer_params``, cachestore/request_params.py) cannot travel through the
-store, so it goes to a decode instance directly; a malformed such entry is answered 400. Failures degrade, never break:
-a prefill instance that cannot be reached (or answers 5xx) is skipped and the decode instance
-prefills the prompt itself; a decode instance that cannot be reached is replaced by the next one;
-only when none answers does the client get an error, as an OpenAI-style JSON body with status 502.
+store, so it goes to a decode instance directly; a malformed such entry is answered 400.
+
+Failures degrade, never break: a prefill instance that cannot be reached (or answers 5xx) is skipped and
+the decode instance prefills the prompt itself; a decode instance that cannot be reached is replaced by
+the next one; only when none answers does the client get an error, as an OpenAI-style JSON body with
+status 502.
 """
 
 from __future__ import annotations
