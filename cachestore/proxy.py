@@ -42,7 +42,7 @@ from cachestore.proxy_routing import (
 )
 from cachestore.request_params import request_cache_params
 from indexer.chunking import ChunkGeometry
-from indexer.errors import ConfigError, IndexUnavailableError
+from indexer.errors import ConfigError, IndexUnavailableError, validation_problems
 from indexer.index import PrefixIndex
 from indexer.keys import PrefixHasher, extend_all
 from indexer.redis_index import RedisIndex, with_password
@@ -103,11 +103,7 @@ class ProxySettings(BaseModel):
         try:
             return cls.model_validate({k: v for k, v in values.items() if v is not None})
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg'].removeprefix('Value error, ')}"
-                for e in exc.errors()
-            )
-            raise ConfigError(f"invalid proxy setting {problems}") from None
+            raise ConfigError(f"invalid proxy setting {validation_problems(exc, 'settings')}") from None
 
 
 @dataclass

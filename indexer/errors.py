@@ -26,5 +26,8 @@ class IndexUnavailableError(PrefixCacheError, ConnectionError):
 
 def validation_problems(exc: ValidationError, whole: str) -> str:
     """One line naming each bad key of a validated object and what is wrong with it (``whole``: the name of the
-    object itself, for problems with it as a whole)."""
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or whole}: {e['msg']}" for e in exc.errors())
+    object itself, for problems with it as a whole). Pydantic's "Value error, " before our own validators'
+    messages is dropped: it says nothing to the person reading it."""
+    return "; ".join(
+        f"{'.'.join(map(str, e['loc'])) or whole}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors()
+    )
