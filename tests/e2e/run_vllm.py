@@ -16,14 +16,19 @@ SPEC.json::
      "loras": ["/path/to/adapter" | null, ...],  # optional; a LoRA adapter (or none) per prompt
      "logprobs": 2,                         # top-k alternatives recorded per generated token
      "reset_prefix_cache_before": [3, 5],   # optional; prompt indices before which vLLM's own prefix cache is emptied
+     "together": false,                     # optional; every prompt in one generate call, so they run side by side
+     "num_gpu_blocks": 64,                  # optional; KV cache blocks (few: requests get preempted)
+     "max_model_len": 8192,                 # optional; vLLM refuses fewer blocks than this takes
+     "max_num_seqs": 4,                     # optional; requests scheduled at once
      "beside": {"prompts": [[ids...], ...], "max_tokens": 96, "after_tokens": 16}}  # optional, see below
 
 The prompts go through one ``generate`` call each, in order, so a later prompt can hit chunks an earlier one
-published. Decoding is greedy (temperature 0, ignore_eos). OUT.json::
+published; with ``together``, through one call for all. Decoding is greedy (temperature 0, ignore_eos). OUT.json::
 
     {"engine_start_s": float, "import_s": float,
      "outputs": [{"prompt_len": int, "token_ids": [...], "logprobs": [{"<token id>": logprob, ...}, ...],
-                  "num_cached_tokens": int, "finish_reason": str, "ttft_s": float | null, "wall_s": float}, ...]}
+                  "num_cached_tokens": int, "finish_reason": str, "ttft_s": float | null, "wall_s": float}, ...],
+     "preemptions": int}                    # requests vLLM preempted, over the whole run
 
 ``ttft_s`` is vLLM's first-token latency (arrival to first token, engine side); ``wall_s`` is the wall time of the
 ``generate`` call. With ``beside``, each prompt is submitted while the engine decodes ``beside.prompts[i]``, once that
@@ -44,7 +49,8 @@ from pathlib import Path
 
 _KEYS = {"model", "prompts", "max_tokens", "prefix_caching", "kv_transfer_config", "kv_transfer_params",
          "max_num_batched_tokens", "kv_cache_dtype", "logprobs", "tensor_parallel_size", "loras", "beside",
-         "reset_prefix_cache_before"}  # fmt: skip
+         "reset_prefix_cache_before", "together", "num_gpu_blocks", "max_num_seqs",
+         "max_model_len"}  # fmt: skip
 
 
 class SpecError(ValueError):
@@ -83,6 +89,8 @@ def load_spec(path: Path) -> dict:
         or not 0 < int(beside.get("after_tokens", 0)) < int(beside.get("max_tokens", 0))
     ):
         raise SpecError("spec.beside needs a prompt per prompt and 0 < after_tokens < max_tokens")  # fmt: skip
+    if spec.get("together") and (beside is not None or resets or spec.get("loras")):
+        raise SpecError("spec.together runs every prompt in one call: it takes no beside, resets or loras")
     return spec
 
 
@@ -109,6 +117,8 @@ def run(spec: dict) -> tuple[dict, object]:
         kwargs["kv_cache_dtype"] = spec["kv_cache_dtype"]
     if spec.get("tensor_parallel_size") is not None:
         kwargs["tensor_parallel_size"] = int(spec["tensor_parallel_size"])
+    if spec.get("num_gpu_blocks") is not None:
+        kwargs["num_gpu_blocks_override"] = int(spec["num_gpu_blocks"])
     loras = spec.get("loras") or [None] * len(spec["prompts"])
     if any(loras):
         from tests.e2e.tinymodel import LORA_RANK
@@ -118,10 +128,10 @@ def run(spec: dict) -> tuple[dict, object]:
     llm = LLM(
         model=spec["model"],
         dtype="bfloat16",
-        max_model_len=8192,
+        max_model_len=int(spec.get("max_model_len", 8192)),
         enforce_eager=True,
         seed=0,
-        max_num_seqs=4,
+        max_num_seqs=int(spec.get("max_num_seqs", 4)),
         enable_prefix_caching=bool(spec.get("prefix_caching", False)),
         disable_log_stats=False,  # fills RequestOutput.metrics (first-token latency)
         **kwargs,
@@ -146,18 +156,19 @@ def run(spec: dict) -> tuple[dict, object]:
     }
     beside = spec.get("beside")
     resets = set(spec.get("reset_prefix_cache_before", ()))
-    for i, (prompt, lora, kv_params) in enumerate(zip(spec["prompts"], loras, transfer_params, strict=True)):
-        params = sampling(kv_params)
-        if i in resets and not llm.reset_prefix_cache():
-            raise RuntimeError(f"vLLM refused to reset its prefix cache before prompt {i}")
+    if spec.get("together"):
         t0 = time.perf_counter()
-        if beside is None:
-            (result,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False,
-                                     lora_request=adapters.get(lora))  # fmt: skip
-            beside_token_s = None
+        results = llm.generate([{"prompt_token_ids": prompt} for prompt in spec["prompts"]],
+                               [sampling(kv_params) for kv_params in transfer_params], use_tqdm=False)  # fmt: skip
+        done = [(result, None, time.perf_counter() - t0) for result in results]
+    else:
+        done = []
+    for i, (prompt, lora, kv_params) in enumerate(zip(spec["prompts"], loras, transfer_params, strict=True)):
+        if done:
+            result, beside_token_s, wall_s = done[i]
         else:
-            result, beside_token_s = _beside_a_decode(llm, prompt, params, beside, i)
-        wall_s = time.perf_counter() - t0
+            result, beside_token_s, wall_s = _generate_alone(llm, i, prompt, sampling(kv_params), adapters.get(lora),
+                                                             beside, i in resets)  # fmt: skip
         completion = result.outputs[0]
         metrics = result.metrics
         ttft = getattr(metrics, "first_token_latency", None) if metrics is not None else None
@@ -176,7 +187,23 @@ def run(spec: dict) -> tuple[dict, object]:
                 **({"beside_token_s": beside_token_s} if beside_token_s is not None else {}),
             }
         )
-    return {"engine_start_s": engine_start_s, "import_s": import_s, "outputs": outputs}, llm
+    preemptions = sum(int(metric.value) for metric in llm.get_metrics() if metric.name == "vllm:num_preemptions")
+    return {"engine_start_s": engine_start_s, "import_s": import_s, "outputs": outputs, "preemptions": preemptions}, llm
+
+
+def _generate_alone(llm, i: int, prompt: list[int], params, lora, beside: dict | None, reset: bool
+                    ) -> tuple[object, list[float] | None, float]:  # fmt: skip
+    """Prompt ``i`` in a call of its own (beside decode ``i`` of ``beside``, if given); its output, the decode's
+    token times, and the call's wall time."""
+    if reset and not llm.reset_prefix_cache():
+        raise RuntimeError(f"vLLM refused to reset its prefix cache before prompt {i}")
+    t0 = time.perf_counter()
+    if beside is None:
+        (result,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False, lora_request=lora)
+        beside_token_s = None
+    else:
+        result, beside_token_s = _beside_a_decode(llm, prompt, params, beside, i)
+    return result, beside_token_s, time.perf_counter() - t0
 
 
 def _beside_a_decode(llm, prompt: list[int], params, beside: dict, i: int) -> tuple[object, list[float]]:
