@@ -37,6 +37,13 @@ NO_PUBLISH = {"prefixcache": {"publish": False}}
 NO_LOAD = {"prefixcache": {"load": False}}
 MISSPELT = {"prefixcache": {"pubish": False}}  # a malformed entry: the request neither loads nor publishes
 PROMPTS = [P1, P2, HALF]
+DOCS = [random_prompt(seed=30 + d, length=500) for d in range(3)]
+# For the side-by-side runs: two questions on each of three documents, the documents taking turns. Prompts of
+# 636 and 764 tokens end 4 tokens short of a 128-token block, so a request's decode needs a new block at its 5th
+# token. vLLM admits a request only while the cache can hold its whole prompt, so two 636-token requests fill
+# a cache of 10 blocks (and its null block), and vLLM must preempt one of them to go on.
+SIDE_BY_SIDE = [doc + random_prompt(seed=40 + 3 * q + d, length=136 + 128 * q) for q in range(2)
+                for d, doc in enumerate(DOCS)]  # fmt: skip
 # On CPUs with AMX, the same prompt computed along different paths (in one pass; after a cached
 # prefix; in prefill steps of another size) differs by up to ~0.1 in logprob, cache or no cache: the
 # split changes the bf16 arithmetic. A reference must take the path a hit takes. A full hit computes
@@ -271,6 +278,40 @@ def test_kv_computed_with_a_lora_adapter_is_found_only_with_that_adapter(lora_ru
     for ref, got in zip(reference["outputs"], b["outputs"], strict=True):
         ok, reason = same_greedy_output(ref, got)
         assert ok, reason
+
+
+@pytest.fixture(scope="module")
+def side_by_side(run_vllm, tiny_model, daemon, tmp_path_factory):
+    """The SIDE_BY_SIDE prompts submitted together to an engine with vLLM's own prefix cache on, prefill steps of
+    256 tokens and a KV cache of 10 blocks and the null block (1280 tokens, two requests' worth): A (which
+    publishes them), then B (a fresh process, which loads them). Returns (a, b, probe directories)."""
+    probe = {name: tmp_path_factory.mktemp(f"probe-side-by-side-{name}") for name in ("a", "b")}
+    spec = {"model": str(tiny_model), "prompts": SIDE_BY_SIDE, "max_tokens": 8, "together": True,
+            "prefix_caching": True, "max_num_batched_tokens": 256, "max_num_seqs": len(SIDE_BY_SIDE),
+            "max_model_len": 1024, "num_gpu_blocks": 11,
+            "kv_transfer_config": connector_config(daemon, probe=True)}  # fmt: skip
+    a, b = (run_vllm(spec, env={"PREFIXCACHE_PROBE_DIR": str(probe[name])}) for name in ("a", "b"))  # fmt: skip
+    return a, b, probe
+
+
+def test_requests_side_by_side_and_preempted_publish_and_load_the_right_kv(side_by_side):
+    """Many requests in one step, prefills in pieces, blocks taken back from preempted requests and given to
+    others: every request still publishes its own pages and loads into its own blocks.
+
+    The answers are compared with A's, not with a run without the connector: requests computed side by side
+    take other prefill splits than a lone prefill, which changes bf16 answers with or without any connector
+    (measured: 12 such prompts side by side without a connector, one answer past the tolerance of
+    ``same_greedy_output``). B loads exactly what A computed and computes one token, so B must answer as A did."""
+    a, b, probe = side_by_side
+    assert a["preemptions"] > 0 and b["preemptions"] > 0  # what this test is about
+    assert [out["num_cached_tokens"] for out in b["outputs"]] == [len(p) - 1 for p in SIDE_BY_SIDE]
+    for out_a, out_b in zip(a["outputs"], b["outputs"], strict=True):
+        ok, reason = same_greedy_output(out_a, out_b)
+        assert ok, reason
+    # per document: its first chunk; each of its prompts' second chunk (the document's end and the question's
+    # start) and tail
+    saved, loaded = assert_loaded_pages_were_saved(probe["a"], probe["b"])
+    assert saved == 15 and loaded >= 15
 
 
 def _children_named(parent: int, name: str) -> list[int]:
