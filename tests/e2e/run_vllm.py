@@ -89,6 +89,11 @@ def load_spec(path: Path) -> dict:
         or not 0 < int(beside.get("after_tokens", 0)) < int(beside.get("max_tokens", 0))
     ):
         raise SpecError("spec.beside needs a prompt per prompt and 0 < after_tokens < max_tokens")  # fmt: skip
+    for name in ("num_gpu_blocks", "max_model_len", "max_num_seqs"):
+        if name in spec and not (type(spec[name]) is int and spec[name] > 0):
+            raise SpecError(f"spec.{name} must be a positive integer, got {spec[name]!r}")
+    if not isinstance(spec.get("together", False), bool):
+        raise SpecError(f"spec.together must be true or false, got {spec['together']!r}")
     if spec.get("together") and (beside is not None or resets or spec.get("loras")):
         raise SpecError("spec.together runs every prompt in one call: it takes no beside, resets or loras")
     return spec
