@@ -148,6 +148,25 @@ def test_the_first_nvme_miss_reads_every_upcoming_chunk_into_its_slot_ahead(daem
         reader.close()
 
 
+def test_dram_copies_gone_without_the_index_hearing_are_all_read_ahead_at_the_first_miss(daemon, client):
+    """The master can evict a DRAM copy unannounced (its own eviction at 95 %): the index then still names
+    DRAM for the upcoming chunks too, and they must not be read from disk one fetch after another."""
+    keys, payloads = publish_prompt(client, list(range(64 * 6)), seed=9)
+    wait_persisted(client, keys)
+    assert client.dram.delete(keys) == 6
+    assert all(DRAM in e.locations for e in client.index.get(keys)), "the premise: the index still names DRAM"
+    slots = [client.slot(4 << 20) for _ in keys]
+    try:
+        first = client.fetch(keys[:2], slots[:2], upcoming=list(zip(keys[2:], slots[2:], strict=True)))
+        assert [bytes(v) for v in first] == payloads[:2]
+        client.settle_reads()  # the load stops here, as in the test above
+        assert [read_meta(slot).key for slot in slots[2:]] == keys[2:], "upcoming chunks were not read ahead"
+        assert client.stats.read_from_disk == 2
+    finally:
+        for slot in slots:
+            client.release(slot)
+
+
 def test_another_nodes_nvme_chunks_are_promoted_in_one_streamed_request(daemon, client):
     """A client elsewhere cannot read the segment files: the holder promotes them, upcoming ones included."""
     keys, payloads = restart_with_nvme_only(daemon, client, list(range(64 * 6)), seed=6)
