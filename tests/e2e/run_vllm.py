@@ -162,19 +162,12 @@ def run(spec: dict) -> tuple[dict, object]:
     beside = spec.get("beside")
     resets = set(spec.get("reset_prefix_cache_before", ()))
     if spec.get("together"):
-        t0 = time.perf_counter()
-        results = llm.generate([{"prompt_token_ids": prompt} for prompt in spec["prompts"]],
-                               [sampling(kv_params) for kv_params in transfer_params], use_tqdm=False)  # fmt: skip
-        wall_s = time.perf_counter() - t0  # one call for all: each prompt's wall time is the call's
-        done = [(result, None, wall_s) for result in results]
-    else:
-        done = []
-    for i, (prompt, lora, kv_params) in enumerate(zip(spec["prompts"], loras, transfer_params, strict=True)):
-        if done:
-            result, beside_token_s, wall_s = done[i]
-        else:
-            result, beside_token_s, wall_s = _generate_alone(llm, i, prompt, sampling(kv_params), adapters.get(lora),
-                                                             beside, i in resets)  # fmt: skip
+        runs = _generate_together(llm, spec["prompts"], [sampling(kv_params) for kv_params in transfer_params])
+    else:  # lazily: each prompt runs (after its reset) only when the loop below reaches it
+        runs = (_generate_alone(llm, i, prompt, sampling(kv_params), adapters.get(lora), beside, i in resets)
+                for i, (prompt, lora, kv_params) in enumerate(zip(spec["prompts"], loras, transfer_params,
+                                                                  strict=True)))  # fmt: skip
+    for prompt, (result, beside_token_s, wall_s) in zip(spec["prompts"], runs, strict=True):
         completion = result.outputs[0]
         metrics = result.metrics
         ttft = getattr(metrics, "first_token_latency", None) if metrics is not None else None
@@ -195,6 +188,15 @@ def run(spec: dict) -> tuple[dict, object]:
         )
     preemptions = sum(int(metric.value) for metric in llm.get_metrics() if metric.name == "vllm:num_preemptions")
     return {"engine_start_s": engine_start_s, "import_s": import_s, "outputs": outputs, "preemptions": preemptions}, llm
+
+
+def _generate_together(llm, prompts: list[list[int]], params: list) -> list[tuple[object, None, float]]:
+    """Every prompt in one call, side by side; per prompt its output, no decode token times, and the call's
+    wall time (one call for all: each prompt's wall time is the call's)."""
+    t0 = time.perf_counter()
+    results = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], params, use_tqdm=False)
+    wall_s = time.perf_counter() - t0
+    return [(result, None, wall_s) for result in results]
 
 
 def _generate_alone(llm, i: int, prompt: list[int], params, lora, beside: dict | None, reset: bool
