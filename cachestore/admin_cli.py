@@ -204,6 +204,9 @@ def evict(
     out.print(f"{verb} {result['chunks']} chunks ({_mib(result['bytes'])}); pinned and kept: "
               f"{result['pinned_skipped']}; kept on other nodes: {result['kept_elsewhere']}; failed: "
               f"{result['failed']}", highlight=False)  # fmt: skip
+    if result["pending_nodes"]:
+        out.print(f"not confirmed yet by {', '.join(result['pending_nodes'])}: their daemons delete those copies "
+                  "when they next run", highlight=False)  # fmt: skip
     for key in result["sample_keys"]:
         out.print(f"  {key}", highlight=False)
 

@@ -163,8 +163,14 @@ class EvictResult(BaseModel):
     chunks: int = Field(description="chunks removed (would be removed, in a dry run) from every tier and the index")
     bytes: int
     pinned_skipped: int
-    kept_elsewhere: int = Field(description="lost their copies here but remain on other nodes' NVMe tiers")
+    kept_elsewhere: int = Field(
+        description="lost their copies here, but copies remain on nodes in pending_nodes, whose daemons have "
+        "the order queued and delete them when they next run"
+    )
     failed: int = Field(description="untouched because the DRAM tier did not answer; retry")
+    pending_nodes: list[str] = Field(
+        default_factory=list, description="nodes that did not confirm their part of the eviction in time"
+    )
     sample_keys: list[str]
 
 

@@ -184,6 +184,7 @@ class CacheAdmin:
             if not dry_run:
                 outcome = self.evictor.evict(victims)
                 result.kept_elsewhere += len(outcome.kept_elsewhere)
+                result.pending_nodes = sorted({*result.pending_nodes, *outcome.pending_nodes})
                 result.failed += len(outcome.failed)
                 victims = outcome.removed
             result.chunks += len(victims)

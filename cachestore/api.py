@@ -89,6 +89,7 @@ class EvictionStats(BaseModel):
 class QueueDepths(BaseModel):
     promotion: int = Field(description="promotion requests waiting for this node")
     write_behind: int = Field(description="feed events the write-behind has not handled yet")
+    eviction_orders: int = Field(description="other nodes' eviction orders waiting for this node")
 
 
 class NamespaceStats(BaseModel):

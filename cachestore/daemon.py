@@ -40,6 +40,7 @@ from cachestore.cpus import allowed_cpus
 from cachestore.demotion import Demoter
 from cachestore.dram import MooncakeTier
 from cachestore.eviction import Evictor
+from cachestore.eviction_orders import EvictionOrders, OrderServer
 from cachestore.extents import ExtentServer
 from cachestore.kv_events import KvEventPublisher
 from cachestore.metrics import metrics_router
@@ -83,6 +84,7 @@ class NodeDaemon:
         self.demoter: Demoter
         self.leases: Leases
         self.evictor: Evictor
+        self.orders: OrderServer
         self.admin: CacheAdmin
         self.nvme_evicted = 0
         self.warmup_jobs: WarmupJobs
@@ -120,7 +122,13 @@ class NodeDaemon:
             events.start()
             self._stack.callback(events.stop)
             log.info("publishing KV events on %s", s.kv_events_endpoint)
-        self.evictor = Evictor(self.index, self.dram, self.nvme, s.node)
+        self.evictor = Evictor(self.index, self.dram, self.nvme, s.node,
+                               EvictionOrders(redis.Redis.from_url(self.index.url), s.key_prefix + ":"))  # fmt: skip
+        # after reconcile: orders queued while this node was down remove copies the index still names
+        self.orders = orders = OrderServer(redis.Redis.from_url(self.index.url), s.key_prefix + ":", s.node, self.index,
+                             lambda entries: self.evictor.evict_here(entries).removed)  # fmt: skip
+        orders.start()
+        self._stack.callback(orders.stop)
         self.admin = CacheAdmin(self.index, self.evictor)
         self.warmup_jobs = WarmupJobs(s.data_dir / "warmup" / "jobs", local_url(s.host, s.port), s.data_dir / "warmup",
                                       engine_cpus=engine_cpus)  # fmt: skip
@@ -160,8 +168,8 @@ class NodeDaemon:
         self.owner = SegmentOwner(
             logs, segment_bytes=s.dram_bytes, master=self.master_address, metadata_url=self.metadata_url,
             host=s.mooncake_host, segment_port=s.derived_port("segment_port"), shm_port=s.derived_port("shm_port"),
-            protocol=s.mooncake_protocol,
-            device_names=s.mooncake_device_names,
+            protocol=s.mooncake_protocol, device_names=s.mooncake_device_names,
+            master_admin_url=self.master_admin_url,
         )  # fmt: skip
         self.owner.start()
         self._stack.callback(self.owner.stop)
@@ -173,6 +181,11 @@ class NodeDaemon:
         self._warm_segment()
         log.info("DRAM segment %s (%d MiB) ready; clients attach at %s", self.owner.segment,
                  s.dram_bytes >> 20, self.owner.shm_address)  # fmt: skip
+
+    @property
+    def master_admin_url(self) -> str | None:
+        """The master's HTTP port (``/metrics``, ``/health``, ``/get_all_segments``), when known."""
+        return self.metrics_url.rsplit("/", 1)[0] if self.metrics_url else None
 
     def _warm_segment(self) -> None:
         """Touch the new segment's pages once: first writes to fresh shared memory run ~4x slower."""
@@ -237,7 +250,8 @@ class NodeDaemon:
                                     dram_demoted=self.demoter.demoted),
             corrupt_chunks=wb.corrupt + clients.corrupt_chunks,
             queues=QueueDepths(promotion=self.promoter.client.llen(self.promoter.queue),
-                               write_behind=self.index.feed_backlog(self.settings.node, WRITE_BEHIND_GROUP)),
+                               write_behind=self.index.feed_backlog(self.settings.node, WRITE_BEHIND_GROUP),
+                               eviction_orders=self.orders.client.llen(self.orders.queue)),
             clients=clients, namespaces=namespace_stats(self.index.usage(), client_totals),
         )  # fmt: skip
 
@@ -257,8 +271,8 @@ class NodeDaemon:
             return ComponentHealth(ok=False, detail=str(exc))
 
     def _master_health(self) -> ComponentHealth:
-        if self.metrics_url:
-            health_url = self.metrics_url.rsplit("/", 1)[0] + "/health"
+        if self.master_admin_url:
+            health_url = self.master_admin_url + "/health"
             try:
                 urllib.request.urlopen(health_url, timeout=2).close()
                 return ComponentHealth(ok=True, detail=f"{self.master_address} serving")

@@ -3,8 +3,10 @@
 Order matters for consistency. Bytes go first (DRAM objects pool-wide, this node's NVMe copies), the
 index after: in between, a reader finds an entry whose bytes are gone, which is a miss it recomputes,
 never wrong data; the reverse order would leave bytes no entry points to. A chunk whose DRAM copy
-cannot be removed (Mooncake unreachable) keeps everything, index entry included. A chunk with copies
-on other nodes' NVMe tiers keeps those (only their daemons can delete them) and loses the rest.
+cannot be removed (Mooncake unreachable) keeps everything, index entry included. Copies on other
+nodes' NVMe tiers only their daemons can delete: this node sends them eviction orders
+(cachestore/eviction_orders.py) and waits a moment for them to confirm. Until a node does, its copies
+stay indexed, so nothing is left on a disk that the index does not name.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from cachestore.dram import MooncakeTier
+from cachestore.eviction_orders import EvictionOrders
 from cachestore.nvme import NvmeStore
 from indexer.index import ChunkEntry, Location, PrefixIndex
 
@@ -26,11 +29,16 @@ class Eviction:
     kept_elsewhere: list[ChunkEntry] = field(default_factory=list)
     #: untouched: their DRAM copy could not be removed
     failed: list[ChunkEntry] = field(default_factory=list)
+    #: nodes that hold copies of ``kept_elsewhere`` and did not confirm their orders in time
+    pending_nodes: list[str] = field(default_factory=list)
 
 
 class Evictor:
-    def __init__(self, index: PrefixIndex, dram: MooncakeTier, nvme: NvmeStore, node: str) -> None:
+    def __init__(self, index: PrefixIndex, dram: MooncakeTier, nvme: NvmeStore, node: str,
+                 orders: EvictionOrders | None = None) -> None:  # fmt: skip
+        """``orders``: how copies on other nodes are reached (None: they are kept and reported)."""
         self.index = index
+        self.orders = orders
         self.dram = dram
         self.nvme = nvme
         self.nvme_here = Location("nvme", node)
@@ -39,7 +47,24 @@ class Evictor:
         self.evicted_bytes = 0
 
     def evict(self, entries: Sequence[ChunkEntry]) -> Eviction:
-        """Remove these chunks (selected and pin-checked by the caller) from the tiers, then the index."""
+        """Remove these chunks (selected and pin-checked by the caller) from every node's tiers, then the index."""
+        outcome = self.evict_here(entries)
+        if self.orders is None or not outcome.kept_elsewhere:
+            return outcome
+        by_node: dict[str, list[bytes]] = {}
+        for entry in outcome.kept_elsewhere:
+            for loc in entry.locations:
+                if loc.tier == "nvme" and loc != self.nvme_here:
+                    by_node.setdefault(loc.node, []).append(entry.key)
+        outcome.pending_nodes = self.orders.send(by_node)
+        still = {e.key for e in self.index.get([e.key for e in outcome.kept_elsewhere]) if e is not None}
+        outcome.removed += [e for e in outcome.kept_elsewhere if e.key not in still]
+        outcome.kept_elsewhere = [e for e in outcome.kept_elsewhere if e.key in still]
+        return outcome
+
+    def evict_here(self, entries: Sequence[ChunkEntry]) -> Eviction:
+        """Remove these chunks' copies this node can reach (DRAM pool-wide, this node's NVMe) and their
+        locations; entries left with no location go. Copies on other nodes' NVMe stay (``kept_elsewhere``)."""
         outcome = Eviction()
         if not entries:
             return outcome

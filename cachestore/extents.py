@@ -18,12 +18,10 @@ from collections.abc import Sequence
 
 import redis
 
-from cachestore.background import BackgroundLoop
+from cachestore.node_requests import AnsweringServer, format_request
 from cachestore.nvme import Extent, NvmeStore
-from cachestore.promotion import format_request, parse_request
 
 log = logging.getLogger("prefixcache.extents")
-_REPLY_TTL_S = 30
 
 
 def locate(client: redis.Redis, prefix: str, node: str, keys: Sequence[bytes], timeout_s: float) -> list[Extent | None]:
@@ -44,30 +42,14 @@ def locate(client: redis.Redis, prefix: str, node: str, keys: Sequence[bytes], t
     return extents if len(extents) == len(keys) else [None] * len(keys)
 
 
-class ExtentServer(BackgroundLoop):
+class ExtentServer(AnsweringServer):
     """The daemon's side: answers ``locate`` requests for this node's NVMe tier."""
 
     name = "prefixcache-extents"
 
     def __init__(self, client: redis.Redis, prefix: str, nvme: NvmeStore, node: str) -> None:
-        super().__init__()
-        self.client = client
-        self.prefix = prefix
-        self.queue = f"{prefix}xq:{node}"
+        super().__init__(client, f"{prefix}xq:{node}", f"{prefix}xr:")
         self.nvme = nvme
 
-    def step(self) -> None:
-        self.serve_once()
-
-    def serve_once(self, block_s: float = 0.5) -> bool:
-        item = self.client.blpop([self.queue], timeout=block_s)
-        if item is None:
-            return False
-        reply_id, keys = parse_request(item[1])
-        extents = self.nvme.extents(keys)
-        reply = f"{self.prefix}xr:{reply_id}"
-        pipe = self.client.pipeline(transaction=False)
-        pipe.rpush(reply, json.dumps([list(e) if e else None for e in extents]))
-        pipe.expire(reply, _REPLY_TTL_S)
-        pipe.execute()
-        return True
+    def answer(self, keys: list[bytes]) -> str:
+        return json.dumps([list(e) if e else None for e in self.nvme.extents(keys)])

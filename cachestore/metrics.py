@@ -47,6 +47,7 @@ class CacheCollector(Collector):
         queues = GaugeMetricFamily("prefixcache_queue_depth", "work waiting in the daemon's queues", labels=["queue"])
         queues.add_metric(["promotion"], s.queues.promotion)
         queues.add_metric(["write_behind"], s.queues.write_behind)
+        queues.add_metric(["eviction_orders"], s.queues.eviction_orders)
         yield queues
         yield CounterMetricFamily("prefixcache_promoted_chunks", "chunks promoted from NVMe to DRAM", value=s.promoted)
         yield CounterMetricFamily("prefixcache_persisted_chunks", "chunks the write-behind persisted",

@@ -9,7 +9,9 @@ owner is a process of its own, objects outlive whichever process put them.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -22,7 +24,11 @@ from cachestore.processes import ManagedProcess, find_executable, free_port, por
 #: Every Mooncake RPC gives up after this long instead of the library's 30 s default, so a hung
 #: master costs a caller at most this once (the tier then fails fast until it answers again).
 RPC_TIMEOUT_MS = 3000
+#: How long a start waits for the master to forget this node's previous segment owner: the master
+#: expires a client it has not heard from for 10 s (its default client TTL).
+PREVIOUS_OWNER_WAIT_S = 30.0
 _PACKAGE_DIR = Path(mooncake.__file__).parent
+log = logging.getLogger("prefixcache.daemon")
 
 
 def bound_rpc_timeouts() -> None:
@@ -87,12 +93,18 @@ class SegmentOwner(ManagedProcess):
 
     The fixed name (``host:segment_port``) lets publishers place objects on this node
     (``preferred_segment``). A killed owner leaves its name registered in the metadata server, which
-    makes the next start fail, so stale entries are deleted before each start.
+    makes the next start fail, so stale entries are deleted before each start. A master that outlives
+    the owner (any master but the daemon's embedded one) also keeps the old owner's segment mounted
+    until it expires that client; an owner started before then mounts a name that exists already, and
+    the expiry then unmounts it under the new owner, which exits. So a start first waits until the
+    master, asked at ``master_admin_url`` (its HTTP port, beside ``/metrics``), no longer lists the name.
     """
 
     def __init__(self, log_dir: Path, *, segment_bytes: int, master: str, metadata_url: str,
                  host: str = "127.0.0.1", segment_port: int | None = None, shm_port: int | None = None,
-                 protocol: str = "tcp", device_names: str = "") -> None:  # fmt: skip
+                 protocol: str = "tcp", device_names: str = "",
+                 master_admin_url: str | None = None) -> None:  # fmt: skip
+        self.master_admin_url = master_admin_url
         self.host = host
         self.segment_port = segment_port or free_port(host)
         self.shm_port = shm_port or free_port(host)
@@ -123,8 +135,29 @@ class SegmentOwner(ManagedProcess):
         return f"{self.host}:{self.shm_port}"
 
     def start(self, timeout_s: float = 30.0) -> None:
+        self._wait_until_master_forgets_segment()
         self._forget_stale_registration()
         super().start(timeout_s)
+
+    def _wait_until_master_forgets_segment(self) -> None:
+        if self.master_admin_url is None or not self._segment_mounted():
+            return
+        log.info("waiting for the Mooncake master to expire this node's previous segment owner (%s)", self.segment)
+        deadline = time.monotonic() + PREVIOUS_OWNER_WAIT_S
+        while self._segment_mounted():
+            if time.monotonic() > deadline:
+                log.warning("the master still lists segment %s after %.0fs; starting anyway", self.segment,
+                            PREVIOUS_OWNER_WAIT_S)  # fmt: skip
+                return
+            time.sleep(0.5)
+
+    def _segment_mounted(self) -> bool:
+        """Whether the master lists this segment (False when it cannot be asked: nothing to wait for then)."""
+        try:
+            with urllib.request.urlopen(f"{self.master_admin_url}/get_all_segments", timeout=5) as answer:
+                return self.segment in answer.read().decode().split()
+        except OSError:
+            return False
 
     def _answers(self) -> bool:
         return port_open(self.host, self.shm_port)

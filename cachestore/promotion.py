@@ -27,10 +27,10 @@ from cachestore.arena import ArenaFullError
 from cachestore.background import BackgroundLoop
 from cachestore.codec import ChunkError, decode
 from cachestore.dram import MooncakeTier
+from cachestore.node_requests import format_request, parse_request
 from cachestore.nvme import NvmeStore, read_size
 from cachestore.runs import runs_of_about
 from indexer.index import ChunkEntry, Location, PrefixIndex
-from indexer.keys import KEY_BYTES
 
 log = logging.getLogger("prefixcache.promotion")
 _REPLY_TTL_S = 30
@@ -80,17 +80,6 @@ class PromotionStream:
             return
         for i, flag in enumerate(flags[: max(len(self._flags) - start, 0)], start):
             self._flags[i] = flag == "1"
-
-
-def format_request(reply_id: str, keys: Sequence[bytes]) -> str:
-    """``<reply id>:<keys as hex>``: what ``parse_request`` reads back."""
-    return f"{reply_id}:{b''.join(keys).hex()}"
-
-
-def parse_request(item: bytes) -> tuple[str, list[bytes]]:
-    """``<reply id>:<keys as hex>``, the form of every request clients queue for a daemon."""
-    reply_id, _, hex_keys = item.decode().partition(":")
-    return reply_id, [bytes.fromhex(hex_keys[i : i + 2 * KEY_BYTES]) for i in range(0, len(hex_keys), 2 * KEY_BYTES)]
 
 
 @dataclass

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -21,12 +22,24 @@ from indexer.tokens import pack_tokens
 
 
 class Daemon:
-    def __init__(self, data_dir: Path, *extra: str, dram: str = "256MiB", nvme: str = "512MiB") -> None:
+    def __init__(self, data_dir: Path, *extra: str, dram: str = "256MiB", nvme: str = "512MiB", node: str = "node-a",
+                 env: dict[str, str] | None = None) -> None:  # fmt: skip
+        """``env``: variables set for the daemon on top of this process's."""
         self.data_dir = data_dir
         self.port = free_port_block(7)
         self.args = [sys.executable, "-m", "cachestore", "serve", "--data-dir", str(data_dir), "--port", str(self.port),
-                     "--dram-bytes", dram, "--nvme-bytes", nvme, "--node", "node-a", *extra]  # fmt: skip
+                     "--dram-bytes", dram, "--nvme-bytes", nvme, "--node", node, *extra]  # fmt: skip
+        self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
+
+    def joined_by(self, data_dir: Path, node: str) -> Daemon:
+        """Another node of this daemon's cluster: its own DRAM segment and NVMe tier, this daemon's Redis
+        and Mooncake master (ports ``PORT+1``, ``+4``, ``+5``, ``+6``, as ``serve`` derives them)."""
+        host = "127.0.0.1"
+        return Daemon(data_dir, "--redis-url", f"redis://{host}:{self.port + 1}/0",
+                      "--mooncake-master", f"{host}:{self.port + 4}",
+                      "--mooncake-metadata-url", f"http://{host}:{self.port + 5}/metadata", node=node,
+                      env={"PREFIXCACHE_MOONCAKE_METRICS_URL": f"http://{host}:{self.port + 6}/metrics"})  # fmt: skip
 
     @property
     def url(self) -> str:
@@ -35,7 +48,7 @@ class Daemon:
     def start(self, timeout_s: float = 60) -> Daemon:
         """Start (or restart) the daemon and wait until it reports ready; a failed start leaves nothing running."""
         log = open(self.data_dir.parent / f"daemon-{self.port}.log", "ab")  # noqa: SIM115 - lives with the process
-        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -129,3 +142,13 @@ def wait_persisted(client: CacheClient, keys: list[bytes], timeout_s: float = 15
             return time.monotonic() - started
         time.sleep(0.02)
     raise AssertionError("chunks were not persisted in time")
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 10) -> bool:
+    """Whether ``condition`` came true within ``timeout_s``, asked every 50 ms."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True

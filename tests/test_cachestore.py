@@ -4,7 +4,6 @@ a segment owner and RocksDB files, all started by a real ``prefixcache serve`` p
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 
 import httpx
@@ -16,7 +15,7 @@ from cachestore.codec import read_meta
 from indexer.index import Location
 from indexer.keys import prompt_query
 from indexer.leases import Leases
-from tests.daemon_harness import Daemon, fetch_payloads, make_spec, publish_prompt, wait_persisted
+from tests.daemon_harness import Daemon, fetch_payloads, make_spec, publish_prompt, wait_for, wait_persisted
 
 NVME = Location("nvme", "node-a")
 DRAM = Location("dram", "node-a")
@@ -31,15 +30,6 @@ def client(daemon):
     c = connect(daemon)
     yield c
     c.close()
-
-
-def wait_for(condition, timeout_s: float = 10) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def test_publish_lookup_fetch_round_trip(client):

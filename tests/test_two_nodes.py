@@ -1,0 +1,110 @@
+"""Two real nodes of one cluster: two ``prefixcache serve`` processes, each with its own DRAM segment and
+NVMe tier, sharing the first one's redis-server and mooncake_master, as a multi-node deployment runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cachestore.client import CacheClient
+from cachestore.eviction_orders import ORDER_WAIT_S
+from indexer.index import Location
+from tests.daemon_harness import Daemon, fetch_payloads, make_spec, publish_prompt, wait_for, wait_persisted
+
+ON_B = Location("nvme", "node-b")
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[tuple[Daemon, Daemon]]:
+    a = Daemon(tmp_path / "a").start()
+    b = a.joined_by(tmp_path / "b", "node-b")
+    try:
+        yield a, b.start()
+    finally:
+        b.stop()
+        a.stop()
+
+
+def connect(daemon: Daemon) -> CacheClient:
+    return CacheClient.connect(daemon.url, make_spec(), arena_bytes=64 << 20)
+
+
+def persisted_on_b(b: Daemon, tokens: list[int], seed: int) -> tuple[list[bytes], list[bytes]]:
+    """Publish a prompt through node B and wait until B's NVMe tier holds it; returns keys and payloads."""
+    client = connect(b)
+    try:
+        keys, payloads = publish_prompt(client, tokens, seed=seed)
+        wait_persisted(client, keys)
+        assert all(e is not None and ON_B in e.locations for e in client.index.get(keys))
+    finally:
+        client.close()
+    return keys, payloads
+
+
+def nvme_chunks(daemon: Daemon) -> int:
+    return httpx.get(daemon.url + "/v1/stats").json()["nvme"]["chunks"]
+
+
+def test_a_node_reads_chunks_only_another_nodes_nvme_holds_through_that_nodes_daemon(cluster):
+    a, b = cluster
+    keys, payloads = persisted_on_b(b, list(range(64 * 5)), seed=1)
+    b.stop()
+    b.start()  # B's segment owner starts empty: its chunks are on its NVMe alone
+    reader = connect(a)
+    try:
+        assert all(e.locations == {ON_B} for e in reader.index.get(keys))
+        assert fetch_payloads(reader, keys) == payloads
+        assert reader.stats.promoted == len(keys) and reader.stats.read_from_disk == 0
+    finally:
+        reader.close()
+
+
+def test_an_eviction_on_one_node_deletes_the_copies_another_nodes_nvme_holds(cluster):
+    a, b = cluster
+    keys, _ = persisted_on_b(b, list(range(64 * 4)), seed=2)
+    kept, kept_payloads = persisted_on_b(b, list(range(1000, 1000 + 64 * 2)), seed=3)
+    result = httpx.post(a.url + "/v1/evict", json={"keys": [k.hex() for k in keys]}).json()
+    assert (result["chunks"], result["kept_elsewhere"], result["pending_nodes"]) == (len(keys), 0, [])
+    reader = connect(a)
+    try:
+        assert reader.index.get(keys) == [None] * len(keys)
+        assert nvme_chunks(b) == len(kept)
+        assert fetch_payloads(reader, keys) == [None] * len(keys)
+        assert fetch_payloads(reader, kept) == kept_payloads  # the rest of B's tier is untouched
+    finally:
+        reader.close()
+    assert httpx.get(b.url + "/v1/stats").json()["evictions"]["requested_chunks"] == len(keys)
+
+
+def test_a_node_that_was_down_takes_its_eviction_order_when_it_returns(cluster):
+    """The order waits in Redis: nothing comes back from B's disk, though B reconciles its tier at start."""
+    a, b = cluster
+    keys, _ = persisted_on_b(b, list(range(64 * 3)), seed=4)
+    b.stop()
+    started = time.monotonic()
+    result = httpx.post(a.url + "/v1/evict", json={"keys": [k.hex() for k in keys]}, timeout=30).json()
+    assert time.monotonic() - started < ORDER_WAIT_S + 2
+    assert (result["chunks"], result["kept_elsewhere"], result["pending_nodes"]) == (0, len(keys), ["node-b"])
+    reader = connect(a)
+    try:
+        assert all(e.locations == {ON_B} for e in reader.index.get(keys)), "DRAM copies must go at once"
+        started = time.monotonic()
+        again = httpx.post(a.url + "/v1/evict", json={"keys": [k.hex() for k in keys]}).json()
+        assert time.monotonic() - started < ORDER_WAIT_S, "a node that did not answer is waited for again"
+        assert again["pending_nodes"] == ["node-b"]
+        evict = [sys.executable, "-m", "cachestore", "evict", "--url", a.url, *(k.hex() for k in keys)]
+        told = subprocess.run(evict, capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+        assert "kept on other nodes: 3" in told.stdout and "not confirmed yet by node-b" in told.stdout, told.stdout
+        b.start()
+        assert wait_for(lambda: reader.index.get(keys) == [None] * len(keys), timeout_s=30), "B never took its order"
+        assert nvme_chunks(b) == 0
+        assert httpx.get(b.url + "/v1/stats").json()["queues"]["eviction_orders"] == 0
+    finally:
+        reader.close()
