@@ -3,6 +3,7 @@ NVMe tier, sharing the first one's redis-server and mooncake_master, as a multi-
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import httpx
 import pytest
 
 from cachestore.client import CacheClient
+from cachestore.codec import payload_offset
 from cachestore.eviction_orders import ORDER_WAIT_S
 from indexer.index import Location
 from tests.daemon_harness import Daemon, fetch_payloads, make_spec, publish_prompt, wait_for, wait_persisted
@@ -50,6 +52,26 @@ def persisted_on_b(b: Daemon, tokens: list[int], seed: int) -> tuple[list[bytes]
 
 def nvme_chunks(daemon: Daemon) -> int:
     return httpx.get(daemon.url + "/v1/stats").json()["nvme"]["chunks"]
+
+
+def test_a_node_reads_another_nodes_dram_copies_into_slots_and_straight_into_its_shared_memory(cluster):
+    """The connector's two load paths, across nodes: Mooncake moves the bytes between the segments."""
+    a, b = cluster
+    keys, payloads = persisted_on_b(b, list(range(64 * 4)), seed=5)
+    reader = connect(a)
+    try:
+        assert fetch_payloads(reader, keys) == payloads
+        pages = reader.shared_memory(len(b"".join(payloads)))
+        heads = [reader.slot(payload_offset(64)) for _ in keys]
+        ends = list(itertools.accumulate(len(p) for p in payloads))
+        parts = [pages[end - len(p) : end] for p, end in zip(payloads, ends, strict=True)]
+        pieces = [[head, part] for head, part in zip(heads, parts, strict=True)]
+        assert reader.fetch_scattered(keys, pieces) == [True] * 4
+        assert reader.verify_scattered(keys, heads, [[part] for part in parts], time.perf_counter()) == [True] * 4
+        assert [bytes(part) for part in parts] == payloads
+        assert reader.stats.read_from_disk == reader.stats.promoted == 0
+    finally:
+        reader.close()
 
 
 def test_a_node_reads_chunks_only_another_nodes_nvme_holds_through_that_nodes_daemon(cluster):
