@@ -22,8 +22,9 @@ class LoadChunk:
 @dataclass
 class SaveChunk:
     """Publish pages ``blocks`` of request ``request`` as the chunk of ``tokens`` (packed uint32) after
-    ``parents[rank]``: each tensor-parallel rank stores its shard of the pages in its own key chain, from
-    the root of the request's tenant and variant (connector/request_identity.py)."""
+    ``parents[rank]`` (a media parent where media begin in the chunk): each tensor-parallel rank stores its
+    shard of the pages in its own key chain, from the root of the request's tenant and variant
+    (connector/request_identity.py)."""
 
     request: str
     parents: list[bytes]

@@ -9,10 +9,10 @@ lookup's matches and the request's block ids; from these it tells the workers wh
 load into which blocks, and which newly computed chunks to publish. A prefix counts as cached as far
 as every rank holds it. Loads stop one token short of the prompt (vLLM must compute at least one
 token), so a hit is token-granular up to ``L-1``. They run before the step's forward pass, or, where
-other requests would wait on them, asynchronously (connector/load_policy.py). A request's LoRA adapter and
-multimodal inputs give it a key space of its own (connector/request_identity.py); a prompt given as
-embeddings is neither looked up nor published. A request can turn loading or publishing off for itself
-(cachestore/request_params.py).
+other requests would wait on them, asynchronously (connector/load_policy.py). A request's LoRA adapter gives
+it a key space of its own, and its media key its chunks from the chunk where the first item begins
+(connector/request_identity.py); a prompt given as embeddings is neither looked up nor published. A request
+can turn loading or publishing off for itself (cachestore/request_params.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from cachestore.request_params import request_cache_params
 from connector.load_policy import load_asynchronously, reads_nvme
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.plans import Geometry, chunks_to_publish, load_plan, stored_prefix
-from connector.request_identity import request_variant
+from connector.request_identity import media_marks, request_variant
 from connector.settings import ConnectorSettings, check_supported, kv_bytes_per_token, namespace_for
 from indexer.chunking import ChunkGeometry
 from indexer.errors import IndexUnavailableError
@@ -230,7 +230,8 @@ class SchedulerSide:
             if variant is None:
                 state = RequestState(hashers=[], prompt=b"", tenant_salt=salt)
             else:
-                hashers = [PrefixHasher(ns.root(salt, variant), self.geometry) for ns in self.namespaces]
+                media = media_marks(request, self.geometry.chunk_tokens)
+                hashers = [PrefixHasher(ns.root(salt, variant), self.geometry, media) for ns in self.namespaces]
                 extend_all(hashers, request.prompt_token_ids)
                 state = RequestState(hashers=hashers, prompt=hashers[0].packed(), tenant_salt=salt, variant=variant)
             params, problem = request_cache_params(getattr(request, "kv_transfer_params", None))
@@ -250,7 +251,7 @@ class SchedulerSide:
                                                     self.plan_geometry)  # fmt: skip
         for start, end in ranges:
             chunk = start // self.geometry.chunk_tokens
-            parents = [hasher.root if chunk == 0 else hasher.keys[chunk - 1] for hasher in state.hashers]
+            parents = [hasher.parent(chunk) for hasher in state.hashers]
             meta.saves.append(SaveChunk(request=req_id, parents=parents,
                                         tokens=state.prompt[start * TOKEN_BYTES : end * TOKEN_BYTES],
                                         blocks=state.blocks[self.plan_geometry.blocks(start, end)],

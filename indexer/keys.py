@@ -5,6 +5,11 @@
 where ``root`` is the namespace (and tenant) digest, H is xxh3-128 and tokens are little-endian
 uint32. Nothing depends on process state, so every process on every machine derives the same keys.
 
+A chunk in which media begin (an image's placeholder tokens, say) takes a *media parent* instead:
+H(parent ‖ "\0media\0" ‖ the items that begin in it). Chunks before the first item keep the keys of
+the same text without media, so prompts that differ only in their media share them; from that chunk
+on, every key depends on the items, through the chain.
+
 A partial chunk (a prompt's tail, shorter than C) is keyed the same way, H(parent ‖ its tokens);
 the byte length tells it apart from a full chunk. To find a stored chunk that shares only the
 first m tokens of a prompt's next chunk (token-granular reuse at the point where prompts diverge),
@@ -16,8 +21,8 @@ break; the index answers with the chunks in that bucket and the client compares 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
@@ -35,6 +40,12 @@ def chunk_key(parent: bytes, packed_tokens: bytes | memoryview) -> bytes:
     return _digest(bytes(parent) + bytes(packed_tokens))
 
 
+def media_parent(parent: bytes, media: bytes | None) -> bytes:
+    """The parent a chunk is keyed under: ``parent`` itself, or, when media begin in the chunk, a digest of
+    ``parent`` and ``media`` (a canonical description of those items)."""
+    return _digest(parent + b"\x00media\x00" + media) if media else parent
+
+
 @dataclass(frozen=True)
 class PrefixQuery:
     """What a longest-prefix lookup needs: the chain, the probes, and the tokens to compare."""
@@ -47,9 +58,12 @@ class PrefixQuery:
     probes: Sequence[bytes | None]
     packed: bytes
     num_tokens: int
+    #: per chunk position, the media that begin in that chunk (see ``media_parent``)
+    media: Mapping[int, bytes] = field(default_factory=dict)
 
     def parent(self, position: int) -> bytes:
-        return self.root if position == 0 else self.keys[position - 1]
+        """What chunk ``position`` is keyed under."""
+        return media_parent(self.root if position == 0 else self.keys[position - 1], self.media.get(position))
 
     def tokens_from(self, position: int) -> np.ndarray:
         """The prompt's tokens from chunk ``position`` on, at most one chunk, as uint32."""
@@ -65,11 +79,14 @@ class PrefixHasher:
     decode, the next chat turn) re-hashes only its new chunks.
     """
 
-    def __init__(self, root: bytes, geometry: ChunkGeometry) -> None:
+    def __init__(self, root: bytes, geometry: ChunkGeometry, media: Mapping[int, bytes] | None = None) -> None:
+        """``media``: per chunk position, a canonical description of the media items that begin in that
+        chunk (none for a text prompt)."""
         if len(root) != KEY_BYTES:
             raise ValueError(f"a namespace root is {KEY_BYTES} bytes, got {len(root)}")
         self.root = root
         self.chunk_tokens = geometry.chunk_tokens
+        self.media = dict(media or {})
         self._tokens = array("I")
         self._keys: list[bytes] = []
         self._probes: list[bytes | None] = []  # probes of full chunks: they never change
@@ -97,12 +114,14 @@ class PrefixHasher:
         probe_bytes = PROBE_TOKENS * TOKEN_BYTES if c > PROBE_TOKENS else 0
         chunk_bytes = c * TOKEN_BYTES
         packed = memoryview(self._tokens).cast("B")
-        parent = self._parent(done)
+        parent, media = self.parent(done), self.media
         try:
-            for start in range(done * chunk_bytes, (len(self._tokens) // c) * chunk_bytes, chunk_bytes):
+            for position in range(done, len(self._tokens) // c):
+                start = position * chunk_bytes
                 self._probes.append(_digest(parent + packed[start : start + probe_bytes]) if probe_bytes else None)
-                parent = _digest(parent + packed[start : start + chunk_bytes])
-                self._keys.append(parent)
+                key = _digest(parent + packed[start : start + chunk_bytes])
+                self._keys.append(key)
+                parent = media_parent(key, media.get(position + 1)) if media else key
         finally:
             packed.release()  # the array cannot grow while a view exists
         return self
@@ -112,7 +131,7 @@ class PrefixHasher:
         start = len(self._keys) * self.chunk_tokens
         if start == len(self._tokens):
             return None
-        return chunk_key(self._parent(len(self._keys)), self._tokens[start:].tobytes())
+        return chunk_key(self.parent(len(self._keys)), self._tokens[start:].tobytes())
 
     def probe(self, position: int) -> bytes | None:
         """Probe bucket of chunk ``position`` (None when fewer than PROBE_TOKENS tokens follow it)."""
@@ -121,7 +140,7 @@ class PrefixHasher:
         start = position * self.chunk_tokens
         if self.chunk_tokens <= PROBE_TOKENS or start + PROBE_TOKENS > len(self._tokens):
             return None
-        return chunk_key(self._parent(position), self._tokens[start : start + PROBE_TOKENS].tobytes())
+        return chunk_key(self.parent(position), self._tokens[start : start + PROBE_TOKENS].tobytes())
 
     def query(self) -> PrefixQuery:
         """A snapshot for ``PrefixIndex.lookup``."""
@@ -134,10 +153,12 @@ class PrefixHasher:
             probes=[*self._probes, self.probe(len(self._keys))],
             packed=self.packed(),
             num_tokens=len(self._tokens),
+            media=self.media,
         )
 
-    def _parent(self, position: int) -> bytes:
-        return self.root if position == 0 else self._keys[position - 1]
+    def parent(self, position: int) -> bytes:
+        """What chunk ``position`` is keyed under: the previous key (or the root), or its media parent."""
+        return media_parent(self.root if position == 0 else self._keys[position - 1], self.media.get(position))
 
 
 def extend_all(hashers: Sequence[PrefixHasher], tokens: TokenIds) -> None:
@@ -148,9 +169,10 @@ def extend_all(hashers: Sequence[PrefixHasher], tokens: TokenIds) -> None:
         hasher.extend(packed)
 
 
-def prompt_query(root: bytes, geometry: ChunkGeometry, tokens: TokenIds) -> PrefixQuery:
+def prompt_query(root: bytes, geometry: ChunkGeometry, tokens: TokenIds,
+                 media: Mapping[int, bytes] | None = None) -> PrefixQuery:  # fmt: skip
     """One-shot helper: the lookup query of a whole prompt."""
-    return PrefixHasher(root, geometry).extend(tokens).query()
+    return PrefixHasher(root, geometry, media).extend(tokens).query()
 
 
 def probe_of(parent: bytes, packed_tokens: bytes) -> bytes | None:

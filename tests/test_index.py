@@ -9,7 +9,7 @@ import pytest
 
 from indexer.errors import InvalidTokensError
 from indexer.index import ChunkRecord, Location, PrefixIndex, attach_namespace
-from indexer.keys import prompt_query
+from indexer.keys import media_parent, prompt_query
 from indexer.namespace import NamespaceSpec
 from indexer.tokens import TOKEN_BYTES, pack_tokens
 
@@ -17,7 +17,8 @@ DRAM = Location("dram", "node-a")
 NVME = Location("nvme", "node-a")
 
 
-def publish(index: PrefixIndex, spec: NamespaceSpec, tokens: list[int], location: Location = DRAM, tenant=None):
+def publish(index: PrefixIndex, spec: NamespaceSpec, tokens: list[int], location: Location = DRAM, tenant=None,
+            media=None):  # fmt: skip
     """Register every chunk of a prompt (full chunks and the partial tail) the way a producer does."""
     root = spec.root(tenant)
     packed = pack_tokens(tokens)
@@ -25,8 +26,8 @@ def publish(index: PrefixIndex, spec: NamespaceSpec, tokens: list[int], location
     records, parent = [], root
     for start in range(0, len(packed), step):
         record = ChunkRecord.of(
-            parent=parent, packed_tokens=packed[start : start + step], root=root, namespace=spec.digest,
-            size_bytes=1000, location=location,
+            parent=media_parent(parent, (media or {}).get(start // step)), packed_tokens=packed[start : start + step],
+            root=root, namespace=spec.digest, size_bytes=1000, location=location,
         )  # fmt: skip
         records.append(record)
         parent = record.key
@@ -34,8 +35,8 @@ def publish(index: PrefixIndex, spec: NamespaceSpec, tokens: list[int], location
     return [r.key for r in records]
 
 
-def lookup(index, spec, geometry, tokens, tenant=None):
-    return index.lookup(prompt_query(spec.root(tenant), geometry, tokens))
+def lookup(index, spec, geometry, tokens, tenant=None, media=None):
+    return index.lookup(prompt_query(spec.root(tenant), geometry, tokens, media))
 
 
 def test_empty_index_misses(index, spec, geometry):
@@ -67,6 +68,18 @@ def test_partial_hit_is_token_granular_at_the_divergence(index, spec, geometry):
     assert match.keys == keys[:2]
     assert match.partial is not None and match.partial.key == keys[2] and match.partial.tokens == 22
     assert match.matched_tokens == 150
+
+
+def test_prompts_with_other_media_share_only_the_chunks_before_the_first_item(index, spec, geometry):
+    tokens = list(range(300))  # chunks [0,64) [64,128) [128,192) [192,256), tail [256,300); an image at 150
+    keys = publish(index, spec, tokens, media={2: b"cat"})
+    assert lookup(index, spec, geometry, tokens, media={2: b"cat"}).matched_tokens == 300
+    for other in ({2: b"dog"}, None, {3: b"cat"}):  # other media, none, the same item elsewhere
+        match = lookup(index, spec, geometry, tokens, media=other)
+        assert match.keys == keys[:2] and match.partial is None and match.matched_tokens == 128
+    diverging = tokens[:150] + [9999] * 150  # the same image, other text after token 150
+    match = lookup(index, spec, geometry, diverging, media={2: b"cat"})
+    assert match.keys == keys[:2] and match.partial.key == keys[2] and match.matched_tokens == 150
 
 
 def test_grown_prompt_reuses_the_previous_turns_tail(index, spec, geometry):

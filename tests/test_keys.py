@@ -11,7 +11,7 @@ import xxhash
 
 from indexer.chunking import PROBE_TOKENS, ChunkGeometry
 from indexer.errors import ConfigError, InvalidTokensError
-from indexer.keys import PrefixHasher, chunk_key, extend_all, probe_of, prompt_query
+from indexer.keys import PrefixHasher, chunk_key, extend_all, media_parent, probe_of, prompt_query
 from indexer.namespace import NamespaceSpec, tenant_id
 from indexer.tokens import pack_tokens
 
@@ -61,6 +61,27 @@ def test_incremental_hashing_equals_one_shot():
     assert grown.keys == one_shot.keys
     assert grown.tail_key() == one_shot.tail_key()
     assert [grown.probe(i) for i in range(17)] == [one_shot.probe(i) for i in range(17)]
+
+
+def test_media_key_the_chunks_from_the_one_they_begin_in():
+    """Text before the first item keeps its keys; from the item's chunk on, other media give other keys."""
+    root, geometry, tokens = GOLDEN_SPEC.root(), ChunkGeometry(64), list(range(300))
+    packed = pack_tokens(tokens)
+    text = PrefixHasher(root, geometry).extend(tokens)
+    cat, dog = (PrefixHasher(root, geometry, {2: item}).extend(tokens) for item in (b"cat", b"dog"))
+    assert cat.keys[:2] == dog.keys[:2] == text.keys[:2]
+    assert len({text.keys[2], cat.keys[2], dog.keys[2]}) == 3 and len({text.keys[3], cat.keys[3], dog.keys[3]}) == 3
+    assert cat.keys[2] == chunk_key(media_parent(cat.keys[1], b"cat"), packed[2 * 256 : 3 * 256])
+    assert cat.keys[3] == chunk_key(cat.keys[2], packed[3 * 256 : 4 * 256])  # the chain carries the item
+    assert cat.tail_key() != text.tail_key()
+    assert cat.query().probes[:2] == text.query().probes[:2] and cat.query().probes[2] != text.query().probes[2]
+    assert cat.query().parent(2) == media_parent(cat.keys[1], b"cat") == cat.parent(2)
+    in_tail = PrefixHasher(root, geometry, {4: b"cat"}).extend(tokens)
+    assert in_tail.keys == text.keys and in_tail.tail_key() != text.tail_key()
+    grown = PrefixHasher(root, geometry, {2: b"cat"})
+    for start in range(0, 300, 37):
+        grown.extend(tokens[start : start + 37])
+    assert grown.keys == cat.keys and grown.tail_key() == cat.tail_key()
 
 
 def test_probe_is_the_key_of_the_first_probe_tokens():

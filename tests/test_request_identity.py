@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from types import SimpleNamespace
 
-from connector.request_identity import request_variant
+from connector.request_identity import media_marks, request_variant
 from indexer.namespace import NamespaceSpec
 
 SPEC = NamespaceSpec(model="m", model_fingerprint="f", kv_dtype="bfloat16", kv_layout="l", chunk_tokens=256)
@@ -57,11 +57,16 @@ def test_each_adapter_is_named_by_its_files_not_only_its_name(tmp_path):
     assert len({first, retrained, rescaled, b""}) == 4
 
 
-def test_media_are_named_by_identifier_and_position():
-    media = ([image("cat", 5)], [image("dog", 5)], [image("cat", 6)], [image("cat", 5), image("dog", 90)])
-    variants = [request_variant(request(mm_features=features)) for features in media]
-    assert len(set(variants)) == 4 and b"" not in variants
-    assert variants[0] == request_variant(request(mm_features=[image("cat", 5)]))
+def test_media_are_marked_in_the_chunk_they_begin_in_by_identifier_and_position():
+    assert request_variant(request(mm_features=[image("cat", 5)])) == b""  # media are not a key space of their own
+    assert media_marks(request(), 256) == {}
+    media = ([image("cat", 300)], [image("dog", 300)], [image("cat", 301)], [image("cat", 300, length=65)])
+    marks = [media_marks(request(mm_features=features), 256) for features in media]
+    assert all(set(m) == {1} for m in marks) and len({m[1] for m in marks}) == 4
+    assert marks[0] == media_marks(request(mm_features=[image("cat", 300)]), 256)
+    two = media_marks(request(mm_features=[image("dog", 600), image("cat", 300), image("cow", 520)]), 256)
+    assert set(two) == {1, 2} and two[1] == marks[0][1]
+    assert two[2] == media_marks(request(mm_features=[image("cow", 520), image("dog", 600)]), 256)[2]
 
 
 def test_a_variant_is_a_key_space_of_its_own_within_the_tenants():
