@@ -164,8 +164,9 @@ class EvictResult(BaseModel):
     bytes: int
     pinned_skipped: int
     kept_elsewhere: int = Field(
-        description="lost their copies here, but copies remain on nodes in pending_nodes, whose daemons have "
-        "the order queued and delete them when they next run"
+        description="lost their copies here, but copies remain on other nodes: those of pending_nodes have the "
+        "order queued and delete them when their daemons next run; any other holder could not delete them yet "
+        "(retry)"
     )
     failed: int = Field(description="untouched because the DRAM tier did not answer; retry")
     pending_nodes: list[str] = Field(
