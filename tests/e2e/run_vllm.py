@@ -14,6 +14,9 @@ SPEC.json::
      "kv_cache_dtype": "auto",              # optional
      "tensor_parallel_size": 1,             # optional; ranks are processes sharing this machine's cores
      "loras": ["/path/to/adapter" | null, ...],  # optional; a LoRA adapter (or none) per prompt
+     "images": [7 | null, ...],             # optional; per prompt, the seed of a random image (tests/e2e/tinyvlm.py)
+                                            #   for the prompt's one image token, or none
+     "dtype": "bfloat16",                   # optional; the model's dtype in vLLM
      "logprobs": 2,                         # top-k alternatives recorded per generated token
      "reset_prefix_cache_before": [3, 5],   # optional; prompt indices before which vLLM's own prefix cache is emptied
      "together": false,                     # optional; every prompt in one generate call, so they run side by side
@@ -30,6 +33,7 @@ published; with ``together``, through one call for all. Decoding is greedy (temp
                   "num_cached_tokens": int, "finish_reason": str, "ttft_s": float | null, "wall_s": float}, ...],
      "preemptions": int}                    # requests vLLM preempted, over the whole run
 
+``prompt_len`` is the prompt as vLLM saw it (an image token expanded into the image's placeholder tokens).
 ``ttft_s`` is vLLM's first-token latency (arrival to first token, engine side); ``wall_s`` is the wall time of the
 ``generate`` call. With ``beside``, each prompt is submitted while the engine decodes ``beside.prompts[i]``, once that
 decode has produced ``after_tokens`` tokens, and its output adds ``beside_token_s``: when each of the decode's tokens
@@ -50,7 +54,7 @@ from pathlib import Path
 _KEYS = {"model", "prompts", "max_tokens", "prefix_caching", "kv_transfer_config", "kv_transfer_params",
          "max_num_batched_tokens", "kv_cache_dtype", "logprobs", "tensor_parallel_size", "loras", "beside",
          "reset_prefix_cache_before", "together", "num_gpu_blocks", "max_num_seqs",
-         "max_model_len"}  # fmt: skip
+         "max_model_len", "images", "dtype"}  # fmt: skip
 
 
 class SpecError(ValueError):
@@ -79,6 +83,13 @@ def load_spec(path: Path) -> dict:
     loras = spec.get("loras")
     if loras is not None and (len(loras) != len(prompts) or not all(p is None or Path(p).is_dir() for p in loras)):
         raise SpecError("spec.loras must hold an adapter directory or null per prompt")
+    images = spec.get("images")
+    if images is not None and (len(images) != len(prompts) or not all(i is None or type(i) is int for i in images)):
+        raise SpecError("spec.images must hold an image seed (an integer) or null per prompt")
+    if images is not None and spec.get("beside") is not None:
+        raise SpecError("spec.images takes no beside")
+    if not isinstance(spec.get("dtype", "bfloat16"), str):
+        raise SpecError(f"spec.dtype must be a dtype name, got {spec['dtype']!r}")
     resets = spec.get("reset_prefix_cache_before", [])
     if not isinstance(resets, list) or not all(isinstance(i, int) and 0 <= i < len(prompts) for i in resets):
         raise SpecError("spec.reset_prefix_cache_before must be a list of prompt indices")
@@ -129,10 +140,14 @@ def run(spec: dict) -> tuple[dict, object]:
         from tests.e2e.tinymodel import LORA_RANK
 
         kwargs.update(enable_lora=True, max_lora_rank=LORA_RANK, max_loras=1)
+    images = spec.get("images") or [None] * len(spec["prompts"])
+    if any(seed is not None for seed in images):
+        kwargs["limit_mm_per_prompt"] = {"image": 1}
+    inputs = [_engine_input(prompt, seed) for prompt, seed in zip(spec["prompts"], images, strict=True)]
     t0 = time.perf_counter()
     llm = LLM(
         model=spec["model"],
-        dtype="bfloat16",
+        dtype=spec.get("dtype", "bfloat16"),
         max_model_len=int(spec.get("max_model_len", 8192)),
         enforce_eager=True,
         seed=0,
@@ -162,18 +177,18 @@ def run(spec: dict) -> tuple[dict, object]:
     beside = spec.get("beside")
     resets = set(spec.get("reset_prefix_cache_before", ()))
     if spec.get("together"):
-        runs = _generate_together(llm, spec["prompts"], [sampling(kv_params) for kv_params in transfer_params])
+        runs = _generate_together(llm, inputs, [sampling(kv_params) for kv_params in transfer_params])
     else:  # lazily: each prompt runs (after its reset) only when the loop below reaches it
         runs = (_generate_alone(llm, i, prompt, sampling(kv_params), adapters.get(lora), beside, i in resets)
-                for i, (prompt, lora, kv_params) in enumerate(zip(spec["prompts"], loras, transfer_params,
+                for i, (prompt, lora, kv_params) in enumerate(zip(inputs, loras, transfer_params,
                                                                   strict=True)))  # fmt: skip
-    for prompt, (result, beside_token_s, wall_s) in zip(spec["prompts"], runs, strict=True):
+    for result, beside_token_s, wall_s in runs:
         completion = result.outputs[0]
         metrics = result.metrics
         ttft = getattr(metrics, "first_token_latency", None) if metrics is not None else None
         outputs.append(
             {
-                "prompt_len": len(prompt),
+                "prompt_len": len(result.prompt_token_ids),
                 "token_ids": list(completion.token_ids),
                 "logprobs": [
                     {str(token): float(lp.logprob) for token, lp in position.items()}
@@ -190,16 +205,25 @@ def run(spec: dict) -> tuple[dict, object]:
     return {"engine_start_s": engine_start_s, "import_s": import_s, "outputs": outputs, "preemptions": preemptions}, llm
 
 
-def _generate_together(llm, prompts: list[list[int]], params: list) -> list[tuple[object, None, float]]:
+def _engine_input(prompt: list[int], image_seed: int | None) -> dict:
+    """What ``generate`` takes for one prompt: its token ids, and its image if it has one."""
+    if image_seed is None:
+        return {"prompt_token_ids": prompt}
+    from tests.e2e.tinyvlm import random_image
+
+    return {"prompt_token_ids": prompt, "multi_modal_data": {"image": random_image(image_seed)}}
+
+
+def _generate_together(llm, inputs: list[dict], params: list) -> list[tuple[object, None, float]]:
     """Every prompt in one call, side by side; per prompt its output, no decode token times, and the call's
     wall time (one call for all: each prompt's wall time is the call's)."""
     t0 = time.perf_counter()
-    results = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], params, use_tqdm=False)
+    results = llm.generate(inputs, params, use_tqdm=False)
     wall_s = time.perf_counter() - t0
     return [(result, None, wall_s) for result in results]
 
 
-def _generate_alone(llm, i: int, prompt: list[int], params, lora, beside: dict | None, reset: bool
+def _generate_alone(llm, i: int, prompt: dict, params, lora, beside: dict | None, reset: bool
                     ) -> tuple[object, list[float] | None, float]:  # fmt: skip
     """Prompt ``i`` in a call of its own (beside decode ``i`` of ``beside``, if given); its output, the decode's
     token times, and the call's wall time."""
@@ -207,14 +231,14 @@ def _generate_alone(llm, i: int, prompt: list[int], params, lora, beside: dict |
         raise RuntimeError(f"vLLM refused to reset its prefix cache before prompt {i}")
     t0 = time.perf_counter()
     if beside is None:
-        (result,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False, lora_request=lora)
+        (result,) = llm.generate([prompt], params, use_tqdm=False, lora_request=lora)
         beside_token_s = None
     else:
         result, beside_token_s = _beside_a_decode(llm, prompt, params, beside, i)
     return result, beside_token_s, time.perf_counter() - t0
 
 
-def _beside_a_decode(llm, prompt: list[int], params, beside: dict, i: int) -> tuple[object, list[float]]:
+def _beside_a_decode(llm, prompt: dict, params, beside: dict, i: int) -> tuple[object, list[float]]:
     """Run ``prompt`` once decode ``i`` of ``beside`` is under way; its output, and the decode's token times."""
     from vllm import SamplingParams
 
@@ -229,7 +253,7 @@ def _beside_a_decode(llm, prompt: list[int], params, beside: dict, i: int) -> tu
             if out.request_id == f"beside-{i}":
                 arrivals += [now] * (len(out.outputs[0].token_ids) - len(arrivals))
                 if submitted is None and len(arrivals) >= int(beside["after_tokens"]):
-                    engine.add_request(f"prompt-{i}", {"prompt_token_ids": prompt}, params)
+                    engine.add_request(f"prompt-{i}", prompt, params)
                     submitted = now
             elif out.finished:
                 result = out
