@@ -116,12 +116,12 @@ class PrefixHasher:
         packed = memoryview(self._tokens).cast("B")
         parent, media = self.parent(done), self.media
         try:
-            for position in range(done, len(self._tokens) // c):
-                start = position * chunk_bytes
+            for start in range(done * chunk_bytes, (len(self._tokens) // c) * chunk_bytes, chunk_bytes):
                 self._probes.append(_digest(parent + packed[start : start + probe_bytes]) if probe_bytes else None)
-                key = _digest(parent + packed[start : start + chunk_bytes])
-                self._keys.append(key)
-                parent = media_parent(key, media.get(position + 1)) if media else key
+                parent = _digest(parent + packed[start : start + chunk_bytes])
+                self._keys.append(parent)
+                if media:
+                    parent = media_parent(parent, media.get(len(self._keys)))
         finally:
             packed.release()  # the array cannot grow while a view exists
         return self
