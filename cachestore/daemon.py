@@ -165,6 +165,11 @@ class NodeDaemon:
             assert s.mooncake_master and s.mooncake_metadata_url
             self.master_address, self.metadata_url = s.mooncake_master, s.mooncake_metadata_url
             self.metrics_url = s.mooncake_metrics_url
+            if self.metrics_url is None:
+                log.warning(
+                    "PREFIXCACHE_MOONCAKE_METRICS_URL is not set: demotion cannot see this node's "
+                    "DRAM use, and a restart cannot wait for the master to forget its old segment owner"
+                )
         self.owner = SegmentOwner(
             logs, segment_bytes=s.dram_bytes, master=self.master_address, metadata_url=self.metadata_url,
             host=s.mooncake_host, segment_port=s.derived_port("segment_port"), shm_port=s.derived_port("shm_port"),
