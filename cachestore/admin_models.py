@@ -165,8 +165,8 @@ class EvictResult(BaseModel):
     pinned_skipped: int
     kept_elsewhere: int = Field(
         description="lost their copies here, but copies remain on other nodes: those of pending_nodes have the "
-        "order queued and delete them when their daemons next run; any other holder could not delete them yet "
-        "(retry)"
+        "order queued and delete them when their daemons next run, unless pinned by then; any other holder could "
+        "not delete them yet (retry)"
     )
     failed: int = Field(description="untouched because the DRAM tier did not answer; retry")
     pending_nodes: list[str] = Field(

@@ -51,6 +51,11 @@ class Evictor:
         outcome = self.evict_here(entries)
         if self.orders is None or not outcome.kept_elsewhere:
             return outcome
+        # Only a forced eviction passes pinned chunks. Their pins go now, as their copies here did: holders
+        # leave chunks pinned when they take an order, since a pin set after it was queued must hold.
+        forced = [e.key for e in outcome.kept_elsewhere if e.pinned()]
+        if forced:
+            self.index.set_pin(forced, 0.0)
         by_node: dict[str, list[bytes]] = {}
         for entry in outcome.kept_elsewhere:
             for loc in entry.locations:

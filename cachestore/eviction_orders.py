@@ -5,7 +5,8 @@ are that node's alone. So the evicting daemon queues an order on ``P:dq:<node>``
 NVMe still holds some of the chunks (``<reply id>:<keys as hex>``, the form of every daemon request),
 and waits a moment for the answer on ``P:dr:<reply id>``. The holder deletes its copies, DRAM ones
 included (a reader may have had it promote a chunk since), and drops its locations, which removes
-entries left with none; it answers how many it removed.
+entries left with none; it answers how many it removed. It leaves pinned chunks alone: a forced
+eviction unpins its chunks before it queues their orders, so a pin there was set after the order.
 
 The queue is a Redis list, so an order outlives a node that is down: its daemon takes it once it runs
 again, after reconciling its NVMe tier with the index (which still names its copies meanwhile), and
@@ -85,5 +86,6 @@ class OrderServer(AnsweringServer):
         self.evict_here = evict_here
 
     def answer(self, keys: list[bytes]) -> str:
-        entries = [entry for entry in self.index.get(keys) if entry is not None]
+        # a chunk pinned now was pinned after the order was queued (a forced eviction unpins first): it stays
+        entries = [entry for entry in self.index.get(keys) if entry is not None and not entry.pinned()]
         return str(len(list(self.evict_here(entries))))

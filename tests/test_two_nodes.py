@@ -130,3 +130,34 @@ def test_a_node_that_was_down_takes_its_eviction_order_when_it_returns(cluster):
         assert httpx.get(b.url + "/v1/stats").json()["queues"]["eviction_orders"] == 0
     finally:
         reader.close()
+
+
+def test_a_returning_node_keeps_chunks_pinned_after_its_order_and_drops_those_a_forced_eviction_took(cluster):
+    """Pins outrank an order that waited in Redis, unless the eviction was forced (it unpins its chunks)."""
+    a, b = cluster
+    pinned_later, _ = persisted_on_b(b, list(range(64 * 2)), seed=6)
+    forced, _ = persisted_on_b(b, list(range(2000, 2000 + 64 * 2)), seed=7)
+    b.stop()
+
+    def evict(keys: list[bytes], force: bool) -> dict:
+        return httpx.post(a.url + "/v1/evict", json={"keys": [k.hex() for k in keys], "force": force},
+                          timeout=30).json()  # fmt: skip
+
+    def pin(keys: list[bytes]) -> None:
+        httpx.post(a.url + "/v1/pin", json={"keys": [k.hex() for k in keys]}).raise_for_status()
+
+    assert evict(pinned_later, force=False)["pending_nodes"] == ["node-b"]
+    pin(pinned_later + forced)
+    result = evict(forced, force=True)
+    assert (result["kept_elsewhere"], result["pending_nodes"]) == (len(forced), ["node-b"])
+    reader = connect(a)
+    try:
+        assert not any(e.pinned() for e in reader.index.get(forced)), "a forced eviction takes the pins with it"
+        b.start()
+        assert wait_for(lambda: reader.index.get(forced) == [None] * len(forced), timeout_s=30)
+        assert wait_for(lambda: httpx.get(b.url + "/v1/stats").json()["queues"]["eviction_orders"] == 0)
+        kept = reader.index.get(pinned_later)
+        assert all(e is not None and e.pinned() and e.locations == {ON_B} for e in kept)
+        assert nvme_chunks(b) == len(pinned_later)
+    finally:
+        reader.close()
