@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 
 import httpx
@@ -48,6 +49,12 @@ def persisted_on_b(b: Daemon, tokens: list[int], seed: int) -> tuple[list[bytes]
     finally:
         client.close()
     return keys, payloads
+
+
+def evict(daemon: Daemon, keys: list[bytes], force: bool = False) -> dict:
+    """Evict ``keys`` through ``daemon``'s admin API; its answer."""
+    answer = httpx.post(daemon.url + "/v1/evict", json={"keys": [k.hex() for k in keys], "force": force}, timeout=30)
+    return answer.raise_for_status().json()
 
 
 def nvme_chunks(daemon: Daemon) -> int:
@@ -92,7 +99,7 @@ def test_an_eviction_on_one_node_deletes_the_copies_another_nodes_nvme_holds(clu
     a, b = cluster
     keys, _ = persisted_on_b(b, list(range(64 * 4)), seed=2)
     kept, kept_payloads = persisted_on_b(b, list(range(1000, 1000 + 64 * 2)), seed=3)
-    result = httpx.post(a.url + "/v1/evict", json={"keys": [k.hex() for k in keys]}).json()
+    result = evict(a, keys)
     assert (result["chunks"], result["kept_elsewhere"], result["pending_nodes"]) == (len(keys), 0, [])
     reader = connect(a)
     try:
@@ -111,18 +118,18 @@ def test_a_node_that_was_down_takes_its_eviction_order_when_it_returns(cluster):
     keys, _ = persisted_on_b(b, list(range(64 * 3)), seed=4)
     b.stop()
     started = time.monotonic()
-    result = httpx.post(a.url + "/v1/evict", json={"keys": [k.hex() for k in keys]}, timeout=30).json()
+    result = evict(a, keys)
     assert time.monotonic() - started < ORDER_WAIT_S + 2
     assert (result["chunks"], result["kept_elsewhere"], result["pending_nodes"]) == (0, len(keys), ["node-b"])
     reader = connect(a)
     try:
         assert all(e.locations == {ON_B} for e in reader.index.get(keys)), "DRAM copies must go at once"
         started = time.monotonic()
-        again = httpx.post(a.url + "/v1/evict", json={"keys": [k.hex() for k in keys]}).json()
+        again = evict(a, keys)
         assert time.monotonic() - started < ORDER_WAIT_S, "a node that did not answer is waited for again"
         assert again["pending_nodes"] == ["node-b"]
-        evict = [sys.executable, "-m", "cachestore", "evict", "--url", a.url, *(k.hex() for k in keys)]
-        told = subprocess.run(evict, capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+        cli = [sys.executable, "-m", "cachestore", "evict", "--url", a.url, *(k.hex() for k in keys)]
+        told = subprocess.run(cli, capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
         assert "kept on other nodes: 3" in told.stdout and "not confirmed yet by node-b" in told.stdout, told.stdout
         b.start()
         assert wait_for(lambda: reader.index.get(keys) == [None] * len(keys), timeout_s=30), "B never took its order"
@@ -135,29 +142,18 @@ def test_a_node_that_was_down_takes_its_eviction_order_when_it_returns(cluster):
 def test_a_returning_node_keeps_chunks_pinned_after_its_order_and_drops_those_a_forced_eviction_took(cluster):
     """Pins outrank an order that waited in Redis, unless the eviction was forced (it unpins its chunks)."""
     a, b = cluster
-    pinned_later, _ = persisted_on_b(b, list(range(64 * 2)), seed=6)
-    forced, _ = persisted_on_b(b, list(range(2000, 2000 + 64 * 2)), seed=7)
+    keys, _ = persisted_on_b(b, list(range(64 * 4)), seed=6)
+    pinned_later, forced = keys[:2], keys[2:]
     b.stop()
-
-    def evict(keys: list[bytes], force: bool) -> dict:
-        return httpx.post(a.url + "/v1/evict", json={"keys": [k.hex() for k in keys], "force": force},
-                          timeout=30).json()  # fmt: skip
-
-    def pin(keys: list[bytes]) -> None:
-        httpx.post(a.url + "/v1/pin", json={"keys": [k.hex() for k in keys]}).raise_for_status()
-
-    assert evict(pinned_later, force=False)["pending_nodes"] == ["node-b"]
-    pin(pinned_later + forced)
-    result = evict(forced, force=True)
+    assert evict(a, pinned_later)["pending_nodes"] == ["node-b"]
+    httpx.post(a.url + "/v1/pin", json={"keys": [k.hex() for k in pinned_later + forced]}).raise_for_status()
+    result = evict(a, forced, force=True)
     assert (result["kept_elsewhere"], result["pending_nodes"]) == (len(forced), ["node-b"])
-    reader = connect(a)
-    try:
+    with closing(connect(a)) as reader:
         assert not any(e.pinned() for e in reader.index.get(forced)), "a forced eviction takes the pins with it"
         b.start()
         assert wait_for(lambda: reader.index.get(forced) == [None] * len(forced), timeout_s=30)
         assert wait_for(lambda: httpx.get(b.url + "/v1/stats").json()["queues"]["eviction_orders"] == 0)
         kept = reader.index.get(pinned_later)
-        assert all(e is not None and e.pinned() and e.locations == {ON_B} for e in kept)
-        assert nvme_chunks(b) == len(pinned_later)
-    finally:
-        reader.close()
+    assert all(e is not None and e.pinned() and e.locations == {ON_B} for e in kept)
+    assert nvme_chunks(b) == len(pinned_later)
