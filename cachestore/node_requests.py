@@ -15,6 +15,9 @@ import redis
 from cachestore.background import BackgroundLoop
 from indexer.keys import KEY_BYTES
 
+#: How long an answer nobody reads stays in Redis (its asker gave up or died).
+REPLY_TTL_S = 30
+
 
 def format_request(reply_id: str, keys: Sequence[bytes]) -> str:
     """``<reply id>:<keys as hex>``: what ``parse_request`` reads back."""
@@ -29,8 +32,6 @@ def parse_request(item: bytes) -> tuple[str, list[bytes]]:
 
 class AnsweringServer(BackgroundLoop):
     """Serves one queue of requests that each get one answer: ``answer(keys)``, on ``<reply_prefix><reply id>``."""
-
-    reply_ttl_s = 60
 
     def __init__(self, client: redis.Redis, queue: str, reply_prefix: str) -> None:
         super().__init__()
@@ -52,6 +53,6 @@ class AnsweringServer(BackgroundLoop):
         reply = f"{self.reply_prefix}{reply_id}"
         pipe = self.client.pipeline(transaction=False)
         pipe.rpush(reply, self.answer(keys))
-        pipe.expire(reply, self.reply_ttl_s)
+        pipe.expire(reply, REPLY_TTL_S)
         pipe.execute()
         return True

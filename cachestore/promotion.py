@@ -27,13 +27,12 @@ from cachestore.arena import ArenaFullError
 from cachestore.background import BackgroundLoop
 from cachestore.codec import ChunkError, decode
 from cachestore.dram import MooncakeTier
-from cachestore.node_requests import format_request, parse_request
+from cachestore.node_requests import REPLY_TTL_S, format_request, parse_request
 from cachestore.nvme import NvmeStore, read_size
 from cachestore.runs import runs_of_about
 from indexer.index import ChunkEntry, Location, PrefixIndex
 
 log = logging.getLogger("prefixcache.promotion")
-_REPLY_TTL_S = 30
 #: Bytes per streamed slice: a few chunks, so the first answer comes after a few ms of disk and the
 #: per-slice costs (one DRAM put, one index update, one reply) stay small against the read.
 SLICE_BYTES = 4 << 20
@@ -157,7 +156,7 @@ class Promoter(BackgroundLoop):
         for request in requests:
             if (fragment := request.next_fragment(decided)) is not None:
                 pipe.rpush(request.reply, fragment)
-                pipe.expire(request.reply, _REPLY_TTL_S)
+                pipe.expire(request.reply, REPLY_TTL_S)
         if len(pipe):
             pipe.execute()
 
