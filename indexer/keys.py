@@ -46,6 +46,12 @@ def media_parent(parent: bytes, media: bytes | None) -> bytes:
     return _digest(parent + b"\x00media\x00" + media) if media else parent
 
 
+def parent_at(root: bytes, keys: Sequence[bytes], media: Mapping[int, bytes], position: int) -> bytes:
+    """What chunk ``position`` of a chain is keyed under: the previous key (the root for the first chunk),
+    or its media parent where media begin in that chunk."""
+    return media_parent(root if position == 0 else keys[position - 1], media.get(position))
+
+
 @dataclass(frozen=True)
 class PrefixQuery:
     """What a longest-prefix lookup needs: the chain, the probes, and the tokens to compare."""
@@ -63,7 +69,7 @@ class PrefixQuery:
 
     def parent(self, position: int) -> bytes:
         """What chunk ``position`` is keyed under."""
-        return media_parent(self.root if position == 0 else self.keys[position - 1], self.media.get(position))
+        return parent_at(self.root, self.keys, self.media, position)
 
     def tokens_from(self, position: int) -> np.ndarray:
         """The prompt's tokens from chunk ``position`` on, at most one chunk, as uint32."""
@@ -157,8 +163,8 @@ class PrefixHasher:
         )
 
     def parent(self, position: int) -> bytes:
-        """What chunk ``position`` is keyed under: the previous key (or the root), or its media parent."""
-        return media_parent(self.root if position == 0 else self._keys[position - 1], self.media.get(position))
+        """What chunk ``position`` is keyed under (``parent_at``)."""
+        return parent_at(self.root, self._keys, self.media, position)
 
 
 def extend_all(hashers: Sequence[PrefixHasher], tokens: TokenIds) -> None:
