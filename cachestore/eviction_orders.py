@@ -47,14 +47,13 @@ class EvictionOrders:
         """Queue one order per node and wait for the answers; returns the nodes that did not answer in time.
 
         Their orders stay queued: they take effect when those daemons next run."""
-        replies: dict[str, str] = {}
+        pending: dict[str, str] = {}  # reply list -> node, until answered
         pipe = self._client.pipeline(transaction=False)
         for node, keys in keys_by_node.items():
             reply_id = uuid.uuid4().hex
-            replies[f"{self._prefix}dr:{reply_id}"] = node
+            pending[f"{self._prefix}dr:{reply_id}"] = node
             pipe.rpush(f"{self._prefix}dq:{node}", format_request(reply_id, keys))
         pipe.execute()
-        pending = dict(replies)  # until answered
         now = time.monotonic()
         deadline = now + self._wait_s
         waited = [reply for reply, node in pending.items() if self._silent_until.get(node, 0.0) <= now]
