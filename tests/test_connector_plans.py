@@ -3,11 +3,13 @@
 import dataclasses
 from types import SimpleNamespace
 
+import pytest
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 
-from connector.load_policy import load_asynchronously, reads_nvme
+from connector.load_policy import check_load_mode, load_asynchronously, reads_nvme
 from connector.plans import Geometry, chunks_to_publish, load_plan, stored_prefix
 from connector.scheduler_side import blocks_vllm_writes_first
+from indexer.errors import ConfigError
 from indexer.index import PartialHit, PrefixMatch
 
 G = Geometry(chunk_tokens=256, block_tokens=128)
@@ -71,15 +73,26 @@ def test_blocks_vllm_zeroes_or_copies_into_are_written_before_a_load_may_start()
 
 
 def test_an_idle_engine_loads_synchronously_and_a_busy_one_asynchronously_when_the_hit_is_slow():
-    def decide(mode="auto", others_running=True, load_in_flight=False, reads_nvme=False, load_bytes=1 << 20):
-        return load_asynchronously(mode, others_running=others_running, load_in_flight=load_in_flight,
-                                   reads_nvme=reads_nvme, load_bytes=load_bytes, async_bytes=64 << 20)  # fmt: skip
+    def decide(mode="auto", schedules_ahead=False, others_running=True, load_in_flight=False, reads_nvme=False,
+               load_bytes=1 << 20):  # fmt: skip
+        return load_asynchronously(mode, schedules_ahead=schedules_ahead, others_running=others_running,
+                                   load_in_flight=load_in_flight, reads_nvme=reads_nvme, load_bytes=load_bytes,
+                                   async_bytes=64 << 20)  # fmt: skip
 
     assert not decide(others_running=False, reads_nvme=True, load_bytes=1 << 30)  # nobody waits on it
     assert not decide()  # a small DRAM hit: a few milliseconds of the step
     assert decide(reads_nvme=True) and decide(load_bytes=64 << 20)
     assert decide(others_running=False, load_in_flight=True)  # it would wait behind the one in flight
     assert decide("always", others_running=False) and not decide("never", reads_nvme=True)
+    # vLLM's async scheduling: a synchronous load's failure would stop its engine core
+    assert decide(schedules_ahead=True, others_running=False) and not decide("never", schedules_ahead=True)
+
+
+def test_synchronous_loads_are_refused_under_vllms_async_scheduling():
+    check_load_mode("never", schedules_ahead=False)
+    check_load_mode("auto", schedules_ahead=True)
+    with pytest.raises(ConfigError, match="--no-async-scheduling"):
+        check_load_mode("never", schedules_ahead=True)
 
 
 def test_a_load_reads_nvme_when_a_chunk_it_covers_is_on_nvme_alone():

