@@ -122,7 +122,7 @@ def make_spec(chunk_tokens: int = 64) -> NamespaceSpec:
                          chunk_tokens=chunk_tokens)  # fmt: skip
 
 
-def damage_dram_copy(dram: MooncakeTier, key: bytes, max_bytes: int = 4 << 20) -> None:
+def damage_dram_copy(dram: MooncakeTier, key: bytes, max_bytes: int = 8 << 20) -> None:
     """Flip the last byte of chunk ``key``'s DRAM copy (an object of at most ``max_bytes``), in the pool,
     under its own name: what a bad DIMM or a stray write would leave for the next reader."""
     slot = dram.arena.alloc(max_bytes)

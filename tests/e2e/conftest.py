@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.launch import REPO, run_engine, vllm_env
-from tests.e2e.tinymodel import build_tiny_llama
+from tests.e2e.tinymodel import ENGINE_DTYPE, build_tiny_llama
 
 __all__ = ["REPO", "vllm_env"]  # engine helpers other e2e modules import from here
 
@@ -34,7 +34,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def run_vllm(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict]:
     """``run_vllm(spec, timeout_s=600, env=None) -> dict``: one engine in a fresh process, its OUT.json.
 
-    The spec and result formats are in tests/e2e/run_vllm.py. The process's stdout and stderr (vLLM's log and the
+    The spec and result formats are in tests/e2e/run_vllm.py; the model's dtype is ``ENGINE_DTYPE`` unless the
+    spec names one (tests/e2e/tinymodel.py). The process's stdout and stderr (vLLM's log and the
     connector's) go to a file whose path is returned as ``result["log_path"]``; on failure or timeout the
     assertion message carries its tail. A timeout kills the whole process group (engine core and workers too).
     """
@@ -42,6 +43,6 @@ def run_vllm(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict]:
     counter = itertools.count()
 
     def run(spec: dict, timeout_s: float = 600, env: dict[str, str] | None = None) -> dict:
-        return run_engine(spec, workdir, f"run-{next(counter)}", timeout_s, env)
+        return run_engine({"dtype": ENGINE_DTYPE, **spec}, workdir, f"run-{next(counter)}", timeout_s, env)
 
     return run

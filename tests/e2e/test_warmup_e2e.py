@@ -24,14 +24,14 @@ from indexer.keys import PrefixHasher
 from tests.daemon_harness import Daemon
 from tests.e2e.compare import ONE_BF16_STEP, same_greedy_output
 from tests.e2e.conftest import REPO, vllm_env
-from tests.e2e.tinymodel import random_prompt
+from tests.e2e.tinymodel import ENGINE_DTYPE, random_prompt
 
 pytestmark = pytest.mark.e2e
 
 CHUNK = 256
 SYSTEM = random_prompt(seed=21, length=600)  # two full chunks and 88 tokens shared by three prompts
 TEXT = " ".join(f"word{i % 37} alpha beta{i % 11}" for i in range(120))
-ENGINE_OPTIONS = ["--dtype", "bfloat16", "--max-model-len", "8192", "--enforce-eager", "--max-num-seqs", "4"]
+ENGINE_OPTIONS = ["--dtype", ENGINE_DTYPE, "--max-model-len", "8192", "--enforce-eager", "--max-num-seqs", "4"]
 
 
 def corpus_lines(text_ids: list[int]) -> list[tuple[str, list[int] | None]]:
