@@ -18,7 +18,9 @@ from cachestore.codec import ChunkMeta
 from cachestore.dram import MooncakeTier
 from cachestore.extents import locate
 from cachestore.processes import free_port_block
-from indexer.keys import chunk_key
+from cachestore.warmup.plan import storable_tokens
+from indexer.chunking import ChunkGeometry
+from indexer.keys import PrefixHasher, chunk_key
 from indexer.namespace import NamespaceSpec
 from indexer.tokens import pack_tokens
 
@@ -151,6 +153,16 @@ def damage_nvme_copy(daemon: Daemon, key: bytes) -> None:
         last = segment.read(1)[0]
         segment.seek(extent.offset + extent.length - 1)
         segment.write(bytes([last ^ 0xFF]))
+
+
+def stored_chunk_keys(root: bytes, prompt: list[int], chunk_tokens: int) -> list[bytes]:
+    """The keys the connector stores a prompt's KV under: one per full chunk, and its tail's when the tail is
+    long enough to be found (``storable_tokens``)."""
+    hasher = PrefixHasher(root, ChunkGeometry(chunk_tokens)).extend(prompt)
+    keys = list(hasher.keys)
+    if storable_tokens(len(prompt), chunk_tokens) > len(keys) * chunk_tokens:
+        keys.append(hasher.tail_key())
+    return keys
 
 
 def wait_persisted(client: CacheClient, keys: list[bytes], timeout_s: float = 15) -> float:

@@ -19,9 +19,7 @@ import torch
 
 from cachestore.client import fetch_config
 from cachestore.dram import MooncakeTier
-from indexer.chunking import ChunkGeometry
-from indexer.keys import PrefixHasher
-from tests.daemon_harness import Daemon, damage_dram_copy, damage_nvme_copy
+from tests.daemon_harness import Daemon, damage_dram_copy, damage_nvme_copy, stored_chunk_keys
 from tests.e2e.compare import same_greedy_output
 from tests.e2e.tinymodel import build_lora_adapter, build_tiny_llama, random_prompt
 
@@ -236,7 +234,8 @@ def test_under_async_scheduling_a_load_that_keeps_failing_is_tried_twice_then_co
     the daemon finds those damaged as it reads them, and deletes them), then has it computed and published again.
     Before, it planned the chunks of its first lookup for as long as vLLM asked."""
     corrupt_before = corrupt_chunks(daemon)
-    for key in prompt_keys(probes["a"], P2):
+    namespace = bytes.fromhex((probes["a"] / "namespace.0").read_text())  # the one A published in
+    for key in stored_chunk_keys(namespace, P2, CHUNK):
         damage_nvme_copy(daemon, key)
     out = run_vllm({"model": str(tiny_model), "prompts": [P2], "max_tokens": 16, "async_scheduling": True,
                     "kv_transfer_config": connector_config(daemon, probe=True)},
@@ -249,13 +248,6 @@ def test_under_async_scheduling_a_load_that_keeps_failing_is_tried_twice_then_co
     assert len(list(tmp_path.glob("saved-*.pt"))) == 5  # computed, and published again: the store heals
     # P2's 5 chunks found damaged in DRAM by the engine (the daemon counts what it finds on NVMe apart)
     assert wait_for_corrupt_chunks(daemon, corrupt_before + 5) == corrupt_before + 5
-
-
-def prompt_keys(probe_dir: Path, prompt: list[int]) -> list[bytes]:
-    """The keys of ``prompt``'s chunks, its tail's included, in the namespace the probed engine published in."""
-    hasher = PrefixHasher(bytes.fromhex((probe_dir / "namespace.0").read_text()), ChunkGeometry(CHUNK))
-    hasher.extend(prompt)
-    return [*hasher.keys, hasher.tail_key()]
 
 
 def corrupt_chunks(daemon: Daemon) -> int:

@@ -18,10 +18,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from cachestore.warmup.plan import storable_tokens
-from indexer.chunking import ChunkGeometry
-from indexer.keys import PrefixHasher
-from tests.daemon_harness import Daemon
+from tests.daemon_harness import Daemon, stored_chunk_keys
 from tests.e2e.compare import ONE_BF16_STEP, same_greedy_output
 from tests.e2e.conftest import REPO, vllm_env
 from tests.e2e.tinymodel import ENGINE_DTYPE, random_prompt
@@ -95,13 +92,7 @@ def warmup_rest(daemon: Daemon, corpus: Path, model: Path) -> dict:
 
 
 def storable_keys(namespace_hex: str, prompts: list[list[int]]) -> set[bytes]:
-    keys: set[bytes] = set()
-    for ids in prompts:
-        hasher = PrefixHasher(bytes.fromhex(namespace_hex), ChunkGeometry(CHUNK)).extend(ids)
-        keys.update(hasher.keys)
-        if storable_tokens(len(ids), CHUNK) > len(hasher.keys) * CHUNK:
-            keys.add(hasher.tail_key())
-    return keys
+    return {key for ids in prompts for key in stored_chunk_keys(bytes.fromhex(namespace_hex), ids, CHUNK)}
 
 
 @pytest.fixture(scope="module")
