@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from connector.metadata import LoadChunk
@@ -67,3 +67,10 @@ def chunks_to_publish(
             ranges.append((full * c, prompt_tokens))
         return ranges, True
     return ranges, tail_done
+
+
+def chunks_before_failure(blocks: Sequence[int], failed: Collection[int], g: Geometry) -> int:
+    """How many of a request's leading chunks lie wholly before the first of its ``blocks`` that failed to load.
+    vLLM computes the request again from that block, so every chunk from there on is to be published again."""
+    first = min((i for i, block in enumerate(blocks) if block in failed), default=0)
+    return first * g.block_tokens // g.chunk_tokens

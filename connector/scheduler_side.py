@@ -9,8 +9,9 @@ lookup's matches and the request's block ids; from these it tells the workers wh
 load into which blocks, and which newly computed chunks to publish. A prefix counts as cached as far
 as every rank holds it. Loads stop one token short of the prompt (vLLM must compute at least one
 token), so a hit is token-granular up to ``L-1``. They run before the step's forward pass, or asynchronously
-where other requests would wait on them and under vLLM's asynchronous scheduling (connector/load_policy.py); a
-request whose asynchronous load fails is tried once more, then computed. A request's LoRA adapter gives it a key
+where other requests would wait on them and under vLLM's asynchronous scheduling (connector/load_policy.py). A
+load that fails has vLLM compute the request from its first failed block, and what it computes is published again;
+a request whose asynchronous load fails is tried once more, then computed. A request's LoRA adapter gives it a key
 space of its own, and its media key its chunks from the chunk where the first item begins
 (connector/request_identity.py); a prompt given as embeddings is neither looked up nor published. A request
 can turn loading or publishing off for itself (cachestore/request_params.py).
@@ -32,7 +33,7 @@ from cachestore.client_stats import ClientStatsRecorder
 from cachestore.request_params import request_cache_params
 from connector.load_policy import check_load_mode, load_asynchronously, reads_nvme
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
-from connector.plans import Geometry, chunks_to_publish, load_plan, stored_prefix
+from connector.plans import Geometry, chunks_before_failure, chunks_to_publish, load_plan, stored_prefix
 from connector.request_identity import media_marks, request_variant
 from connector.settings import ConnectorSettings, check_supported, kv_bytes_per_token, namespace_for
 from indexer.chunking import ChunkGeometry
@@ -64,7 +65,7 @@ class RequestState:
     blocks: list[int] = field(default_factory=list)
     load: list[list[LoadChunk]] = field(default_factory=list)  # per rank
     load_async: bool = False  # vLLM holds the request while it loads (get_num_new_matched_tokens said so)
-    failed_loads: int = 0  # asynchronous loads of this request that arrived damaged or incomplete
+    failed_loads: int = 0  # loads of this request that arrived damaged or incomplete
     stored_chunks: int = 0  # leading full chunks known to be in the store (looked up or published)
     tail_done: bool = False
     lookup_s: float = 0.0
@@ -112,6 +113,8 @@ class SchedulerSide:
         self._running: set[str] = set()  # scheduled in the last step and not finished since
         # asynchronous loads the workers have not reported over yet: request -> the blocks it loads into
         self._loading_async: dict[str, frozenset[int]] = {}
+        # the synchronous loads of the step built last, reported over with that step's output
+        self._loading_in_step: dict[str, frozenset[int]] = {}
         self.requests: dict[str, RequestState] = {}
         # Promised chunks must still be there when the worker loads them. Leases are granted off the
         # scheduler's thread: a Redis round trip there took 0.4-2 ms of every hit's TTFT on 2 cores.
@@ -191,7 +194,10 @@ class SchedulerSide:
                 meta.load_async.add(req_id)
             state.load = []
         # every rank loads the same blocks (each its own shard of the pages): rank 0's plans name them all
-        loaded = {block for chunks in meta.loads[0].values() for chunk in chunks for block in chunk.blocks}
+        blocks = {req_id: frozenset(block for chunk in chunks for block in chunk.blocks)
+                  for req_id, chunks in meta.loads[0].items()}  # fmt: skip
+        self._loading_in_step = {req_id: into for req_id, into in blocks.items() if req_id not in meta.load_async}
+        loaded = frozenset[int]().union(*blocks.values())
         meta.load_early = bool(loaded) and loaded.isdisjoint(blocks_vllm_writes_first(scheduler_output))
         for new in scheduler_output.scheduled_new_reqs:
             if (state := self.requests.get(new.req_id)) is not None:
@@ -212,14 +218,25 @@ class SchedulerSide:
 
     def update_connector_output(self, connector_output: Any) -> None:
         """The workers' report of the step: asynchronous loads that are over, and the blocks that did not arrive
-        intact (in the same report as their load's end)."""
+        intact (in the same report as their load's end, and a synchronous load's in its own step's)."""
+        reported = {req_id: self._loading_async.pop(req_id, frozenset())
+                    for req_id in connector_output.finished_recving or ()}  # fmt: skip
+        reported.update(self._loading_in_step)
+        self._loading_in_step = {}
         failed = connector_output.invalid_block_ids or set()
-        for req_id in connector_output.finished_recving or ():
-            blocks = self._loading_async.pop(req_id, frozenset())
+        for req_id, blocks in reported.items():
             if not failed.isdisjoint(blocks) and (state := self.requests.get(req_id)) is not None:
-                state.failed_loads += 1
-                state.matched_for = -1  # if vLLM asks again, look again: damaged DRAM copies are unlisted now
-                state.stored_chunks, state.tail_done = 0, False  # what is computed instead is published
+                self._load_failed(state, failed)
+
+    def _load_failed(self, state: RequestState, failed: set[int]) -> None:
+        """vLLM computes the request again from its first failed block. What it computes is published: those
+        chunks' copies are damaged or gone, and so is what the step computed on top of them (the workers dropped
+        that). If vLLM asks about the request again (after a load that failed from its first block, or a
+        preemption), it is looked up again: damaged DRAM copies are unlisted by then."""
+        state.failed_loads += 1
+        state.matched_for = -1
+        state.stored_chunks = min(state.stored_chunks, chunks_before_failure(state.blocks, failed, self.plan_geometry))
+        state.tail_done = False
 
     def request_finished(self, request: Any) -> None:
         self.requests.pop(request.request_id, None)

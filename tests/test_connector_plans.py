@@ -7,7 +7,7 @@ import pytest
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 
 from connector.load_policy import check_load_mode, load_asynchronously, reads_nvme
-from connector.plans import Geometry, chunks_to_publish, load_plan, stored_prefix
+from connector.plans import Geometry, chunks_before_failure, chunks_to_publish, load_plan, stored_prefix
 from connector.scheduler_side import blocks_vllm_writes_first
 from indexer.errors import ConfigError
 from indexer.index import PartialHit, PrefixMatch
@@ -64,6 +64,16 @@ def test_what_every_rank_has_stored_is_not_published_again():
     assert stored_prefix([match(4)], [None]) == (4, False)  # a prompt of whole chunks
     # a repeat vLLM's own prefix cache holds whole (4 chunks and 1 token) publishes none of it again
     assert chunks_to_publish(4, 1025, 1025, False, G) == ([], True)
+
+
+def test_after_a_failed_load_chunks_from_the_one_holding_the_first_failed_block_are_published_again():
+    assert chunks_before_failure(BLOCKS, {104, 107}, G) == 2  # blocks 4 and 7: chunks 2 and 3 failed
+    assert chunks_before_failure(BLOCKS, {105}, G) == 2  # the second page of chunk 2
+    assert chunks_before_failure(BLOCKS, {100}, G) == 0
+    assert chunks_before_failure(BLOCKS, {7}, G) == 0  # none of the request's: everything again, to be safe
+    # 16-token blocks (vLLM's CUDA default): sixteen to a chunk, and a failed one takes its whole chunk
+    assert chunks_before_failure(BLOCKS, {101}, Geometry(chunk_tokens=256, block_tokens=16)) == 0
+    assert chunks_before_failure(BLOCKS, {117}, Geometry(chunk_tokens=256, block_tokens=16)) == 1
 
 
 def test_blocks_vllm_zeroes_or_copies_into_are_written_before_a_load_may_start():

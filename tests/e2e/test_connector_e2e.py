@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -19,7 +20,7 @@ import torch
 
 from cachestore.client import fetch_config
 from cachestore.dram import MooncakeTier
-from tests.daemon_harness import Daemon, damage_dram_copy, damage_nvme_copy, stored_chunk_keys
+from tests.daemon_harness import Daemon, damage_dram_copy, damage_nvme_copy, stored_chunk_keys, wait_for
 from tests.e2e.compare import same_greedy_output
 from tests.e2e.tinymodel import build_lora_adapter, build_tiny_llama, random_prompt
 
@@ -37,6 +38,7 @@ NO_PUBLISH = {"prefixcache": {"publish": False}}
 NO_LOAD = {"prefixcache": {"load": False}}
 MISSPELT = {"prefixcache": {"pubish": False}}  # a malformed entry: the request neither loads nor publishes
 PROMPTS = [P1, P2, HALF]
+P1_INTACT = 3 * CHUNK  # the damaged-copies tests damage P1's chunks in DRAM from here on
 
 # On CPUs with AMX, the same prompt computed along different paths (in one pass; after a cached
 # prefix; in prefill steps of another size) differs by up to ~0.1 in logprob, cache or no cache: the
@@ -142,10 +144,13 @@ def test_loaded_kv_is_bit_identical_to_the_kv_the_producer_computed(producer_the
     assert int((probes["b"] / "loaded_early.0").read_text()) == 13  # every read began in handle_preemptions
 
 
-def assert_loaded_pages_were_saved(saved_dir: Path, loaded_dir: Path) -> tuple[int, int]:
+def assert_loaded_pages_were_saved(saved_dir: Path | list[Path], loaded_dir: Path) -> tuple[int, int]:
     """Each page recorded in ``loaded_dir`` equals, bit for bit, the page of the chunk of the same key recorded
-    in ``saved_dir`` that its first page names; returns (chunks saved, chunks loaded)."""
-    saved = {p.name.removeprefix("saved-").removesuffix(".pt"): p for p in saved_dir.glob("saved-*.pt")}
+    in ``saved_dir`` (of several, the last that saved the key) that its first page names; returns (chunks saved,
+    chunks loaded)."""
+    saved = {p.name.removeprefix("saved-").removesuffix(".pt"): p
+             for directory in (saved_dir if isinstance(saved_dir, list) else [saved_dir])
+             for p in directory.glob("saved-*.pt")}  # fmt: skip
     loaded = sorted(loaded_dir.glob("loaded-*.pt"))
     for path in loaded:
         key, first_page, _request = path.stem.removeprefix("loaded-").split("-", 2)
@@ -196,32 +201,55 @@ def test_another_model_gets_zero_hits_not_wrong_kv(run_vllm, tmp_path_factory, d
 
 
 @pytest.fixture(scope="module")
-def damaged_in_dram(daemon, producer_then_consumer, probes) -> None:
-    """The DRAM copy of every chunk A published (P1's and P2's) damaged in place."""
+def damaged_in_dram(daemon, producer_then_consumer, probes) -> list[bytes]:
+    """The DRAM copies of P1's chunks from its fourth on (its fourth full chunk and its tail), and of all of P2's,
+    damaged in place. Returns P1's keys."""
+    namespace = bytes.fromhex((probes["a"] / "namespace.0").read_text())  # the one A published in
+    p1 = stored_chunk_keys(namespace, P1, CHUNK)
     config = fetch_config(daemon.url)
     dram = MooncakeTier(config.mooncake.shm_address, arena_bytes=16 << 20, object_prefix=config.key_prefix)
     try:
-        for path in probes["a"].glob("saved-*.pt"):
-            damage_dram_copy(dram, bytes.fromhex(path.stem.removeprefix("saved-")))
+        for key in p1[P1_INTACT // CHUNK :] + stored_chunk_keys(namespace, P2, CHUNK):
+            damage_dram_copy(dram, key)
     finally:
         dram.close()
+    return p1
 
 
-def test_damaged_dram_copies_are_recomputed_and_the_answer_is_unchanged(run_vllm, tiny_model, daemon, reference,
-                                                                       damaged_in_dram, tmp_path):  # fmt: skip
-    """A fresh instance reads P1's damaged DRAM copies straight into its pages, finds them damaged while its forward
-    pass runs, reports them, and vLLM recomputes the prompt; the next request for P1 loads the intact NVMe copies."""
+@pytest.fixture(scope="module")
+def p1_resumed_reference(run_vllm, tiny_model):
+    """P1 without any connector, prefilled in two steps split where its intact chunks end (as HALF's reference is
+    split where its cached prefix ends): what vLLM computes when it resumes P1 after its failed chunks."""
+    return run_vllm({"model": str(tiny_model), "prompts": [P1], "max_tokens": 16,
+                     "max_num_batched_tokens": P1_INTACT})  # fmt: skip
+
+
+def test_a_load_that_fails_partway_is_computed_from_there_and_published_again(
+    run_vllm, tiny_model, daemon, p1_resumed_reference, damaged_in_dram, probes, tmp_path
+):
+    """A fresh instance reads P1's chunks straight into its pages and finds the last two damaged while its forward
+    pass runs; it reports them, vLLM computes P1 again from the first damaged chunk, and the connector publishes
+    what it computes (before, the lookup's word that those chunks were stored stood, and they were published by
+    no one). The next request for P1 loads every chunk, intact: the first three as A computed them, the last two
+    as the first request did (its 15 decode steps leave the publish time to land)."""
+    p1 = damaged_in_dram
     corrupt_before = corrupt_chunks(daemon)
     out = run_vllm({"model": str(tiny_model), "prompts": [P1, P1], "max_tokens": 16,
                     "kv_transfer_config": connector_config(daemon, probe=True)},
                    env={"PREFIXCACHE_PROBE_DIR": str(tmp_path)})  # fmt: skip
-    for got in out["outputs"]:
-        ok, reason = same_greedy_output(reference["outputs"][0], got)
+    for got in out["outputs"]:  # each computed over KV of P1's first three chunks in one pass, the rest in another
+        ok, reason = same_greedy_output(p1_resumed_reference["outputs"][0], got)
         assert ok, reason
     assert out["outputs"][1]["num_cached_tokens"] == len(P1) - 1
     assert not (tmp_path / "loaded_async.0").exists()  # an idle engine loads synchronously
-    # P1's 4 full chunks and its tail, each found damaged where it landed
-    assert wait_for_corrupt_chunks(daemon, corrupt_before + 5) == corrupt_before + 5
+    recomputed = p1[P1_INTACT // CHUNK :]
+    assert {bytes.fromhex(path.stem.removeprefix("saved-")) for path in tmp_path.glob("saved-*.pt")} == set(recomputed)
+    assert all(wait_for(lambda key=key: "dram" in tiers_of(daemon, key.hex())) for key in recomputed)  # stored again
+    # the first request loaded the three intact chunks, the second all five
+    loaded = Counter(bytes.fromhex(path.name.split("-")[1]) for path in tmp_path.glob("loaded-*.pt"))
+    assert loaded == {key: 2 if key not in recomputed else 1 for key in p1}
+    assert_loaded_pages_were_saved([probes["a"], tmp_path], tmp_path)
+    assert wait_for_corrupt_chunks(daemon, corrupt_before + 2) == corrupt_before + 2
 
 
 def test_under_async_scheduling_a_load_that_keeps_failing_is_tried_twice_then_computed(
@@ -248,6 +276,11 @@ def test_under_async_scheduling_a_load_that_keeps_failing_is_tried_twice_then_co
     assert len(list(tmp_path.glob("saved-*.pt"))) == 5  # computed, and published again: the store heals
     # P2's 5 chunks found damaged in DRAM by the engine (the daemon counts what it finds on NVMe apart)
     assert wait_for_corrupt_chunks(daemon, corrupt_before + 5) == corrupt_before + 5
+
+
+def tiers_of(daemon: Daemon, key: str) -> list[str]:
+    """The tiers the daemon lists chunk ``key`` (hex) in."""
+    return httpx.get(f"{daemon.url}/v1/chunks/{key}").json()["tiers"]
 
 
 def corrupt_chunks(daemon: Daemon) -> int:
@@ -383,7 +416,7 @@ def busy_nvme_hit(run_vllm, tiny_model, daemon, producer_then_consumer, probes, 
     deadline = time.monotonic() + 60
     for path in probes["a"].glob("saved-*.pt"):
         key = path.stem.removeprefix("saved-")
-        while "nvme" not in httpx.get(f"{daemon.url}/v1/chunks/{key}").json()["tiers"]:
+        while "nvme" not in tiers_of(daemon, key):
             assert time.monotonic() < deadline, f"chunk {key} never reached NVMe"
             time.sleep(0.2)
     daemon.stop()
