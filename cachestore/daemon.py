@@ -174,7 +174,7 @@ class NodeDaemon:
             logs, segment_bytes=s.dram_bytes, master=self.master_address, metadata_url=self.metadata_url,
             host=s.mooncake_host, segment_port=s.derived_port("segment_port"), shm_port=s.derived_port("shm_port"),
             protocol=s.mooncake_protocol, device_names=s.mooncake_device_names,
-            master_admin_url=self.master_admin_url,
+            master_admin_url=self.master_admin_url, nice=s.owner_nice,
         )  # fmt: skip
         self.owner.start()
         self._stack.callback(self.owner.stop)

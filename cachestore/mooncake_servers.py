@@ -103,7 +103,8 @@ class SegmentOwner(ManagedProcess):
     def __init__(self, log_dir: Path, *, segment_bytes: int, master: str, metadata_url: str,
                  host: str = "127.0.0.1", segment_port: int | None = None, shm_port: int | None = None,
                  protocol: str = "tcp", device_names: str = "",
-                 master_admin_url: str | None = None) -> None:  # fmt: skip
+                 master_admin_url: str | None = None, nice: int = 0) -> None:  # fmt: skip
+        """``nice``: the owner's CPU priority; it copies every DRAM hit (cachestore/priority.py)."""
         self.master_admin_url = master_admin_url
         self.host = host
         self.segment_port = segment_port or free_port(host)
@@ -122,7 +123,7 @@ class SegmentOwner(ManagedProcess):
             "-logtostderr",
         ]
         super().__init__("mooncake_client", argv, Path(log_dir) / "mooncake_client.log", self._answers,
-                         env=mooncake_env(), listens_on=[(host, self.shm_port)])  # fmt: skip
+                         env=mooncake_env(), listens_on=[(host, self.shm_port)], nice=nice)  # fmt: skip
 
     @property
     def segment(self) -> str:

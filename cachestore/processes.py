@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
+import logging
 import os
 import random
 import shutil
@@ -18,8 +20,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from cachestore.priority import set_own_nice, set_session_nice
 from indexer.errors import ConfigError, PrefixCacheError
 
+log = logging.getLogger("prefixcache.processes")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -27,6 +31,13 @@ def _die_with_parent() -> None:
     """Runs in the child before exec: SIGTERM it when the daemon dies, even by SIGKILL (Linux)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _prepare_child(nice: int) -> None:
+    """Runs in the child before exec."""
+    _die_with_parent()
+    if nice:
+        set_own_nice(nice)
 
 
 class ServerStartError(PrefixCacheError, RuntimeError):
@@ -111,9 +122,12 @@ class ManagedProcess:
         ready: Callable[[], bool],
         env: dict[str, str] | None = None,
         listens_on: Sequence[tuple[str, int]] = (),
+        nice: int = 0,
     ) -> None:
-        """``listens_on``: the (host, port)s the server binds, which ``start`` first waits to find free."""
+        """``listens_on``: the (host, port)s the server binds, which ``start`` first waits to find free; ``nice``:
+        the server's CPU priority, for its session and its threads (cachestore/priority.py)."""
         self.name = name
+        self.nice = nice
         self.env = env
         self.argv = list(argv)
         self.log_path = log_path
@@ -135,9 +149,11 @@ class ManagedProcess:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=functools.partial(_prepare_child, self.nice),
                 env=self.env,
             )
+        if self.nice and not set_session_nice(self._proc.pid, self.nice):
+            log.warning("%s runs at the default priority: nice %d needs CAP_SYS_NICE", self.name, self.nice)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:

@@ -74,6 +74,11 @@ class Settings(BaseSettings):
         default=None, description="CPUs the daemon and its servers run on, e.g. the cores vLLM reserves: '1' or "
         "'2-3,6'; unset: wherever the OS puts them (cachestore/cpus.py)"
     )  # fmt: skip
+    owner_nice: int = Field(
+        default=-10, ge=-20, le=19, description="CPU priority (nice) of the segment owner, which copies every "
+        "DRAM hit into vLLM's pages beside vLLM's busy-polling engine core; below 0 needs CAP_SYS_NICE "
+        "(cachestore/priority.py)"
+    )  # fmt: skip
 
     @field_validator("redis_url")
     @classmethod

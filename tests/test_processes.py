@@ -1,10 +1,12 @@
-"""Port choice for daemons started by tests and by `prefixcache serve`."""
+"""Port choice for daemons started by tests and by `prefixcache serve`, and the priority a child server runs at."""
 
 from __future__ import annotations
 
+import os
 import socket
+from pathlib import Path
 
-from cachestore.processes import _ephemeral_ports, free_port_block
+from cachestore.processes import ManagedProcess, _ephemeral_ports, free_port_block
 
 
 def test_a_port_block_lies_outside_the_ephemeral_range_and_is_free():
@@ -21,3 +23,25 @@ def test_a_port_block_lies_outside_the_ephemeral_range_and_is_free():
 
 def test_blocks_differ_between_calls_so_parallel_tests_rarely_collide():
     assert len({free_port_block(7) for _ in range(10)}) > 1
+
+
+def niceness(pid: int) -> dict[str, int | str]:
+    """The nice of every thread of ``pid``, and its session's (its autogroup's, where the kernel has them)."""
+    threads = {tid: os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+    autogroup = Path(f"/proc/{pid}/autogroup")
+    return {**threads, "session": autogroup.read_text().split()[-1] if autogroup.exists() else "none"}
+
+
+def test_a_server_started_with_a_nice_runs_at_it_in_every_thread_and_its_session(tmp_path):
+    """Raising a nice needs no privilege, so this runs anywhere; the daemon lowers its segment owner's
+    (tests/test_serve.py)."""
+    server = ManagedProcess("sleeper", ["python3", "-c", "import threading, time; threading.Thread(target=time.sleep, "
+                                        "args=(30,)).start(); time.sleep(30)"],
+                            tmp_path / "sleeper.log", ready=lambda: True, nice=7)  # fmt: skip
+    server.start()
+    try:
+        assert server.pid is not None
+        seen = niceness(server.pid)
+        assert set(seen.values()) <= {7, "7", "none"} and 7 in seen.values(), seen
+    finally:
+        server.stop()

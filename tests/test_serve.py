@@ -16,6 +16,7 @@ import pytest
 
 from cachestore.processes import ManagedProcess, ServerStartError, free_port, free_port_block, port_open
 from cachestore.warmup.jobs import WarmupJobs
+from tests.test_processes import niceness
 
 CLI = [sys.executable, "-m", "cachestore"]
 
@@ -105,6 +106,18 @@ def test_cpus_binds_the_daemon_and_every_server_it_starts(tmp_path):
     assert proc.wait(30) == 0
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="a nice below 0 needs CAP_SYS_NICE")
+def test_the_segment_owner_runs_before_the_daemons_other_servers(tmp_path):
+    """It copies every DRAM hit into vLLM's pages on a core vLLM's engine core busy-polls (cachestore/priority.py)."""
+    proc, port = start_serve(tmp_path)
+    by_name = {Path(f"/proc/{pid}/comm").read_text().strip(): niceness(pid) for pid in children_of(port)}
+    assert set(by_name) == {"redis-server", "mooncake_master", "mooncake_client"}
+    assert set(by_name.pop("mooncake_client").values()) <= {-10, "-10", "none"}  # the default, PREFIXCACHE_OWNER_NICE
+    assert all(set(seen.values()) <= {0, "0", "none"} for seen in by_name.values()), by_name
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 def test_warmup_engines_run_on_the_cpus_the_daemon_had_before_binding(tmp_path):
     before = frozenset(os.sched_getaffinity(0))
@@ -137,6 +150,7 @@ def test_the_embedded_stack_dies_with_a_killed_daemon(tmp_path):
         (["--port", "notanumber"], {}, "Invalid value for '--port'"),
         (["--cpus", "1-0"], {}, "invalid setting cpus: '1-0' is not a CPU list"),
         ([], {"PREFIXCACHE_CPUS": "4095"}, "CPUs 4095 are not available to this process"),
+        ([], {"PREFIXCACHE_OWNER_NICE": "-21"}, "invalid setting owner_nice: Input should be greater than or equal"),
     ],
 )
 def test_bad_settings_get_a_clear_error_and_exit_2(tmp_path, args, env, message):
