@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from pathlib import Path
 
 from cachestore.processes import ManagedProcess, _ephemeral_ports, free_port_block
@@ -35,9 +36,9 @@ def niceness(pid: int) -> dict[str, int | str]:
 def test_a_server_started_with_a_nice_runs_at_it_in_every_thread_and_its_session(tmp_path):
     """Raising a nice needs no privilege, so this runs anywhere; the daemon lowers its segment owner's
     (tests/test_serve.py)."""
-    server = ManagedProcess("sleeper", ["python3", "-c", "import threading, time; threading.Thread(target=time.sleep, "
-                                        "args=(30,)).start(); time.sleep(30)"],
-                            tmp_path / "sleeper.log", ready=lambda: True, nice=7)  # fmt: skip
+    two_threads = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)"
+    server = ManagedProcess("sleeper", [sys.executable, "-c", two_threads], tmp_path / "sleeper.log",
+                            ready=lambda: True, nice=7)  # fmt: skip
     server.start()
     try:
         assert server.pid is not None
