@@ -22,9 +22,9 @@ def set_own_nice(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, 0, nice)
 
 
-def set_session_nice(pid: int, nice: int, proc: Path = Path("/proc")) -> bool:
+def set_session_nice(pid: int, nice: int) -> bool:
     """Give the autogroup of session leader ``pid`` ``nice`` as well (nothing to do on a kernel without
     autogroups); returns whether ``pid`` runs at ``nice``."""
     with contextlib.suppress(OSError):
-        (proc / str(pid) / "autogroup").write_text(str(nice))
+        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
     return os.getpriority(os.PRIO_PROCESS, pid) == nice

@@ -40,6 +40,11 @@ def load_plan(match: PrefixMatch, blocks: list[int], start: int, end: int, g: Ge
     return plan
 
 
+def blocks_of(plan: Sequence[LoadChunk]) -> frozenset[int]:
+    """The request blocks a load plan writes."""
+    return frozenset(block for chunk in plan for block in chunk.blocks)
+
+
 def stored_prefix(matches: Sequence[PrefixMatch], tail_keys: Sequence[bytes | None]) -> tuple[int, bool]:
     """What the lookup found stored on every rank: how many leading full chunks, and whether the prompt's own
     tail (``tail_keys``, per rank) too. Neither is published again, whether the request loads it or vLLM's own

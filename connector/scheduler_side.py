@@ -33,7 +33,14 @@ from cachestore.client_stats import ClientStatsRecorder
 from cachestore.request_params import request_cache_params
 from connector.load_policy import check_load_mode, load_asynchronously, reads_nvme
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
-from connector.plans import Geometry, chunks_before_failure, chunks_to_publish, load_plan, stored_prefix
+from connector.plans import (
+    Geometry,
+    blocks_of,
+    chunks_before_failure,
+    chunks_to_publish,
+    load_plan,
+    stored_prefix,
+)
 from connector.request_identity import media_marks, request_variant
 from connector.settings import ConnectorSettings, check_supported, kv_bytes_per_token, namespace_for
 from indexer.chunking import ChunkGeometry
@@ -182,8 +189,7 @@ class SchedulerSide:
                           for match in state.matches]  # fmt: skip
             self._to_lease.put([chunk.key for plan in state.load for chunk in plan])
             if state.load_async:
-                self._loading_async[request.request_id] = frozenset(block for chunk in state.load[0]
-                                                                    for block in chunk.blocks)  # fmt: skip
+                self._loading_async[request.request_id] = blocks_of(state.load[0])
 
     def build_connector_meta(self, scheduler_output: Any) -> PrefixCacheMetadata:
         meta = PrefixCacheMetadata(loads=[{} for _ in self.namespaces])
@@ -194,8 +200,7 @@ class SchedulerSide:
                 meta.load_async.add(req_id)
             state.load = []
         # every rank loads the same blocks (each its own shard of the pages): rank 0's plans name them all
-        blocks = {req_id: frozenset(block for chunk in chunks for block in chunk.blocks)
-                  for req_id, chunks in meta.loads[0].items()}  # fmt: skip
+        blocks = {req_id: blocks_of(plan) for req_id, plan in meta.loads[0].items()}
         self._loading_in_step = {req_id: into for req_id, into in blocks.items() if req_id not in meta.load_async}
         loaded = frozenset[int]().union(*blocks.values())
         meta.load_early = bool(loaded) and loaded.isdisjoint(blocks_vllm_writes_first(scheduler_output))

@@ -124,6 +124,13 @@ def make_spec(chunk_tokens: int = 64) -> NamespaceSpec:
                          chunk_tokens=chunk_tokens)  # fmt: skip
 
 
+def niceness(pid: int) -> dict[str, int | str]:
+    """The nice of every thread of ``pid``, and its session's (its autogroup's, where the kernel has them)."""
+    threads = {tid: os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+    autogroup = Path(f"/proc/{pid}/autogroup")
+    return {**threads, "session": autogroup.read_text().split()[-1] if autogroup.exists() else "none"}
+
+
 def damage_dram_copy(dram: MooncakeTier, key: bytes, max_bytes: int = 8 << 20) -> None:
     """Flip the last byte of chunk ``key``'s DRAM copy (an object of at most ``max_bytes``), in the pool,
     under its own name: what a bad DIMM or a stray write would leave for the next reader."""

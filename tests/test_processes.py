@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import sys
-from pathlib import Path
 
 from cachestore.processes import ManagedProcess, _ephemeral_ports, free_port_block
+from tests.daemon_harness import niceness
 
 
 def test_a_port_block_lies_outside_the_ephemeral_range_and_is_free():
@@ -24,13 +23,6 @@ def test_a_port_block_lies_outside_the_ephemeral_range_and_is_free():
 
 def test_blocks_differ_between_calls_so_parallel_tests_rarely_collide():
     assert len({free_port_block(7) for _ in range(10)}) > 1
-
-
-def niceness(pid: int) -> dict[str, int | str]:
-    """The nice of every thread of ``pid``, and its session's (its autogroup's, where the kernel has them)."""
-    threads = {tid: os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
-    autogroup = Path(f"/proc/{pid}/autogroup")
-    return {**threads, "session": autogroup.read_text().split()[-1] if autogroup.exists() else "none"}
 
 
 def test_a_server_started_with_a_nice_runs_at_it_in_every_thread_and_its_session(tmp_path):

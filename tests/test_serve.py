@@ -16,7 +16,7 @@ import pytest
 
 from cachestore.processes import ManagedProcess, ServerStartError, free_port, free_port_block, port_open
 from cachestore.warmup.jobs import WarmupJobs
-from tests.test_processes import niceness
+from tests.daemon_harness import niceness
 
 CLI = [sys.executable, "-m", "cachestore"]
 

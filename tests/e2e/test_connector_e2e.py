@@ -201,15 +201,20 @@ def test_another_model_gets_zero_hits_not_wrong_kv(run_vllm, tmp_path_factory, d
 
 
 @pytest.fixture(scope="module")
-def damaged_in_dram(daemon, producer_then_consumer, probes) -> list[bytes]:
+def published_in(producer_then_consumer, probes) -> bytes:
+    """The namespace instance A published in."""
+    return bytes.fromhex((probes["a"] / "namespace.0").read_text())
+
+
+@pytest.fixture(scope="module")
+def damaged_in_dram(daemon, published_in) -> list[bytes]:
     """The DRAM copies of P1's chunks from its fourth on (its fourth full chunk and its tail), and of all of P2's,
     damaged in place. Returns P1's keys."""
-    namespace = bytes.fromhex((probes["a"] / "namespace.0").read_text())  # the one A published in
-    p1 = stored_chunk_keys(namespace, P1, CHUNK)
+    p1 = stored_chunk_keys(published_in, P1, CHUNK)
     config = fetch_config(daemon.url)
     dram = MooncakeTier(config.mooncake.shm_address, arena_bytes=16 << 20, object_prefix=config.key_prefix)
     try:
-        for key in p1[P1_INTACT // CHUNK :] + stored_chunk_keys(namespace, P2, CHUNK):
+        for key in p1[P1_INTACT // CHUNK :] + stored_chunk_keys(published_in, P2, CHUNK):
             damage_dram_copy(dram, key)
     finally:
         dram.close()
@@ -253,7 +258,7 @@ def test_a_load_that_fails_partway_is_computed_from_there_and_published_again(
 
 
 def test_under_async_scheduling_a_load_that_keeps_failing_is_tried_twice_then_computed(
-    run_vllm, tiny_model, daemon, reference, damaged_in_dram, probes, tmp_path
+    run_vllm, tiny_model, daemon, reference, damaged_in_dram, published_in, tmp_path
 ):
     """vLLM's asynchronous scheduling, its default on GPUs: every load is asynchronous, since a synchronous one that
     failed would stop vLLM 0.32's engine core (connector/load_policy.py). Every copy of P2's chunks is damaged, in
@@ -262,8 +267,7 @@ def test_under_async_scheduling_a_load_that_keeps_failing_is_tried_twice_then_co
     the daemon finds those damaged as it reads them, and deletes them), then has it computed and published again.
     Before, it planned the chunks of its first lookup for as long as vLLM asked."""
     corrupt_before = corrupt_chunks(daemon)
-    namespace = bytes.fromhex((probes["a"] / "namespace.0").read_text())  # the one A published in
-    for key in stored_chunk_keys(namespace, P2, CHUNK):
+    for key in stored_chunk_keys(published_in, P2, CHUNK):
         damage_nvme_copy(daemon, key)
     out = run_vllm({"model": str(tiny_model), "prompts": [P2], "max_tokens": 16, "async_scheduling": True,
                     "kv_transfer_config": connector_config(daemon, probe=True)},
