@@ -40,6 +40,20 @@ def load_plan(match: PrefixMatch, blocks: list[int], start: int, end: int, g: Ge
     return plan
 
 
+def tokens_by_tier(matches: Sequence[PrefixMatch], start: int, end: int) -> tuple[int, int]:
+    """Tokens [start, end) of a hit, split by the tier they are expected from: (DRAM, NVMe). A chunk the index
+    lists on NVMe alone on any rank counts as NVMe's. The index lists no tiers for the partial chunk: it counts
+    with the full chunk before it, published with it by the same request and aged with it since."""
+    c = matches[0].chunk_tokens
+    nvme_only: set[int] = set()
+    for match in matches:
+        nvme_only |= match.without_dram
+        if match.partial is not None and len(match.keys) - 1 in match.without_dram:
+            nvme_only.add(len(match.keys))
+    from_nvme = sum(max(0, min(end, (i + 1) * c) - max(start, i * c)) for i in nvme_only)
+    return end - start - from_nvme, from_nvme
+
+
 def blocks_of(plan: Sequence[LoadChunk]) -> frozenset[int]:
     """The request blocks a load plan writes."""
     return frozenset(block for chunk in plan for block in chunk.blocks)

@@ -13,9 +13,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.io_threads import io_cpus, numa_node_cpus, pinning, ranks_bound_by_vllm
 from connector.settings import ConnectorSettings
+from connector.transfer_stats import PrefixCachePromMetrics, PrefixCacheTransferStats
 
 if TYPE_CHECKING:
     import torch
@@ -28,6 +30,8 @@ log = logging.getLogger("prefixcache.connector")
 
 class PrefixCacheConnector(KVConnectorBase_V1):
     """Loads cached prefixes from prefixcache and publishes newly computed ones."""
+
+    _cache_hit_source = CacheHitSource.HOST  # vLLM's label for hits it cannot ask us to split (DRAM, mostly)
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -62,6 +66,14 @@ class PrefixCacheConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """The hit by the tier it is planned from, for vLLM's ``vllm:prompt_tokens_cached_by_source``: DRAM
+        (Mooncake's pool, any node) is ``host``, NVMe ``disk``."""
+        assert self._scheduler is not None
+        dram, nvme = self._scheduler.tokens_by_tier(request, num_external_tokens)
+        return {source: tokens for source, tokens in ((CacheHitSource.HOST, dram), (CacheHitSource.DISK, nvme))
+                if tokens}  # fmt: skip
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
@@ -162,6 +174,20 @@ class PrefixCacheConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def get_kv_connector_stats(self) -> PrefixCacheTransferStats | None:
+        """What this worker loaded and published since vLLM last asked (after every step); none on the
+        scheduler side (connector/transfer_stats.py)."""
+        return self._worker.transfers.take() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PrefixCacheTransferStats:
+        return PrefixCacheTransferStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> PrefixCachePromMetrics:  # fmt: skip
+        return PrefixCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -40,6 +40,7 @@ from connector.plans import (
     chunks_to_publish,
     load_plan,
     stored_prefix,
+    tokens_by_tier,
 )
 from connector.request_identity import media_marks, request_variant
 from connector.settings import ConnectorSettings, check_supported, kv_bytes_per_token, namespace_for
@@ -190,6 +191,13 @@ class SchedulerSide:
             self._to_lease.put([chunk.key for plan in state.load for chunk in plan])
             if state.load_async:
                 self._loading_async[request.request_id] = blocks_of(state.load[0])
+
+    def tokens_by_tier(self, request: Any, num_external_tokens: int) -> tuple[int, int]:
+        """The request's hit, just planned, split by the tier it loads from: (DRAM, NVMe) tokens."""
+        state = self.requests.get(request.request_id)
+        if state is None or not state.matches:
+            return num_external_tokens, 0
+        return tokens_by_tier(state.matches, state.local_tokens, state.local_tokens + num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> PrefixCacheMetadata:
         meta = PrefixCacheMetadata(loads=[{} for _ in self.namespaces])

@@ -37,6 +37,7 @@ from cachestore.runs import runs_of_about
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.page_copies import page_copies_for
 from connector.pages import block_runs, payload_bytes, payload_view
+from connector.transfer_stats import TransferCounts
 from indexer.namespace import tenant_id
 
 log = logging.getLogger("prefixcache.connector")
@@ -96,6 +97,7 @@ class WorkerSide:
         self.loaded_async = 0  # requests whose asynchronous loads are over (intact or not)
         self._counting = threading.Lock()  # loads are counted from several threads
         self.published_chunks = 0
+        self.transfers = TransferCounts()  # since vLLM last collected them (get_kv_connector_stats)
         # Jobs that move held slots to the store (publishes, stores after disk reads), and those slots.
         self._background: queue.Queue[tuple[Callable[[], object], list[memoryview], Callable[[], None]] | None] = (
             queue.Queue(_BACKGROUND_QUEUE)
@@ -345,13 +347,16 @@ class WorkerSide:
         for item, ok in zip(items, intact, strict=True):
             if not ok:
                 errors.update(item.chunk.blocks)
-        self._count_loaded(sum(intact), in_place=True)
+        self._count_loaded([item.chunk for item, ok in zip(items, intact, strict=True) if ok], in_place=True)
 
-    def _count_loaded(self, chunks: int, in_place: bool = False) -> None:
+    def _count_loaded(self, chunks: list[LoadChunk], in_place: bool = False) -> None:
+        """Count chunks that arrived intact in their pages."""
         with self._counting:
-            self.loaded_chunks += chunks
+            self.loaded_chunks += len(chunks)
             if in_place:
-                self.loaded_in_place += chunks
+                self.loaded_in_place += len(chunks)
+        pages = sum(len(chunk.blocks) for chunk in chunks)
+        self.transfers.add(loaded_chunks=len(chunks), loaded_bytes=payload_bytes(self.layers, pages))
 
     def _abandon(self, read: _ReadInPlace) -> None:
         """Give back every slot of a read that will not be finished, once no disk read writes into them."""
@@ -473,11 +478,12 @@ class WorkerSide:
                 continue
             src = payload_view(payload, self.layers, pages)[:, chunk.first_page :]
             self._copies.scatter(src, self.layers, chunk.blocks)
-            self._count_loaded(1)
+            self._count_loaded([chunk])
 
     def take_load_errors(self) -> set[int]:
         self.finish_load()
         errors, self.load_errors = self.load_errors, set()
+        self.transfers.add(load_failed_blocks=len(errors))
         return errors
 
     # -- publishes -----------------------------------------------------------------------------------
@@ -503,7 +509,8 @@ class WorkerSide:
             return
         copied = self._copies.saved()  # a GPU's pages are still on their way into the slots
         for salt, batch in by_tenant.items():
-            self._in_background(functools.partial(self._publish, batch, salt), [slot for _, slot in batch], copied)
+            dropped = functools.partial(self.transfers.add, unpublished_chunks=len(batch))
+            self._in_background(functools.partial(self._publish, batch, salt), [s for _, s in batch], copied, dropped)
 
     def _stage(self, chunk: SaveChunk) -> tuple[ChunkMeta, memoryview] | None:
         pages = len(chunk.blocks)
@@ -518,6 +525,7 @@ class WorkerSide:
             slot = self.client.stage(meta)
         except ArenaFullError:
             self._warn_once("the arena was full: chunks computed in a step were not published")
+            self.transfers.add(unpublished_chunks=1)
             return None
         self._copies.gather(
             self.layers, chunk.blocks, payload_view(slot[meta.payload_offset : meta.encoded_size], self.layers, pages)
@@ -525,17 +533,27 @@ class WorkerSide:
         return meta, slot
 
     def _publish(self, batch: list[tuple[ChunkMeta, memoryview]], salt: str | None) -> None:
-        self.published_chunks += sum(self.client.publish(batch, tenant_salt=salt))
+        stored = [False] * len(batch)
+        try:
+            stored = self.client.publish(batch, tenant_salt=salt)
+        finally:
+            published = [meta for (meta, _), ok in zip(batch, stored, strict=True) if ok]
+            self.transfers.add(published_chunks=len(published), unpublished_chunks=len(batch) - len(published),
+                               published_bytes=sum(meta.payload_bytes for meta in published))  # fmt: skip
+            self.published_chunks += len(published)
 
     # -- background ----------------------------------------------------------------------------------
 
     def _in_background(self, job: Callable[[], object], slots: list[memoryview],
-                       copied: Callable[[], None] = lambda: None) -> None:  # fmt: skip
-        """Run ``job`` on the background thread, then release ``slots``; if it has fallen behind, drop the job.
-        ``copied`` waits for copies into the slots still in flight: nothing reads or reuses them before."""
+                       copied: Callable[[], None] = lambda: None, dropped: Callable[[], None] = lambda: None
+                       ) -> None:  # fmt: skip
+        """Run ``job`` on the background thread, then release ``slots``; if it has fallen behind, drop the job
+        (and call ``dropped``). ``copied`` waits for copies into the slots still in flight: nothing reads or
+        reuses them before."""
         try:
             self._background.put_nowait((job, slots, copied))
         except queue.Full:  # these chunks are simply not cached (or not brought back to DRAM)
+            dropped()
             copied()
             for slot in slots:
                 self.client.release(slot)

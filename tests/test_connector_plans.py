@@ -7,7 +7,14 @@ import pytest
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 
 from connector.load_policy import check_load_mode, load_asynchronously, reads_nvme
-from connector.plans import Geometry, chunks_before_failure, chunks_to_publish, load_plan, stored_prefix
+from connector.plans import (
+    Geometry,
+    chunks_before_failure,
+    chunks_to_publish,
+    load_plan,
+    stored_prefix,
+    tokens_by_tier,
+)
 from connector.scheduler_side import blocks_vllm_writes_first
 from indexer.errors import ConfigError
 from indexer.index import PartialHit, PrefixMatch
@@ -109,3 +116,13 @@ def test_a_load_reads_nvme_when_a_chunk_it_covers_is_on_nvme_alone():
     match = PrefixMatch([b"a", b"b", b"c"], chunk_tokens=256, without_dram=frozenset({1}))
     assert reads_nvme(match, 0, 300) and reads_nvme(match, 256, 512)
     assert not reads_nvme(match, 0, 256) and not reads_nvme(match, 512, 700)
+
+
+def test_a_hit_is_split_by_the_tier_each_chunk_is_expected_from_on_any_rank():
+    rank0 = dataclasses.replace(match(3, partial_tokens=40, stored=232), without_dram=frozenset({1}))
+    rank1 = dataclasses.replace(match(3, partial_tokens=40, stored=232), without_dram=frozenset({2}))
+    assert tokens_by_tier([rank0], 0, 807) == (807 - 256, 256)
+    assert tokens_by_tier([rank0, rank1], 0, 807) == (256, 551)  # NVMe's where any rank reads it from NVMe
+    assert tokens_by_tier([rank0, rank1], 384, 600) == (0, 216)  # vLLM holds the first 384 tokens
+    assert tokens_by_tier([match(3)], 128, 700) == (572, 0)
+    assert tokens_by_tier([rank1], 0, 807) == (512, 295)  # the partial chunk counts with the last full one

@@ -108,6 +108,11 @@ def test_a_cache_in_shared_memory_is_loaded_in_place_page_for_page(publisher, lo
     assert load(loader, {"r": partial_pages_plan(keys)}) == set()
     assert loader.loaded_in_place == loader.loaded_chunks == 3
     assert loaded_partial_pages(loader, publisher)
+    # what vLLM collects after the step (get_kv_connector_stats), then nothing until more moves
+    chunk_bytes = PAGES * LAYERS * PAGE_BYTES
+    assert publisher.transfers.take().data == {"published_chunks": 6, "published_bytes": 6 * chunk_bytes}
+    assert loader.transfers.take().data == {"loaded_chunks": 3, "loaded_bytes": 10 * LAYERS * PAGE_BYTES}
+    assert loader.transfers.take() is None
     untouched = [b for b in range(BLOCKS) if b not in (40, 41, 42, 43, 20, 22, 23, 50, 51, 52)]
     assert all(not layer[untouched].any() for layer in loader.layers)  # skipped pages went to scratch
 
@@ -141,6 +146,8 @@ def test_a_damaged_dram_copy_read_in_place_is_a_load_error_and_the_next_load_rea
     plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(30 + 4 * i, 34 + 4 * i))) for i, key in enumerate(keys)]}
     assert load(loader, plan) == {34, 35, 36, 37}  # vLLM recomputes these and drops the step's output
     assert loader.loaded_chunks == loader.loaded_in_place == 1 and loader.client.stats.corrupt == 1
+    assert loader.transfers.take().data == {"loaded_chunks": 1, "loaded_bytes": PAGES * LAYERS * PAGE_BYTES,
+                                            "load_failed_blocks": 4}  # fmt: skip
     assert loader.client.dram.contains([keys[1]]) == [False]  # the damaged copy is gone
     assert load(loader, plan) == set()
     assert loader.client.stats.read_from_disk == 1
@@ -263,6 +270,8 @@ def test_a_step_publishing_more_than_the_arena_holds_publishes_what_fits_and_say
             assert time.monotonic() < deadline, "the chunks that fit were not published"
             time.sleep(0.01)
         assert small.published_chunks == 3
+        published = {"published_chunks": 3, "published_bytes": 3 * PAGES * LAYERS * PAGE_BYTES}
+        assert small.transfers.take().data == {**published, "unpublished_chunks": 5}
         assert [r.getMessage() for r in caplog.records if "arena_mb" in r.getMessage()] == [
             "the arena was full: chunks computed in a step were not published; raise arena_mb (warned once)"
         ]

@@ -33,7 +33,10 @@ published; with ``together``, through one call for all. Decoding is greedy (temp
     {"engine_start_s": float, "import_s": float,
      "outputs": [{"prompt_len": int, "token_ids": [...], "logprobs": [{"<token id>": logprob, ...}, ...],
                   "num_cached_tokens": int, "finish_reason": str, "ttft_s": float | null, "wall_s": float}, ...],
-     "preemptions": int}                    # requests vLLM preempted, over the whole run
+     "preemptions": int,                    # requests vLLM preempted, over the whole run
+     "metrics": {"<name>": int, ...}}       # vLLM's cache counters over the run: vllm:prefixcache_*
+                                            #   (connector/transfer_stats.py) and, per source,
+                                            #   vllm:prompt_tokens_cached_by_source:<source>
 
 ``prompt_len`` is the prompt as vLLM saw it (an image token expanded into the image's placeholder tokens).
 ``ttft_s`` is vLLM's first-token latency (arrival to first token, engine side); ``wall_s`` is the wall time of the
@@ -207,8 +210,24 @@ def run(spec: dict) -> tuple[dict, object]:
                 **({"beside_token_s": beside_token_s} if beside_token_s is not None else {}),
             }
         )
-    preemptions = sum(int(metric.value) for metric in llm.get_metrics() if metric.name == "vllm:num_preemptions")
-    return {"engine_start_s": engine_start_s, "import_s": import_s, "outputs": outputs, "preemptions": preemptions}, llm
+    metrics = llm.get_metrics()
+    preemptions = sum(int(metric.value) for metric in metrics if metric.name == "vllm:num_preemptions")
+    return {"engine_start_s": engine_start_s, "import_s": import_s, "outputs": outputs, "preemptions": preemptions,
+            "metrics": _cache_metrics(metrics)}, llm  # fmt: skip
+
+
+def _cache_metrics(metrics: list) -> dict[str, int]:
+    """vLLM's counters of cached prompt tokens by source, and the connector's own, summed over engines."""
+    counts: dict[str, int] = {}
+    for metric in metrics:
+        if metric.name.startswith("vllm:prefixcache_"):
+            name = metric.name
+        elif metric.name == "vllm:prompt_tokens_cached_by_source":
+            name = f"{metric.name}:{metric.labels.get('source')}"
+        else:
+            continue
+        counts[name] = counts.get(name, 0) + int(metric.value)
+    return counts
 
 
 def _keep_async_scheduling() -> None:

@@ -144,6 +144,25 @@ def test_loaded_kv_is_bit_identical_to_the_kv_the_producer_computed(producer_the
     assert int((probes["b"] / "loaded_early.0").read_text()) == 13  # every read began in handle_preemptions
 
 
+def test_vllms_own_metrics_count_the_hits_by_tier_and_what_the_connector_moved(producer_then_consumer, probes):
+    """vLLM's counters (its ``/metrics``): every token B found cached came from DRAM (``host``); B's connector
+    loaded 13 chunks, as many KV bytes as the probe recorded, and none failed; A's published 10."""
+    a, b = producer_then_consumer
+    cached = sum(r["num_cached_tokens"] for r in b["outputs"])
+    assert b["metrics"]["vllm:prompt_tokens_cached_by_source:host"] == cached
+    assert b["metrics"].get("vllm:prompt_tokens_cached_by_source:disk", 0) == 0
+    assert b["metrics"]["vllm:prefixcache_loaded_chunks"] == 13
+    assert b["metrics"]["vllm:prefixcache_loaded_bytes"] == recorded_bytes(probes["b"], "loaded-*.pt")
+    assert b["metrics"].get("vllm:prefixcache_load_failed_blocks", 0) == 0
+    assert a["metrics"]["vllm:prefixcache_published_chunks"] == 10
+    assert a["metrics"]["vllm:prefixcache_published_bytes"] == recorded_bytes(probes["a"], "saved-*.pt")
+
+
+def recorded_bytes(directory: Path, pattern: str) -> int:
+    """KV bytes of the pages the probe recorded in ``directory`` under ``pattern``."""
+    return sum(tensor.numel() * tensor.element_size() for tensor in map(torch.load, directory.glob(pattern)))
+
+
 def assert_loaded_pages_were_saved(saved_dir: Path | list[Path], loaded_dir: Path) -> tuple[int, int]:
     """Each page recorded in ``loaded_dir`` equals, bit for bit, the page of the chunk of the same key recorded
     in ``saved_dir`` (of several, the last that saved the key) that its first page names; returns (chunks saved,
@@ -416,7 +435,8 @@ def _children_named(parent: int, name: str) -> list[int]:
 @pytest.fixture(scope="module")
 def busy_nvme_hit(run_vllm, tiny_model, daemon, producer_then_consumer, probes, tmp_path_factory):
     """After a daemon restart (P1's chunks on NVMe only), P1 arrives while the engine decodes another request:
-    with ``async_loads: auto`` it loads while that request keeps decoding. Returns (its output, probe directory)."""
+    with ``async_loads: auto`` it loads while that request keeps decoding. Returns (the run's OUT.json, its probe
+    directory)."""
     deadline = time.monotonic() + 60
     for path in probes["a"].glob("saved-*.pt"):
         key = path.stem.removeprefix("saved-")
@@ -430,12 +450,16 @@ def busy_nvme_hit(run_vllm, tiny_model, daemon, producer_then_consumer, probes, 
                     "beside": {"prompts": [random_prompt(seed=16, length=64)], "max_tokens": 64, "after_tokens": 8},
                     "kv_transfer_config": connector_config(daemon, probe=True)},
                    env={"PREFIXCACHE_PROBE_DIR": str(probe)})  # fmt: skip
-    return out["outputs"][0], probe
+    return out, probe
 
 
 def test_a_hit_from_nvme_loads_asynchronously_while_another_request_decodes(busy_nvme_hit, probes):
-    out, probe = busy_nvme_hit
+    run, probe = busy_nvme_hit
+    out = run["outputs"][0]
     assert out["num_cached_tokens"] == len(P1) - 1
+    # vLLM's counters: the hit came from NVMe (``disk``), the tail included (its tiers count as the last chunk's)
+    assert run["metrics"]["vllm:prompt_tokens_cached_by_source:disk"] == len(P1) - 1
+    assert run["metrics"].get("vllm:prompt_tokens_cached_by_source:host", 0) == 0
     assert int((probe / "loaded_async.0").read_text()) == 1  # B, with nobody else running, loaded synchronously
     assert assert_loaded_pages_were_saved(probes["a"], probe) == (10, 5)  # P1's 4 full chunks and its tail
     assert len(out["beside_token_s"]) == 64  # the running request decoded every token meanwhile

@@ -1,0 +1,100 @@
+"""What the connector moved, in vLLM's own statistics: its ``KV Transfer metrics`` log line and its ``/metrics``.
+
+Operators watch vLLM's endpoint, not only the daemon's, so each worker counts its loads and publishes and
+vLLM collects them after every step (``get_kv_connector_stats``), sums them over tensor-parallel ranks
+(``aggregate``), logs them every stats interval (``reduce``) and adds them to Prometheus counters labelled
+like vLLM's own (``PrefixCachePromMetrics``). The daemon's ``/metrics`` keeps what every client of a node
+took from the cache, with latencies; these say what one engine moved, beside its other metrics.
+
+Counted, per worker (a tensor-parallel rank moves its own shard of every chunk):
+
+- ``loaded_chunks``, ``loaded_bytes``: chunks that arrived intact in vLLM's pages, and their KV bytes;
+- ``load_failed_blocks``: blocks reported to vLLM as failed (damaged, gone, or not loaded), which it recomputes;
+- ``published_chunks``, ``published_bytes``: chunks stored (in DRAM, then NVMe) and registered, and their KV bytes;
+- ``unpublished_chunks``: chunks computed to publish that were not stored (the store refused them, the
+  arena had no room, or the publishing thread had fallen behind).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+COUNTS: dict[str, str] = {
+    "loaded_chunks": "Chunks prefixcache loaded intact into vLLM's KV cache.",
+    "loaded_bytes": "KV bytes prefixcache loaded into vLLM's KV cache.",
+    "load_failed_blocks": "KV cache blocks whose prefixcache load failed; vLLM recomputed them.",
+    "published_chunks": "Chunks of newly computed KV prefixcache stored and registered.",
+    "published_bytes": "KV bytes of the chunks prefixcache published.",
+    "unpublished_chunks": "Chunks computed to publish that prefixcache did not store.",
+}
+_GIB = 1 << 30
+
+
+class TransferCounts:
+    """A worker's counts since vLLM last collected them; added to from the connector's threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._since: Counter[str] = Counter()
+
+    def add(self, **counts: int) -> None:
+        unknown = counts.keys() - COUNTS.keys()
+        if unknown:
+            raise ValueError(f"unknown transfer counts: {sorted(unknown)}")
+        with self._lock:
+            self._since.update(counts)
+
+    def take(self) -> PrefixCacheTransferStats | None:
+        """The counts since the last ``take``, or None when nothing moved (vLLM then sends nothing)."""
+        with self._lock:
+            since, self._since = self._since, Counter()
+        since = +since  # drops zeros
+        return PrefixCacheTransferStats(data=dict(since)) if since else None
+
+
+class PrefixCacheTransferStats(KVConnectorStats):
+    """Counts (``COUNTS``) over one or more steps and ranks; vLLM ships ``data`` between its processes."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """The log line's fields: chunk and block counts, and bytes in GiB."""
+        reduced: dict[str, int | float] = {}
+        for name in COUNTS:
+            value = self.data.get(name, 0)
+            if name.endswith("_bytes"):
+                reduced[name.removesuffix("_bytes") + "_GiB"] = round(value / _GIB, 3)
+            else:
+                reduced[name] = value
+        return reduced
+
+
+class PrefixCachePromMetrics(KVConnectorPromMetrics):
+    """One counter per ``COUNTS`` entry, ``vllm:prefixcache_<name>_total``, labelled per engine as vLLM's are."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:  # fmt: skip
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            name: self._counter_cls(name=f"vllm:prefixcache_{name}", documentation=doc, labelnames=labelnames)
+            for name, doc in COUNTS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for name, value in transfer_stats_data.items():
+            if name in self._counters and value:
+                self._counters[name].labels(*labels).inc(value)
