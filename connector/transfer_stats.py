@@ -6,7 +6,8 @@ vLLM collects them after every step (``get_kv_connector_stats``), sums them over
 like vLLM's own (``PrefixCachePromMetrics``). The daemon's ``/metrics`` keeps what every client of a node
 took from the cache, with latencies; these say what one engine moved, beside its other metrics.
 
-Counted, per worker (a tensor-parallel rank moves its own shard of every chunk):
+Counted per worker and summed over them: a tensor-parallel rank moves its own shard of every chunk, so with
+N ranks a chunk (or a failed block) counts N times, and the bytes are the shards' sum.
 
 - ``loaded_chunks``, ``loaded_bytes``: chunks that arrived intact in vLLM's pages, and their KV bytes;
 - ``load_failed_blocks``: blocks reported to vLLM as failed (damaged, gone, or not loaded), which it recomputes;
