@@ -31,8 +31,6 @@ log = logging.getLogger("prefixcache.connector")
 class PrefixCacheConnector(KVConnectorBase_V1):
     """Loads cached prefixes from prefixcache and publishes newly computed ones."""
 
-    _cache_hit_source = CacheHitSource.HOST  # vLLM's label for hits it cannot ask us to split (DRAM, mostly)
-
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
@@ -68,7 +66,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[CacheHitSource, int]:
-        """The hit by the tier it is planned from, for vLLM's ``vllm:prompt_tokens_cached_by_source``: DRAM
+        """The hit by the tier it is expected from, for vLLM's ``vllm:prompt_tokens_cached_by_source``: DRAM
         (Mooncake's pool, any node) is ``host``, NVMe ``disk``."""
         assert self._scheduler is not None
         dram, nvme = self._scheduler.tokens_by_tier(request, num_external_tokens)

@@ -196,7 +196,7 @@ class SchedulerSide:
                 self._loading_async[request.request_id] = blocks_of(state.load[0])
 
     def tokens_by_tier(self, request: Any, num_external_tokens: int) -> tuple[int, int]:
-        """The request's hit, just planned, split by the tier it loads from: (DRAM, NVMe) tokens."""
+        """The request's hit, just planned, split by the tier it is expected from: (DRAM, NVMe) tokens."""
         state = self.requests.get(request.request_id)
         if state is None or not state.matches:
             return num_external_tokens, 0
