@@ -20,6 +20,7 @@ copies run at DMA speed and never block the thread that queues them:
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -31,12 +32,14 @@ from connector.pages import gather, scatter
 
 log = logging.getLogger("prefixcache.connector")
 _CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context of the process
+_CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 
 
 class PageCopies(Protocol):
-    """Copies between the KV cache's pages and host tensors over arena slots (see connector/pages.py)."""
+    """Copies between the KV cache's pages (its layers' ``page_rows``, connector/pages.py) and host tensors
+    over arena slots, shaped (layers, pages, page bytes)."""
 
-    def gather(self, layers: Sequence[torch.Tensor], blocks: Sequence[int], out: torch.Tensor) -> None:
+    def gather(self, blocks: Sequence[int], out: torch.Tensor) -> None:
         """Start copying pages ``blocks`` of every layer into ``out``."""
 
     def saved(self) -> Callable[[], None]:
@@ -45,7 +48,7 @@ class PageCopies(Protocol):
     def before_step(self) -> None:
         """At vLLM's first hook of a step: the step's kernels wait for the gathers still reading pages."""
 
-    def scatter(self, src: torch.Tensor, layers: Sequence[torch.Tensor], blocks: Sequence[int]) -> None:
+    def scatter(self, src: torch.Tensor, blocks: Sequence[int]) -> None:
         """Start copying the first ``len(blocks)`` pages of ``src`` into pages ``blocks`` of every layer."""
 
     def loaded(self) -> None:
@@ -54,14 +57,15 @@ class PageCopies(Protocol):
     def close(self) -> None: ...
 
 
-def page_copies_for(layers: Sequence[torch.Tensor], host_memory: tuple[int, int]) -> PageCopies:
-    """The copies for this KV cache; ``host_memory`` (address, size) is the arena every slot lies in."""
-    device = layers[0].device
+def page_copies_for(pages: Sequence[torch.Tensor], host_memory: tuple[int, int], chunk_pages: int) -> PageCopies:
+    """The copies for this KV cache; ``host_memory`` (address, size) is the arena every slot lies in, and a
+    copy moves at most ``chunk_pages`` pages of each layer (one chunk)."""
+    device = pages[0].device
     if device.type == "cuda":
-        return CudaPageCopies(device, host_memory)
+        return CudaPageCopies(pages, host_memory, chunk_pages)
     if device.type != "cpu":
         raise ValueError(f"KV cache on {device.type}: the connector copies pages of CPU and CUDA caches only")
-    return HostPageCopies()
+    return HostPageCopies(pages)
 
 
 def _nothing() -> None:
@@ -71,8 +75,11 @@ def _nothing() -> None:
 class HostPageCopies:
     """A CPU cache: a copy is over when it returns."""
 
-    def gather(self, layers: Sequence[torch.Tensor], blocks: Sequence[int], out: torch.Tensor) -> None:
-        gather(layers, blocks, out)
+    def __init__(self, pages: Sequence[torch.Tensor]) -> None:
+        self._pages = list(pages)
+
+    def gather(self, blocks: Sequence[int], out: torch.Tensor) -> None:
+        gather(self._pages, blocks, out)
 
     def saved(self) -> Callable[[], None]:
         return _nothing
@@ -80,8 +87,8 @@ class HostPageCopies:
     def before_step(self) -> None:
         pass
 
-    def scatter(self, src: torch.Tensor, layers: Sequence[torch.Tensor], blocks: Sequence[int]) -> None:
-        scatter(src, layers, blocks)
+    def scatter(self, src: torch.Tensor, blocks: Sequence[int]) -> None:
+        scatter(src, self._pages, blocks)
 
     def loaded(self) -> None:
         pass
@@ -91,66 +98,186 @@ class HostPageCopies:
 
 
 class CudaPageCopies:
-    """A cache on a CUDA device: copies on a save stream and a load stream, into and out of a pinned arena.
+    """A cache on a CUDA device: copies on streams of their own, into and out of a pinned arena.
+
+    A chunk's pages cross PCIe in one copy, through a staging buffer on the device: one kernel moves them
+    between the staging buffer and their blocks, wherever those lie, for every layer at once where the
+    layers lie a constant stride apart in one allocation (as vLLM allocates them). Copying each run of
+    consecutive blocks straight across costs a copy per run and layer instead, and a long-lived engine's
+    blocks are scattered (benchmarks/cuda_copies.py measures both). Each direction has two lanes, a
+    stream and a staging buffer each, and chunks alternate between them, so one chunk's kernel runs while
+    the next one crosses PCIe.
 
     Made on the thread that runs the model (vLLM's ``register_kv_caches``): that thread's current stream
     is the compute stream. Loads on other threads (asynchronous ones) go into blocks no running request
     uses, so they wait for our own publishes only."""
 
-    def __init__(self, device: torch.device, host_memory: tuple[int, int]) -> None:
-        self.device = device
+    def __init__(self, pages: Sequence[torch.Tensor], host_memory: tuple[int, int], chunk_pages: int) -> None:
+        self.device = pages[0].device
+        word = _widest_word(pages)
+        self._groups = layer_groups([layer.view(word) for layer in pages])  # kernels move words, not bytes
+        self._shape = (len(pages), pages[0].shape[1])  # layers, page bytes
+        self._word = word
+        self._chunk_pages = chunk_pages
         self._model_thread = threading.get_ident()
-        self._save_stream = torch.cuda.Stream(device)
-        self._load_stream = torch.cuda.Stream(device)
+        staging = len(pages) * chunk_pages * pages[0].shape[1]
+        self._save_lanes = [_Lane(self.device, staging) for _ in range(2)]
+        self._load_lanes = [_Lane(self.device, staging) for _ in range(2)]
+        log.info("prefixcache: %d MiB of device memory stage pages (%d layer groups)",
+                 4 * staging >> 20, len(self._groups))  # fmt: skip
         self._pinned = pin_host_memory(*host_memory)
         self._gathering = False  # gathers queued since the last step began
 
-    def gather(self, layers: Sequence[torch.Tensor], blocks: Sequence[int], out: torch.Tensor) -> None:
-        self._save_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._save_stream):
-            gather(layers, blocks, out, non_blocking=True)
+    def gather(self, blocks: Sequence[int], out: torch.Tensor) -> None:
+        compute = torch.cuda.current_stream(self.device)
+        for at in range(0, len(blocks), self._chunk_pages):
+            part = blocks[at : at + self._chunk_pages]
+            lane = self._save_lanes[0]
+            self._save_lanes.reverse()
+            lane.stream.wait_stream(compute)
+            with torch.cuda.stream(lane.stream):
+                staged = self._staged(lane, len(part))
+                index = self._index(part)
+                for first, group in self._groups:
+                    torch.index_select(group, 1, index, out=staged[first : first + len(group)])
+                out[:, at : at + len(part)].copy_(staged.view(torch.uint8), non_blocking=True)
         self._gathering = True
 
     def saved(self) -> Callable[[], None]:
-        copied = torch.cuda.Event(blocking=True)  # the publishing thread sleeps while it waits, it does not spin
-        copied.record(self._save_stream)
-        return copied.synchronize
+        events = []
+        for lane in self._save_lanes:
+            copied = torch.cuda.Event(blocking=True)  # the publishing thread sleeps while it waits, it does not spin
+            copied.record(lane.stream)
+            events.append(copied)
+
+        def wait() -> None:
+            for event in events:
+                event.synchronize()
+
+        return wait
 
     def before_step(self) -> None:
         if self._gathering:
-            torch.cuda.current_stream(self.device).wait_stream(self._save_stream)
+            for lane in self._save_lanes:
+                torch.cuda.current_stream(self.device).wait_stream(lane.stream)
             self._gathering = False
 
-    def scatter(self, src: torch.Tensor, layers: Sequence[torch.Tensor], blocks: Sequence[int]) -> None:
-        self._load_stream.wait_stream(self._save_stream)
-        if threading.get_ident() == self._model_thread:
-            self._load_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._load_stream):
-            scatter(src, layers, blocks, non_blocking=True)
+    def scatter(self, src: torch.Tensor, blocks: Sequence[int]) -> None:
+        on_model_thread = threading.get_ident() == self._model_thread
+        for at in range(0, len(blocks), self._chunk_pages):
+            part = blocks[at : at + self._chunk_pages]
+            lane = self._load_lanes[0]
+            self._load_lanes.reverse()
+            for publishing in self._save_lanes:  # a block whose old pages are still being published
+                lane.stream.wait_stream(publishing.stream)
+            if on_model_thread:
+                lane.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(lane.stream):
+                staged = self._staged(lane, len(part))
+                pieces = src[:, at : at + len(part)]
+                if pieces.is_contiguous():
+                    staged.view(torch.uint8).copy_(pieces, non_blocking=True)
+                else:  # a chunk loaded from a later page: each layer's pages are one run
+                    for layer_staged, layer_pieces in zip(staged.view(torch.uint8), pieces, strict=True):
+                        layer_staged.copy_(layer_pieces, non_blocking=True)
+                index = self._index(part)
+                for first, group in self._groups:
+                    group.index_copy_(1, index, staged[first : first + len(group)])
 
     def loaded(self) -> None:
-        self._load_stream.synchronize()
+        for lane in self._load_lanes:
+            lane.stream.synchronize()
 
     def close(self) -> None:
-        self._save_stream.synchronize()
-        self._load_stream.synchronize()
+        for lane in self._save_lanes + self._load_lanes:
+            lane.stream.synchronize()
         if self._pinned is not None:
             unpin_host_memory(self._pinned)
             self._pinned = None
 
+    def _staged(self, lane: _Lane, num_pages: int) -> torch.Tensor:
+        """The start of the lane's buffer as (layers, num_pages, page words), contiguous: one copy crosses PCIe."""
+        layers, page = self._shape
+        return lane.staging[: layers * num_pages * page].view(self._word).view(layers, num_pages, -1)
+
+    def _index(self, blocks: Sequence[int]) -> torch.Tensor:
+        """``blocks`` on the device, copied on the current stream from pinned memory (the host does not wait)."""
+        return torch.tensor(blocks, dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
+
+
+class _Lane:
+    """A stream and the staging buffer only it uses: stream order keeps one chunk's copies off another's."""
+
+    def __init__(self, device: torch.device, staging_bytes: int) -> None:
+        self.stream = torch.cuda.Stream(device)
+        self.staging = torch.empty(staging_bytes, dtype=torch.uint8, device=device)
+
+
+def layer_groups(rows: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+    """``(first layer, (layers, blocks, page items) view)`` for each run of layers whose pages lie a constant
+    stride apart in one allocation, in layer order; one layer alone where they do not."""
+    groups: list[tuple[int, torch.Tensor]] = []
+    first = 0
+    for i in range(1, len(rows) + 1):
+        if i < len(rows) and _extends(rows, first, i):
+            continue
+        head = rows[first]
+        step = (rows[first + 1].data_ptr() - head.data_ptr()) // head.element_size() if i - first > 1 else 0
+        groups.append((first, torch.as_strided(head, (i - first, *head.shape), (step, *head.stride()),
+                                               head.storage_offset())))  # fmt: skip
+        first = i
+    return groups
+
+
+def _extends(rows: Sequence[torch.Tensor], first: int, i: int) -> bool:
+    """Whether layer ``i`` continues the group that starts at layer ``first``."""
+    head, layer = rows[first], rows[i]
+    if (layer.untyped_storage().data_ptr() != head.untyped_storage().data_ptr() or layer.shape != head.shape
+            or layer.stride() != head.stride()):  # fmt: skip
+        return False
+    step = rows[first + 1].data_ptr() - head.data_ptr() if i > first + 1 else layer.data_ptr() - head.data_ptr()
+    return step > 0 and step % head.element_size() == 0 and layer.data_ptr() - rows[i - 1].data_ptr() == step
+
+
+def _widest_word(pages: Sequence[torch.Tensor]) -> torch.dtype:
+    """The widest integer type whose items tile every layer's pages: size, row stride and start."""
+    for word in (torch.int64, torch.int32, torch.int16):
+        size = word.itemsize
+        if all(p.shape[1] % size == 0 and p.stride(0) % size == 0 and p.storage_offset() % size == 0 for p in pages):
+            return word
+    return torch.uint8
+
 
 def pin_host_memory(address: int, size: int) -> int | None:
-    """Page-lock [address, address + size) for CUDA copies; returns the address to unpin, or None where
-    CUDA refused (copies then still work, staged through the driver at pageable-memory speed)."""
+    """Page-lock [address, address + size) for CUDA copies; returns the address to unpin, or None where it is
+    not ours to unpin: pinned already (by the transfer engine, say), or refused by CUDA (copies then still
+    work, staged through the driver at pageable-memory speed)."""
     error = int(torch.cuda.cudart().cudaHostRegister(address, size, _CUDA_HOST_REGISTER_PORTABLE))
-    if error != 0:
+    if error == 0:
+        return address
+    _forget_cuda_error()
+    if error == _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
+        log.info("prefixcache: the %d MiB arena is pinned already", size >> 20)
+    else:
         log.warning("prefixcache: cannot pin the %d MiB arena for CUDA copies (cudaError %d); copies run at "
                     "pageable-memory speed", size >> 20, error)  # fmt: skip
-        return None
-    return address
+    return None
 
 
 def unpin_host_memory(address: int) -> None:
     error = int(torch.cuda.cudart().cudaHostUnregister(address))
     if error != 0:
+        _forget_cuda_error()
         log.warning("prefixcache: unpinning the arena failed (cudaError %d)", error)
+
+
+def _forget_cuda_error() -> None:
+    """Reset the thread's last CUDA error after a failure handled here.
+
+    torch passes cudaHostRegister's error back without resetting it, and its next kernel-launch check
+    would raise it from whatever ran next in vLLM. Only cudaGetLastError resets it, which torch does not
+    expose: call it in each CUDA runtime library the process has loaded (each keeps its own)."""
+    with open("/proc/self/maps") as maps:
+        libraries = {line.split()[-1] for line in maps if "/libcudart.so" in line}
+    for library in sorted(libraries):
+        ctypes.CDLL(library).cudaGetLastError()

@@ -36,7 +36,7 @@ from cachestore.nvme import read_size
 from cachestore.runs import runs_of_about
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.page_copies import page_copies_for
-from connector.pages import block_runs, payload_bytes, payload_view
+from connector.pages import block_runs, page_rows, payload_bytes, payload_view
 from connector.transfer_stats import TransferCounts
 from indexer.namespace import tenant_id
 
@@ -126,9 +126,9 @@ class WorkerSide:
         self._async_loads: list[tuple[set[str], Future[set[int]]]] = []
         self._async_begun: PrefixCacheMetadata | None = None  # the step whose asynchronous loads begin_load started
         self._warned: set[str] = set()  # what the arena's size costs is logged once per kind
-        self._copies = page_copies_for(self.layers, client.arena_memory)  # at once on CPU, on streams on a GPU
-        first = self.layers[0]
-        self._page_bytes = first[0].numel() * first.element_size()
+        self.pages = [page_rows(layer) for layer in self.layers]  # each layer as (blocks, page bytes)
+        self._copies = page_copies_for(self.pages, client.arena_memory, self._pages(client.spec.chunk_tokens))
+        self._page_bytes = self.pages[0].shape[1]
         self._layer_starts: list[int] = []  # where each layer's block 0 lies in self._kv
         self._kv = self._pages_in_shared_memory()
 
@@ -356,7 +356,7 @@ class WorkerSide:
             if in_place:
                 self.loaded_in_place += len(chunks)
         pages = sum(len(chunk.blocks) for chunk in chunks)
-        self.transfers.add(loaded_chunks=len(chunks), loaded_bytes=payload_bytes(self.layers, pages))
+        self.transfers.add(loaded_chunks=len(chunks), loaded_bytes=payload_bytes(self.pages, pages))
 
     def _abandon(self, read: _ReadInPlace) -> None:
         """Give back every slot of a read that will not be finished, once no disk read writes into them."""
@@ -473,11 +473,11 @@ class WorkerSide:
     def _place(self, chunks: list[LoadChunk], payloads: list[memoryview | None], errors: set[int]) -> None:
         for chunk, payload in zip(chunks, payloads, strict=True):
             pages = self._pages(chunk.stored_tokens)
-            if payload is None or len(payload) != payload_bytes(self.layers, pages):
+            if payload is None or len(payload) != payload_bytes(self.pages, pages):
                 errors.update(chunk.blocks)
                 continue
-            src = payload_view(payload, self.layers, pages)[:, chunk.first_page :]
-            self._copies.scatter(src, self.layers, chunk.blocks)
+            src = payload_view(payload, self.pages, pages)[:, chunk.first_page :]
+            self._copies.scatter(src, chunk.blocks)
             self._count_loaded([chunk])
 
     def take_load_errors(self) -> set[int]:
@@ -528,7 +528,7 @@ class WorkerSide:
             self.transfers.add(unpublished_chunks=1)
             return None
         self._copies.gather(
-            self.layers, chunk.blocks, payload_view(slot[meta.payload_offset : meta.encoded_size], self.layers, pages)
+            chunk.blocks, payload_view(slot[meta.payload_offset : meta.encoded_size], self.pages, pages)
         )
         return meta, slot
 
@@ -592,4 +592,4 @@ class WorkerSide:
         return -(-tokens // self.block_tokens)
 
     def _object_bytes(self, stored_tokens: int) -> int:
-        return payload_offset(stored_tokens) + payload_bytes(self.layers, self._pages(stored_tokens))
+        return payload_offset(stored_tokens) + payload_bytes(self.pages, self._pages(stored_tokens))

@@ -58,9 +58,9 @@ def loader(daemon):
 def publish(w: WorkerSide, chunks: int, seed: int = 0) -> list[bytes]:
     """Fill blocks 0.. with random pages and publish them as ``chunks`` chunks of one prompt; returns keys."""
     generator = torch.Generator().manual_seed(seed)
-    for layer in w.layers:
-        layer[: chunks * PAGES] = torch.randint(0, 256, (chunks * PAGES, PAGE_BYTES), dtype=torch.uint8,
-                                                generator=generator)  # fmt: skip
+    for rows in w.pages:  # whatever the layers' layout, as the bytes of each page
+        rows[: chunks * PAGES] = torch.randint(0, 256, (chunks * PAGES, PAGE_BYTES), dtype=torch.uint8,
+                                               generator=generator)  # fmt: skip
     parent, saves, keys = w.client.spec.root(), [], []
     for i in range(chunks):
         tokens = pack_tokens(list(range(seed * 1000 + i * CHUNK_TOKENS, seed * 1000 + (i + 1) * CHUNK_TOKENS)))
@@ -82,7 +82,7 @@ def load(w: WorkerSide, loads: dict[str, list[LoadChunk]]) -> set[int]:
 
 
 def pages(w: WorkerSide, blocks: list[int]) -> list[torch.Tensor]:
-    return [layer[blocks].clone() for layer in w.layers]
+    return [rows[blocks].cpu() for rows in w.pages]
 
 
 def equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -152,6 +152,23 @@ def test_a_damaged_dram_copy_read_in_place_is_a_load_error_and_the_next_load_rea
     assert load(loader, plan) == set()
     assert loader.client.stats.read_from_disk == 1
     assert equal(pages(loader, list(range(30, 38))), pages(publisher, list(range(8))))
+
+
+def test_a_damaged_dram_copy_loaded_through_slots_is_read_from_nvme_in_the_same_load(daemon, publisher):
+    loader = worker(daemon, shared=False)  # a GPU's path: the fetch verifies before anything is placed
+    try:
+        keys = publish(publisher, chunks=2)
+        wait_persisted(loader.client, keys)
+        damage_dram_copy(loader.client.dram, keys[1])
+        plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(30 + 4 * i, 34 + 4 * i)))
+                      for i, key in enumerate(keys)]}  # fmt: skip
+        assert load(loader, plan) == set()
+        assert loader.loaded_chunks == 2 and loader.loaded_in_place == 0
+        assert loader.client.stats.corrupt == 1 and loader.client.stats.read_from_disk == 1
+        assert loader.client.dram.contains([keys[1]]) == [False]  # the damaged copy is gone
+        assert equal(pages(loader, list(range(30, 38))), pages(publisher, list(range(8))))
+    finally:
+        loader.close()
 
 
 def test_a_request_whose_load_failed_publishes_nothing_that_step(daemon, publisher, loader):
