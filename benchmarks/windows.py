@@ -5,15 +5,16 @@ through arena slots. A hit larger than the arena's free room loads in windows of
 slots (connector/worker_side.py, ``_load_through_slots``); before, the chunks past the arena were
 recomputed. This runs one worker side against the real daemon (``prefixcache serve``: redis-server,
 mooncake_master, a segment owner, RocksDB files) and loads a 256 MiB hit of 2 MiB chunks (8 layers of
-two 128 KiB pages, the tiny test Llama's chunk) into a KV cache of CPU tensors, from DRAM and, with the
-DRAM copies deleted before each load, from NVMe, with arenas of 512 MiB (one window), 64 MiB and 32 MiB.
-Rows alternate within each round, each going first in turn, so every row sees the same machine; figures
-are medians, and ratios are per-round ratios to the one-window load of the same tier.
+two 128 KiB pages, the tiny test Llama's chunk) into a KV cache of CPU tensors (``--device cuda``: on a
+GPU), from DRAM and, with the DRAM copies deleted before each load, from NVMe, with arenas of 512 MiB
+(one window), 64 MiB and 32 MiB. Rows alternate within each round, each going first in turn, so every
+row sees the same machine; figures are medians, and ratios are per-round ratios to the one-window load of the same tier.
 
 Last run (medians of 9, a 2-core VM): windows cost nothing. Per round, 4 and 8 windows took 1.07x and
 1.00x the one-window time from DRAM, and 0.84x and 0.74x from NVMe.
 
-Run: ``python -m benchmarks.windows [--rounds 5]``. Writes ``benchmarks/results/windows.json``.
+Run: ``python -m benchmarks.windows [--rounds 5] [--device cuda]``. Writes ``benchmarks/results/windows.json``
+(``windows_cuda.json`` for a cache on a GPU).
 """
 
 from __future__ import annotations
@@ -40,13 +41,13 @@ CHUNKS = 128  # 256 MiB
 ARENAS_MIB = (512, 64, 32)
 
 
-def kv_cache() -> list[torch.Tensor]:
-    return list(torch.zeros(LAYERS, CHUNKS * PAGES, PAGE_BYTES, dtype=torch.uint8))
+def kv_cache(device: str) -> list[torch.Tensor]:
+    return list(torch.zeros(LAYERS, CHUNKS * PAGES, PAGE_BYTES, dtype=torch.uint8, device=device))
 
 
-def worker(daemon: Daemon, arena_mib: int) -> WorkerSide:
+def worker(daemon: Daemon, arena_mib: int, device: str) -> WorkerSide:
     client = CacheClient.connect(daemon.url, make_spec(CHUNK_TOKENS), arena_bytes=arena_mib << 20)
-    return WorkerSide(client, kv_cache(), BLOCK_TOKENS)
+    return WorkerSide(client, kv_cache(device), BLOCK_TOKENS)
 
 
 def publish(publisher: WorkerSide) -> list[LoadChunk]:
@@ -89,19 +90,23 @@ def timed_load(loader: WorkerSide, plan: list[LoadChunk], in_dram: bool) -> floa
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="loads per row (the median is reported)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the KV cache lies (cuda: pages cross PCIe from pinned slots)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
     hit_bytes = CHUNKS * LAYERS * PAGES * PAGE_BYTES
     with tempfile.TemporaryDirectory(prefix="prefixcache-windows-") as tmp:
         daemon = Daemon(Path(tmp) / "data", dram="1GiB", nvme="1GiB").start()
         publisher = loaders = None
         try:
-            publisher = worker(daemon, 64)
+            publisher = worker(daemon, 64, args.device)
             plan = publish(publisher)
             keys = [chunk.key for chunk in plan]
             wait_persisted(publisher.client, keys, timeout_s=120)
-            loaders = {arena: worker(daemon, arena) for arena in ARENAS_MIB}
+            loaders = {arena: worker(daemon, arena, args.device) for arena in ARENAS_MIB}
             times: dict[tuple[str, int], list[float]] = {}
             for tier in ("dram", "nvme"):
                 for round_ in range(args.rounds):
@@ -128,9 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((tier, f"{arena} MiB", windows, median * 1000, hit_bytes / median / 1e9, ratio))
         cases.append({"tier": tier, "arena_mib": arena, "windows": windows, "load_s": samples,
                       "median_s": median, "gbps": hit_bytes / median / 1e9, "over_one_window": ratio})  # fmt: skip
-    print_table(f"a {hit_bytes >> 20} MiB hit through arena slots, medians of {args.rounds}",
+    print_table(f"a {hit_bytes >> 20} MiB hit through arena slots into a {args.device} cache, medians of {args.rounds}",
                 ["tier", "arena", "windows (about)", "load ms", "GB/s", "/ one window"], rows)  # fmt: skip
-    write_results("windows", {"hit_bytes": hit_bytes, "cases": cases})
+    name = "windows" if args.device == "cpu" else f"windows_{args.device}"
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    write_results(name, {"hit_bytes": hit_bytes, "device": device, "cases": cases})
     return 0
 
 
