@@ -23,7 +23,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -120,7 +120,8 @@ class CudaPageCopies:
         self._word = word
         self._chunk_pages = chunk_pages
         self._model_thread = threading.get_ident()
-        staging = len(pages) * chunk_pages * pages[0].shape[1]
+        layers, page = self._shape
+        staging = layers * chunk_pages * page
         self._save_lanes = [_Lane(self.device, staging) for _ in range(2)]
         self._load_lanes = [_Lane(self.device, staging) for _ in range(2)]
         log.info("prefixcache: %d MiB of device memory stage pages (%d layer groups)",
@@ -130,10 +131,7 @@ class CudaPageCopies:
 
     def gather(self, blocks: Sequence[int], out: torch.Tensor) -> None:
         compute = torch.cuda.current_stream(self.device)
-        for at in range(0, len(blocks), self._chunk_pages):
-            part = blocks[at : at + self._chunk_pages]
-            lane = self._save_lanes[0]
-            self._save_lanes.reverse()
+        for at, part, lane in self._parts(blocks, self._save_lanes):
             lane.stream.wait_stream(compute)
             with torch.cuda.stream(lane.stream):
                 staged = self._staged(lane, len(part))
@@ -164,10 +162,7 @@ class CudaPageCopies:
 
     def scatter(self, src: torch.Tensor, blocks: Sequence[int]) -> None:
         on_model_thread = threading.get_ident() == self._model_thread
-        for at in range(0, len(blocks), self._chunk_pages):
-            part = blocks[at : at + self._chunk_pages]
-            lane = self._load_lanes[0]
-            self._load_lanes.reverse()
+        for at, part, lane in self._parts(blocks, self._load_lanes):
             for publishing in self._save_lanes:  # a block whose old pages are still being published
                 lane.stream.wait_stream(publishing.stream)
             if on_model_thread:
@@ -194,6 +189,13 @@ class CudaPageCopies:
         if self._pinned is not None:
             unpin_host_memory(self._pinned)
             self._pinned = None
+
+    def _parts(self, blocks: Sequence[int], lanes: list[_Lane]) -> Iterator[tuple[int, Sequence[int], _Lane]]:
+        """Each chunk-sized part of ``blocks`` (where it starts, its blocks) with the lane it takes: the
+        direction's two lanes in turn, across calls too."""
+        for at in range(0, len(blocks), self._chunk_pages):
+            yield at, blocks[at : at + self._chunk_pages], lanes[0]
+            lanes.reverse()
 
     def _staged(self, lane: _Lane, num_pages: int) -> torch.Tensor:
         """The start of the lane's buffer as (layers, num_pages, page words), contiguous: one copy crosses PCIe."""

@@ -134,16 +134,15 @@ class WorkerSide:
 
     def _pages_in_shared_memory(self) -> memoryview | None:
         """The KV cache as one view, when every layer's pages lie in the client's shared memory (the
-        connector allocated it there, on the CPU backend) and each page is contiguous; else None."""
+        connector allocated it there, on the CPU backend), one after another; else None."""
         page = self._page_bytes
-        if any(layer.device.type != "cpu" or layer.stride(0) * layer.element_size() != page
-               or not layer[0].is_contiguous() for layer in self.layers):  # fmt: skip
+        if any(rows.device.type != "cpu" or rows.stride(0) != page for rows in self.pages):
             return None
-        low = min(layer.data_ptr() for layer in self.layers)
-        high = max(layer.data_ptr() + layer.shape[0] * page for layer in self.layers)
+        low = min(rows.data_ptr() for rows in self.pages)
+        high = max(rows.data_ptr() + rows.shape[0] * page for rows in self.pages)
         view = self.client.shared_view(low, high - low)
         if view is not None:
-            self._layer_starts = [layer.data_ptr() - low for layer in self.layers]
+            self._layer_starts = [rows.data_ptr() - low for rows in self.pages]
         return view
 
     # -- loads ---------------------------------------------------------------------------------------
