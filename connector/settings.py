@@ -69,13 +69,9 @@ def kv_bytes_per_token(kv_cache_group: Any) -> int:
     return spec.page_size_bytes * len(kv_cache_group.layer_names) // spec.block_size
 
 
-def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
+def check_supported(kv_cache_config: Any) -> None:
     """Refuse, at start-up, engines whose KV the connector cannot map completely: it would load some
     layers' pages and leave the rest unwritten, which is wrong KV, not a miss."""
-    if vllm_config.parallel_config.pipeline_parallel_size > 1:
-        # A stage holds only its own layers: its pages would need a namespace (and plans) of their own.
-        raise ConfigError("PrefixCacheConnector supports pipeline_parallel_size=1 for now; run without "
-                          "--kv-transfer-config or with one pipeline stage")  # fmt: skip
     groups = len(kv_cache_config.kv_cache_groups)
     if groups != 1:
         # vLLM turns its hybrid KV cache manager off for connectors without SupportsHMA, unless told not to.
@@ -84,8 +80,11 @@ def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
                           "are not supported)")  # fmt: skip
 
 
-def namespace_for(vllm_config: Any, kv_cache_spec: Any, chunk_tokens: int, tp_rank: int, tp_size: int) -> NamespaceSpec:
-    """Everything that makes this engine's KV pages incompatible with another's.
+def namespace_for(
+    vllm_config: Any, kv_cache_spec: Any, chunk_tokens: int, *, tp_rank: int, pp_rank: int
+) -> NamespaceSpec:
+    """Everything that makes this engine's KV pages incompatible with another's, as the rank of pipeline stage
+    ``pp_rank`` and tensor-parallel rank ``tp_rank`` has it (``NamespaceSpec.shards`` gives the others).
 
     Pages are stored as the attention backend lays them out (the CPU backend packs K and V per head in
     an ISA-specific order), so the layout names the device, the instruction set, the block geometry
@@ -109,7 +108,7 @@ def namespace_for(vllm_config: Any, kv_cache_spec: Any, chunk_tokens: int, tp_ra
         kv_layout=layout,
         chunk_tokens=chunk_tokens,
         tp_rank=tp_rank,
-        tp_size=tp_size,
-        pp_rank=0,
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        pp_rank=pp_rank,
         pp_size=vllm_config.parallel_config.pipeline_parallel_size,
     )

@@ -1,13 +1,13 @@
 """What the connector moved, in vLLM's own statistics: its ``KV Transfer metrics`` log line and its ``/metrics``.
 
 Operators watch vLLM's endpoint, not only the daemon's, so each worker counts its loads and publishes and
-vLLM collects them after every step (``get_kv_connector_stats``), sums them over tensor-parallel ranks
+vLLM collects them after every step (``get_kv_connector_stats``), sums them over its workers
 (``aggregate``), logs them every stats interval (``reduce``) and adds them to Prometheus counters labelled
 like vLLM's own (``PrefixCachePromMetrics``). The daemon's ``/metrics`` keeps what every client of a node
 took from the cache, with latencies; these say what one engine moved, beside its other metrics.
 
-Counted per worker and summed over them: a tensor-parallel rank moves its own shard of every chunk, so with
-N ranks a chunk (or a failed block) counts N times, and the bytes are the shards' sum.
+Counted per worker and summed over them: each rank (pipeline stage and tensor-parallel rank) moves its own shard
+of every chunk, so with N ranks a chunk (or a failed block) counts N times, and the bytes are the shards' sum.
 
 - ``loaded_chunks``, ``loaded_bytes``: chunks that arrived intact in vLLM's pages, and their KV bytes;
 - ``load_failed_blocks``: blocks reported to vLLM as failed (damaged, gone, or not loaded), which it recomputes;

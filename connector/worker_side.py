@@ -86,7 +86,7 @@ class WorkerSide:
                  io_thread_setup: Callable[[], None] | None = None) -> None:  # fmt: skip
         """``io_thread_setup`` runs first in each thread this side starts (see connector/io_threads.py)."""
         self.client = client
-        self.rank = client.spec.tp_rank  # which shard of the pages this worker holds, and whose keys it uses
+        self.shard = client.spec.shard  # which shard of the pages this worker holds, and whose keys it uses
         self._io_thread_setup = io_thread_setup or (lambda: None)
         self.layers = list(layers)
         self.block_tokens = block_tokens
@@ -168,7 +168,7 @@ class WorkerSide:
             return
         chunks = self._chunks_of(meta)
         if not chunks:
-            if later := meta.loads_of(self.rank, asynchronous=True):
+            if later := meta.loads_of(self.shard, asynchronous=True):
                 self._load_in_background(later)
                 self._async_begun = meta
             return
@@ -193,10 +193,10 @@ class WorkerSide:
             self._abandon(begun[1].result())
             begun = None
         self.finish_load()  # the previous step's, should vLLM not have asked for its outcome
-        self._loads, self._failed_requests = meta.loads_of(self.rank), set()
+        self._loads, self._failed_requests = meta.loads_of(self.shard), set()
         if chunks := self._chunks_of(meta):
             self._load_now(chunks, begun[1].result() if begun is not None else None)
-        if async_begun is not meta and (later := meta.loads_of(self.rank, asynchronous=True)):
+        if async_begun is not meta and (later := meta.loads_of(self.shard, asynchronous=True)):
             self._load_in_background(later)
 
     def _load_in_background(self, loads: dict[str, list[LoadChunk]]) -> None:
@@ -260,8 +260,8 @@ class WorkerSide:
         return stores, read if read.placed else None
 
     def _chunks_of(self, meta: PrefixCacheMetadata) -> list[LoadChunk]:
-        """This rank's synchronous loads of the step."""
-        return [chunk for chunks in meta.loads_of(self.rank).values() for chunk in chunks]
+        """This shard's synchronous loads of the step."""
+        return [chunk for chunks in meta.loads_of(self.shard).values() for chunk in chunks]
 
     def _read_in_place(self, chunks: list[LoadChunk]) -> _ReadInPlace:
         """Have the segment owner copy every chunk DRAM holds straight into its pages, in one call, then
@@ -515,7 +515,7 @@ class WorkerSide:
         pages = len(chunk.blocks)
         meta = ChunkMeta(
             namespace=self.client.spec.digest, root=self.client.spec.root(chunk.tenant_salt, chunk.variant),
-            parent=chunk.parents[self.rank],
+            parent=chunk.parents[self.shard],
             tokens=chunk.tokens, dtype=str(self.layers[0].dtype).removeprefix("torch."),
             shape=(len(self.layers), pages, *self.layers[0].shape[1:]),
             tenant=int(tenant_id(chunk.tenant_salt) or "0", 16),

@@ -219,7 +219,7 @@ class PrefixIndex(Protocol):
         """The longest cached prefix. ``touch=False`` leaves access statistics alone (inspection, not use)."""
 
     def lookup_many(self, queries: Sequence[PrefixQuery], *, touch: bool = True) -> list[PrefixMatch]:
-        """``lookup`` of each query, in one round trip: the chains of one prompt's tensor-parallel shards."""
+        """``lookup`` of each query, in one round trip: the chains of one prompt's shards (one per rank)."""
 
     def flush_access(self) -> None:
         """Apply the last-access/hit updates of past lookups now (a backend may apply them later)."""

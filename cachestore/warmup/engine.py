@@ -81,12 +81,13 @@ class WarmupEngine:
         self.llm = LLM.from_engine_args(args)
 
     def namespaces(self) -> list[NamespaceSpec]:
-        """The namespace of each tensor-parallel rank, in rank order: each stores its shard of the pages there."""
+        """The namespace of each rank (pipeline stage and tensor-parallel rank), in ``NamespaceSpec.shard`` order:
+        each stores its shard of the pages there."""
         answers = self.llm.collective_rpc("prefixcache_namespace")
-        specs = sorted({NamespaceSpec.model_validate_json(a) for a in answers}, key=lambda spec: spec.tp_rank)
-        if [spec.tp_rank for spec in specs] != list(range(specs[0].tp_size if specs else 1)):
-            raise ConfigError(f"workers report namespaces of ranks {[spec.tp_rank for spec in specs]}: "
-                              "expected one per tensor-parallel rank")  # fmt: skip
+        specs = sorted({NamespaceSpec.model_validate_json(a) for a in answers}, key=lambda spec: spec.shard)
+        if not specs or specs != specs[0].shards():
+            raise ConfigError(f"workers report namespaces of shards {[spec.shard for spec in specs]}: "
+                              "expected one per pipeline stage and tensor-parallel rank")  # fmt: skip
         return specs
 
     def limits(self) -> ModelLimits:

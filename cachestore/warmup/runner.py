@@ -70,7 +70,7 @@ class _Prompt:
     key: str
     tokens: list[int]
     salt: str | None
-    hashers: list[PrefixHasher]  # one key chain per tensor-parallel rank: each stores its shard
+    hashers: list[PrefixHasher]  # one key chain per rank (NamespaceSpec.shards): each stores its shard
 
     def storable_keys(self) -> list[bytes]:
         """Keys of the chunks the connector stores for this prompt, every rank's (see ``plan.storable_tokens``)."""
@@ -183,7 +183,7 @@ class WarmupRun:
 
     @staticmethod
     def _hashers(specs: list[NamespaceSpec], salt: str | None, tokens: list[int]) -> list[PrefixHasher]:
-        """One key chain per tensor-parallel rank (each stores its shard), the tokens converted once."""
+        """One key chain per rank (each stores its shard), the tokens converted once."""
         hashers = [PrefixHasher(spec.root(salt), ChunkGeometry(spec.chunk_tokens)) for spec in specs]
         extend_all(hashers, tokens)
         return hashers

@@ -38,7 +38,7 @@ class JobState(BaseModel):
     job_id: str
     corpus: str
     model: str
-    #: digest of the connector's namespace (tensor-parallel rank 0's), recorded once the engine reported it
+    #: digest of the connector's namespace (the first shard's), recorded once the engine reported it
     namespace: str | None = None
     outcomes: dict[str, Outcome] = {}
     created_s: float

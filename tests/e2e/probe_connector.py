@@ -5,9 +5,10 @@ Loaded by vLLM like the real one (``kv_connector_module_path: tests.e2e.probe_co
 the forward pass computed them (``saved-<key>.pt``) and the pages of every chunk it loads right after
 placing them, before the forward pass reads them (``loaded-<key>-<first page>-<request>.pt``), each as a
 (layers, pages, *page shape) tensor, and how many of them the segment owner wrote into the pages in place
-(``loaded_in_place.<tensor-parallel rank>``), how many of those reads began at vLLM's first hook of the
-step (``loaded_early.<rank>``), how many requests loaded asynchronously (``loaded_async.<rank>``), how
-many chunks it was asked to publish (``saves.<rank>``) and in which namespace (``namespace.<rank>``); an
+(``loaded_in_place.<shard>``, the worker's ``NamespaceSpec.shard``: its tensor-parallel rank under one
+pipeline stage), how many of those reads began at vLLM's first hook of the step (``loaded_early.<shard>``),
+how many requests loaded asynchronously (``loaded_async.<shard>``), how many chunks it was asked to publish
+(``saves.<shard>``) and in which namespace (``namespace.<shard>``); an
 asynchronous load's pages are recorded once the worker reports it over. The scheduler side records whether
 vLLM schedules each step before the last one is over (``schedules_ahead``: its asynchronous scheduling). Each
 rank records its own shard under its own keys. A test then compares what one instance computed with what
@@ -52,11 +53,11 @@ class ProbeConnector(PrefixCacheConnector):
             return
         assert self._worker is not None
         self._worker.finish_load()  # verified: only intact chunks are recorded
-        rank = self._worker.rank
-        (directory / f"loaded_in_place.{rank}").write_text(str(self._worker.loaded_in_place))
-        (directory / f"loaded_early.{rank}").write_text(str(self._worker.loaded_early))
-        self._record(directory, meta.loads_of(rank))
-        self._loading.update(meta.loads_of(rank, asynchronous=True))
+        shard = self._worker.shard
+        (directory / f"loaded_in_place.{shard}").write_text(str(self._worker.loaded_in_place))
+        (directory / f"loaded_early.{shard}").write_text(str(self._worker.loaded_early))
+        self._record(directory, meta.loads_of(shard))
+        self._loading.update(meta.loads_of(shard, asynchronous=True))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, recving = super().get_finished(finished_req_ids)
@@ -64,7 +65,7 @@ class ProbeConnector(PrefixCacheConnector):
         if directory is not None and recving:
             assert self._worker is not None
             self._record(directory, {req_id: self._loading.pop(req_id) for req_id in recving})
-            (directory / f"loaded_async.{self._worker.rank}").write_text(str(self._worker.loaded_async))
+            (directory / f"loaded_async.{self._worker.shard}").write_text(str(self._worker.loaded_async))
         return sending, recving
 
     def _record(self, directory: Path, loads: dict[str, list[LoadChunk]]) -> None:
@@ -82,9 +83,9 @@ class ProbeConnector(PrefixCacheConnector):
         if directory is not None and isinstance(meta, PrefixCacheMetadata):
             assert self._worker is not None
             for save in meta.saves:
-                key = chunk_key(save.parents[self._worker.rank], save.tokens)
+                key = chunk_key(save.parents[self._worker.shard], save.tokens)
                 torch.save(self._pages(save.blocks), directory / f"saved-{key.hex()}.pt")
             self._saves += len(meta.saves)
-            (directory / f"saves.{self._worker.rank}").write_text(str(self._saves))
-            (directory / f"namespace.{self._worker.rank}").write_text(self._worker.client.spec.digest.hex())
+            (directory / f"saves.{self._worker.shard}").write_text(str(self._saves))
+            (directory / f"namespace.{self._worker.shard}").write_text(self._worker.client.spec.digest.hex())
         super().wait_for_save()

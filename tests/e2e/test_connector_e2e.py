@@ -34,6 +34,7 @@ P3 = random_prompt(seed=14, length=1100)  # for the tensor-parallel runs
 P4 = random_prompt(seed=15, length=700)  # for the LoRA runs
 P5 = random_prompt(seed=17, length=4 * CHUNK + 1)  # whole chunks and one token: vLLM's own cache holds all but one
 P6 = random_prompt(seed=18, length=1100)  # A runs it asking not to publish it
+P7 = random_prompt(seed=19, length=1100)  # for the pipeline-parallel runs
 NO_PUBLISH = {"prefixcache": {"publish": False}}
 NO_LOAD = {"prefixcache": {"load": False}}
 MISSPELT = {"prefixcache": {"pubish": False}}  # a malformed entry: the request neither loads nor publishes
@@ -339,31 +340,62 @@ def test_requests_complete_when_redis_is_down(run_vllm, tiny_model, tmp_path, re
     assert ok, reason
 
 
-@pytest.fixture(scope="module")
-def tensor_parallel(run_vllm, tiny_model, daemon, tmp_path_factory):
-    """Two tensor-parallel ranks, one core each: a run without the connector; A publishes P3 and exits; B (a
-    fresh process, vLLM's own prefix cache off) loads it asynchronously: vLLM holds the request in
-    WAITING_FOR_REMOTE_KVS until both ranks report their shards in. Returns (reference, a, b, probe directories)."""
-    probe = {name: tmp_path_factory.mktemp(f"probe-tp-{name}") for name in ("a", "b")}
+def two_ranks_publish_then_load(run_vllm, daemon, spec: dict, probe: dict[str, Path], b_loads: str) -> tuple:
+    """An engine of two ranks, one core each: a run of ``spec`` without the connector; A publishes its prompt and
+    exits; B (a fresh process, vLLM's own prefix cache off, ``async_loads=b_loads``) loads it. Returns
+    (reference, a, b)."""
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    spec = {"model": str(tiny_model), "prompts": [P3], "max_tokens": 16, "tensor_parallel_size": 2}
     reference = run_vllm(spec, env=env)
     a, b = (run_vllm({**spec, "kv_transfer_config": connector_config(daemon, probe=True, async_loads=mode)},
                      env={**env, "PREFIXCACHE_PROBE_DIR": str(probe[name])})
-            for name, mode in (("a", "auto"), ("b", "always")))  # fmt: skip
-    return reference, a, b, probe
+            for name, mode in (("a", "auto"), ("b", b_loads)))  # fmt: skip
+    return reference, a, b
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel(run_vllm, tiny_model, daemon, tmp_path_factory):
+    """Two tensor-parallel ranks; B loads asynchronously: vLLM holds the request in WAITING_FOR_REMOTE_KVS until
+    both ranks report their shards in. Returns (reference, a, b, probe directories)."""
+    probe = {name: tmp_path_factory.mktemp(f"probe-tp-{name}") for name in ("a", "b")}
+    spec = {"model": str(tiny_model), "prompts": [P3], "max_tokens": 16, "tensor_parallel_size": 2}
+    return *two_ranks_publish_then_load(run_vllm, daemon, spec, probe, b_loads="always"), probe
+
+
+def assert_each_rank_loaded_its_shard_asynchronously(prompt: list[int], reference: dict, a: dict, b: dict,
+                                                      probe: dict[str, Path]) -> None:  # fmt: skip
+    """B hit all but the last token of ``prompt`` and both runs answered as the reference; each of the two ranks
+    published the prompt's 4 full chunks and its tail under keys of its own, and B's ranks loaded exactly those,
+    bit for bit, straight into their pages, in one asynchronous load each."""
+    assert b["outputs"][0]["num_cached_tokens"] == len(prompt) - 1
+    for run in (a, b):
+        ok, reason = same_greedy_output(reference["outputs"][0], run["outputs"][0])
+        assert ok, reason
+    assert assert_loaded_pages_were_saved(probe["a"], probe["b"]) == (10, 10)
+    assert [int((probe["b"] / f"loaded_in_place.{rank}").read_text()) for rank in (0, 1)] == [5, 5]
+    assert [int((probe["b"] / f"loaded_async.{rank}").read_text()) for rank in (0, 1)] == [1, 1]
 
 
 def test_two_tensor_parallel_ranks_each_load_their_own_shard_asynchronously_and_answer_the_same(tensor_parallel):
     reference, a, b, probe = tensor_parallel
-    assert b["outputs"][0]["num_cached_tokens"] == len(P3) - 1
-    for run in (a, b):
-        ok, reason = same_greedy_output(reference["outputs"][0], run["outputs"][0])
-        assert ok, reason
-    # each rank published P3's 4 full chunks and its tail under keys of its own, and loaded exactly those
-    assert assert_loaded_pages_were_saved(probe["a"], probe["b"]) == (10, 10)
-    assert [int((probe["b"] / f"loaded_in_place.{rank}").read_text()) for rank in (0, 1)] == [5, 5]
-    assert [int((probe["b"] / f"loaded_async.{rank}").read_text()) for rank in (0, 1)] == [1, 1]
+    assert_each_rank_loaded_its_shard_asynchronously(P3, reference, a, b, probe)
+
+
+@pytest.fixture(scope="module")
+def pipeline_parallel(run_vllm, tiny_model, daemon, tmp_path_factory):
+    """Two pipeline stages of four layers (compiled: see tests/e2e/run_vllm.py). vLLM keeps a step per stage in
+    flight, so B's loads are asynchronous although it asks for ``auto``. Returns (reference, a, b, probe
+    directories)."""
+    probe = {name: tmp_path_factory.mktemp(f"probe-pp-{name}") for name in ("a", "b")}
+    spec = {"model": str(tiny_model), "prompts": [P7], "max_tokens": 16, "pipeline_parallel_size": 2}
+    return *two_ranks_publish_then_load(run_vllm, daemon, spec, probe, b_loads="auto"), probe
+
+
+def test_two_pipeline_stages_each_load_their_own_layers_and_answer_the_same(pipeline_parallel):
+    reference, a, b, probe = pipeline_parallel
+    assert_each_rank_loaded_its_shard_asynchronously(P7, reference, a, b, probe)
+    # a stage's shard is its four layers' pages, under a namespace of its own
+    assert {torch.load(path).shape[0] for path in probe["b"].glob("loaded-*.pt")} == {4}
+    assert (probe["b"] / "namespace.0").read_text() != (probe["b"] / "namespace.1").read_text()
 
 
 @pytest.fixture(scope="module")
