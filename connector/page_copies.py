@@ -29,6 +29,7 @@ from typing import Protocol
 import torch
 
 from connector.pages import gather, scatter
+from connector.settings import Directions
 
 log = logging.getLogger("prefixcache.connector")
 _CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context of the process
@@ -57,12 +58,17 @@ class PageCopies(Protocol):
     def close(self) -> None: ...
 
 
-def page_copies_for(pages: Sequence[torch.Tensor], host_memory: tuple[int, int], chunk_pages: int) -> PageCopies:
-    """The copies for this KV cache; ``host_memory`` (address, size) is the arena every slot lies in, and a
-    copy moves at most ``chunk_pages`` pages of each layer (one chunk)."""
+BOTH_WAYS = Directions(loads=True, publishes=True)
+
+
+def page_copies_for(pages: Sequence[torch.Tensor], host_memory: tuple[int, int], chunk_pages: int,
+                    directions: Directions = BOTH_WAYS) -> PageCopies:  # fmt: skip
+    """The copies for this KV cache; ``host_memory`` (address, size) is the arena every slot lies in, a copy
+    moves at most ``chunk_pages`` pages of each layer (one chunk), and only the ``directions`` the engine's
+    role takes are made ready (on a GPU each direction holds device memory)."""
     device = pages[0].device
     if device.type == "cuda":
-        return CudaPageCopies(pages, host_memory, chunk_pages)
+        return CudaPageCopies(pages, host_memory, chunk_pages, directions)
     if device.type != "cpu":
         raise ValueError(f"KV cache on {device.type}: the connector copies pages of CPU and CUDA caches only")
     return HostPageCopies(pages)
@@ -106,13 +112,15 @@ class CudaPageCopies:
     consecutive blocks straight across costs a copy per run and layer instead, and a long-lived engine's
     blocks are scattered (benchmarks/cuda_copies.py measures both). Each direction has two lanes, a
     stream and a staging buffer each, and chunks alternate between them, so one chunk's kernel runs while
-    the next one crosses PCIe.
+    the next one crosses PCIe. A direction the engine's role does not take (a ``kv_producer`` never loads)
+    gets no lanes, and its staging memory stays with vLLM.
 
     Made on the thread that runs the model (vLLM's ``register_kv_caches``): that thread's current stream
     is the compute stream. Loads on other threads (asynchronous ones) go into blocks no running request
     uses, so they wait for our own publishes only."""
 
-    def __init__(self, pages: Sequence[torch.Tensor], host_memory: tuple[int, int], chunk_pages: int) -> None:
+    def __init__(self, pages: Sequence[torch.Tensor], host_memory: tuple[int, int], chunk_pages: int,
+                 directions: Directions = BOTH_WAYS) -> None:  # fmt: skip
         self.device = pages[0].device
         word = _widest_word(pages)
         self._groups = layer_groups([layer.view(word) for layer in pages])  # kernels move words, not bytes
@@ -122,10 +130,11 @@ class CudaPageCopies:
         self._model_thread = threading.get_ident()
         layers, page = self._shape
         staging = layers * chunk_pages * page
-        self._save_lanes = [_Lane(self.device, staging) for _ in range(2)]
-        self._load_lanes = [_Lane(self.device, staging) for _ in range(2)]
+        self._save_lanes = [_Lane(self.device, staging) for _ in range(2 if directions.publishes else 0)]
+        self._load_lanes = [_Lane(self.device, staging) for _ in range(2 if directions.loads else 0)]
+        lanes = len(self._save_lanes) + len(self._load_lanes)
         log.info("prefixcache: %d MiB of device memory stage pages (%d layer groups)",
-                 4 * staging >> 20, len(self._groups))  # fmt: skip
+                 lanes * staging >> 20, len(self._groups))  # fmt: skip
         self._pinned = pin_host_memory(*host_memory)
         self._gathering = False  # gathers queued since the last step began
 
@@ -193,6 +202,8 @@ class CudaPageCopies:
     def _parts(self, blocks: Sequence[int], lanes: list[_Lane]) -> Iterator[tuple[int, Sequence[int], _Lane]]:
         """Each chunk-sized part of ``blocks`` (where it starts, its blocks) with the lane it takes: the
         direction's two lanes in turn, across calls too."""
+        if not lanes:
+            raise RuntimeError("pages copied in a direction this engine's kv_role does not take: it has no lanes")
         for at in range(0, len(blocks), self._chunk_pages):
             yield at, blocks[at : at + self._chunk_pages], lanes[0]
             lanes.reverse()

@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.io_threads import io_cpus, numa_node_cpus, pinning, ranks_bound_by_vllm
-from connector.settings import ConnectorSettings
+from connector.settings import ConnectorSettings, Directions
 from connector.transfer_stats import PrefixCachePromMetrics, PrefixCacheTransferStats
 
 if TYPE_CHECKING:
@@ -105,7 +105,9 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         group = self._kv_cache_config.kv_cache_groups[0]
         layers = [kv_caches[name] for name in group.layer_names if name in kv_caches]
         client = self._client()
-        self._worker = WorkerSide(client, layers, group.kv_cache_spec.block_size, io_thread_setup=self._io_thread_setup)
+        self._worker = WorkerSide(client, layers, group.kv_cache_spec.block_size,
+                                  directions=Directions.of_role(self._role_name),
+                                  io_thread_setup=self._io_thread_setup)  # fmt: skip
 
     def _client(self) -> CacheClient:
         """The worker's client, made at the first call: ``get_mem_pool_context`` needs it before the KV cache exists."""

@@ -45,7 +45,7 @@ from connector.plans import (
     tokens_by_tier,
 )
 from connector.request_identity import media_marks, request_variant
-from connector.settings import ConnectorSettings, check_supported, kv_bytes_per_token, namespace_for
+from connector.settings import ConnectorSettings, Directions, check_supported, kv_bytes_per_token, namespace_for
 from indexer.chunking import ChunkGeometry
 from indexer.errors import IndexUnavailableError
 from indexer.index import PrefixMatch, attach_namespace
@@ -118,8 +118,7 @@ class SchedulerSide:
         self.leases = Leases(bookkeeping, client_config.key_prefix)
         # what this engine took from the cache, for the daemon's /v1/stats and /metrics
         self.stats = ClientStatsRecorder(bookkeeping, client_config.key_prefix + ":", client_config.node)
-        self.load_enabled = role in ("kv_consumer", "kv_both")
-        self.publish_enabled = role in ("kv_producer", "kv_both")
+        self.load_enabled, self.publish_enabled = Directions.of_role(role)
         self.min_hit_tokens = settings.min_hit_tokens
         self.async_loads, self.async_bytes = settings.async_loads, settings.async_load_mib << 20
         # per shard, as vLLM gives the scheduler the first rank's layers: ranks load their shards side by side

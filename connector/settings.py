@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -39,6 +39,18 @@ class ConnectorSettings(BaseModel):
         except ValidationError as exc:
             problems = validation_problems(exc, "config")
             raise ConfigError(f"invalid kv_connector_extra_config for PrefixCacheConnector: {problems}") from None
+
+
+class Directions(NamedTuple):
+    """Which ways an engine's connector moves KV: into vLLM's pages (loads) and out of them (publishes)."""
+
+    loads: bool
+    publishes: bool
+
+    @classmethod
+    def of_role(cls, kv_role: str) -> Directions:
+        """``kv_producer`` publishes only, ``kv_consumer`` loads only, ``kv_both`` does both."""
+        return cls(loads=kv_role in ("kv_consumer", "kv_both"), publishes=kv_role in ("kv_producer", "kv_both"))
 
 
 #: Bounds of an automatically sized arena, in MiB: the floor serves small models well (the tiny test model's

@@ -35,8 +35,9 @@ from cachestore.codec import ChunkMeta, payload_offset
 from cachestore.nvme import read_size
 from cachestore.runs import runs_of_about
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
-from connector.page_copies import page_copies_for
+from connector.page_copies import BOTH_WAYS, page_copies_for
 from connector.pages import block_runs, page_rows, payload_bytes, payload_view
+from connector.settings import Directions
 from connector.transfer_stats import TransferCounts
 from indexer.namespace import tenant_id
 
@@ -83,8 +84,10 @@ class _ReadInPlace:
 
 class WorkerSide:
     def __init__(self, client: CacheClient, layers: Sequence[torch.Tensor], block_tokens: int,
+                 directions: Directions = BOTH_WAYS,
                  io_thread_setup: Callable[[], None] | None = None) -> None:  # fmt: skip
-        """``io_thread_setup`` runs first in each thread this side starts (see connector/io_threads.py)."""
+        """``directions``: which ways the engine's role moves KV; ``io_thread_setup`` runs first in each thread
+        this side starts (see connector/io_threads.py)."""
         self.client = client
         self.shard = client.spec.shard  # which shard of the pages this worker holds, and whose keys it uses
         self._io_thread_setup = io_thread_setup or (lambda: None)
@@ -127,7 +130,8 @@ class WorkerSide:
         self._async_begun: PrefixCacheMetadata | None = None  # the step whose asynchronous loads begin_load started
         self._warned: set[str] = set()  # what the arena's size costs is logged once per kind
         self.pages = [page_rows(layer) for layer in self.layers]  # each layer as (blocks, page bytes)
-        self._copies = page_copies_for(self.pages, client.arena_memory, self._pages(client.spec.chunk_tokens))
+        self._copies = page_copies_for(self.pages, client.arena_memory, self._pages(client.spec.chunk_tokens),
+                                       directions)  # fmt: skip
         self._page_bytes = self.pages[0].shape[1]
         self._layer_starts: list[int] = []  # where each layer's block 0 lies in self._kv
         self._kv = self._pages_in_shared_memory()

@@ -12,7 +12,7 @@ import pytest
 from cachestore.cpus import cpu_list
 from cachestore.request_params import NO_CACHE, RequestCacheParams, request_cache_params
 from connector.io_threads import io_cpus, numa_node_cpus, pinning, ranks_bound_by_vllm
-from connector.settings import ConnectorSettings, arena_mib, check_supported, kv_bytes_per_token
+from connector.settings import ConnectorSettings, Directions, arena_mib, check_supported, kv_bytes_per_token
 from indexer.errors import ConfigError
 
 
@@ -144,6 +144,12 @@ def test_a_refused_binding_leaves_the_thread_where_it_was(caplog):
     before = os.sched_getaffinity(0)
     pinning(frozenset({100_000}))()  # no such CPU
     assert os.sched_getaffinity(0) == before and "cannot bind" in caplog.text
+
+
+def test_each_kv_role_moves_kv_the_ways_it_names():
+    assert Directions.of_role("kv_both") == (True, True)
+    assert Directions.of_role("kv_producer") == Directions(loads=False, publishes=True)
+    assert Directions.of_role("kv_consumer") == Directions(loads=True, publishes=False)
 
 
 def kv_cache_config(groups: int) -> SimpleNamespace:

@@ -21,6 +21,7 @@ from connector.page_copies import (
     unpin_host_memory,
 )
 from connector.pages import page_rows
+from connector.settings import Directions
 from connector.worker_side import WorkerSide
 from tests.daemon_harness import make_spec
 from tests.test_worker_side import (
@@ -168,6 +169,30 @@ def test_an_arena_pinned_already_is_used_as_it_is_and_cuda_goes_on(host_memory):
         assert values.tolist() == [2, 3, 4]
     finally:
         unpin_host_memory(address)
+
+
+@needs_cuda
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_an_engine_that_moves_kv_one_way_stages_pages_for_that_way_only(host_memory, role):
+    layers = device_cache(blocks=8, page_bytes=1 << 20)
+    directions = Directions.of_role(role)
+    before = torch.cuda.memory_allocated()
+    copies = CudaPageCopies(layers, (address_of(host_memory), len(host_memory)), 4, directions)
+    try:
+        assert torch.cuda.memory_allocated() - before == 2 * LAYERS * 4 << 20  # two lanes of one 4-page chunk
+        pages, blocks = host_tensor(host_memory, 4), [1, 2, 3, 5]
+        if directions.publishes:
+            copies.gather(blocks, pages)
+            copies.saved()()
+            with pytest.raises(RuntimeError, match="kv_role"):
+                copies.scatter(pages, blocks)
+        else:
+            copies.scatter(pages, blocks)
+            copies.loaded()
+            with pytest.raises(RuntimeError, match="kv_role"):
+                copies.gather(blocks, pages)
+    finally:
+        copies.close()
 
 
 def host_tensor(memory: memoryview, pages: int) -> torch.Tensor:
