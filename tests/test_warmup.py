@@ -15,6 +15,7 @@ from indexer.chunking import ChunkGeometry
 from indexer.errors import ConfigError
 from indexer.index import PartialHit, PrefixMatch
 from indexer.keys import PrefixHasher
+from indexer.namespace import NamespaceSpec
 
 
 def write_lines(path: Path, *lines: object) -> Path:
@@ -222,3 +223,17 @@ def test_engine_options_are_vllm_serve_options_and_the_connector_is_always_the_w
     ]:
         with pytest.raises(ConfigError, match=message):
             engine_args(str(tmp_path), None, options, connector)
+
+
+def test_the_workers_namespaces_must_be_every_rank_of_one_engine_once() -> None:
+    from cachestore.warmup.engine import engine_shards
+
+    engine = NamespaceSpec(model="m", model_fingerprint="f", kv_dtype="bfloat16", kv_layout="l", chunk_tokens=256,
+                           tp_size=2, pp_size=2)  # fmt: skip
+    shards = engine.shards()
+    answers = [spec.model_dump_json() for spec in shards]
+    assert engine_shards(answers[::-1]) == shards  # workers answer in any order
+    other_engine = engine.model_copy(update={"tp_size": 4}).model_dump_json()
+    for wrong in (answers[:3], answers + answers[:1], [*answers[:3], other_engine]):
+        with pytest.raises(ConfigError, match="expected one per pipeline stage and tensor-parallel rank"):
+            engine_shards(wrong)

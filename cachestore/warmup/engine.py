@@ -72,6 +72,16 @@ def _kv_transfer_config(connector: ConnectorOptions) -> Any:
     return KVTransferConfig(**connector.kv_transfer_config())
 
 
+def engine_shards(answers: Sequence[str]) -> list[NamespaceSpec]:
+    """The namespaces the workers reported (JSON, one per worker, in any order), in ``NamespaceSpec.shard`` order;
+    refused unless they are every rank of one engine, once each."""
+    specs = sorted({NamespaceSpec.model_validate_json(a) for a in answers}, key=lambda spec: spec.shard)
+    if not specs or len(specs) != len(answers) or specs != specs[0].shards():
+        raise ConfigError(f"workers report namespaces of shards {[spec.shard for spec in specs]}: "
+                          "expected one per pipeline stage and tensor-parallel rank")  # fmt: skip
+    return specs
+
+
 class WarmupEngine:
     """One offline engine for the whole run; ``close`` drains the connector's publishing before it returns."""
 
@@ -83,12 +93,7 @@ class WarmupEngine:
     def namespaces(self) -> list[NamespaceSpec]:
         """The namespace of each rank (pipeline stage and tensor-parallel rank), in ``NamespaceSpec.shard`` order:
         each stores its shard of the pages there."""
-        answers = self.llm.collective_rpc("prefixcache_namespace")
-        specs = sorted({NamespaceSpec.model_validate_json(a) for a in answers}, key=lambda spec: spec.shard)
-        if not specs or specs != specs[0].shards():
-            raise ConfigError(f"workers report namespaces of shards {[spec.shard for spec in specs]}: "
-                              "expected one per pipeline stage and tensor-parallel rank")  # fmt: skip
-        return specs
+        return engine_shards(self.llm.collective_rpc("prefixcache_namespace"))
 
     def limits(self) -> ModelLimits:
         tokenizer = self.llm.get_tokenizer()
