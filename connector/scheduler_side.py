@@ -4,19 +4,17 @@ A producer (``kv_producer``) looks up only requests whose first full chunk or mo
 cache holds: what the store already has of those is not published again.
 
 Per request it keeps a ``PrefixHasher`` per rank of the engine (tokens are packed and hashed once; each
-pipeline stage and tensor-parallel rank stores its shard of the pages under its own namespace, so each has its
-own key chain), the
-lookup's matches and the request's block ids; from these it tells the workers which stored chunks to
-load into which blocks, and which newly computed chunks to publish. A prefix counts as cached as far
-as every rank holds it. Loads stop one token short of the prompt (vLLM must compute at least one
-token), so a hit is token-granular up to ``L-1``. They run before the step's forward pass, or asynchronously
-where other requests would wait on them, and under vLLM's asynchronous scheduling or pipeline parallelism
-(connector/load_policy.py). A
-load that fails has vLLM compute the request from its first failed block, and what it computes is published again;
-a request whose asynchronous load fails is tried once more, then computed. A request's LoRA adapter gives it a key
-space of its own, and its media key its chunks from the chunk where the first item begins
-(connector/request_identity.py); a prompt given as embeddings is neither looked up nor published. A request
-can turn loading or publishing off for itself (cachestore/request_params.py).
+pipeline stage and tensor-parallel rank stores its shard of the pages under its own namespace, so each has
+its own key chain), the lookup's matches and the request's block ids; from these it tells the workers which
+stored chunks to load into which blocks, and which newly computed chunks to publish. A prefix counts as
+cached as far as every rank holds it. Loads stop one token short of the prompt (vLLM must compute at least
+one token), so a hit is token-granular up to ``L-1``. They run before the step's forward pass, or
+asynchronously where other requests would wait on them, and under vLLM's asynchronous scheduling or pipeline
+parallelism (connector/load_policy.py). A load that fails has vLLM compute the request from its first failed
+block, and what it computes is published again; a request whose asynchronous load fails is tried once more,
+then computed. A request's LoRA adapter gives it a key space of its own, and its media key its chunks from the
+chunk where the first item begins (connector/request_identity.py); a prompt given as embeddings is neither
+looked up nor published. A request can turn loading or publishing off for itself (cachestore/request_params.py).
 """
 
 from __future__ import annotations

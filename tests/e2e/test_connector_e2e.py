@@ -398,6 +398,35 @@ def test_two_pipeline_stages_each_load_their_own_layers_and_answer_the_same(pipe
     assert (probe["b"] / "namespace.0").read_text() != (probe["b"] / "namespace.1").read_text()
 
 
+def test_under_pipeline_parallelism_a_stage_whose_load_keeps_failing_has_the_prompt_computed(
+    run_vllm, tiny_model, daemon, pipeline_parallel, tmp_path
+):
+    """The second stage's shard of P7's first chunk damaged in DRAM and on NVMe; the first stage's intact. vLLM
+    asks again about a request whose asynchronous load failed from its first block: it is looked up once more
+    (the damaged DRAM copy unlisted by then, the NVMe copy planned), fails again, and is computed whole, with the
+    answer of a run without the connector. Both stages publish it again: what a stage loaded intact counts for
+    nothing once another stage's load failed."""
+    reference, _, _, probe = pipeline_parallel
+    second_stage = bytes.fromhex((probe["a"] / "namespace.1").read_text())
+    first_chunk = stored_chunk_keys(second_stage, P7, CHUNK)[0]
+    corrupt_before = corrupt_chunks(daemon)
+    config = fetch_config(daemon.url)
+    dram = MooncakeTier(config.mooncake.shm_address, arena_bytes=16 << 20, object_prefix=config.key_prefix)
+    try:
+        damage_dram_copy(dram, first_chunk)
+    finally:
+        dram.close()
+    damage_nvme_copy(daemon, first_chunk)
+    out = run_vllm({"model": str(tiny_model), "prompts": [P7], "max_tokens": 16, "pipeline_parallel_size": 2,
+                    "kv_transfer_config": connector_config(daemon, probe=True)},
+                   env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", "PREFIXCACHE_PROBE_DIR": str(tmp_path)})  # fmt: skip
+    ok, reason = same_greedy_output(reference["outputs"][0], out["outputs"][0])
+    assert ok, reason
+    assert [int((tmp_path / f"loaded_async.{stage}").read_text()) for stage in (0, 1)] == [2, 2]
+    assert len(list(tmp_path.glob("saved-*.pt"))) == 10  # P7's 5 chunks, each stage's shard
+    assert wait_for_corrupt_chunks(daemon, corrupt_before + 1) == corrupt_before + 1  # found in DRAM by the engine
+
+
 @pytest.fixture(scope="module")
 def lora_runs(run_vllm, tiny_model, daemon, tmp_path_factory):
     """An adapter on K and V: a run without the connector (P4 without the adapter, then with it); A publishes P4
