@@ -145,6 +145,17 @@ def damage_dram_copy(dram: MooncakeTier, key: bytes, max_bytes: int = 8 << 20) -
         dram.arena.free(slot)
 
 
+def damage_dram_copies(daemon: Daemon, keys: list[bytes]) -> None:
+    """``damage_dram_copy`` of each of ``keys`` in ``daemon``'s pool, through a client of the test's own."""
+    config = fetch_config(daemon.url)
+    dram = MooncakeTier(config.mooncake.shm_address, arena_bytes=16 << 20, object_prefix=config.key_prefix)
+    try:
+        for key in keys:
+            damage_dram_copy(dram, key)
+    finally:
+        dram.close()
+
+
 def damage_nvme_copy(daemon: Daemon, key: bytes) -> None:
     """Flip the last byte of chunk ``key``'s copy in ``daemon``'s NVMe tier, in its segment file (where the
     daemon itself says it lies): a disk that returns bad data for the next reader."""

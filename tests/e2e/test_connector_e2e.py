@@ -18,9 +18,7 @@ import httpx
 import pytest
 import torch
 
-from cachestore.client import fetch_config
-from cachestore.dram import MooncakeTier
-from tests.daemon_harness import Daemon, damage_dram_copy, damage_nvme_copy, stored_chunk_keys, wait_for
+from tests.daemon_harness import Daemon, damage_dram_copies, damage_nvme_copy, stored_chunk_keys, wait_for
 from tests.e2e.compare import same_greedy_output
 from tests.e2e.tinymodel import build_lora_adapter, build_tiny_llama, random_prompt
 
@@ -231,13 +229,7 @@ def damaged_in_dram(daemon, published_in) -> list[bytes]:
     """The DRAM copies of P1's chunks from its fourth on (its fourth full chunk and its tail), and of all of P2's,
     damaged in place. Returns P1's keys."""
     p1 = stored_chunk_keys(published_in, P1, CHUNK)
-    config = fetch_config(daemon.url)
-    dram = MooncakeTier(config.mooncake.shm_address, arena_bytes=16 << 20, object_prefix=config.key_prefix)
-    try:
-        for key in p1[P1_INTACT // CHUNK :] + stored_chunk_keys(published_in, P2, CHUNK):
-            damage_dram_copy(dram, key)
-    finally:
-        dram.close()
+    damage_dram_copies(daemon, p1[P1_INTACT // CHUNK :] + stored_chunk_keys(published_in, P2, CHUNK))
     return p1
 
 
@@ -410,12 +402,7 @@ def test_under_pipeline_parallelism_a_stage_whose_load_keeps_failing_has_the_pro
     second_stage = bytes.fromhex((probe["a"] / "namespace.1").read_text())
     first_chunk = stored_chunk_keys(second_stage, P7, CHUNK)[0]
     corrupt_before = corrupt_chunks(daemon)
-    config = fetch_config(daemon.url)
-    dram = MooncakeTier(config.mooncake.shm_address, arena_bytes=16 << 20, object_prefix=config.key_prefix)
-    try:
-        damage_dram_copy(dram, first_chunk)
-    finally:
-        dram.close()
+    damage_dram_copies(daemon, [first_chunk])
     damage_nvme_copy(daemon, first_chunk)
     out = run_vllm({"model": str(tiny_model), "prompts": [P7], "max_tokens": 16, "pipeline_parallel_size": 2,
                     "kv_transfer_config": connector_config(daemon, probe=True)},
