@@ -35,7 +35,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         self._settings = ConnectorSettings.parse(transfer.kv_connector_extra_config)
-        self._role_name = transfer.kv_role
+        self._directions = Directions.of_role(transfer.kv_role)
         self._scheduler = None
         self._worker = None
         self._cache_client: CacheClient | None = None
@@ -49,7 +49,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
                 log.warning("prefixcache: setting kv_load_failure_policy='recompute' (was %r)",
                             transfer.kv_load_failure_policy)  # fmt: skip
                 transfer.kv_load_failure_policy = "recompute"
-            self._scheduler = SchedulerSide(vllm_config, kv_cache_config, self._settings, self._role_name)
+            self._scheduler = SchedulerSide(vllm_config, kv_cache_config, self._settings, self._directions)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -106,7 +106,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         layers = [kv_caches[name] for name in group.layer_names if name in kv_caches]
         client = self._client()
         self._worker = WorkerSide(client, layers, group.kv_cache_spec.block_size,
-                                  directions=Directions.of_role(self._role_name),
+                                  directions=self._directions,
                                   io_thread_setup=self._io_thread_setup)  # fmt: skip
 
     def _client(self) -> CacheClient:

