@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 VOCAB = 2048
@@ -129,14 +130,61 @@ def build_tiny_llama(directory: Path, seed: int = 0, initializer_range: float = 
     Idempotent: a directory that already holds a complete build of the same recipe is left alone. The recipe
     marker is written last, so an interrupted build is redone rather than reused.
     """
-    directory = Path(directory)
-    want = recipe(seed, initializer_range)
+    return _build(Path(directory), recipe(seed, initializer_range),
+                  lambda tokenizer: _build_model(tokenizer, seed, initializer_range))  # fmt: skip
+
+
+#: A tiny DeepSeek-V2 with Multi-head Latent Attention and dense MLPs only: 4 layers, hidden 512, 16 heads, a
+#: 512-wide latent with 64 rotary dimensions (the 576-wide cache rows vLLM's CPU MLA kernels take), vocab 2048.
+#: About 31 M parameters.
+_MLA_ARCH = {
+    "vocab_size": VOCAB,
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "first_k_dense_replace": 4,  # every layer dense; the MoE fields below are then unused but required
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 256,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+}
+
+
+def build_tiny_mla(directory: Path, seed: int = 0) -> Path:
+    """Build the tiny MLA model (weights + tokenizer) into ``directory`` and return it, as ``build_tiny_llama``."""
+
+    def model(tokenizer):
+        import torch
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        config = DeepseekV2Config(**_MLA_ARCH, initializer_range=DEFAULT_INITIALIZER_RANGE,
+                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                  pad_token_id=tokenizer.pad_token_id, torch_dtype="bfloat16")  # fmt: skip
+        torch.manual_seed(seed)
+        return DeepseekV2ForCausalLM(config).to(torch.bfloat16).eval()
+
+    want = {"version": RECIPE_VERSION, "seed": seed, "mla": _MLA_ARCH}
+    return _build(Path(directory), want, model)
+
+
+def _build(directory: Path, want: dict, make_model: Callable) -> Path:
+    """Build a model of recipe ``want`` (``make_model(tokenizer)``) and the tokenizer into ``directory``, unless
+    a complete build of that recipe is there already; the recipe marker is written last."""
     if _is_built(directory, want):
         return directory
     directory.mkdir(parents=True, exist_ok=True)
     (directory / MARKER).unlink(missing_ok=True)
-    tokenizer = _build_tokenizer(seed)
-    model = _build_model(tokenizer, seed, initializer_range)
+    tokenizer = _build_tokenizer(want["seed"])
+    model = make_model(tokenizer)
     tokenizer.save_pretrained(directory)
     model.save_pretrained(directory, safe_serialization=True)
     (directory / MARKER).write_text(json.dumps(want, indent=1, sort_keys=True) + "\n")
