@@ -16,7 +16,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.io_threads import io_cpus, numa_node_cpus, pinning, ranks_bound_by_vllm
-from connector.settings import ConnectorSettings, Directions
+from connector.settings import (
+    ConnectorSettings,
+    Directions,
+    attention_backends,
+    check_loads_supported,
+    kv_replicated_across_tp,
+)
 from connector.transfer_stats import PrefixCachePromMetrics, PrefixCacheTransferStats
 
 if TYPE_CHECKING:
@@ -103,11 +109,21 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         from connector.worker_side import WorkerSide
 
         group = self._kv_cache_config.kv_cache_groups[0]
+        check_loads_supported(attention_backends(self._vllm_config, group.layer_names), self._directions)
         layers = [kv_caches[name] for name in group.layer_names if name in kv_caches]
         client = self._client()
         self._worker = WorkerSide(client, layers, group.kv_cache_spec.block_size,
-                                  directions=self._directions,
+                                  directions=self._worker_directions(group.kv_cache_spec),
                                   io_thread_setup=self._io_thread_setup)  # fmt: skip
+
+    def _worker_directions(self, kv_cache_spec: Any) -> Directions:
+        """The role's directions, except that where every tensor-parallel rank holds the same KV only the first
+        publishes it: the others load the copy it stores."""
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        if kv_replicated_across_tp(kv_cache_spec) and get_tensor_model_parallel_rank() > 0:
+            return self._directions._replace(publishes=False)
+        return self._directions
 
     def _client(self) -> CacheClient:
         """The worker's client, made at the first call: ``get_mem_pool_context`` needs it before the KV cache exists."""

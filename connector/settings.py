@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -81,7 +82,7 @@ def kv_bytes_per_token(kv_cache_group: Any) -> int:
     return spec.page_size_bytes * len(kv_cache_group.layer_names) // spec.block_size
 
 
-def check_supported(kv_cache_config: Any) -> None:
+def check_supported(kv_cache_config: Any, parallel_config: Any) -> None:
     """Refuse, at start-up, engines whose KV the connector cannot map completely: it would load some
     layers' pages and leave the rest unwritten, which is wrong KV, not a miss."""
     groups = len(kv_cache_config.kv_cache_groups)
@@ -90,6 +91,49 @@ def check_supported(kv_cache_config: Any) -> None:
         raise ConfigError(f"PrefixCacheConnector maps one KV cache group and this engine has {groups}: run without "
                           "--no-disable-hybrid-kv-cache-manager (models that need it, such as hybrid SSM models, "
                           "are not supported)")  # fmt: skip
+    for setting in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if getattr(parallel_config, setting, 1) > 1:
+            # Context parallelism deals a block's tokens out across ranks, so no rank's page holds the
+            # block_size consecutive tokens that a chunk's pages are keyed by.
+            raise ConfigError(f"PrefixCacheConnector does not support context parallelism: {setting} is "
+                              f"{getattr(parallel_config, setting)}, and each rank's pages would hold only some "
+                              "of a block's tokens; run with it at 1")  # fmt: skip
+
+
+#: Attention backends whose steps over cached KV give other answers than a full prefill of the same prompt, with
+#: why. A hit there would change answers even with every byte loaded intact, so their engines may publish but
+#: not load.
+CANNOT_LOAD_INTO = {
+    "CPU_MLA": "vLLM's reference MLA backend for CPUs (used where the CPU has no AMX) decodes over cached KV with "
+    "a kernel that disagrees with its prefill, which is why vLLM turns its own prefix cache off for it",
+}
+
+
+def check_loads_supported(attention_backends: Iterable[str], directions: Directions) -> None:
+    """Refuse, at start-up, an engine that would load KV into pages that one of ``attention_backends`` (the
+    names of its layers' backends) cannot compute over as a full prefill would."""
+    if not directions.loads:
+        return
+    for name in sorted(set(attention_backends) & CANNOT_LOAD_INTO.keys()):
+        raise ConfigError(f"PrefixCacheConnector cannot load KV on the {name} attention backend: "
+                          f"{CANNOT_LOAD_INTO[name]}; use kv_role kv_producer on it, to publish only")  # fmt: skip
+
+
+def attention_backends(vllm_config: Any, layer_names: Iterable[str]) -> set[str]:
+    """The names of the attention backends that ``layer_names`` run on (a worker's, once its model is built)."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names)
+    return {layer.get_attn_backend().get_name() for layer in layers.values()}
+
+
+def kv_replicated_across_tp(kv_cache_spec: Any) -> bool:
+    """Whether every tensor-parallel rank holds the same KV: Multi-head Latent Attention (DeepSeek-V2 and
+    later) caches one latent vector per token, computed by a projection that every rank runs whole."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    return isinstance(kv_cache_spec, MLAAttentionSpec)
 
 
 def namespace_for(
@@ -97,6 +141,11 @@ def namespace_for(
 ) -> NamespaceSpec:
     """Everything that makes this engine's KV pages incompatible with another's, as the rank of pipeline stage
     ``pp_rank`` and tensor-parallel rank ``tp_rank`` has it (``NamespaceSpec.shards`` gives the others).
+
+    KV that every tensor-parallel rank holds whole (``kv_replicated_across_tp``) is one shard per stage, as if
+    the engine had one rank: its tensor-parallel ranks share one copy of each chunk, and engines of other
+    tensor-parallel sizes share it too (their KV differs from this one's only by rounding, as a batch of
+    another size would).
 
     Pages are stored as the attention backend lays them out (the CPU backend packs K and V per head in
     an ISA-specific order), so the layout names the device, the instruction set, the block geometry
@@ -108,6 +157,7 @@ def namespace_for(
     from indexer.fingerprint import fingerprint_model
 
     model_config = vllm_config.model_config
+    replicated = kv_replicated_across_tp(kv_cache_spec)
     isa = torch.backends.cpu.get_cpu_capability() if current_platform.is_cpu() else current_platform.device_name
     layout = ":".join([
         "vllm-pages-v1", current_platform.device_type, isa, str(vllm_config.cache_config.kv_cache_layout or "default"),
@@ -119,8 +169,8 @@ def namespace_for(
         kv_dtype=str(kv_cache_spec.dtype).removeprefix("torch."),
         kv_layout=layout,
         chunk_tokens=chunk_tokens,
-        tp_rank=tp_rank,
-        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        tp_rank=0 if replicated else tp_rank,
+        tp_size=1 if replicated else vllm_config.parallel_config.tensor_parallel_size,
         pp_rank=pp_rank,
         pp_size=vllm_config.parallel_config.pipeline_parallel_size,
     )

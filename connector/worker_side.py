@@ -90,6 +90,7 @@ class WorkerSide:
         this side starts (see connector/io_threads.py)."""
         self.client = client
         self.shard = client.spec.shard  # which shard of the pages this worker holds, and whose keys it uses
+        self.publishes = directions.publishes  # a rank whose KV another rank publishes skips the saves
         self._io_thread_setup = io_thread_setup or (lambda: None)
         self.layers = list(layers)
         self.block_tokens = block_tokens
@@ -496,11 +497,14 @@ class WorkerSide:
         the background, where the chunks this step's load read from NVMe are stored into DRAM too.
 
         A request whose load failed this step computed its new pages over KV that did not arrive
-        intact: vLLM recomputes them, and they are not published."""
+        intact: vLLM recomputes them, and they are not published. A worker that does not publish
+        (``directions``) stores only those NVMe reads."""
         self.finish_load()
         for job, slots in self._after_forward:
             self._in_background(job, slots)
         self._after_forward = []
+        if not self.publishes:
+            return
         by_tenant: dict[str | None, list[tuple[ChunkMeta, memoryview]]] = {}
         for chunk in meta.saves:
             if chunk.request in self._failed_requests:

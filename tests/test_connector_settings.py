@@ -8,11 +8,20 @@ import threading
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from cachestore.cpus import cpu_list
 from cachestore.request_params import NO_CACHE, RequestCacheParams, request_cache_params
 from connector.io_threads import io_cpus, numa_node_cpus, pinning, ranks_bound_by_vllm
-from connector.settings import ConnectorSettings, Directions, arena_mib, check_supported, kv_bytes_per_token
+from connector.settings import (
+    ConnectorSettings,
+    Directions,
+    arena_mib,
+    check_loads_supported,
+    check_supported,
+    kv_bytes_per_token,
+    kv_replicated_across_tp,
+)
 from indexer.errors import ConfigError
 
 
@@ -157,7 +166,31 @@ def kv_cache_config(groups: int) -> SimpleNamespace:
     return SimpleNamespace(kv_cache_groups=[object()] * groups)
 
 
+def parallel_config(**sizes: int) -> SimpleNamespace:
+    """The part of vLLM's parallel config the connector checks at start-up."""
+    return SimpleNamespace(**{"decode_context_parallel_size": 1, "prefill_context_parallel_size": 1, **sizes})
+
+
 def test_engines_whose_kv_the_connector_cannot_map_whole_are_refused_at_start_up():
-    check_supported(kv_cache_config(1))
+    check_supported(kv_cache_config(1), parallel_config())
     with pytest.raises(ConfigError, match="one KV cache group and this engine has 2"):
-        check_supported(kv_cache_config(2))
+        check_supported(kv_cache_config(2), parallel_config())
+    for setting in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        with pytest.raises(ConfigError, match=f"does not support context parallelism: {setting} is 2"):
+            check_supported(kv_cache_config(1), parallel_config(**{setting: 2}))
+
+
+def test_an_engine_may_not_load_on_an_attention_backend_whose_answers_a_hit_would_change():
+    check_loads_supported({"CPU_ATTN"}, Directions.of_role("kv_both"))
+    check_loads_supported({"CPU_MLA"}, Directions.of_role("kv_producer"))  # publishing changes no answer
+    for role in ("kv_both", "kv_consumer"):
+        with pytest.raises(ConfigError, match="cannot load KV on the CPU_MLA attention backend.*kv_producer"):
+            check_loads_supported({"CPU_MLA"}, Directions.of_role(role))
+
+
+def test_only_latent_attention_caches_the_same_kv_on_every_tensor_parallel_rank():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    shape = {"block_size": 16, "num_kv_heads": 1, "head_size": 576, "dtype": torch.bfloat16}
+    assert kv_replicated_across_tp(MLAAttentionSpec(**shape))
+    assert not kv_replicated_across_tp(FullAttentionSpec(**shape))

@@ -225,7 +225,7 @@ def test_engine_options_are_vllm_serve_options_and_the_connector_is_always_the_w
             engine_args(str(tmp_path), None, options, connector)
 
 
-def test_the_workers_namespaces_must_be_every_rank_of_one_engine_once() -> None:
+def test_the_workers_namespaces_must_be_every_shard_of_one_engine_as_often_as_each_other() -> None:
     from cachestore.warmup.engine import engine_shards
 
     engine = NamespaceSpec(model="m", model_fingerprint="f", kv_dtype="bfloat16", kv_layout="l", chunk_tokens=256,
@@ -235,5 +235,8 @@ def test_the_workers_namespaces_must_be_every_rank_of_one_engine_once() -> None:
     assert engine_shards(answers[::-1]) == shards  # workers answer in any order
     other_engine = engine.model_copy(update={"tp_size": 4}).model_dump_json()
     for wrong in (answers[:3], answers + answers[:1], [*answers[:3], other_engine]):
-        with pytest.raises(ConfigError, match="expected one per pipeline stage and tensor-parallel rank"):
+        with pytest.raises(ConfigError, match="expected every pipeline stage and tensor-parallel rank"):
             engine_shards(wrong)
+    # KV every tensor-parallel rank holds (MLA) is one shard per stage, which each of the stage's ranks reports
+    replicated = engine.model_copy(update={"tp_size": 1}).shards()
+    assert engine_shards([spec.model_dump_json() for spec in replicated * 2]) == replicated

@@ -11,6 +11,7 @@ worker extension: deriving it again here could drift from the namespace the chun
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -74,11 +75,13 @@ def _kv_transfer_config(connector: ConnectorOptions) -> Any:
 
 def engine_shards(answers: Sequence[str]) -> list[NamespaceSpec]:
     """The namespaces the workers reported (JSON, one per worker, in any order), in ``NamespaceSpec.shard`` order;
-    refused unless they are every rank of one engine, once each."""
-    specs = sorted({NamespaceSpec.model_validate_json(a) for a in answers}, key=lambda spec: spec.shard)
-    if not specs or len(specs) != len(answers) or specs != specs[0].shards():
-        raise ConfigError(f"workers report namespaces of shards {[spec.shard for spec in specs]}: "
-                          "expected one per pipeline stage and tensor-parallel rank")  # fmt: skip
+    refused unless they are every shard of one engine, each reported by as many workers as the others: once, or
+    by every tensor-parallel rank where those ranks hold the same KV (connector/settings.py, ``namespace_for``)."""
+    reported = Counter(NamespaceSpec.model_validate_json(a) for a in answers)
+    specs = sorted(reported, key=lambda spec: spec.shard)
+    if not specs or specs != specs[0].shards() or len(set(reported.values())) != 1:
+        raise ConfigError(f"workers report namespaces of shards {sorted(spec.shard for spec in reported.elements())}: "
+                          "expected every pipeline stage and tensor-parallel rank, as often as each other")  # fmt: skip
     return specs
 
 

@@ -2,7 +2,8 @@
 
 Loaded by vLLM like the real one (``kv_connector_module_path: tests.e2e.probe_connector``). With
 ``PREFIXCACHE_PROBE_DIR`` set, the worker writes the pages of every chunk it publishes right after
-the forward pass computed them (``saved-<key>.pt``) and the pages of every chunk it loads right after
+the forward pass computed them (``saved-<key>.pt``; ``saved-<key>.unpublished.pt`` from a rank that leaves
+publishing its KV to another rank holding the same) and the pages of every chunk it loads right after
 placing them, before the forward pass reads them (``loaded-<key>-<first page>-<request>.pt``), each as a
 (layers, pages, *page shape) tensor, and how many of them the segment owner wrote into the pages in place
 (``loaded_in_place.<shard>``, the worker's ``NamespaceSpec.shard``: its tensor-parallel rank under one
@@ -82,9 +83,10 @@ class ProbeConnector(PrefixCacheConnector):
         directory, meta = self._probe_dir(), self._get_connector_metadata()
         if directory is not None and isinstance(meta, PrefixCacheMetadata):
             assert self._worker is not None
+            unpublished = "" if self._worker.publishes else ".unpublished"
             for save in meta.saves:
                 key = chunk_key(save.parents[self._worker.shard], save.tokens)
-                torch.save(self._pages(save.blocks), directory / f"saved-{key.hex()}.pt")
+                torch.save(self._pages(save.blocks), directory / f"saved-{key.hex()}{unpublished}.pt")
             self._saves += len(meta.saves)
             (directory / f"saves.{self._worker.shard}").write_text(str(self._saves))
             (directory / f"namespace.{self._worker.shard}").write_text(self._worker.client.spec.digest.hex())

@@ -20,7 +20,8 @@ import torch
 
 from tests.daemon_harness import Daemon, damage_dram_copies, damage_nvme_copy, stored_chunk_keys, wait_for
 from tests.e2e.compare import same_greedy_output
-from tests.e2e.tinymodel import build_lora_adapter, build_tiny_llama, random_prompt
+from tests.e2e.launch import EngineRunError
+from tests.e2e.tinymodel import build_lora_adapter, build_tiny_llama, build_tiny_mla, random_prompt
 
 pytestmark = pytest.mark.e2e
 
@@ -33,6 +34,7 @@ P4 = random_prompt(seed=15, length=700)  # for the LoRA runs
 P5 = random_prompt(seed=17, length=4 * CHUNK + 1)  # whole chunks and one token: vLLM's own cache holds all but one
 P6 = random_prompt(seed=18, length=1100)  # A runs it asking not to publish it
 P7 = random_prompt(seed=19, length=1100)  # for the pipeline-parallel runs
+P8 = random_prompt(seed=20, length=1100)  # for the MLA model's runs
 NO_PUBLISH = {"prefixcache": {"publish": False}}
 NO_LOAD = {"prefixcache": {"load": False}}
 MISSPELT = {"prefixcache": {"pubish": False}}  # a malformed entry: the request neither loads nor publishes
@@ -511,3 +513,43 @@ def test_a_hit_from_nvme_loads_asynchronously_while_another_request_decodes(busy
     assert int((probe / "loaded_async.0").read_text()) == 1  # B, with nobody else running, loaded synchronously
     assert assert_loaded_pages_were_saved(probes["a"], probe) == (10, 5)  # P1's 4 full chunks and its tail
     assert len(out["beside_token_s"]) == 64  # the running request decoded every token meanwhile
+
+
+@pytest.fixture(scope="module")
+def mla_model(tmp_path_factory) -> Path:
+    return build_tiny_mla(tmp_path_factory.mktemp("tiny-mla"))
+
+
+@pytest.fixture(scope="module")
+def mla_tensor_parallel_producer(run_vllm, mla_model, daemon, tmp_path_factory):
+    """Two tensor-parallel ranks of the MLA model publish P8 (``kv_producer``: vLLM's reference CPU MLA backend
+    cannot load, see the next test). Returns (the run, its probe directory)."""
+    probe = tmp_path_factory.mktemp("probe-mla")
+    spec = {"model": str(mla_model), "prompts": [P8], "max_tokens": 4, "tensor_parallel_size": 2,
+            "kv_transfer_config": connector_config(daemon, role="kv_producer", probe=True)}  # fmt: skip
+    return run_vllm(spec, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", "PREFIXCACHE_PROBE_DIR": str(probe)}), probe
+
+
+def test_tensor_parallel_ranks_of_an_mla_model_publish_one_copy_of_the_kv_they_both_hold(mla_tensor_parallel_producer):
+    """MLA caches one latent vector per token, which every rank computes whole: rank 0 publishes each chunk once,
+    in a namespace without a tensor-parallel rank, and rank 1's pages are bit for bit the ones rank 0 published
+    (so rank 1 may load them)."""
+    run, probe = mla_tensor_parallel_producer
+    published = {p.name.removesuffix(".pt") for p in probe.glob("saved-*.pt") if not p.name.endswith(".unpublished.pt")}
+    unpublished = {p.name.removesuffix(".unpublished.pt"): p for p in probe.glob("saved-*.unpublished.pt")}
+    assert len(published) == 5  # 4 whole chunks and the 76-token tail
+    assert set(unpublished) == published
+    for name, path in unpublished.items():
+        assert torch.equal(torch.load(path).view(torch.uint8), torch.load(probe / f"{name}.pt").view(torch.uint8))
+    assert run["metrics"]["vllm:prefixcache_published_chunks"] == 5
+    assert [p.name for p in probe.glob("namespace.*")] == ["namespace.0"]
+
+
+@pytest.mark.skipif(torch.cpu._is_amx_tile_supported(), reason="this CPU has AMX: vLLM runs MLA on its AMX_MLA backend")
+def test_an_engine_on_vllms_reference_cpu_mla_backend_refuses_to_load(run_vllm, mla_model, daemon):
+    """Measured with the tiny MLA model and no connector: the token after a 1100-token prompt, decoded over the
+    prompt's cached KV, differed in 2 of 3 prompts from a prefill of the prompt and that token. A hit makes the
+    first token such a decode, so loading there would change answers."""
+    with pytest.raises(EngineRunError, match="cannot load KV on the CPU_MLA attention backend"):
+        run_vllm({"model": str(mla_model), "prompts": [P8[:300]], "max_tokens": 1,
+                  "kv_transfer_config": connector_config(daemon)})  # fmt: skip

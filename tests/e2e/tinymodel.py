@@ -1,4 +1,5 @@
-"""A tiny random-weight Llama that vLLM loads offline, and deterministic prompts for it.
+"""A tiny random-weight Llama that vLLM loads offline, and deterministic prompts for it; and a tiny DeepSeek-V2, for
+Multi-head Latent Attention (``build_tiny_mla``).
 
 Recipe (connector/DESIGN.md section 7): 8 layers, hidden 1024, intermediate 2816, 16 heads (head_dim 64),
 4 KV heads, vocab 2048, bf16, max_position_embeddings 8192, untied embeddings; a byte-level BPE tokenizer
