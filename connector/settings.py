@@ -82,15 +82,31 @@ def kv_bytes_per_token(kv_cache_group: Any) -> int:
     return spec.page_size_bytes * len(kv_cache_group.layer_names) // spec.block_size
 
 
+#: The KV cache specs whose blocks vLLM keeps for every token of a running request, so that a chunk's pages hold
+#: the request's own KV from its first token to its last. A model whose sliding-window layers share the engine
+#: with full-attention layers is one of them too: without the hybrid KV cache manager, vLLM keeps all their
+#: blocks (a ``FullAttentionSpec`` with its ``sliding_window`` set).
+MAPPED_KV_CACHE_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+
+
 def check_supported(kv_cache_config: Any, parallel_config: Any) -> None:
     """Refuse, at start-up, engines whose KV the connector cannot map completely: it would load some
-    layers' pages and leave the rest unwritten, which is wrong KV, not a miss."""
+    layers' pages and leave the rest unwritten, or move pages the request no longer holds, which is wrong KV,
+    not a miss."""
     groups = len(kv_cache_config.kv_cache_groups)
     if groups != 1:
         # vLLM turns its hybrid KV cache manager off for connectors without SupportsHMA, unless told not to.
         raise ConfigError(f"PrefixCacheConnector maps one KV cache group and this engine has {groups}: run without "
                           "--no-disable-hybrid-kv-cache-manager (models that need it, such as hybrid SSM models, "
                           "are not supported)")  # fmt: skip
+    kind = type(kv_cache_config.kv_cache_groups[0].kv_cache_spec).__name__
+    if kind not in MAPPED_KV_CACHE_SPECS:
+        # Measured with a sliding-window-only model (window 512, prompts of 1100 tokens): loads wrote chunks
+        # into the null block that stands in for the freed ones, and the answers changed.
+        raise ConfigError(f"PrefixCacheConnector maps KV caches that keep a block for every token of a request "
+                          f"(full attention or MLA), and this engine's is a {kind}: vLLM frees the blocks that "
+                          "fall outside a sliding or local attention window and gives them to other requests, so "
+                          "models whose every attention layer has such a window are not supported")  # fmt: skip
     for setting in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(parallel_config, setting, 1) > 1:
             # Context parallelism deals a block's tokens out across ranks, so no rank's page holds the

@@ -161,9 +161,13 @@ def test_each_kv_role_moves_kv_the_ways_it_names():
     assert Directions.of_role("kv_consumer") == Directions(loads=True, publishes=False)
 
 
-def kv_cache_config(groups: int) -> SimpleNamespace:
-    """The part of vLLM's KV cache config the connector checks at start-up."""
-    return SimpleNamespace(kv_cache_groups=[object()] * groups)
+def kv_cache_config(groups: int, spec: str = "FullAttentionSpec", **fields: object) -> SimpleNamespace:
+    """The part of vLLM's KV cache config the connector checks at start-up: ``groups`` groups of vLLM's ``spec``."""
+    from vllm.v1 import kv_cache_interface
+
+    shape = {"block_size": 16, "num_kv_heads": 1, "head_size": 64, "dtype": torch.bfloat16, **fields}
+    group = SimpleNamespace(kv_cache_spec=getattr(kv_cache_interface, spec)(**shape))
+    return SimpleNamespace(kv_cache_groups=[group] * groups)
 
 
 def parallel_config(**sizes: int) -> SimpleNamespace:
@@ -180,6 +184,17 @@ def test_engines_whose_kv_the_connector_cannot_map_whole_are_refused_at_start_up
             check_supported(kv_cache_config(1), parallel_config(**{setting: 2}))
 
 
+def test_only_kv_caches_that_keep_every_tokens_block_are_mapped():
+    """vLLM frees the blocks a sliding or local window leaves behind; where sliding layers share the engine with
+    full ones, it keeps them all (a FullAttentionSpec with a window)."""
+    check_supported(kv_cache_config(1, "MLAAttentionSpec"), parallel_config())
+    check_supported(kv_cache_config(1, sliding_window=512), parallel_config())
+    for spec, fields in (("SlidingWindowSpec", {"sliding_window": 512}),
+                         ("ChunkedLocalAttentionSpec", {"attention_chunk_size": 512})):  # fmt: skip
+        with pytest.raises(ConfigError, match=f"this engine's is a {spec}: vLLM frees the blocks"):
+            check_supported(kv_cache_config(1, spec, **fields), parallel_config())
+
+
 def test_an_engine_may_not_load_on_an_attention_backend_whose_answers_a_hit_would_change():
     check_loads_supported({"CPU_ATTN"}, Directions.of_role("kv_both"))
     check_loads_supported({"CPU_MLA"}, Directions.of_role("kv_producer"))  # publishing changes no answer
@@ -189,8 +204,7 @@ def test_an_engine_may_not_load_on_an_attention_backend_whose_answers_a_hit_woul
 
 
 def test_only_latent_attention_caches_the_same_kv_on_every_tensor_parallel_rank():
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
-
-    shape = {"block_size": 16, "num_kv_heads": 1, "head_size": 576, "dtype": torch.bfloat16}
-    assert kv_replicated_across_tp(MLAAttentionSpec(**shape))
-    assert not kv_replicated_across_tp(FullAttentionSpec(**shape))
+    mla, full = (kv_cache_config(1, spec).kv_cache_groups[0].kv_cache_spec
+                 for spec in ("MLAAttentionSpec", "FullAttentionSpec"))  # fmt: skip
+    assert kv_replicated_across_tp(mla)
+    assert not kv_replicated_across_tp(full)

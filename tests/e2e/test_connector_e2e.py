@@ -21,7 +21,14 @@ import torch
 from tests.daemon_harness import Daemon, damage_dram_copies, damage_nvme_copy, stored_chunk_keys, wait_for
 from tests.e2e.compare import same_greedy_output
 from tests.e2e.launch import EngineRunError
-from tests.e2e.tinymodel import build_lora_adapter, build_tiny_llama, build_tiny_mla, random_prompt
+from tests.e2e.tinymodel import (
+    SLIDING_WINDOW,
+    build_lora_adapter,
+    build_tiny_llama,
+    build_tiny_mla,
+    build_tiny_sliding,
+    random_prompt,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -35,6 +42,7 @@ P5 = random_prompt(seed=17, length=4 * CHUNK + 1)  # whole chunks and one token:
 P6 = random_prompt(seed=18, length=1100)  # A runs it asking not to publish it
 P7 = random_prompt(seed=19, length=1100)  # for the pipeline-parallel runs
 P8 = random_prompt(seed=20, length=1100)  # for the MLA model's runs
+P9 = random_prompt(seed=21, length=1100)  # for the sliding-window models' runs
 NO_PUBLISH = {"prefixcache": {"publish": False}}
 NO_LOAD = {"prefixcache": {"load": False}}
 MISSPELT = {"prefixcache": {"pubish": False}}  # a malformed entry: the request neither loads nor publishes
@@ -530,7 +538,9 @@ def mla_tensor_parallel_producer(run_vllm, mla_model, daemon, tmp_path_factory):
     return run_vllm(spec, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", "PREFIXCACHE_PROBE_DIR": str(probe)}), probe
 
 
-def test_tensor_parallel_ranks_of_an_mla_model_publish_one_copy_of_the_kv_they_both_hold(mla_tensor_parallel_producer):
+def test_tensor_parallel_ranks_of_an_mla_model_publish_one_copy_of_the_kv_they_both_hold(
+    mla_tensor_parallel_producer,
+):
     """MLA caches one latent vector per token, which every rank computes whole: rank 0 publishes each chunk once,
     in a namespace without a tensor-parallel rank, and rank 1's pages are bit for bit the ones rank 0 published
     (so rank 1 may load them)."""
@@ -552,4 +562,29 @@ def test_an_engine_on_vllms_reference_cpu_mla_backend_refuses_to_load(run_vllm, 
     first token such a decode, so loading there would change answers."""
     with pytest.raises(EngineRunError, match="cannot load KV on the CPU_MLA attention backend"):
         run_vllm({"model": str(mla_model), "prompts": [P8[:300]], "max_tokens": 1,
+                  "kv_transfer_config": connector_config(daemon)})  # fmt: skip
+
+
+def test_a_model_mixing_sliding_window_and_full_attention_layers_loads_and_answers_the_same(
+    run_vllm, daemon, tmp_path_factory
+):
+    """Without the hybrid KV cache manager vLLM keeps every block of the sliding-window layers too, so their pages
+    load like the others'. A computes the prompt whole (the reference) and publishes it; B loads all but its last
+    token, more than twice the window."""
+    model = str(build_tiny_sliding(tmp_path_factory.mktemp("tiny-interleaved"), every_layer=False))
+    spec = {"model": model, "prompts": [P9], "max_tokens": 16, "kv_transfer_config": connector_config(daemon)}
+    a, b = run_vllm(spec), run_vllm(spec)
+    assert len(P9) - 1 > 2 * SLIDING_WINDOW
+    assert (a["outputs"][0]["num_cached_tokens"], b["outputs"][0]["num_cached_tokens"]) == (0, len(P9) - 1)
+    ok, reason = same_greedy_output(a["outputs"][0], b["outputs"][0])
+    assert ok, reason
+
+
+def test_a_model_whose_every_layer_has_a_sliding_window_is_refused(run_vllm, daemon, tmp_path_factory):
+    """vLLM frees the blocks that slide out of the window and stands its null block in for them. Measured before
+    this refusal (window 512, prompts of 1100 tokens): B's loads wrote chunks into that null block, two failed
+    verification there, and B answered differently from a run without the connector."""
+    model = str(build_tiny_sliding(tmp_path_factory.mktemp("tiny-sliding"), every_layer=True))
+    with pytest.raises(EngineRunError, match="this engine's is a SlidingWindowSpec: vLLM frees the blocks"):
+        run_vllm({"model": model, "prompts": [P9[:300]], "max_tokens": 1,
                   "kv_transfer_config": connector_config(daemon)})  # fmt: skip

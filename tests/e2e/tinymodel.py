@@ -1,5 +1,6 @@
 """A tiny random-weight Llama that vLLM loads offline, and deterministic prompts for it; and a tiny DeepSeek-V2, for
-Multi-head Latent Attention (``build_tiny_mla``).
+Multi-head Latent Attention (``build_tiny_mla``), and Mistrals of its shape with sliding-window attention
+(``build_tiny_sliding``).
 
 Recipe (connector/DESIGN.md section 7): 8 layers, hidden 1024, intermediate 2816, 16 heads (head_dim 64),
 4 KV heads, vocab 2048, bf16, max_position_embeddings 8192, untied embeddings; a byte-level BPE tokenizer
@@ -174,6 +175,31 @@ def build_tiny_mla(directory: Path, seed: int = 0) -> Path:
         return DeepseekV2ForCausalLM(config).to(torch.bfloat16).eval()
 
     want = {"version": RECIPE_VERSION, "seed": seed, "mla": _MLA_ARCH}
+    return _build(Path(directory), want, model)
+
+
+#: The sliding window of ``build_tiny_sliding``'s models, in tokens: well inside the e2e tests' prompts.
+SLIDING_WINDOW = 512
+
+
+def build_tiny_sliding(directory: Path, every_layer: bool, seed: int = 0) -> Path:
+    """The tiny Llama's shape as a Mistral with a ``SLIDING_WINDOW``-token window on every layer, or (``every_layer``
+    false) on every other layer, as gpt-oss and Gemma 3 interleave them; built as ``build_tiny_llama``."""
+    layers = _ARCH["num_hidden_layers"]
+    layer_types = ["sliding_attention" if every_layer or i % 2 else "full_attention" for i in range(layers)]
+
+    def model(tokenizer):
+        import torch
+        from transformers import MistralConfig, MistralForCausalLM
+
+        config = MistralConfig(**_ARCH, sliding_window=SLIDING_WINDOW, layer_types=layer_types,
+                               initializer_range=DEFAULT_INITIALIZER_RANGE, bos_token_id=tokenizer.bos_token_id,
+                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                               torch_dtype="bfloat16")  # fmt: skip
+        torch.manual_seed(seed)
+        return MistralForCausalLM(config).to(torch.bfloat16).eval()
+
+    want = {"version": RECIPE_VERSION, "seed": seed, "sliding": SLIDING_WINDOW, "layer_types": layer_types, **_ARCH}
     return _build(Path(directory), want, model)
 
 
