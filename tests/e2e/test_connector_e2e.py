@@ -228,6 +228,18 @@ def test_another_model_gets_zero_hits_not_wrong_kv(run_vllm, tmp_path_factory, d
     assert out["outputs"][0]["num_cached_tokens"] == 0
 
 
+def test_an_fp8_kv_cache_gets_no_hits_from_bf16_kv_and_reuses_its_own(run_vllm, tiny_model, daemon,
+                                                                     producer_then_consumer):  # fmt: skip
+    """The same model and prompt with vLLM's KV cache in fp8: A's chunks of P1 are another namespace, so the first
+    run hits nothing; the fp8 chunks it publishes serve the second run, which answers the same."""
+    out = run_vllm({"model": str(tiny_model), "prompts": [P1, P1], "max_tokens": 16, "kv_cache_dtype": "fp8",
+                    "kv_transfer_config": connector_config(daemon)})  # fmt: skip
+    first, second = out["outputs"]
+    assert (first["num_cached_tokens"], second["num_cached_tokens"]) == (0, len(P1) - 1)
+    ok, reason = same_greedy_output(first, second)
+    assert ok, reason
+
+
 @pytest.fixture(scope="module")
 def published_in(producer_then_consumer, probes) -> bytes:
     """The namespace instance A published in."""
