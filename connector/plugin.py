@@ -21,7 +21,7 @@ from connector.settings import (
     Directions,
     attention_backends,
     check_loads_supported,
-    kv_replicated_across_tp,
+    engine_kv_replicas,
 )
 from connector.transfer_stats import PrefixCachePromMetrics, PrefixCacheTransferStats
 
@@ -117,11 +117,11 @@ class PrefixCacheConnector(KVConnectorBase_V1):
                                   io_thread_setup=self._io_thread_setup)  # fmt: skip
 
     def _worker_directions(self, kv_cache_spec: Any) -> Directions:
-        """The role's directions, except that where every tensor-parallel rank holds the same KV only the first
-        publishes it: the others load the copy it stores."""
+        """The role's directions, except that of tensor-parallel ranks holding the same KV (``kv_replicas``) only
+        the first publishes it: the others load the copy it stores."""
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-        if kv_replicated_across_tp(kv_cache_spec) and get_tensor_model_parallel_rank() > 0:
+        if get_tensor_model_parallel_rank() % engine_kv_replicas(self._vllm_config, kv_cache_spec):
             return self._directions._replace(publishes=False)
         return self._directions
 

@@ -144,12 +144,21 @@ def attention_backends(vllm_config: Any, layer_names: Iterable[str]) -> set[str]
     return {layer.get_attn_backend().get_name() for layer in layers.values()}
 
 
-def kv_replicated_across_tp(kv_cache_spec: Any) -> bool:
-    """Whether every tensor-parallel rank holds the same KV: Multi-head Latent Attention (DeepSeek-V2 and
-    later) caches one latent vector per token, computed by a projection that every rank runs whole."""
+def kv_replicas(kv_cache_spec: Any, tp_size: int, total_kv_heads: int) -> int:
+    """How many tensor-parallel ranks hold each rank's KV, bit for bit. Multi-head Latent Attention (DeepSeek-V2
+    and later) caches one latent vector per token, from a projection every rank runs whole: all of them. With
+    more ranks than KV heads, vLLM gives each head to ``tp_size // total_kv_heads`` consecutive ranks."""
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-    return isinstance(kv_cache_spec, MLAAttentionSpec)
+    if isinstance(kv_cache_spec, MLAAttentionSpec):
+        return tp_size
+    return tp_size // total_kv_heads if total_kv_heads < tp_size else 1
+
+
+def engine_kv_replicas(vllm_config: Any, kv_cache_spec: Any) -> int:
+    """``kv_replicas`` of this engine."""
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    return kv_replicas(kv_cache_spec, tp_size, vllm_config.model_config.get_total_num_kv_heads())
 
 
 def namespace_for(
@@ -158,10 +167,10 @@ def namespace_for(
     """Everything that makes this engine's KV pages incompatible with another's, as the rank of pipeline stage
     ``pp_rank`` and tensor-parallel rank ``tp_rank`` has it (``NamespaceSpec.shards`` gives the others).
 
-    KV that every tensor-parallel rank holds whole (``kv_replicated_across_tp``) is one shard per stage, as if
-    the engine had one rank: its tensor-parallel ranks share one copy of each chunk, and engines of other
-    tensor-parallel sizes share it too (their KV differs from this one's only by rounding, as a batch of
-    another size would).
+    Tensor-parallel ranks that hold the same KV (``kv_replicas``) share one shard, named as the rank of an
+    engine with as many ranks as distinct shards: they store one copy of each chunk, and engines of that
+    smaller tensor-parallel size share it too (their KV differs from this one's only by rounding, as a batch
+    of another size would).
 
     Pages are stored as the attention backend lays them out (the CPU backend packs K and V per head in
     an ISA-specific order), so the layout names the device, the instruction set, the block geometry
@@ -173,7 +182,7 @@ def namespace_for(
     from indexer.fingerprint import fingerprint_model
 
     model_config = vllm_config.model_config
-    replicated = kv_replicated_across_tp(kv_cache_spec)
+    replicas = engine_kv_replicas(vllm_config, kv_cache_spec)
     isa = torch.backends.cpu.get_cpu_capability() if current_platform.is_cpu() else current_platform.device_name
     layout = ":".join([
         "vllm-pages-v1", current_platform.device_type, isa, str(vllm_config.cache_config.kv_cache_layout or "default"),
@@ -185,8 +194,8 @@ def namespace_for(
         kv_dtype=str(kv_cache_spec.dtype).removeprefix("torch."),
         kv_layout=layout,
         chunk_tokens=chunk_tokens,
-        tp_rank=0 if replicated else tp_rank,
-        tp_size=1 if replicated else vllm_config.parallel_config.tensor_parallel_size,
+        tp_rank=tp_rank // replicas,
+        tp_size=vllm_config.parallel_config.tensor_parallel_size // replicas,
         pp_rank=pp_rank,
         pp_size=vllm_config.parallel_config.pipeline_parallel_size,
     )

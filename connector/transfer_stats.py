@@ -8,7 +8,8 @@ took from the cache, with latencies; these say what one engine moved, beside its
 
 Counted per worker and summed over them: each rank (pipeline stage and tensor-parallel rank) moves its own shard
 of every chunk, so with N ranks a chunk (or a failed block) counts N times, and the bytes are the shards' sum.
-Where tensor-parallel ranks hold the same KV (MLA), only the first publishes it and each loads it.
+Where tensor-parallel ranks hold the same KV (MLA; fewer KV heads than ranks), only the first publishes it and
+each loads it.
 
 - ``loaded_chunks``, ``loaded_bytes``: chunks that arrived intact in vLLM's pages, and their KV bytes;
 - ``load_failed_blocks``: blocks reported to vLLM as failed (damaged, gone, or not loaded), which it recomputes;

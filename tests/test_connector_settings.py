@@ -20,7 +20,7 @@ from connector.settings import (
     check_loads_supported,
     check_supported,
     kv_bytes_per_token,
-    kv_replicated_across_tp,
+    kv_replicas,
 )
 from indexer.errors import ConfigError
 
@@ -203,8 +203,11 @@ def test_an_engine_may_not_load_on_an_attention_backend_whose_answers_a_hit_woul
             check_loads_supported({"CPU_MLA"}, Directions.of_role(role))
 
 
-def test_only_latent_attention_caches_the_same_kv_on_every_tensor_parallel_rank():
+def test_tensor_parallel_ranks_hold_the_same_kv_under_latent_attention_or_with_fewer_kv_heads_than_ranks():
     mla, full = (kv_cache_config(1, spec).kv_cache_groups[0].kv_cache_spec
                  for spec in ("MLAAttentionSpec", "FullAttentionSpec"))  # fmt: skip
-    assert kv_replicated_across_tp(mla)
-    assert not kv_replicated_across_tp(full)
+    assert kv_replicas(mla, tp_size=4, total_kv_heads=1) == 4  # MLA: every rank
+    assert kv_replicas(full, tp_size=8, total_kv_heads=4) == 2  # vLLM gives each head to two ranks
+    assert kv_replicas(full, tp_size=2, total_kv_heads=1) == 2
+    assert kv_replicas(full, tp_size=2, total_kv_heads=8) == 1
+    assert kv_replicas(full, tp_size=1, total_kv_heads=8) == 1

@@ -1,19 +1,19 @@
 """``PrefixCacheConnector`` with a recorder, for tests that check KV bit for bit.
 
 Loaded by vLLM like the real one (``kv_connector_module_path: tests.e2e.probe_connector``). With
-``PREFIXCACHE_PROBE_DIR`` set, the worker writes the pages of every chunk it publishes right after
-the forward pass computed them (``saved-<key>.pt``; ``saved-<key>.unpublished.pt`` from a rank that leaves
-publishing its KV to another rank holding the same) and the pages of every chunk it loads right after
-placing them, before the forward pass reads them (``loaded-<key>-<first page>-<request>.pt``), each as a
+``PREFIXCACHE_PROBE_DIR`` set, the worker writes the pages of every chunk it publishes right after the forward
+pass computed them (``saved-<key>.pt``; a tensor-parallel rank whose KV another rank holds and publishes adds
+``.rank<r>`` before ``.pt``, here and to the loaded pages' names) and the pages of every chunk it loads right
+after placing them, before the forward pass reads them (``loaded-<key>-<first page>-<request>.pt``), each as a
 (layers, pages, *page shape) tensor, and how many of them the segment owner wrote into the pages in place
-(``loaded_in_place.<shard>``, the worker's ``NamespaceSpec.shard``: its tensor-parallel rank under one
-pipeline stage), how many of those reads began at vLLM's first hook of the step (``loaded_early.<shard>``),
-how many requests loaded asynchronously (``loaded_async.<shard>``), how many chunks it was asked to publish
-(``saves.<shard>``) and in which namespace (``namespace.<shard>``); an
-asynchronous load's pages are recorded once the worker reports it over. The scheduler side records whether
-vLLM schedules each step before the last one is over (``schedules_ahead``: its asynchronous scheduling). Each
-rank records its own shard under its own keys. A test then compares what one instance computed with what
-another loaded: the same bytes in the right blocks, or the cache is wrong.
+(``loaded_in_place.<shard>``, the worker's ``NamespaceSpec.shard``: its tensor-parallel rank under one pipeline
+stage), how many of those reads began at vLLM's first hook of the step (``loaded_early.<shard>``), how many
+requests loaded asynchronously (``loaded_async.<shard>``), how many chunks it was asked to publish
+(``saves.<shard>``) and in which namespace (``namespace.<shard>``); an asynchronous load's pages are recorded
+once the worker reports it over. The scheduler side records whether vLLM schedules each step before the last one
+is over (``schedules_ahead``: its asynchronous scheduling). Each rank records its own shard under its own keys.
+A test then compares what one instance computed with what another loaded: the same bytes in the right blocks, or
+the cache is wrong.
 """
 
 from __future__ import annotations
@@ -41,6 +41,18 @@ class ProbeConnector(PrefixCacheConnector):
     def _probe_dir(self) -> Path | None:
         directory = os.environ.get("PREFIXCACHE_PROBE_DIR")
         return Path(directory) if directory and self._worker is not None else None
+
+    def _replica_suffix(self) -> str:
+        """``.rank<r>`` on the files of a tensor-parallel rank that holds another rank's KV (``kv_replicas``): the
+        first rank of its group records under the plain names, and this one beside them."""
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        assert self._worker is not None
+        rank, replicas = (
+            get_tensor_model_parallel_rank(),
+            get_tensor_model_parallel_world_size() // self._worker.client.spec.tp_size,
+        )
+        return f".rank{rank}" if rank % replicas else ""
 
     def _pages(self, blocks: list[int]) -> torch.Tensor:
         assert self._worker is not None
@@ -76,17 +88,17 @@ class ProbeConnector(PrefixCacheConnector):
         for req_id, chunks in loads.items():
             for chunk in chunks:
                 if not failed.intersection(chunk.blocks):
-                    name = f"loaded-{chunk.key.hex()}-{chunk.first_page}-{req_id}.pt"
+                    name = f"loaded-{chunk.key.hex()}-{chunk.first_page}-{req_id}{self._replica_suffix()}.pt"
                     torch.save(self._pages(chunk.blocks), directory / name)
 
     def wait_for_save(self) -> None:
         directory, meta = self._probe_dir(), self._get_connector_metadata()
         if directory is not None and isinstance(meta, PrefixCacheMetadata):
             assert self._worker is not None
-            unpublished = "" if self._worker.publishes else ".unpublished"
+            replica = self._replica_suffix()
             for save in meta.saves:
                 key = chunk_key(save.parents[self._worker.shard], save.tokens)
-                torch.save(self._pages(save.blocks), directory / f"saved-{key.hex()}{unpublished}.pt")
+                torch.save(self._pages(save.blocks), directory / f"saved-{key.hex()}{replica}.pt")
             self._saves += len(meta.saves)
             (directory / f"saves.{self._worker.shard}").write_text(str(self._saves))
             (directory / f"namespace.{self._worker.shard}").write_text(self._worker.client.spec.digest.hex())

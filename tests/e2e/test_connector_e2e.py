@@ -557,14 +557,42 @@ def test_tensor_parallel_ranks_of_an_mla_model_publish_one_copy_of_the_kv_they_b
     in a namespace without a tensor-parallel rank, and rank 1's pages are bit for bit the ones rank 0 published
     (so rank 1 may load them)."""
     run, probe = mla_tensor_parallel_producer
-    published = {p.name.removesuffix(".pt") for p in probe.glob("saved-*.pt") if not p.name.endswith(".unpublished.pt")}
-    unpublished = {p.name.removesuffix(".unpublished.pt"): p for p in probe.glob("saved-*.unpublished.pt")}
-    assert len(published) == 5  # 4 whole chunks and the 76-token tail
-    assert set(unpublished) == published
-    for name, path in unpublished.items():
+    assert_one_copy_published(run, probe)
+
+
+def assert_one_copy_published(run: dict, probe: Path) -> None:
+    """Of the engine's two tensor-parallel ranks, which hold the same KV, rank 0 published P8's 4 whole chunks and
+    its tail, and rank 1 nothing: its pages of those chunks were bit for bit rank 0's, in the same namespace."""
+    published = {p.name.removesuffix(".pt") for p in probe.glob("saved-*.pt") if not p.name.endswith(".rank1.pt")}
+    computed_by_rank_1 = {p.name.removesuffix(".rank1.pt"): p for p in probe.glob("saved-*.rank1.pt")}
+    assert len(published) == 5
+    assert set(computed_by_rank_1) == published
+    for name, path in computed_by_rank_1.items():
         assert torch.equal(torch.load(path).view(torch.uint8), torch.load(probe / f"{name}.pt").view(torch.uint8))
     assert run["metrics"]["vllm:prefixcache_published_chunks"] == 5
     assert [p.name for p in probe.glob("namespace.*")] == ["namespace.0"]
+
+
+@pytest.fixture(scope="module")
+def multi_query_tensor_parallel(run_vllm, daemon, tmp_path_factory):
+    """A multi-query model (one KV head, which vLLM gives to both tensor-parallel ranks) at TP 2: reference, A
+    publishes P8, B loads it. Returns (reference, a, b, probe directories)."""
+    model = build_tiny_llama(tmp_path_factory.mktemp("tiny-mqa"), kv_heads=1)
+    probe = {name: tmp_path_factory.mktemp(f"probe-mqa-{name}") for name in ("a", "b")}
+    spec = {"model": str(model), "prompts": [P8], "max_tokens": 16, "tensor_parallel_size": 2}
+    return *two_ranks_publish_then_load(run_vllm, daemon, spec, probe, b_loads="auto"), probe
+
+
+def test_tensor_parallel_ranks_sharing_a_kv_head_publish_one_copy_and_both_load_it(multi_query_tensor_parallel):
+    """Rank 1 loads the copy rank 0 published, bit for bit, and the answer is the reference's."""
+    reference, a, b, probe = multi_query_tensor_parallel
+    assert_one_copy_published(a, probe["a"])
+    assert b["outputs"][0]["num_cached_tokens"] == len(P8) - 1
+    for run in (a, b):
+        ok, reason = same_greedy_output(reference["outputs"][0], run["outputs"][0])
+        assert ok, reason
+    assert assert_loaded_pages_were_saved(probe["a"], probe["b"]) == (10, 10)  # each rank loaded the 5 chunks
+    assert b["metrics"]["vllm:prefixcache_loaded_chunks"] == 10
 
 
 @pytest.mark.skipif(torch.cpu._is_amx_tile_supported(), reason="this CPU has AMX: vLLM runs MLA on its AMX_MLA backend")

@@ -65,9 +65,10 @@ def _native_bf16() -> bool:
 ENGINE_DTYPE = "bfloat16" if _native_bf16() else "float32"
 
 
-def recipe(seed: int = 0, initializer_range: float = DEFAULT_INITIALIZER_RANGE) -> dict:
+def recipe(seed: int = 0, initializer_range: float = DEFAULT_INITIALIZER_RANGE, kv_heads: int = 4) -> dict:
     """Everything the weights depend on; a directory built from an equal recipe is reused."""
-    return {"version": RECIPE_VERSION, "seed": seed, "initializer_range": initializer_range, **_ARCH}
+    arch = {**_ARCH, "num_key_value_heads": kv_heads}
+    return {"version": RECIPE_VERSION, "seed": seed, "initializer_range": initializer_range, **arch}
 
 
 def _is_built(directory: Path, want: dict) -> bool:
@@ -110,12 +111,12 @@ def _build_tokenizer(seed: int):
     )
 
 
-def _build_model(tokenizer, seed: int, initializer_range: float):
+def _build_model(tokenizer, seed: int, initializer_range: float, kv_heads: int = 4):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        **_ARCH,
+        **{**_ARCH, "num_key_value_heads": kv_heads},
         initializer_range=initializer_range,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -126,14 +127,17 @@ def _build_model(tokenizer, seed: int, initializer_range: float):
     return LlamaForCausalLM(config).to(torch.bfloat16).eval()
 
 
-def build_tiny_llama(directory: Path, seed: int = 0, initializer_range: float = DEFAULT_INITIALIZER_RANGE) -> Path:
-    """Build the tiny Llama (weights + tokenizer) into ``directory`` and return it.
+def build_tiny_llama(
+    directory: Path, seed: int = 0, initializer_range: float = DEFAULT_INITIALIZER_RANGE, kv_heads: int = 4
+) -> Path:
+    """Build the tiny Llama (weights + tokenizer) into ``directory`` and return it; ``kv_heads``: 1 makes it
+    multi-query, so that vLLM gives the one KV head to every tensor-parallel rank.
 
     Idempotent: a directory that already holds a complete build of the same recipe is left alone. The recipe
     marker is written last, so an interrupted build is redone rather than reused.
     """
-    return _build(Path(directory), recipe(seed, initializer_range),
-                  lambda tokenizer: _build_model(tokenizer, seed, initializer_range))  # fmt: skip
+    return _build(Path(directory), recipe(seed, initializer_range, kv_heads),
+                  lambda tokenizer: _build_model(tokenizer, seed, initializer_range, kv_heads))  # fmt: skip
 
 
 #: A tiny DeepSeek-V2 with Multi-head Latent Attention and dense MLPs only: 4 layers, hidden 512, 16 heads, a
