@@ -145,7 +145,7 @@ def attention_backends(vllm_config: Any, layer_names: Iterable[str]) -> set[str]
 
 
 def kv_replicas(kv_cache_spec: Any, tp_size: int, total_kv_heads: int) -> int:
-    """How many tensor-parallel ranks hold each rank's KV, bit for bit. Multi-head Latent Attention (DeepSeek-V2
+    """How many tensor-parallel ranks hold each shard of the KV, bit for bit. Multi-head Latent Attention (DeepSeek-V2
     and later) caches one latent vector per token, from a projection every rank runs whole: all of them. With
     more ranks than KV heads, vLLM gives each head to ``tp_size // total_kv_heads`` consecutive ranks."""
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
