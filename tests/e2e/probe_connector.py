@@ -84,11 +84,11 @@ class ProbeConnector(PrefixCacheConnector):
     def _record(self, directory: Path, loads: dict[str, list[LoadChunk]]) -> None:
         """The pages of every chunk of ``loads`` that arrived intact."""
         assert self._worker is not None
-        failed = self._worker.load_errors
+        failed, replica = self._worker.load_errors, self._replica_suffix()
         for req_id, chunks in loads.items():
             for chunk in chunks:
                 if not failed.intersection(chunk.blocks):
-                    name = f"loaded-{chunk.key.hex()}-{chunk.first_page}-{req_id}{self._replica_suffix()}.pt"
+                    name = f"loaded-{chunk.key.hex()}-{chunk.first_page}-{req_id}{replica}.pt"
                     torch.save(self._pages(chunk.blocks), directory / name)
 
     def wait_for_save(self) -> None:

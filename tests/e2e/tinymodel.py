@@ -65,10 +65,13 @@ def _native_bf16() -> bool:
 ENGINE_DTYPE = "bfloat16" if _native_bf16() else "float32"
 
 
+def _llama_arch(kv_heads: int) -> dict:
+    return {**_ARCH, "num_key_value_heads": kv_heads}
+
+
 def recipe(seed: int = 0, initializer_range: float = DEFAULT_INITIALIZER_RANGE, kv_heads: int = 4) -> dict:
     """Everything the weights depend on; a directory built from an equal recipe is reused."""
-    arch = {**_ARCH, "num_key_value_heads": kv_heads}
-    return {"version": RECIPE_VERSION, "seed": seed, "initializer_range": initializer_range, **arch}
+    return {"version": RECIPE_VERSION, "seed": seed, "initializer_range": initializer_range, **_llama_arch(kv_heads)}
 
 
 def _is_built(directory: Path, want: dict) -> bool:
@@ -111,12 +114,14 @@ def _build_tokenizer(seed: int):
     )
 
 
-def _build_model(tokenizer, seed: int, initializer_range: float, kv_heads: int = 4):
+def _random_model(tokenizer, family: str, arch: dict, seed: int, initializer_range: float = DEFAULT_INITIALIZER_RANGE):
+    """A bf16 transformers ``<family>ForCausalLM`` of ``arch`` with random weights (``seed``) and the tokenizer's
+    special tokens."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
-    config = LlamaConfig(
-        **{**_ARCH, "num_key_value_heads": kv_heads},
+    config = getattr(transformers, f"{family}Config")(
+        **arch,
         initializer_range=initializer_range,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -124,7 +129,11 @@ def _build_model(tokenizer, seed: int, initializer_range: float, kv_heads: int =
         torch_dtype="bfloat16",
     )
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    return getattr(transformers, f"{family}ForCausalLM")(config).to(torch.bfloat16).eval()
+
+
+def _build_model(tokenizer, seed: int, initializer_range: float, kv_heads: int = 4):
+    return _random_model(tokenizer, "Llama", _llama_arch(kv_heads), seed, initializer_range)
 
 
 def build_tiny_llama(
@@ -167,19 +176,8 @@ _MLA_ARCH = {
 
 def build_tiny_mla(directory: Path, seed: int = 0) -> Path:
     """Build the tiny MLA model (weights + tokenizer) into ``directory`` and return it, as ``build_tiny_llama``."""
-
-    def model(tokenizer):
-        import torch
-        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
-
-        config = DeepseekV2Config(**_MLA_ARCH, initializer_range=DEFAULT_INITIALIZER_RANGE,
-                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                  pad_token_id=tokenizer.pad_token_id, torch_dtype="bfloat16")  # fmt: skip
-        torch.manual_seed(seed)
-        return DeepseekV2ForCausalLM(config).to(torch.bfloat16).eval()
-
     want = {"version": RECIPE_VERSION, "seed": seed, "mla": _MLA_ARCH}
-    return _build(Path(directory), want, model)
+    return _build(Path(directory), want, lambda tokenizer: _random_model(tokenizer, "DeepseekV2", _MLA_ARCH, seed))
 
 
 #: The sliding window of ``build_tiny_sliding``'s models, in tokens: well inside the e2e tests' prompts.
@@ -191,20 +189,9 @@ def build_tiny_sliding(directory: Path, every_layer: bool, seed: int = 0) -> Pat
     false) on every other layer, as gpt-oss and Gemma 3 interleave them; built as ``build_tiny_llama``."""
     layers = _ARCH["num_hidden_layers"]
     layer_types = ["sliding_attention" if every_layer or i % 2 else "full_attention" for i in range(layers)]
-
-    def model(tokenizer):
-        import torch
-        from transformers import MistralConfig, MistralForCausalLM
-
-        config = MistralConfig(**_ARCH, sliding_window=SLIDING_WINDOW, layer_types=layer_types,
-                               initializer_range=DEFAULT_INITIALIZER_RANGE, bos_token_id=tokenizer.bos_token_id,
-                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                               torch_dtype="bfloat16")  # fmt: skip
-        torch.manual_seed(seed)
-        return MistralForCausalLM(config).to(torch.bfloat16).eval()
-
+    arch = {**_ARCH, "sliding_window": SLIDING_WINDOW, "layer_types": layer_types}
     want = {"version": RECIPE_VERSION, "seed": seed, "sliding": SLIDING_WINDOW, "layer_types": layer_types, **_ARCH}
-    return _build(Path(directory), want, model)
+    return _build(Path(directory), want, lambda tokenizer: _random_model(tokenizer, "Mistral", arch, seed))
 
 
 def _build(directory: Path, want: dict, make_model: Callable) -> Path:
