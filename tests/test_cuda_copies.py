@@ -4,6 +4,7 @@ host arena on streams of their own, ordered against the compute stream. Runs whe
 
 from __future__ import annotations
 
+import functools
 import mmap
 import random
 
@@ -85,6 +86,21 @@ def vllm_cache(blocks: int, layers: int = LAYERS, heads: int = 2, head_bytes: in
     return [layer.permute(0, 2, 1, 3) for layer in raw]
 
 
+def mla_cache(blocks: int, dtype: torch.dtype = torch.bfloat16, token_bytes: int = 1152) -> list[torch.Tensor]:
+    """Layers as vLLM's GPU MLA backends hold them: one latent vector a token (a 512-wide latent and 64 rotary
+    dimensions in bf16: 1152 bytes; ``fp8_ds_mla`` packs 656), ``(blocks, block tokens, vector)``, each layer
+    an allocation of its own."""
+    width = token_bytes // torch.tensor([], dtype=dtype).element_size()
+    return [torch.zeros(blocks, BLOCK_TOKENS, width, dtype=dtype, device="cuda") for _ in range(LAYERS)]
+
+
+def fill_random(layer: torch.Tensor) -> None:
+    if layer.is_floating_point():
+        layer.copy_(torch.randn(layer.shape, device="cuda"))
+    else:
+        layer.copy_(torch.randint(0, 256, layer.shape, dtype=layer.dtype, device="cuda"))
+
+
 def copies_over(pages: list[torch.Tensor], memory: memoryview, chunk_pages: int) -> CudaPageCopies:
     return CudaPageCopies(pages, (address_of(memory), len(memory)), chunk_pages)
 
@@ -133,10 +149,15 @@ def test_scattered_pages_are_in_place_once_loaded(host_memory):
 
 
 @needs_cuda
-def test_scattered_vllm_pages_round_trip_byte_for_byte_from_any_blocks(host_memory):
-    source, target = vllm_cache(blocks=96), vllm_cache(blocks=96)
+@pytest.mark.parametrize(
+    "cache",
+    [vllm_cache, mla_cache, functools.partial(mla_cache, dtype=torch.uint8, token_bytes=656)],
+    ids=["flash-attention", "mla", "fp8-ds-mla"],
+)
+def test_scattered_vllm_pages_round_trip_byte_for_byte_from_any_blocks(host_memory, cache):
+    source, target = cache(blocks=96), cache(blocks=96)
     for layer in source:
-        layer.copy_(torch.randn(layer.shape, device="cuda"))
+        fill_random(layer)
     src_pages, dst_pages = [page_rows(layer) for layer in source], [page_rows(layer) for layer in target]
     page = src_pages[0].shape[1]
     chunk = 8
