@@ -24,35 +24,38 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
 
 from cachestore.arena import ArenaFullError
-from cachestore.client import CacheClient
+from cachestore.client import CacheClient, Fetched
 from cachestore.codec import ChunkMeta, payload_offset
 from cachestore.nvme import read_size
 from cachestore.runs import runs_of_about
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.page_copies import BOTH_WAYS, page_copies_for
 from connector.pages import block_runs, page_rows, payload_bytes, payload_view
-from connector.settings import Directions
+from connector.settings import CHECK_THREADS, Directions
 from connector.transfer_stats import TransferCounts
 from indexer.namespace import tenant_id
 
 log = logging.getLogger("prefixcache.connector")
 _BACKGROUND_QUEUE = 64
 #: Bytes fetched per Mooncake call while loading through slots: small enough that reading the next group
-#: overlaps placing this one, large enough that per-call overhead stays small.
-LOAD_GROUP_BYTES = 8 << 20
+#: overlaps checking and placing this one, large enough that per-call overhead stays small. A 256 MiB hit of
+#: 2 MiB chunks loaded in 60 ms with 32 MiB groups and in 81-87 ms with 8 MiB ones into an H100's cache, and
+#: in 71 ms against 112 ms into a CPU cache on 2 cores (benchmarks/windows.py).
+LOAD_GROUP_BYTES = 32 << 20
 
 
 @dataclass
 class _Fetched:
-    """One group's verified payloads (None: recompute), and the objects among them read from NVMe."""
+    """One group's payloads, verified or being verified (``fetch_checking_later``; None: recompute), and the
+    objects among them read from NVMe."""
 
-    payloads: list[memoryview | None]
+    payloads: list[Fetched]
     from_disk: dict[bytes, memoryview] = field(default_factory=dict)
 
 
@@ -84,10 +87,10 @@ class _ReadInPlace:
 
 class WorkerSide:
     def __init__(self, client: CacheClient, layers: Sequence[torch.Tensor], block_tokens: int,
-                 directions: Directions = BOTH_WAYS,
-                 io_thread_setup: Callable[[], None] | None = None) -> None:  # fmt: skip
+                 directions: Directions = BOTH_WAYS, io_thread_setup: Callable[[], None] | None = None,
+                 check_threads: int = CHECK_THREADS) -> None:  # fmt: skip
         """``directions``: which ways the engine's role moves KV; ``io_thread_setup`` runs first in each thread
-        this side starts (see connector/io_threads.py)."""
+        this side starts (see connector/io_threads.py); ``check_threads`` verify chunks loaded through slots."""
         self.client = client
         self.shard = client.spec.shard  # which shard of the pages this worker holds, and whose keys it uses
         self.publishes = directions.publishes  # a rank whose KV another rank publishes skips the saves
@@ -114,6 +117,8 @@ class WorkerSide:
         self._after_forward: list[tuple[Callable[[], object], list[memoryview]]] = []
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixcache-fetch",
                                            initializer=self._io_thread_setup)  # fmt: skip
+        self._checks = ThreadPoolExecutor(max_workers=check_threads, thread_name_prefix="prefixcache-check",
+                                          initializer=self._io_thread_setup)  # fmt: skip
         # This step's loads (by request) until they are finished, then the requests whose loads failed.
         self._loads: dict[str, list[LoadChunk]] = {}
         self._failed_requests: set[str] = set()
@@ -409,18 +414,20 @@ class WorkerSide:
 
     def _load_window(self, chunks: list[LoadChunk], slots: list[memoryview], errors: set[int]
                      ) -> tuple[Callable[[], object], list[memoryview]] | None:  # fmt: skip
-        """Load chunks that all have slots, in groups, placing one group while the next is read.
-
-        The segment owner (another process) copies a group into the arena while this thread places
-        the previous one, so the load costs about one pass over the bytes, not two. Each fetch names
-        the chunks still to come with their slots: chunks that must come back from this node's NVMe are
-        read into place ahead of their turn, and those on other nodes are asked for in one request.
+        """Load chunks that all have slots, in groups: while the check threads verify one group's chunks and
+        this thread places them, the segment owner (another process) copies the next group into the arena,
+        so the load costs about one pass over the bytes, not three. Each fetch names the chunks still to come
+        with their slots: chunks that must come back from this node's NVMe are read into place ahead of
+        their turn, and those on other nodes are asked for in one request. A chunk whose DRAM copy fails
+        its check is fetched again once the rest are placed, from NVMe.
         Returns the job that stores the chunks read from NVMe into DRAM, with the slots it holds.
         """
         upcoming = list(zip((chunk.key for chunk in chunks), slots, strict=True))
         groups = runs_of_about(upcoming, lambda pair: len(pair[1]), LOAD_GROUP_BYTES)
         ends = list(itertools.accumulate(len(group) for group in groups))
         read_from_disk: dict[bytes, memoryview] = {}
+        checking: list[Future[memoryview | None]] = []  # every check started, for the slots' release
+        damaged: list[int] = []  # positions of chunks whose DRAM copies failed their checks
         pending = self._fetcher.submit(self._fetch, groups[0], upcoming[ends[0] :])
         try:
             for i, group in enumerate(groups):
@@ -429,10 +436,24 @@ class WorkerSide:
                 if i + 1 < len(groups):
                     pending = self._fetcher.submit(self._fetch, groups[i + 1], upcoming[ends[i + 1] :])
                 read_from_disk.update(fetched.from_disk)
-                self._place(chunks[ends[i] - len(group) : ends[i]], fetched.payloads, errors)
+                checking += [got for got in fetched.payloads if isinstance(got, Future)]
+                placing: list[tuple[LoadChunk, memoryview | None]] = []
+                for at, got in enumerate(fetched.payloads, start=ends[i] - len(group)):
+                    payload = self._checked(got)
+                    if isinstance(got, Future) and payload is None:
+                        damaged.append(at)
+                    else:
+                        placing.append((chunks[at], payload))
+                self._place(placing, errors)
+            if damaged:
+                again = self._fetch([upcoming[at] for at in damaged], [], check_later=False)
+                read_from_disk.update(again.from_disk)
+                self._place([(chunks[at], self._checked(got)) for at, got in zip(damaged, again.payloads, strict=True)],
+                            errors)  # fmt: skip
         finally:
-            if pending is not None:
-                pending.exception()  # the fetch in flight must finish before its slots are released
+            if pending is not None and pending.exception() is None:  # the fetch in flight must finish first
+                checking += [got for got in pending.result().payloads if isinstance(got, Future)]
+            wait(checking)  # and so must the checks reading the slots
             self.client.settle_reads()
             self._copies.loaded()  # and so must the copies out of them (into a GPU's pages)
             held = [slot for (key, slot) in upcoming if key in read_from_disk]
@@ -442,6 +463,17 @@ class WorkerSide:
         if not held:
             return None
         return functools.partial(self.client.store_disk_reads, list(read_from_disk.items())), held
+
+    @staticmethod
+    def _checked(payload: Fetched) -> memoryview | None:
+        """A payload, once its check is over (None: recompute)."""
+        if not isinstance(payload, Future):
+            return payload
+        try:
+            return payload.result()
+        except Exception:  # noqa: BLE001 - a failed check is a miss; the request must not fail
+            log.exception("checking a loaded chunk failed; recomputing it")
+            return None
 
     def _drop(self, stores: tuple[Callable[[], object], list[memoryview]]) -> None:
         """Give back the slots of a store into DRAM that will not run."""
@@ -463,19 +495,26 @@ class WorkerSide:
             pass  # the rest load in a later window (_load_through_slots)
         return slots
 
-    def _fetch(self, group: list[tuple[bytes, memoryview]], upcoming: list[tuple[bytes, memoryview]]) -> _Fetched:
-        """Fetch one group into its slots; runs on the fetch thread."""
+    def _fetch(self, group: list[tuple[bytes, memoryview]], upcoming: list[tuple[bytes, memoryview]],
+               check_later: bool = True) -> _Fetched:  # fmt: skip
+        """Fetch one group into its slots, its DRAM copies checked on the check threads (``check_later``) or
+        before this returns; runs on the fetch thread."""
         fetched = _Fetched(payloads=[None] * len(group))
+        keys, slots = [key for key, _ in group], [slot for _, slot in group]
         try:
-            fetched.payloads = self.client.fetch([key for key, _ in group], [slot for _, slot in group],
-                                                 upcoming=upcoming)  # fmt: skip
+            if check_later:
+                fetched.payloads = self.client.fetch_checking_later(keys, slots, upcoming=upcoming, checks=self._checks)
+            else:
+                fetched.payloads = list(self.client.fetch(keys, slots, upcoming=upcoming))
         except Exception:  # noqa: BLE001 - a failed load is recomputed; the request must not fail
             log.exception("loading %d chunks failed; recomputing them", len(group))
         fetched.from_disk = dict(self.client.take_disk_reads())
         return fetched
 
-    def _place(self, chunks: list[LoadChunk], payloads: list[memoryview | None], errors: set[int]) -> None:
-        for chunk, payload in zip(chunks, payloads, strict=True):
+    def _place(self, placing: list[tuple[LoadChunk, memoryview | None]], errors: set[int]) -> None:
+        """Copy each chunk's payload into its blocks; a chunk without one (None, or of another size) goes to
+        ``errors``."""
+        for chunk, payload in placing:
             pages = self._pages(chunk.stored_tokens)
             if payload is None or len(payload) != payload_bytes(self.pages, pages):
                 errors.update(chunk.blocks)
@@ -586,6 +625,7 @@ class WorkerSide:
         self._verifier.shutdown(wait=True)
         self._early_reader.shutdown(wait=True)
         self._fetcher.shutdown(wait=True)
+        self._checks.shutdown(wait=True)
         for stores in self._after_forward:
             self._drop(stores)
         self._background.put(None)
