@@ -412,7 +412,7 @@ class CacheClient:
                 continue
             ready = [i for i, ok in zip(waiting, flags, strict=True) if ok]
             self.stats.promoted += len(ready)
-            self._read(keys, slots, ready, out)
+            self._read(keys, slots, ready, out, checks=None)  # after a promotion: checked here
 
     def _verified(self, key: bytes, slot: memoryview, size: int) -> memoryview | None:
         if size < 0:

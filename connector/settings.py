@@ -11,10 +11,11 @@ from connector.io_threads import IoCpus
 from indexer.errors import ConfigError, validation_problems
 from indexer.namespace import NamespaceSpec
 
-#: Threads that verify the checksums of chunks loaded through arena slots, unless ``check_threads`` says otherwise:
-#: on an H100 host, one thread checked chunks in three quarters of the time Mooncake took to copy them; four, in a
-#: sixth.
-CHECK_THREADS = 4
+#: Threads that verify the checksums of chunks a GPU worker loads through arena slots (``check_threads: "auto"``): on
+#: an H100 host, one thread checked chunks in three quarters of the time Mooncake took to copy them; four, in a sixth.
+#: A CPU worker checks them on its fetch thread: its spare cores also run the segment owner's copy, and on 2 cores
+#: check threads made loads through slots slower (97 against 86 ms for 256 MiB, benchmarks/windows.py).
+GPU_CHECK_THREADS = 4
 
 
 class ConnectorSettings(BaseModel):
@@ -35,8 +36,9 @@ class ConnectorSettings(BaseModel):
         "auto does so for hits that read NVMe or are large, when other requests are running")  # fmt: skip
     async_load_mib: int = Field(default=64, ge=1, description="auto: a hit this large (MiB per rank) loads "
                                 "asynchronously when other requests are running")  # fmt: skip
-    check_threads: int = Field(default=CHECK_THREADS, ge=1, le=64, description="threads that verify chunks loaded "
-                               "through arena slots (every GPU load) while the next are read")  # fmt: skip
+    check_threads: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = Field(
+        default="auto", description="threads that verify chunks loaded through arena slots (every GPU load) while "
+        "the next are copied; 0: the fetch thread checks them; auto: 4 on a GPU worker, 0 on a CPU one")  # fmt: skip
     kv_in_shared_memory: bool = Field(default=True, description="CPU backend: vLLM's KV cache in shared memory, so "
                                       "loads write straight into its pages (connector/shared_kv.py)")  # fmt: skip
 

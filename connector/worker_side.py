@@ -37,17 +37,18 @@ from cachestore.runs import runs_of_about
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.page_copies import BOTH_WAYS, page_copies_for
 from connector.pages import block_runs, page_rows, payload_bytes, payload_view
-from connector.settings import CHECK_THREADS, Directions
+from connector.settings import GPU_CHECK_THREADS, Directions
 from connector.transfer_stats import TransferCounts
 from indexer.namespace import tenant_id
 
 log = logging.getLogger("prefixcache.connector")
 _BACKGROUND_QUEUE = 64
-#: Bytes fetched per Mooncake call while loading through slots: small enough that reading the next group
-#: overlaps checking and placing this one, large enough that per-call overhead stays small. A 256 MiB hit of
-#: 2 MiB chunks loaded in 60 ms with 32 MiB groups and in 81-87 ms with 8 MiB ones into an H100's cache, and
-#: in 71 ms against 112 ms into a CPU cache on 2 cores (benchmarks/windows.py).
-LOAD_GROUP_BYTES = 32 << 20
+#: Bytes fetched per Mooncake call while loading through slots, by the device the pages lie on: small enough that
+#: reading the next group overlaps checking and placing this one, large enough that per-call overhead stays small.
+#: Placing into a CPU cache is a memcpy on the cores the reads and checks use too, so groups stay small there.
+#: Placing into a GPU's is a DMA, and fewer calls won: a 256 MiB hit of 2 MiB chunks into an H100's cache loaded
+#: in 50-61 ms with 32 MiB groups against 81-87 ms with 8 MiB ones (benchmarks/windows.py).
+LOAD_GROUP_BYTES = {"cpu": 8 << 20, "cuda": 32 << 20}
 
 
 @dataclass
@@ -88,9 +89,10 @@ class _ReadInPlace:
 class WorkerSide:
     def __init__(self, client: CacheClient, layers: Sequence[torch.Tensor], block_tokens: int,
                  directions: Directions = BOTH_WAYS, io_thread_setup: Callable[[], None] | None = None,
-                 check_threads: int = CHECK_THREADS) -> None:  # fmt: skip
+                 check_threads: int | None = None) -> None:  # fmt: skip
         """``directions``: which ways the engine's role moves KV; ``io_thread_setup`` runs first in each thread
-        this side starts (see connector/io_threads.py); ``check_threads`` verify chunks loaded through slots."""
+        this side starts (see connector/io_threads.py); ``check_threads`` verify chunks loaded through slots (0: the
+        fetch thread does; None: ``GPU_CHECK_THREADS`` for a cache on a GPU, else 0)."""
         self.client = client
         self.shard = client.spec.shard  # which shard of the pages this worker holds, and whose keys it uses
         self.publishes = directions.publishes  # a rank whose KV another rank publishes skips the saves
@@ -117,8 +119,6 @@ class WorkerSide:
         self._after_forward: list[tuple[Callable[[], object], list[memoryview]]] = []
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixcache-fetch",
                                            initializer=self._io_thread_setup)  # fmt: skip
-        self._checks = ThreadPoolExecutor(max_workers=check_threads, thread_name_prefix="prefixcache-check",
-                                          initializer=self._io_thread_setup)  # fmt: skip
         # This step's loads (by request) until they are finished, then the requests whose loads failed.
         self._loads: dict[str, list[LoadChunk]] = {}
         self._failed_requests: set[str] = set()
@@ -139,6 +139,10 @@ class WorkerSide:
         self._copies = page_copies_for(self.pages, client.arena_memory, self._pages(client.spec.chunk_tokens),
                                        directions)  # fmt: skip
         self._page_bytes = self.pages[0].shape[1]
+        if check_threads is None:
+            check_threads = GPU_CHECK_THREADS if self.pages[0].device.type == "cuda" else 0
+        self._checks = ThreadPoolExecutor(max_workers=check_threads, thread_name_prefix="prefixcache-check",
+                                          initializer=self._io_thread_setup) if check_threads else None  # fmt: skip
         self._layer_starts: list[int] = []  # where each layer's block 0 lies in self._kv
         self._kv = self._pages_in_shared_memory()
 
@@ -414,16 +418,16 @@ class WorkerSide:
 
     def _load_window(self, chunks: list[LoadChunk], slots: list[memoryview], errors: set[int]
                      ) -> tuple[Callable[[], object], list[memoryview]] | None:  # fmt: skip
-        """Load chunks that all have slots, in groups: while the check threads verify one group's chunks and
-        this thread places them, the segment owner (another process) copies the next group into the arena,
-        so the load costs about one pass over the bytes, not three. Each fetch names the chunks still to come
-        with their slots: chunks that must come back from this node's NVMe are read into place ahead of
-        their turn, and those on other nodes are asked for in one request. A chunk whose DRAM copy fails
-        its check is fetched again once the rest are placed, from NVMe.
+        """Load chunks that all have slots, in groups, placing one group while the next is read. On a GPU
+        worker the check threads verify a group's chunks while the segment owner (another process) copies
+        the next group into the arena; elsewhere the fetch thread verifies each group after the owner's copy.
+        Each fetch names the chunks still to come with their slots: chunks that must come back from this node's
+        NVMe are read into place ahead of their turn, and those on other nodes are asked for in one request.
+        A chunk whose DRAM copy fails its check is fetched again once the rest are placed, from NVMe.
         Returns the job that stores the chunks read from NVMe into DRAM, with the slots it holds.
         """
         upcoming = list(zip((chunk.key for chunk in chunks), slots, strict=True))
-        groups = runs_of_about(upcoming, lambda pair: len(pair[1]), LOAD_GROUP_BYTES)
+        groups = runs_of_about(upcoming, lambda pair: len(pair[1]), LOAD_GROUP_BYTES[self.pages[0].device.type])
         ends = list(itertools.accumulate(len(group) for group in groups))
         read_from_disk: dict[bytes, memoryview] = {}
         checking: list[Future[memoryview | None]] = []  # every check started, for the slots' release
@@ -497,12 +501,12 @@ class WorkerSide:
 
     def _fetch(self, group: list[tuple[bytes, memoryview]], upcoming: list[tuple[bytes, memoryview]],
                check_later: bool = True) -> _Fetched:  # fmt: skip
-        """Fetch one group into its slots, its DRAM copies checked on the check threads (``check_later``) or
-        before this returns; runs on the fetch thread."""
+        """Fetch one group into its slots, its DRAM copies checked on the check threads (``check_later``, where
+        this side has them) or before this returns; runs on the fetch thread."""
         fetched = _Fetched(payloads=[None] * len(group))
         keys, slots = [key for key, _ in group], [slot for _, slot in group]
         try:
-            if check_later:
+            if check_later and self._checks is not None:
                 fetched.payloads = self.client.fetch_checking_later(keys, slots, upcoming=upcoming, checks=self._checks)
             else:
                 fetched.payloads = list(self.client.fetch(keys, slots, upcoming=upcoming))
@@ -625,7 +629,8 @@ class WorkerSide:
         self._verifier.shutdown(wait=True)
         self._early_reader.shutdown(wait=True)
         self._fetcher.shutdown(wait=True)
-        self._checks.shutdown(wait=True)
+        if self._checks is not None:
+            self._checks.shutdown(wait=True)
         for stores in self._after_forward:
             self._drop(stores)
         self._background.put(None)

@@ -28,7 +28,7 @@ from indexer.errors import ConfigError
 def test_defaults_need_only_the_service_url():
     settings = ConnectorSettings.parse({"service_url": "http://127.0.0.1:8600"})
     assert settings.io_cpus == "auto" and settings.arena_mb == "auto"
-    assert settings.async_loads == "auto" and settings.async_load_mib == 64 and settings.check_threads == 4
+    assert settings.async_loads == "auto" and settings.async_load_mib == 64 and settings.check_threads == "auto"
 
 
 @pytest.mark.parametrize(
@@ -43,7 +43,8 @@ def test_defaults_need_only_the_service_url():
         ({"service_url": "http://x", "io_cpus": []}, "io_cpus"),
         ({"service_url": "http://x", "async_loads": "sometimes"}, "async_loads"),
         ({"service_url": "http://x", "async_load_mib": 0}, "async_load_mib"),
-        ({"service_url": "http://x", "check_threads": 0}, "check_threads"),
+        ({"service_url": "http://x", "check_threads": -1}, "check_threads"),
+        ({"service_url": "http://x", "check_threads": 65}, "check_threads"),
         ({"service_url": "http://x", "check_threads": "many"}, "check_threads"),
     ],
 )

@@ -35,10 +35,10 @@ def kv_cache(memory: memoryview | None = None) -> list[torch.Tensor]:
     return list(flat.view(LAYERS, BLOCKS, PAGE_BYTES))
 
 
-def worker(daemon: Daemon, shared: bool, arena_bytes: int = 16 << 20) -> WorkerSide:
+def worker(daemon: Daemon, shared: bool, arena_bytes: int = 16 << 20, check_threads: int | None = None) -> WorkerSide:
     client = CacheClient.connect(daemon.url, make_spec(CHUNK_TOKENS), arena_bytes=arena_bytes)
     layers = kv_cache(client.shared_memory(LAYERS * BLOCKS * PAGE_BYTES) if shared else None)
-    return WorkerSide(client, layers, BLOCK_TOKENS)
+    return WorkerSide(client, layers, BLOCK_TOKENS, check_threads=check_threads)
 
 
 @pytest.fixture
@@ -154,8 +154,10 @@ def test_a_damaged_dram_copy_read_in_place_is_a_load_error_and_the_next_load_rea
     assert equal(pages(loader, list(range(30, 38))), pages(publisher, list(range(8))))
 
 
-def test_a_damaged_dram_copy_loaded_through_slots_is_read_from_nvme_in_the_same_load(daemon, publisher):
-    loader = worker(daemon, shared=False)  # a GPU's path: the fetch verifies before anything is placed
+@pytest.mark.parametrize("check_threads", [0, 4], ids=["checked-by-the-fetch", "checked-while-the-next-is-read"])
+def test_a_damaged_dram_copy_loaded_through_slots_is_read_from_nvme_in_the_same_load(daemon, publisher, check_threads):
+    # a GPU's path: every chunk is verified before anything of it is placed (check threads: a GPU worker's default)
+    loader = worker(daemon, shared=False, check_threads=check_threads)
     try:
         keys = publish(publisher, chunks=2)
         wait_persisted(loader.client, keys)
