@@ -1,0 +1,7 @@
+"""The base class of ``connector.metadata``, as vLLM 0.32 defines it."""
+
+from abc import ABC
+
+
+class KVConnectorMetadata(ABC):  # noqa: B024 - vLLM's has no abstract methods either
+    pass
