@@ -241,9 +241,10 @@ def test_a_cache_outside_shared_memory_loads_through_slots(daemon, publisher):
 THREE_SLOTS = 3 * 69632
 
 
-def test_a_load_larger_than_the_arena_loads_whole_in_windows(daemon, publisher):
+@pytest.mark.parametrize("check_threads", [0, 4], ids=["checked-by-the-fetch", "checked-while-the-next-is-read"])
+def test_a_load_larger_than_the_arena_loads_whole_in_windows(daemon, publisher, check_threads):
     keys = publish(publisher, chunks=8)
-    small = worker(daemon, shared=False, arena_bytes=THREE_SLOTS)
+    small = worker(daemon, shared=False, arena_bytes=THREE_SLOTS, check_threads=check_threads)
     try:
         plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(4 * i, 4 * i + 4))) for i, key in enumerate(keys)]}
         assert load(small, plan) == set()
