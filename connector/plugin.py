@@ -115,8 +115,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         self._worker = WorkerSide(client, layers, group.kv_cache_spec.block_size,
                                   directions=self._worker_directions(group.kv_cache_spec),
                                   io_thread_setup=self._io_thread_setup,
-                                  check_threads=None if self._settings.check_threads == "auto"
-                                  else self._settings.check_threads)  # fmt: skip
+                                  check_threads=self._settings.check_threads)  # fmt: skip
 
     def _worker_directions(self, kv_cache_spec: Any) -> Directions:
         """The role's directions, except that of tensor-parallel ranks holding the same KV (``kv_replicas``) only

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -89,10 +90,10 @@ class _ReadInPlace:
 class WorkerSide:
     def __init__(self, client: CacheClient, layers: Sequence[torch.Tensor], block_tokens: int,
                  directions: Directions = BOTH_WAYS, io_thread_setup: Callable[[], None] | None = None,
-                 check_threads: int | None = None) -> None:  # fmt: skip
+                 check_threads: int | Literal["auto"] = "auto") -> None:  # fmt: skip
         """``directions``: which ways the engine's role moves KV; ``io_thread_setup`` runs first in each thread
         this side starts (see connector/io_threads.py); ``check_threads`` verify chunks loaded through slots (0: the
-        fetch thread does; None: ``GPU_CHECK_THREADS`` for a cache on a GPU, else 0)."""
+        fetch thread does; ``"auto"``: ``GPU_CHECK_THREADS`` for a cache on a GPU, else 0)."""
         self.client = client
         self.shard = client.spec.shard  # which shard of the pages this worker holds, and whose keys it uses
         self.publishes = directions.publishes  # a rank whose KV another rank publishes skips the saves
@@ -139,7 +140,7 @@ class WorkerSide:
         self._copies = page_copies_for(self.pages, client.arena_memory, self._pages(client.spec.chunk_tokens),
                                        directions)  # fmt: skip
         self._page_bytes = self.pages[0].shape[1]
-        if check_threads is None:
+        if check_threads == "auto":
             check_threads = GPU_CHECK_THREADS if self.pages[0].device.type == "cuda" else 0
         self._checks = ThreadPoolExecutor(max_workers=check_threads, thread_name_prefix="prefixcache-check",
                                           initializer=self._io_thread_setup) if check_threads else None  # fmt: skip

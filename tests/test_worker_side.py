@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
@@ -35,7 +36,8 @@ def kv_cache(memory: memoryview | None = None) -> list[torch.Tensor]:
     return list(flat.view(LAYERS, BLOCKS, PAGE_BYTES))
 
 
-def worker(daemon: Daemon, shared: bool, arena_bytes: int = 16 << 20, check_threads: int | None = None) -> WorkerSide:
+def worker(daemon: Daemon, shared: bool, arena_bytes: int = 16 << 20,
+           check_threads: int | Literal["auto"] = "auto") -> WorkerSide:  # fmt: skip
     client = CacheClient.connect(daemon.url, make_spec(CHUNK_TOKENS), arena_bytes=arena_bytes)
     layers = kv_cache(client.shared_memory(LAYERS * BLOCKS * PAGE_BYTES) if shared else None)
     return WorkerSide(client, layers, BLOCK_TOKENS, check_threads=check_threads)
