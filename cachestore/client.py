@@ -13,11 +13,12 @@ slots and returns views of the verified payloads.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import httpx
@@ -50,6 +51,9 @@ Fetched = memoryview | Future[memoryview | None] | None
 
 @dataclass
 class ClientStats:
+    """What this client did, counted from every thread it and its callers run (fetch, check, disk-read and
+    publishing threads), so through ``count``: ``+=`` on an attribute is not atomic across threads."""
+
     lookups: int = 0
     lookup_errors: int = 0
     published: int = 0
@@ -60,6 +64,12 @@ class ClientStats:
     promoted: int = 0
     read_from_disk: int = 0
     stored_after_disk_read: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
 
 
 def fetch_config(service_url: str, timeout_s: float = 5.0) -> ClientConfig:
@@ -112,12 +122,12 @@ class CacheClient:
 
     def lookup(self, query: PrefixQuery) -> PrefixMatch:
         """Longest cached prefix; an unreachable index is a miss."""
-        self.stats.lookups += 1
+        self.stats.count(lookups=1)
         started = time.perf_counter()
         try:
             match = self.index.lookup(query)
         except IndexUnavailableError as exc:
-            self.stats.lookup_errors += 1
+            self.stats.count(lookup_errors=1)
             log.debug("lookup missed: %s", exc)
             match = PrefixMatch(keys=[], chunk_tokens=query.chunk_tokens)
         self.recorder.record_lookup(self.spec.digest, query.num_tokens, match.matched_tokens,
@@ -156,8 +166,7 @@ class CacheClient:
         except IndexUnavailableError as exc:
             log.warning("published chunks not registered (%s); they will not be found", exc)
             stored = [False] * len(chunks)
-        self.stats.published += sum(stored)
-        self.stats.publish_failures += len(chunks) - sum(stored)
+        self.stats.count(published=sum(stored), publish_failures=len(chunks) - sum(stored))
         self.recorder.record_publish(self.spec.digest, sum(stored), len(chunks) - sum(stored),
                                      time.perf_counter() - started)  # fmt: skip
         return stored
@@ -195,22 +204,21 @@ class CacheClient:
 
     def _fetch(self, keys: Sequence[bytes], slots: Sequence[memoryview], upcoming: Sequence[tuple[bytes, memoryview]],
                checks: Executor | None) -> list[Fetched]:  # fmt: skip
-        started, corrupt_before = time.perf_counter(), self.stats.corrupt
+        started = time.perf_counter()
         self._disk_reads = []
         self._streams = {key: stream for key, stream in self._streams.items() if not stream.expired}
         out: list[Fetched] = [None] * len(keys)
         planned = {i for i, key in enumerate(keys) if key in self._streams or key in self._disk_reads_ahead}
-        self._read(keys, slots, [i for i in range(len(keys)) if i not in planned], out, checks)
+        corrupt = self._read(keys, slots, [i for i in range(len(keys)) if i not in planned], out, checks)
         if missing := [i for i in range(len(keys)) if out[i] is None and i not in planned]:
             self._plan_nvme([keys[i] for i in missing], {keys[i]: slots[i] for i in missing}, upcoming)
         self._read_disk(keys, slots, [i for i, k in enumerate(keys) if out[i] is None and k in self._disk_reads_ahead],
                         out)  # fmt: skip
-        self._read_promoted(keys, slots, [i for i, key in enumerate(keys) if out[i] is None and key in self._streams],
-                            out)  # fmt: skip
+        corrupt += self._read_promoted(keys, slots, [i for i, key in enumerate(keys)
+                                                     if out[i] is None and key in self._streams], out)  # fmt: skip
         fetched = sum(1 for v in out if v is not None)
-        self.stats.fetched += fetched
-        self.stats.missing += len(out) - fetched
-        self.recorder.record_fetch(self.spec.digest, fetched, len(out) - fetched, self.stats.corrupt - corrupt_before,
+        self.stats.count(fetched=fetched, missing=len(out) - fetched)
+        self.recorder.record_fetch(self.spec.digest, fetched, len(out) - fetched, corrupt,
                                    time.perf_counter() - started)  # fmt: skip
         return out
 
@@ -251,11 +259,10 @@ class CacheClient:
         """Per chunk read by ``fetch_scattered``, whether it is intact where it landed: its header and
         tokens in ``heads[i]``, its payload across ``payloads[i]``. A damaged chunk's DRAM copy is
         deleted. Records one fetch, timed from ``started`` (``time.perf_counter()``)."""
-        corrupt_before = self.stats.corrupt
         ok = [self._verified_scattered(key, head, payload)
               for key, head, payload in zip(keys, heads, payloads, strict=True)]  # fmt: skip
-        self.stats.fetched += sum(ok)
-        self.recorder.record_fetch(self.spec.digest, sum(ok), 0, self.stats.corrupt - corrupt_before,
+        self.stats.count(fetched=sum(ok))
+        self.recorder.record_fetch(self.spec.digest, sum(ok), 0, len(ok) - sum(ok),  # each failure was a reject
                                    time.perf_counter() - started)  # fmt: skip
         return ok
 
@@ -287,21 +294,25 @@ class CacheClient:
             log.debug("chunks stored after a disk read not indexed (%s)", exc)
             self.dram.delete(keys)
             return 0
-        self.stats.stored_after_disk_read += len(keys)
+        self.stats.count(stored_after_disk_read=len(keys))
         return len(keys)
 
     def _read(self, keys: Sequence[bytes], slots: Sequence[memoryview], positions: list[int],
-              out: list[Fetched], checks: Executor | None) -> None:  # fmt: skip
+              out: list[Fetched], checks: Executor | None) -> int:  # fmt: skip
         """Read ``keys[i]`` into ``slots[i]`` from DRAM for each i in positions, filling ``out`` with the
-        verified payloads, or with futures of them verified on ``checks``."""
+        verified payloads, or with futures of them verified on ``checks``. Returns how many of those verified
+        here were rejected (the checks on ``checks`` count their own)."""
         if not positions:
-            return
+            return 0
+        rejected = 0
         sizes = self.dram.get_into([keys[i] for i in positions], [slots[i] for i in positions])
         for i, size in zip(positions, sizes, strict=True):
             if checks is None or size < 0:
                 out[i] = self._verified(keys[i], slots[i], size)
+                rejected += size >= 0 and out[i] is None
             else:
                 out[i] = checks.submit(self._checked_later, keys[i], slots[i], size)
+        return rejected
 
     def _plan_nvme(self, missing: list[bytes], slots: dict[bytes, memoryview],
                    upcoming: Sequence[tuple[bytes, memoryview]]) -> None:  # fmt: skip
@@ -383,7 +394,7 @@ class CacheClient:
             if out[i] is None:
                 stale.append(keys[i])
             else:
-                self.stats.read_from_disk += 1
+                self.stats.count(read_from_disk=1)
                 self._disk_reads.append((keys[i], slots[i][:size]))
         if stale:
             self._request_promotion(self.node, stale)
@@ -399,8 +410,10 @@ class CacheClient:
             read.exception()  # waits; a failed read only matters to the fetch that never came
 
     def _read_promoted(self, keys: Sequence[bytes], slots: Sequence[memoryview], positions: list[int],
-                       out: list[Fetched]) -> None:  # fmt: skip
-        """Wait for the promotions of ``keys[i]`` (i in positions), then read those promoted."""
+                       out: list[Fetched]) -> int:  # fmt: skip
+        """Wait for the promotions of ``keys[i]`` (i in positions), then read those promoted; returns how many
+        of them were rejected."""
+        rejected = 0
         by_stream: defaultdict[PromotionStream, list[int]] = defaultdict(list)
         for i in positions:
             by_stream[self._streams.pop(keys[i])].append(i)
@@ -411,8 +424,9 @@ class CacheClient:
                 log.debug("promotion answer lost: %s", exc)
                 continue
             ready = [i for i, ok in zip(waiting, flags, strict=True) if ok]
-            self.stats.promoted += len(ready)
-            self._read(keys, slots, ready, out, checks=None)  # after a promotion: checked here
+            self.stats.count(promoted=len(ready))
+            rejected += self._read(keys, slots, ready, out, checks=None)  # after a promotion: checked here
+        return rejected
 
     def _verified(self, key: bytes, slot: memoryview, size: int) -> memoryview | None:
         if size < 0:
@@ -428,8 +442,8 @@ class CacheClient:
         """``_verified`` for ``fetch_checking_later``, which counted the chunk fetched: a damaged one is missing."""
         payload = self._verified(key, slot, size)
         if payload is None:
-            self.stats.fetched -= 1
-            self.stats.missing += 1
+            self.stats.count(fetched=-1, missing=1)
+            self.recorder.record_rejected_after_fetch(self.spec.digest)
         return payload
 
     def _verified_scattered(self, key: bytes, head: memoryview, payload: Sequence[memoryview]) -> bool:
@@ -441,7 +455,7 @@ class CacheClient:
         return True
 
     def _reject(self, key: bytes, exc: ChunkError) -> None:
-        self.stats.corrupt += 1
+        self.stats.count(corrupt=1)
         log.warning("chunk %s failed verification (%s): deleted, recomputing", key.hex(), exc)
         self._discard(key)
 

@@ -59,20 +59,27 @@ class ClientStatsRecorder(PeriodicFlusher):
         self._add(namespace.hex(), seconds, "fetch", fetched_chunks=fetched, fetch_misses=missing,
                   corrupt_chunks=corrupt)  # fmt: skip
 
+    def record_rejected_after_fetch(self, namespace: bytes) -> None:
+        """A chunk an earlier ``record_fetch`` counted fetched failed its check afterwards (a client that checks
+        chunks on other threads while it fetches the next): it was a corrupt chunk, and a miss."""
+        self._count(namespace.hex(), {"fetched_chunks": -1, "fetch_misses": 1, "corrupt_chunks": 1})
+
     def record_publish(self, namespace: bytes, stored: int, failed: int, seconds: float) -> None:
         self._add(namespace.hex(), seconds, "publish", published_chunks=stored, publish_failures=failed)
 
     def _add(self, ns: str, seconds: float, op: Operation, **counts: int) -> None:
+        bucket = bisect.bisect_left(LATENCY_BUCKETS_S, seconds)
+        self._count(ns, counts, {f"lat:{op}:{bucket}": 1, f"lat:{op}:sum_us": round(seconds * 1e6),
+                                 f"lat:{op}:count": 1})  # fmt: skip
+
+    def _count(self, ns: str, *counts: dict[str, int]) -> None:
         if self.closed:
             return
-        bucket = bisect.bisect_left(LATENCY_BUCKETS_S, seconds)
         with self._lock:
-            for name, value in counts.items():
-                if value:
-                    self._pending[f"{ns}:{name}"] += value
-            self._pending[f"{ns}:lat:{op}:{bucket}"] += 1
-            self._pending[f"{ns}:lat:{op}:sum_us"] += round(seconds * 1e6)
-            self._pending[f"{ns}:lat:{op}:count"] += 1
+            for group in counts:
+                for name, value in group.items():
+                    if value:
+                        self._pending[f"{ns}:{name}"] += value
         self._started()
 
     def flush(self) -> None:
