@@ -16,6 +16,10 @@ copies run at DMA speed and never block the thread that queues them:
   being published may be loaded into) and, on the thread that runs the model, for the compute stream;
   ``loaded`` blocks until every page is in, before the slots go back to the arena and before the load
   counts as over.
+
+Each kind also says how a load through slots is best cut up for it (``load_group_bytes``) and how many
+threads should check its chunks (``check_threads``): placing costs a memcpy on the host's cores on the CPU,
+a DMA on a GPU.
 """
 
 from __future__ import annotations
@@ -39,6 +43,13 @@ _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 class PageCopies(Protocol):
     """Copies between the KV cache's pages (its layers' ``page_rows``, connector/pages.py) and host tensors
     over arena slots, shaped (layers, pages, page bytes)."""
+
+    #: Bytes fetched per Mooncake call while loading through slots: small enough that reading the next group
+    #: overlaps checking and placing this one, large enough that per-call overhead stays small.
+    load_group_bytes: int
+    #: Threads that verify chunks loaded through slots while the next are copied (``check_threads: "auto"``;
+    #: 0: the fetch thread checks each group after the segment owner's copy).
+    check_threads: int
 
     def gather(self, blocks: Sequence[int], out: torch.Tensor) -> None:
         """Start copying pages ``blocks`` of every layer into ``out``."""
@@ -79,7 +90,14 @@ def _nothing() -> None:
 
 
 class HostPageCopies:
-    """A CPU cache: a copy is over when it returns."""
+    """A CPU cache: a copy is over when it returns.
+
+    Placing is a memcpy on the cores the reads and checks use too, so groups stay small and the fetch thread
+    checks: its spare cores also run the segment owner's copy, and on 2 cores four check threads made loads
+    through slots slower (97 against 86 ms for 256 MiB, benchmarks/windows.py)."""
+
+    load_group_bytes = 8 << 20
+    check_threads = 0
 
     def __init__(self, pages: Sequence[torch.Tensor]) -> None:
         self._pages = list(pages)
@@ -117,7 +135,14 @@ class CudaPageCopies:
 
     Made on the thread that runs the model (vLLM's ``register_kv_caches``): that thread's current stream
     is the compute stream. Loads on other threads (asynchronous ones) go into blocks no running request
-    uses, so they wait for our own publishes only."""
+    uses, so they wait for our own publishes only.
+
+    Placing is a DMA here, so fewer Mooncake calls won: a 256 MiB hit of 2 MiB chunks into an H100's cache
+    loaded in 50-61 ms with 32 MiB groups against 81-87 ms with 8 MiB ones (benchmarks/windows.py). On that
+    host one thread checked chunks in three quarters of the time Mooncake took to copy them; four, in a sixth."""
+
+    load_group_bytes = 32 << 20
+    check_threads = 4
 
     def __init__(self, pages: Sequence[torch.Tensor], host_memory: tuple[int, int], chunk_pages: int,
                  directions: Directions = BOTH_WAYS) -> None:  # fmt: skip

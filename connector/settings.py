@@ -11,12 +11,6 @@ from connector.io_threads import IoCpus
 from indexer.errors import ConfigError, validation_problems
 from indexer.namespace import NamespaceSpec
 
-#: Threads that verify the checksums of chunks a GPU worker loads through arena slots (``check_threads: "auto"``): on
-#: an H100 host, one thread checked chunks in three quarters of the time Mooncake took to copy them; four, in a sixth.
-#: A CPU worker checks them on its fetch thread: its spare cores also run the segment owner's copy, and on 2 cores
-#: check threads made loads through slots slower (97 against 86 ms for 256 MiB, benchmarks/windows.py).
-GPU_CHECK_THREADS = 4
-
 
 class ConnectorSettings(BaseModel):
     """Keys of ``kv_connector_extra_config``. Unknown keys are errors, so a typo never goes unnoticed."""

@@ -38,18 +38,12 @@ from cachestore.runs import runs_of_about
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.page_copies import BOTH_WAYS, page_copies_for
 from connector.pages import block_runs, page_rows, payload_bytes, payload_view
-from connector.settings import GPU_CHECK_THREADS, Directions
+from connector.settings import Directions
 from connector.transfer_stats import TransferCounts
 from indexer.namespace import tenant_id
 
 log = logging.getLogger("prefixcache.connector")
 _BACKGROUND_QUEUE = 64
-#: Bytes fetched per Mooncake call while loading through slots, by the device the pages lie on: small enough that
-#: reading the next group overlaps checking and placing this one, large enough that per-call overhead stays small.
-#: Placing into a CPU cache is a memcpy on the cores the reads and checks use too, so groups stay small there.
-#: Placing into a GPU's is a DMA, and fewer calls won: a 256 MiB hit of 2 MiB chunks into an H100's cache loaded
-#: in 50-61 ms with 32 MiB groups against 81-87 ms with 8 MiB ones (benchmarks/windows.py).
-LOAD_GROUP_BYTES = {"cpu": 8 << 20, "cuda": 32 << 20}
 
 
 @dataclass
@@ -93,7 +87,7 @@ class WorkerSide:
                  check_threads: int | Literal["auto"] = "auto") -> None:  # fmt: skip
         """``directions``: which ways the engine's role moves KV; ``io_thread_setup`` runs first in each thread
         this side starts (see connector/io_threads.py); ``check_threads`` verify chunks loaded through slots (0: the
-        fetch thread does; ``"auto"``: ``GPU_CHECK_THREADS`` for a cache on a GPU, else 0)."""
+        fetch thread does; ``"auto"``: as many as the cache's page copies ask for, connector/page_copies.py)."""
         self.client = client
         self.shard = client.spec.shard  # which shard of the pages this worker holds, and whose keys it uses
         self.publishes = directions.publishes  # a rank whose KV another rank publishes skips the saves
@@ -141,7 +135,7 @@ class WorkerSide:
                                        directions)  # fmt: skip
         self._page_bytes = self.pages[0].shape[1]
         if check_threads == "auto":
-            check_threads = GPU_CHECK_THREADS if self.pages[0].device.type == "cuda" else 0
+            check_threads = self._copies.check_threads
         self._checks = ThreadPoolExecutor(max_workers=check_threads, thread_name_prefix="prefixcache-check",
                                           initializer=self._io_thread_setup) if check_threads else None  # fmt: skip
         self._layer_starts: list[int] = []  # where each layer's block 0 lies in self._kv
@@ -428,7 +422,7 @@ class WorkerSide:
         Returns the job that stores the chunks read from NVMe into DRAM, with the slots it holds.
         """
         upcoming = list(zip((chunk.key for chunk in chunks), slots, strict=True))
-        groups = runs_of_about(upcoming, lambda pair: len(pair[1]), LOAD_GROUP_BYTES[self.pages[0].device.type])
+        groups = runs_of_about(upcoming, lambda pair: len(pair[1]), self._copies.load_group_bytes)
         ends = list(itertools.accumulate(len(group) for group in groups))
         read_from_disk: dict[bytes, memoryview] = {}
         checking: list[Future[memoryview | None]] = []  # every check started, for the slots' release
