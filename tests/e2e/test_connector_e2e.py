@@ -354,11 +354,19 @@ def test_requests_complete_when_redis_is_down(run_vllm, tiny_model, tmp_path, re
     assert ok, reason
 
 
-def two_ranks_publish_then_load(run_vllm, daemon, spec: dict, probe: dict[str, Path], b_loads: str) -> tuple:
-    """An engine of two ranks, one core each: a run of ``spec`` without the connector; A publishes its prompt and
-    exits; B (a fresh process, vLLM's own prefix cache off, ``async_loads=b_loads``) loads it. Returns
-    (reference, a, b)."""
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+def ranks_of(spec: dict) -> int:
+    return spec.get("tensor_parallel_size", 1) * spec.get("pipeline_parallel_size", 1)
+
+
+def bound_two_to_a_core(spec: dict) -> dict[str, str]:
+    """vllm-cpu binds each rank to the cores named for it: ranks alternate between this machine's two cores."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(rank % 2) for rank in range(ranks_of(spec)))}
+
+
+def ranks_publish_then_load(run_vllm, daemon, spec: dict, probe: dict[str, Path], b_loads: str) -> tuple:
+    """An engine of several ranks: a run of ``spec`` without the connector; A publishes its prompt and exits; B (a
+    fresh process, vLLM's own prefix cache off, ``async_loads=b_loads``) loads it. Returns (reference, a, b)."""
+    env = bound_two_to_a_core(spec)
     reference = run_vllm(spec, env=env)
     a, b = (run_vllm({**spec, "kv_transfer_config": connector_config(daemon, probe=True, async_loads=mode)},
                      env={**env, "PREFIXCACHE_PROBE_DIR": str(probe[name])})
@@ -369,70 +377,70 @@ def two_ranks_publish_then_load(run_vllm, daemon, spec: dict, probe: dict[str, P
 @pytest.fixture(scope="module")
 def tensor_parallel(run_vllm, tiny_model, daemon, tmp_path_factory):
     """Two tensor-parallel ranks; B loads asynchronously: vLLM holds the request in WAITING_FOR_REMOTE_KVS until
-    both ranks report their shards in. Returns (reference, a, b, probe directories)."""
+    both ranks report their shards in. Returns (spec, reference, a, b, probe directories)."""
     probe = {name: tmp_path_factory.mktemp(f"probe-tp-{name}") for name in ("a", "b")}
     spec = {"model": str(tiny_model), "prompts": [P3], "max_tokens": 16, "tensor_parallel_size": 2}
-    return *two_ranks_publish_then_load(run_vllm, daemon, spec, probe, b_loads="always"), probe
+    return spec, *ranks_publish_then_load(run_vllm, daemon, spec, probe, b_loads="always"), probe
 
 
-def assert_each_rank_loaded_its_shard_asynchronously(prompt: list[int], reference: dict, a: dict, b: dict,
+def assert_each_rank_loaded_its_shard_asynchronously(spec: dict, reference: dict, a: dict, b: dict,
                                                       probe: dict[str, Path]) -> None:  # fmt: skip
-    """B hit all but the last token of ``prompt`` and both runs answered as the reference; each of the two ranks
+    """B hit all but the last token of the spec's prompt and both runs answered as the reference; each rank
     published the prompt's 4 full chunks and its tail under keys of its own, and B's ranks loaded exactly those,
     bit for bit, straight into their pages, in one asynchronous load each."""
-    assert b["outputs"][0]["num_cached_tokens"] == len(prompt) - 1
+    ranks = ranks_of(spec)
+    assert b["outputs"][0]["num_cached_tokens"] == len(spec["prompts"][0]) - 1
     for run in (a, b):
         ok, reason = same_greedy_output(reference["outputs"][0], run["outputs"][0])
         assert ok, reason
-    assert assert_loaded_pages_were_saved(probe["a"], probe["b"]) == (10, 10)
-    assert [int((probe["b"] / f"loaded_in_place.{rank}").read_text()) for rank in (0, 1)] == [5, 5]
-    assert [int((probe["b"] / f"loaded_async.{rank}").read_text()) for rank in (0, 1)] == [1, 1]
+    assert assert_loaded_pages_were_saved(probe["a"], probe["b"]) == (5 * ranks, 5 * ranks)
+    assert [int((probe["b"] / f"loaded_in_place.{shard}").read_text()) for shard in range(ranks)] == [5] * ranks
+    assert [int((probe["b"] / f"loaded_async.{shard}").read_text()) for shard in range(ranks)] == [1] * ranks
 
 
 def test_two_tensor_parallel_ranks_each_load_their_own_shard_asynchronously_and_answer_the_same(tensor_parallel):
-    reference, a, b, probe = tensor_parallel
-    assert_each_rank_loaded_its_shard_asynchronously(P3, reference, a, b, probe)
+    assert_each_rank_loaded_its_shard_asynchronously(*tensor_parallel)
 
 
 @pytest.fixture(scope="module")
 def pipeline_parallel(run_vllm, tiny_model, daemon, tmp_path_factory):
-    """Two pipeline stages of four layers (compiled: see tests/e2e/run_vllm.py). vLLM keeps a step per stage in
-    flight, so B's loads are asynchronous although it asks for ``auto``. Returns (reference, a, b, probe
-    directories)."""
+    """Two pipeline stages of four layers, each split over two tensor-parallel ranks: four ranks, two to a core
+    (compiled: see tests/e2e/run_vllm.py). vLLM keeps a step per stage in flight, so B's loads are asynchronous
+    although it asks for ``auto``. Returns (spec, reference, a, b, probe directories)."""
     probe = {name: tmp_path_factory.mktemp(f"probe-pp-{name}") for name in ("a", "b")}
-    spec = {"model": str(tiny_model), "prompts": [P7], "max_tokens": 16, "pipeline_parallel_size": 2}
-    return *two_ranks_publish_then_load(run_vllm, daemon, spec, probe, b_loads="auto"), probe
+    spec = {"model": str(tiny_model), "prompts": [P7], "max_tokens": 16, "pipeline_parallel_size": 2,
+            "tensor_parallel_size": 2}  # fmt: skip
+    return spec, *ranks_publish_then_load(run_vllm, daemon, spec, probe, b_loads="auto"), probe
 
 
-def test_two_pipeline_stages_each_load_their_own_layers_and_answer_the_same(pipeline_parallel):
-    reference, a, b, probe = pipeline_parallel
-    assert_each_rank_loaded_its_shard_asynchronously(P7, reference, a, b, probe)
-    # a stage's shard is its four layers' pages, under a namespace of its own
+def test_two_pipeline_stages_of_two_tensor_ranks_each_load_their_own_shard_and_answer_the_same(pipeline_parallel):
+    _, _, _, _, probe = pipeline_parallel
+    assert_each_rank_loaded_its_shard_asynchronously(*pipeline_parallel)
+    # a rank's shard is its stage's four layers' pages, its heads of them, under a namespace of its own
     assert {torch.load(path).shape[0] for path in probe["b"].glob("loaded-*.pt")} == {4}
-    assert (probe["b"] / "namespace.0").read_text() != (probe["b"] / "namespace.1").read_text()
+    assert len({(probe["b"] / f"namespace.{shard}").read_text() for shard in range(4)}) == 4
 
 
 def test_under_pipeline_parallelism_a_stage_whose_load_keeps_failing_has_the_prompt_computed(
-    run_vllm, tiny_model, daemon, pipeline_parallel, tmp_path
+    run_vllm, daemon, pipeline_parallel, tmp_path
 ):
-    """The second stage's shard of P7's first chunk damaged in DRAM and on NVMe; the first stage's intact. vLLM
-    asks again about a request whose asynchronous load failed from its first block: it is looked up once more
-    (the damaged DRAM copy unlisted by then, the NVMe copy planned), fails again, and is computed whole, with the
-    answer of a run without the connector. Both stages publish it again: what a stage loaded intact counts for
-    nothing once another stage's load failed."""
-    reference, _, _, probe = pipeline_parallel
-    second_stage = bytes.fromhex((probe["a"] / "namespace.1").read_text())
+    """One rank's shard of P7's first chunk (the second stage's first tensor rank) damaged in DRAM and on NVMe;
+    the other ranks' intact. vLLM asks again about a request whose asynchronous load failed from its first
+    block: it is looked up once more (the damaged DRAM copy unlisted by then, the NVMe copy planned), fails
+    again, and is computed whole, with the answer of a run without the connector. Every rank publishes it again:
+    what a rank loaded intact counts for nothing once another rank's load failed."""
+    spec, reference, _, _, probe = pipeline_parallel
+    second_stage = bytes.fromhex((probe["a"] / "namespace.2").read_text())  # shard: stage 1, tensor rank 0
     first_chunk = stored_chunk_keys(second_stage, P7, CHUNK)[0]
     corrupt_before = corrupt_chunks(daemon)
     damage_dram_copies(daemon, [first_chunk])
     damage_nvme_copy(daemon, first_chunk)
-    out = run_vllm({"model": str(tiny_model), "prompts": [P7], "max_tokens": 16, "pipeline_parallel_size": 2,
-                    "kv_transfer_config": connector_config(daemon, probe=True)},
-                   env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", "PREFIXCACHE_PROBE_DIR": str(tmp_path)})  # fmt: skip
+    out = run_vllm({**spec, "kv_transfer_config": connector_config(daemon, probe=True)},
+                   env={**bound_two_to_a_core(spec), "PREFIXCACHE_PROBE_DIR": str(tmp_path)})  # fmt: skip
     ok, reason = same_greedy_output(reference["outputs"][0], out["outputs"][0])
     assert ok, reason
-    assert [int((tmp_path / f"loaded_async.{stage}").read_text()) for stage in (0, 1)] == [2, 2]
-    assert len(list(tmp_path.glob("saved-*.pt"))) == 10  # P7's 5 chunks, each stage's shard
+    assert [int((tmp_path / f"loaded_async.{shard}").read_text()) for shard in range(4)] == [2] * 4
+    assert len(list(tmp_path.glob("saved-*.pt"))) == 20  # P7's 5 chunks, each rank's shard
     assert wait_for_corrupt_chunks(daemon, corrupt_before + 1) == corrupt_before + 1  # found in DRAM by the engine
 
 
@@ -580,7 +588,7 @@ def multi_query_tensor_parallel(run_vllm, daemon, tmp_path_factory):
     model = build_tiny_llama(tmp_path_factory.mktemp("tiny-mqa"), kv_heads=1)
     probe = {name: tmp_path_factory.mktemp(f"probe-mqa-{name}") for name in ("a", "b")}
     spec = {"model": str(model), "prompts": [P8], "max_tokens": 16, "tensor_parallel_size": 2}
-    return *two_ranks_publish_then_load(run_vllm, daemon, spec, probe, b_loads="auto"), probe
+    return *ranks_publish_then_load(run_vllm, daemon, spec, probe, b_loads="auto"), probe
 
 
 def test_tensor_parallel_ranks_sharing_a_kv_head_publish_one_copy_and_both_load_it(multi_query_tensor_parallel):
