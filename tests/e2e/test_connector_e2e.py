@@ -228,6 +228,8 @@ def test_another_model_gets_zero_hits_not_wrong_kv(run_vllm, tmp_path_factory, d
     assert out["outputs"][0]["num_cached_tokens"] == 0
 
 
+@pytest.mark.skipif(not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()),
+                    reason="vLLM's CPU attention refuses an fp8 KV cache without AVX-512 or AMX")  # fmt: skip
 def test_an_fp8_kv_cache_gets_no_hits_from_bf16_kv_and_reuses_its_own(run_vllm, tiny_model, daemon,
                                                                      producer_then_consumer):  # fmt: skip
     """The same model and prompt with vLLM's KV cache in fp8: A's chunks of P1 are another namespace, so the first
