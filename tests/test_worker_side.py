@@ -13,12 +13,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
+import httpx
 import pytest
-import redis
 import torch
 
 from cachestore.client import CacheClient
-from cachestore.client_stats import COUNTERS, read_client_stats
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.worker_side import WorkerSide
 from indexer.keys import chunk_key
@@ -79,12 +78,11 @@ def publish(w: WorkerSide, chunks: int, seed: int = 0) -> list[bytes]:
     return keys
 
 
-def recorded_fetches(client: CacheClient) -> dict[str, int]:
-    """The fetch counters this node's clients recorded for the client's namespace, once its own are flushed."""
+def reported_client_use(daemon: Daemon, client: CacheClient) -> dict[str, int]:
+    """What the node's daemon reports its clients did in the client's namespace (``/v1/stats``), once this
+    client's own counts are flushed to it."""
     client.recorder.flush()
-    with redis.Redis.from_url(client.index.url) as server:
-        totals = read_client_stats(server, client.config.key_prefix + ":", client.node)
-    return totals[client.spec.digest].counters if client.spec.digest in totals else dict.fromkeys(COUNTERS, 0)
+    return httpx.get(daemon.url + "/v1/stats").json()["namespaces"][client.spec.digest.hex()]["clients"]
 
 
 def load(w: WorkerSide, loads: dict[str, list[LoadChunk]]) -> set[int]:
@@ -176,12 +174,12 @@ def test_a_damaged_dram_copy_loaded_through_slots_is_read_from_nvme_in_the_same_
         damage_dram_copy(loader.client.dram, keys[1])
         plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(30 + 4 * i, 34 + 4 * i)))
                       for i, key in enumerate(keys)]}  # fmt: skip
-        before = recorded_fetches(loader.client)
+        before = reported_client_use(daemon, loader.client)
         assert load(loader, plan) == set()
         assert loader.loaded_chunks == 2 and loader.loaded_in_place == 0
         assert loader.client.stats.corrupt == 1 and loader.client.stats.read_from_disk == 1
         # the node's statistics count the damaged copy as corrupt, and each chunk fetched once, however it was checked
-        after = recorded_fetches(loader.client)
+        after = reported_client_use(daemon, loader.client)
         assert {name: after[name] - before[name] for name in ("corrupt_chunks", "fetched_chunks")} == {
             "corrupt_chunks": 1, "fetched_chunks": 2}  # fmt: skip
         assert loader.client.dram.contains([keys[1]]) == [False]  # the damaged copy is gone
