@@ -1,0 +1,28 @@
+"""benchmarks.ttft's ratios: rows paired in one engine are compared pair by pair, other rows by their medians."""
+
+from benchmarks.ttft import BYPASSED, CEILING, PUBLISHING, Case, medians, paired_ratio, ratios
+
+
+def cases(config: str, times: list[float], tokens: int = 4097) -> list[Case]:
+    return [Case(tokens, config, t, 0, 1) for t in times]
+
+
+def test_paired_rows_take_the_median_of_their_pairs_ratios_not_the_ratio_of_their_medians():
+    # the committed run's publishing pairs at 8065 tokens: a slow first pair skews the medians' ratio
+    run = cases(PUBLISHING, [6.639, 5.625, 6.109]) + cases(BYPASSED, [5.635, 5.521, 6.282])
+    found = ratios(medians(run), run, [4097])
+    (publishing,) = (values for name, values in found.items() if name.startswith(f"{PUBLISHING} / {BYPASSED}"))
+    assert publishing[4097] == paired_ratio(run, PUBLISHING, BYPASSED, 4097)
+    assert round(publishing[4097], 3) == 1.019  # 6.109 / 5.635 = 1.084 as a ratio of medians
+
+
+def test_rows_from_different_engines_compare_their_medians():
+    run = cases("prefixcache-dram", [0.030, 0.040, 0.036]) + cases(CEILING, [0.020, 0.030, 0.028])
+    found = ratios(medians(run), run, [4097])
+    assert found["prefixcache-dram / vllm-prefix-cache (target <= 1.25)"][4097] == 0.036 / 0.028
+
+
+def test_a_paired_ratio_needs_as_many_cases_on_each_side():
+    run = cases(PUBLISHING, [1.0, 1.1]) + cases(BYPASSED, [1.0])
+    assert paired_ratio(run, PUBLISHING, BYPASSED, 4097) is None
+    assert paired_ratio(run, PUBLISHING, BYPASSED, 1025) is None
