@@ -1,10 +1,14 @@
 import mmap
+import struct
 
 import numpy as np
 import pytest
+import xxhash
 
 from cachestore.codec import (
     HEADER_BYTES,
+    PAYLOAD_ALIGN,
+    BodyCheck,
     ChunkError,
     ChunkMeta,
     decode,
@@ -46,9 +50,58 @@ def test_header_is_written_in_place_in_front_of_a_payload_already_in_the_buffer(
     buf = mmap.mmap(-1, 1 << 16)
     buf[m.payload_offset : m.encoded_size] = payload(m)
     size = write_header(memoryview(buf), m)
-    assert size == HEADER_BYTES + 64 * 4 + 128
+    assert m.payload_offset == PAYLOAD_ALIGN  # the header and 64 tokens, padded to a 4 KiB boundary
+    assert size == PAYLOAD_ALIGN + 128
     assert decode(memoryview(buf)[:size], key=KEY, namespace=NS)[0] == m
     assert read_meta(buf) == m
+
+
+def test_the_padding_before_the_payload_is_zeroed_whatever_the_buffer_held():
+    m = meta()
+    buf = bytearray(b"\xff" * m.encoded_size)
+    buf[m.payload_offset :] = payload(m)
+    write_header(memoryview(buf), m)
+    assert m.payload_offset % PAYLOAD_ALIGN == 0
+    assert bytes(buf[m.tokens_end : m.payload_offset]) == bytes(m.payload_offset - m.tokens_end)
+    assert decode(buf, key=KEY, namespace=NS)[0] == m
+
+
+def version_1_object(m: ChunkMeta, data: bytes) -> bytearray:
+    """The object as format version 1 wrote it: the payload right after the tokens. Its body checksum is the
+    same digest (tokens, then payload); only the version and the header checksum differ."""
+    header = bytearray(encode(m, data)[:HEADER_BYTES])
+    struct.pack_into("<H", header, 4, 1)
+    struct.pack_into("<Q", header, 248, xxhash.xxh3_64_intdigest(bytes(header[:248])))
+    return header + m.tokens + data
+
+
+def test_an_object_of_format_version_1_still_decodes_with_its_payload_after_the_tokens():
+    m, data = meta(), payload(meta())
+    obj = version_1_object(m, data)
+    got, view = decode(obj, key=KEY, namespace=NS)
+    assert got.version == 1 and got.payload_offset == HEADER_BYTES + 64 * 4
+    assert bytes(view) == data and len(obj) == got.encoded_size
+    assert read_meta(obj) == got
+    with pytest.raises(ValueError, match="written in format version 2"):
+        write_header(memoryview(bytearray(len(obj))), got)
+
+
+def test_a_body_check_fed_piece_by_piece_accepts_the_chunk_and_refuses_a_short_or_changed_payload():
+    m, data = meta(), payload(meta())
+    obj = encode(m, data)
+    head = memoryview(obj)[: m.payload_offset]
+    whole = BodyCheck(head, key=KEY, namespace=NS)
+    for at in range(0, len(data), 65536):
+        whole.update(memoryview(data)[at : at + 65536])
+    assert whole.verdict() == m
+    short = BodyCheck(head, key=KEY, namespace=NS)
+    short.update(memoryview(data)[:-1])
+    with pytest.raises(ChunkError, match="payload of"):
+        short.verdict()
+    changed = BodyCheck(head, key=KEY, namespace=NS)
+    changed.update(memoryview(bytes([data[0] ^ 1]) + data[1:]))
+    with pytest.raises(ChunkError, match="body checksum"):
+        changed.verdict()
 
 
 @pytest.mark.parametrize("offset", [0, 4, 8, 30, 45, 60, 75, 85, 90, 97, 100, 110, 250, HEADER_BYTES + 5, -1])
