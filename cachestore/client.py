@@ -26,10 +26,10 @@ import redis
 
 from cachestore.api import ClientConfig
 from cachestore.client_stats import ClientStatsRecorder
-from cachestore.codec import ChunkError, ChunkMeta, decode, decode_scattered, write_header
+from cachestore.codec import BodyCheck, ChunkError, ChunkMeta, decode, decode_scattered, write_header
 from cachestore.dram import MooncakeTier
 from cachestore.extents import locate
-from cachestore.nvme import read_extent
+from cachestore.nvme import Extent, read_extent
 from cachestore.promotion import PromotionStream
 from indexer.chunking import ChunkGeometry
 from indexer.errors import ConfigError, IndexUnavailableError
@@ -286,8 +286,19 @@ class CacheClient:
         """
         if not objects:
             return 0
-        stored = self.dram.put(objects)
-        keys = [key for (key, _), ok in zip(objects, stored, strict=True) if ok]
+        return self._indexed_in_dram([key for key, _ in objects], self.dram.put(objects))
+
+    def store_scattered(self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]]) -> int:
+        """``store_disk_reads`` for chunks read from NVMe straight into the caller's memory (``disk_extents``):
+        each object gathered from ``parts[i]`` in order (its header and tokens, then its payload), all in
+        the arena or ``shared_memory``. Returns how many were stored."""
+        if not keys:
+            return 0
+        return self._indexed_in_dram(keys, self.dram.put_scattered(keys, parts))
+
+    def _indexed_in_dram(self, keys: Sequence[bytes], stored: list[bool]) -> int:
+        """Add this node's DRAM location of the chunks just stored after a disk read; how many were."""
+        keys = [key for key, ok in zip(keys, stored, strict=True) if ok]
         try:
             self.index.add_location(keys, self.location)
         except IndexUnavailableError as exc:
@@ -296,6 +307,36 @@ class CacheClient:
             return 0
         self.stats.count(stored_after_disk_read=len(keys))
         return len(keys)
+
+    def disk_extents(self, keys: Sequence[bytes]) -> list[Extent | None]:
+        """Where this node's NVMe tier holds each chunk (None: not there, or no answer), for a caller that
+        reads them itself, straight into its own memory (``cachestore.nvme.read_pieces``): one request
+        this node's daemon answers from its manifest. An extent may go stale (compaction moves objects);
+        what is read from it is verified like every load (``verify_disk_reads``)."""
+        try:
+            return locate(self._redis, self._prefix, self.node, keys, self._promote_timeout_s)
+        except redis.RedisError as exc:
+            log.debug("locating chunks on this node's NVMe failed: %s", exc)
+            return [None] * len(keys)
+
+    def verify_disk_reads(self, checks: Sequence[BodyCheck | ChunkError], started: float) -> list[bool]:
+        """Per chunk a caller read from ``disk_extents`` into pieces and fed to its ``BodyCheck``, whether it is
+        intact (a ``ChunkError`` stands for one that failed before). Records one fetch, timed from ``started``
+        (``time.perf_counter()``). A failure is a miss; the chunk stays on disk (its extent went stale, most
+        likely), and the daemon's next read of it checks it again."""
+        ok = []
+        for check in checks:
+            try:
+                if isinstance(check, ChunkError):
+                    raise check
+                check.verdict()
+                ok.append(True)
+            except ChunkError as exc:
+                log.warning("a chunk read from this node's NVMe failed verification (%s): recomputing", exc)
+                ok.append(False)
+        self.stats.count(fetched=sum(ok), read_from_disk=sum(ok), corrupt=len(ok) - sum(ok))
+        self.recorder.record_fetch(self.spec.digest, sum(ok), 0, len(ok) - sum(ok), time.perf_counter() - started)
+        return ok
 
     def _read(self, keys: Sequence[bytes], slots: Sequence[memoryview], positions: list[int],
               out: list[Fetched], checks: Executor | None) -> int:  # fmt: skip
@@ -359,11 +400,7 @@ class CacheClient:
 
     def _read_here(self, keys: list[bytes], slots: dict[bytes, memoryview]) -> list[bytes]:
         """Start reading ``keys`` from this node's segment files into their slots; returns those not there."""
-        try:
-            found = locate(self._redis, self._prefix, self.node, keys, self._promote_timeout_s)
-        except redis.RedisError as exc:
-            log.debug("locating chunks on this node's NVMe failed: %s", exc)
-            return keys
+        found = self.disk_extents(keys)
         for key, extent in zip(keys, found, strict=True):
             if extent is not None:
                 self._disk_reads_ahead[key] = (slots[key], self._disk.submit(read_extent, extent, slots[key]))

@@ -181,26 +181,48 @@ class MooncakeTier:
             config = self._pinned_config(soft_pin_s)
         with ExitStack() as staging:
             addresses = [self._address(memoryview(obj).cast("B"), staging, copy_in=True) for _, obj in items]
-            names = [self._name(key) for key, _ in items]
             sizes = [len(memoryview(obj).cast("B")) for _, obj in items]
-            done = [False] * len(items)
-            pending = list(range(len(items)))
-            deadline = time.monotonic() + self._put_retry_s
-            while pending and self._usable():
-                codes = self._store.batch_put_from(
-                    [names[i] for i in pending], [addresses[i] for i in pending], [sizes[i] for i in pending], config,
-                )  # fmt: skip
-                retry = []
-                for i, code in zip(pending, codes, strict=True):
-                    if code == OK:
-                        done[i] = True
-                    elif code == FULL and time.monotonic() < deadline:
-                        retry.append(i)  # the master evicts every ~10 ms above its watermark
-                    else:
-                        self._note(code)
-                pending = retry
-                if pending:
-                    time.sleep(0.01)
+            return self._put_each(
+                [key for key, _ in items],
+                lambda names, picked: self._store.batch_put_from(
+                    names, [addresses[i] for i in picked], [sizes[i] for i in picked], config
+                ),
+            )
+
+    def put_scattered(self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]]) -> list[bool]:
+        """Store each object gathered from ``parts[i]``, in order, all in registered memory (the arena or
+        ``shared_memory``): a chunk read from NVMe straight into KV pages goes into DRAM from those pages."""
+        if len(keys) != len(parts):
+            raise ValueError("one list of parts per key")
+        addresses = [[self._registered_address(view) for view in views] for views in parts]
+        sizes = [[len(view) for view in views] for views in parts]
+        return self._put_each(
+            keys,
+            lambda names, picked: self._store.batch_put_from_multi_buffers(
+                names, [addresses[i] for i in picked], [sizes[i] for i in picked], self._config
+            ),
+        )
+
+    def _put_each(self, keys: Sequence[bytes], put: Callable[[list[str], list[int]], list[int]]) -> list[bool]:
+        """Run ``put(names, positions)`` over the objects not stored yet, again while the pool is full (the
+        master evicts every ~10 ms above its watermark) until ``put_retry_s`` has passed; which were stored."""
+        names = [self._name(key) for key in keys]
+        done = [False] * len(keys)
+        pending = list(range(len(keys)))
+        deadline = time.monotonic() + self._put_retry_s
+        while pending and self._usable():
+            codes = put([names[i] for i in pending], pending)
+            retry = []
+            for i, code in zip(pending, codes, strict=True):
+                if code == OK:
+                    done[i] = True
+                elif code == FULL and time.monotonic() < deadline:
+                    retry.append(i)
+                else:
+                    self._note(code)
+            pending = retry
+            if pending:
+                time.sleep(0.01)
         return done
 
     def _pinned_config(self, soft_pin_s: float) -> ReplicateConfig:

@@ -96,7 +96,7 @@ def read_extent(extent: Extent, view: memoryview) -> int:
     if view.nbytes < read_size(extent.length) or not _page_aligned(view):
         return -1
     try:
-        fd = _open_for_reading(extent.path)
+        fd = open_for_reading(extent.path)
     except OSError:
         return -1
     try:
@@ -108,7 +108,7 @@ def read_extent(extent: Extent, view: memoryview) -> int:
     return extent.length if got >= extent.length else -1
 
 
-def _open_for_reading(path: str) -> int:
+def open_for_reading(path: str) -> int:
     """O_DIRECT where the file system supports it (tmpfs does not), else through the page cache."""
     try:
         return os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
@@ -116,6 +116,17 @@ def _open_for_reading(path: str) -> int:
         if e.errno != errno.EINVAL:
             raise
     return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+
+def read_pieces(fd: int, views: Sequence[memoryview], offset: int) -> bool:
+    """Fill ``views``, in order, from ``offset`` of a segment file opened by ``open_for_reading``: one
+    ``preadv``, straight into the caller's memory. With O_DIRECT every view's address and length and the
+    offset must be 4 KiB-aligned (``PAGE``); whether every byte arrived (False on any error)."""
+    want = sum(len(view) for view in views)
+    try:
+        return os.preadv(fd, views, offset) == want
+    except OSError:
+        return False
 
 
 def _check_key(key: bytes) -> None:

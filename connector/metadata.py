@@ -10,13 +10,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 @dataclass
 class LoadChunk:
     """Load pages ``first_page ..`` of stored chunk ``key`` (holding ``stored_tokens``) into ``blocks``;
-    ``in_dram``: False when the lookup found the chunk on NVMe alone (its read starts there at once)."""
+    ``in_dram``: False when the lookup found the chunk on NVMe alone (its read starts there at once);
+    ``ends_mid_block``: the load ends inside its last block, where vLLM writes the step's first computed
+    tokens, layer by layer before each attention layer waits for its KV, so the block must be in first."""
 
     key: bytes
     stored_tokens: int
     first_page: int
     blocks: list[int]
     in_dram: bool = True
+    ends_mid_block: bool = False
 
 
 @dataclass

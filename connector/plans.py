@@ -36,7 +36,8 @@ def load_plan(match: PrefixMatch, blocks: list[int], start: int, end: int, g: Ge
         if lo < hi:
             span = g.blocks(lo, hi)
             plan.append(LoadChunk(key, stored_tokens, span.start - i * c // g.block_tokens, blocks[span],
-                                  in_dram=i not in match.without_dram))  # fmt: skip
+                                  in_dram=i not in match.without_dram,
+                                  ends_mid_block=hi % g.block_tokens != 0))  # fmt: skip
     return plan
 
 

@@ -44,6 +44,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         self._directions = Directions.of_role(transfer.kv_role)
         self._scheduler = None
         self._worker = None
+        self._layer_index: dict[str, int] = {}  # the worker's attention layers, in its KV cache's order
         self._cache_client: CacheClient | None = None
         self._io_thread_setup: Callable[[], None] | None = None  # binds the connector's threads (set with the client)
         if role == KVConnectorRole.SCHEDULER:
@@ -110,7 +111,9 @@ class PrefixCacheConnector(KVConnectorBase_V1):
 
         group = self._kv_cache_config.kv_cache_groups[0]
         check_loads_supported(attention_backends(self._vllm_config, group.layer_names), self._directions)
-        layers = [kv_caches[name] for name in group.layer_names if name in kv_caches]
+        names = [name for name in group.layer_names if name in kv_caches]
+        self._layer_index = {name: i for i, name in enumerate(names)}
+        layers = [kv_caches[name] for name in names]
         client = self._client()
         self._worker = WorkerSide(client, layers, group.kv_cache_spec.block_size,
                                   directions=self._worker_directions(group.kv_cache_spec),
@@ -169,7 +172,11 @@ class PrefixCacheConnector(KVConnectorBase_V1):
                 self._worker.start_load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads are in their pages when start_load_kv returns (their verification may still run)."""
+        """Each attention layer calls this before it reads its KV. Loads are in their pages when start_load_kv
+        returns (their verification may still run), except those read from NVMe layer by layer: this waits for
+        the layer's."""
+        if self._worker is not None and (layer := self._layer_index.get(layer_name)) is not None:
+            self._worker.wait_for_layer(layer)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         """Pages are copied once per step, after every layer has run (wait_for_save)."""

@@ -30,11 +30,12 @@ from typing import Literal
 
 import torch
 
-from cachestore.arena import ArenaFullError
+from cachestore.arena import ArenaFullError, address_of
 from cachestore.client import CacheClient, Fetched
 from cachestore.codec import ChunkMeta, payload_offset
-from cachestore.nvme import read_size
+from cachestore.nvme import PAGE, read_size
 from cachestore.runs import runs_of_about
+from connector.layered_reads import LayeredChunk, LayeredRead
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.page_copies import BOTH_WAYS, page_copies_for
 from connector.pages import block_runs, page_rows, payload_bytes, payload_view
@@ -44,6 +45,11 @@ from indexer.namespace import tenant_id
 
 log = logging.getLogger("prefixcache.connector")
 _BACKGROUND_QUEUE = 64
+#: O_DIRECT reads in flight for a load read from NVMe layer by layer (reads of a layer's pages of one chunk,
+#: 256 KiB for the test model): 4-8 in flight moved 1.0-1.7 GB/s on this VM's disk, one 0.6.
+_LAYER_READERS = 8
+#: A store into DRAM of chunks a load read from NVMe, to run once the forward pass is over, and the slots it holds.
+_Store = tuple[Callable[[], object], list[memoryview]]
 
 
 @dataclass
@@ -79,6 +85,7 @@ class _ReadInPlace:
     elsewhere: list[LoadChunk]
     slots: list[memoryview]
     started: float
+    layered: LayeredRead | None = None  # NVMe-only chunks on their way into their pages, layer by layer
 
 
 class WorkerSide:
@@ -98,6 +105,7 @@ class WorkerSide:
         self.loaded_chunks = 0
         self.loaded_in_place = 0  # of loaded_chunks, those the segment owner wrote straight into their pages
         self.loaded_early = 0  # chunks read in place from begin_load, before start_load (verified or not)
+        self.loaded_layer_by_layer = 0  # of loaded_chunks, those read from NVMe straight into their pages
         self.loaded_async = 0  # requests whose asynchronous loads are over (intact or not)
         self._counting = threading.Lock()  # loads are counted from several threads
         self.published_chunks = 0
@@ -111,7 +119,7 @@ class WorkerSide:
         )
         self._background_thread.start()
         # Stores into DRAM of what this step's load read from NVMe, started after the forward pass.
-        self._after_forward: list[tuple[Callable[[], object], list[memoryview]]] = []
+        self._after_forward: list[_Store] = []
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixcache-fetch",
                                            initializer=self._io_thread_setup)  # fmt: skip
         # This step's loads (by request) until they are finished, then the requests whose loads failed.
@@ -140,6 +148,12 @@ class WorkerSide:
                                           initializer=self._io_thread_setup) if check_threads else None  # fmt: skip
         self._layer_starts: list[int] = []  # where each layer's block 0 lies in self._kv
         self._kv = self._pages_in_shared_memory()
+        # NVMe-only chunks go straight into their pages, layer by layer (connector/layered_reads.py), where the
+        # pages lie in shared memory at 4 KiB boundaries, until a step shows vLLM does not wait for its layers
+        self._reads_layered = self._pages_aligned_for_disk()
+        self._layer_readers = ThreadPoolExecutor(max_workers=_LAYER_READERS, thread_name_prefix="prefixcache-disk",
+                                                 initializer=self._io_thread_setup)  # fmt: skip
+        self._layered_now: LayeredRead | None = None  # this step's synchronous one, which vLLM waits for by layer
 
     def _pages_in_shared_memory(self) -> memoryview | None:
         """The KV cache as one view, when every layer's pages lie in the client's shared memory (the
@@ -153,6 +167,15 @@ class WorkerSide:
         if view is not None:
             self._layer_starts = [rows.data_ptr() - low for rows in self.pages]
         return view
+
+    def _pages_aligned_for_disk(self) -> bool:
+        """Whether every page lies in shared memory at a 4 KiB boundary, as O_DIRECT reads into it need."""
+        base = address_of(self._kv) if self._kv is not None else None
+        return (
+            base is not None
+            and self._page_bytes % PAGE == 0
+            and all((base + start) % PAGE == 0 for start in self._layer_starts)
+        )
 
     # -- loads ---------------------------------------------------------------------------------------
 
@@ -226,7 +249,8 @@ class WorkerSide:
         if stores is not None:  # stored into DRAM once the forward pass is over
             self._after_forward.append(stores)
         if placed is not None:
-            self._verification = self._verifier.submit(self._verify, placed.placed, placed.started, self.load_errors)
+            self._layered_now = placed.layered
+            self._verification = self._verifier.submit(self._verify_read, placed, self.load_errors)
 
     def _load_async(self, chunks: list[LoadChunk]) -> set[int]:
         """One step's asynchronous loads, on their own thread: placed and verified before they are reported
@@ -234,13 +258,13 @@ class WorkerSide:
         errors: set[int] = set()
         try:
             stores, placed = self._load(chunks, errors)
-            if placed is not None:
-                self._verify(placed.placed, placed.started, errors)
+            from_pages = self._verify_read(placed, errors) if placed is not None else None
         except Exception:  # noqa: BLE001 - a failed load is recomputed; the request must not fail
             log.exception("loading %d chunks asynchronously failed; recomputing them", len(chunks))
             return {block for chunk in chunks for block in chunk.blocks}
-        if stores is not None:
-            self._in_background(*stores)
+        for store in (stores, from_pages):
+            if store is not None:
+                self._in_background(*store)
         return errors
 
     def _async_load_in_flight(self) -> bool:
@@ -258,7 +282,7 @@ class WorkerSide:
         return over
 
     def _load(self, chunks: list[LoadChunk], errors: set[int], begun: _ReadInPlace | None = None
-              ) -> tuple[tuple[Callable[[], object], list[memoryview]] | None, _ReadInPlace | None]:  # fmt: skip
+              ) -> tuple[_Store | None, _ReadInPlace | None]:  # fmt: skip
         """Load ``chunks``, all but verifying those read in place (``begun``: what of them is read already).
         Blocks of chunks that fail go to ``errors``. Returns the job that stores the chunks read from NVMe
         into DRAM (see ``_load_through_slots``), and the in-place read whose chunks are still to verify."""
@@ -266,7 +290,7 @@ class WorkerSide:
             return self._load_through_slots(chunks, errors), None
         read = begun or self._read_in_place(chunks)
         stores = self._load_through_slots(read.elsewhere, errors, read.slots) if read.elsewhere else None
-        return stores, read if read.placed else None
+        return stores, read if read.placed or read.layered else None
 
     def _chunks_of(self, meta: PrefixCacheMetadata) -> list[LoadChunk]:
         """This shard's synchronous loads of the step."""
@@ -276,8 +300,9 @@ class WorkerSide:
         """Have the segment owner copy every chunk DRAM holds straight into its pages, in one call, then
         start bringing the others back from NVMe into slots of their own (one plan for every NVMe read)."""
         started = time.perf_counter()
-        placed, elsewhere = self._in_place([chunk for chunk in chunks if chunk.in_dram])
-        elsewhere += [chunk for chunk in chunks if not chunk.in_dram]
+        layered, elsewhere = self._read_layered([chunk for chunk in chunks if not chunk.in_dram])
+        placed, in_dram_elsewhere = self._in_place([chunk for chunk in chunks if chunk.in_dram])
+        elsewhere = in_dram_elsewhere + elsewhere
         if placed:
             try:
                 arrived = self.client.fetch_scattered([item.chunk.key for item in placed],
@@ -290,7 +315,42 @@ class WorkerSide:
         slots = self._slots(elsewhere)
         if slots:
             self.client.read_ahead([(chunk.key, slot) for chunk, slot in zip(elsewhere, slots, strict=False)])
-        return _ReadInPlace(placed, elsewhere, slots, started)
+        return _ReadInPlace(placed, elsewhere, slots, started, layered)
+
+    def _read_layered(self, chunks: list[LoadChunk]) -> tuple[LayeredRead | None, list[LoadChunk]]:
+        """Start reading NVMe-only chunks from this node's segment files straight into their pages, layer by layer
+        (connector/layered_reads.py); returns that read and the chunks left to load through slots: those whose
+        last block vLLM writes this step, those on no disk of this node, in format version 1 (another size), or
+        beyond the arena's room for their headers."""
+        if not self._reads_layered or not chunks:
+            return None, chunks
+        eligible = [chunk for chunk in chunks if not chunk.ends_mid_block]
+        left = [chunk for chunk in chunks if chunk.ends_mid_block]
+        items: list[LayeredChunk] = []
+        extents = self.client.disk_extents([chunk.key for chunk in eligible]) if eligible else []
+        for chunk, extent in zip(eligible, extents, strict=True):
+            if extent is None or extent.length != self._object_bytes(chunk.stored_tokens):
+                left.append(chunk)
+                continue
+            placed, _ = self._in_place([chunk])
+            if not placed:
+                left.append(chunk)
+                continue
+            item = placed[0]
+            per_layer = len(item.pieces) // len(self.layers)
+            layers = [item.pieces[i : i + per_layer] for i in range(0, len(item.pieces), per_layer)]
+            candidate = LayeredChunk(chunk, item.slot, item.head, layers, extent)
+            if candidate.aligned():
+                items.append(candidate)
+            else:
+                left += self._released([item])
+        return (LayeredRead(items, self._layer_readers) if items else None), left
+
+    def wait_for_layer(self, layer: int) -> None:
+        """vLLM's ``wait_for_layer_load``: an attention layer is about to read its KV; wait for this step's
+        reads of that layer from NVMe (their verification goes on behind them)."""
+        if self._layered_now is not None:
+            self._layered_now.wait_layer(layer)
 
     def finish_load(self) -> None:
         """Wait for the verification of this step's loads: after this, ``load_errors`` holds every block that
@@ -298,8 +358,11 @@ class WorkerSide:
         requests, so KV that failed verification never reaches an answer, and their new pages are not
         published (``save``)."""
         job, self._verification = self._verification, None
-        if job is not None:
-            job.result()
+        if job is not None and (stores := job.result()) is not None:
+            self._after_forward.append(stores)
+        layered, self._layered_now = self._layered_now, None
+        if layered is not None and len(layered.waited) < len(self.layers):
+            self._distrust(layered)
         errors = self.load_errors
         self._failed_requests.update(request for request, chunks in self._loads.items()
                                      if any(errors.intersection(chunk.blocks) for chunk in chunks))  # fmt: skip
@@ -357,6 +420,46 @@ class WorkerSide:
                 errors.update(item.chunk.blocks)
         self._count_loaded([item.chunk for item, ok in zip(items, intact, strict=True) if ok], in_place=True)
 
+    def _verify_read(self, read: _ReadInPlace, errors: set[int]) -> _Store | None:
+        """Verify what a read put straight into the pages: the DRAM hits, then (behind their reads, layer by
+        layer) the chunks read from NVMe. Returns the job that stores the latter into DRAM from their pages,
+        with the slots it holds. Never raises: a chunk that fails goes to ``errors``."""
+        if read.placed:
+            self._verify(read.placed, read.started, errors)
+        return self._verify_layered(read.layered, errors) if read.layered is not None else None
+
+    def _verify_layered(self, read: LayeredRead, errors: set[int]) -> _Store | None:
+        try:
+            intact = self.client.verify_disk_reads(read.check(self.client.spec.digest), read.started)
+        except Exception:  # noqa: BLE001 - a failed load is recomputed; the request must not fail
+            log.exception("verifying %d chunks read from NVMe failed; recomputing them", len(read.chunks))
+            read.settle()
+            intact = [False] * len(read.chunks)
+        good = [c for c, ok in zip(read.chunks, intact, strict=True) if ok]
+        for c, ok in zip(read.chunks, intact, strict=True):
+            if not ok:
+                errors.update(c.chunk.blocks)
+                self.client.release(c.slot)
+        self._count_loaded([c.chunk for c in good])
+        with self._counting:
+            self.loaded_layer_by_layer += len(good)
+        if not good:
+            return None
+        # After the forward pass, from the pages: vLLM wrote none of them this step (no chunk whose last block
+        # it writes is read this way); should it reuse one before the put is over, that copy fails its check.
+        store = functools.partial(self.client.store_scattered, [c.chunk.key for c in good],
+                                  [[c.head, *itertools.chain.from_iterable(c.layers)] for c in good])  # fmt: skip
+        return store, [c.slot for c in good]
+
+    def _distrust(self, read: LayeredRead) -> None:
+        """A step read chunks layer by layer, but vLLM did not wait for every layer: an attention layer may have
+        read its pages before they were in. Its chunks are recomputed, and loads are never read this way again."""
+        self.load_errors.update(block for c in read.chunks for block in c.chunk.blocks)
+        if self._reads_layered:
+            self._reads_layered = False
+            log.warning("vLLM waited for %d of %d layers of a load read from NVMe layer by layer: recomputing it, "
+                        "and reading NVMe hits whole from now on", len(read.waited), len(self.layers))  # fmt: skip
+
     def _count_loaded(self, chunks: list[LoadChunk], in_place: bool = False) -> None:
         """Count chunks that arrived intact in their pages."""
         with self._counting:
@@ -370,6 +473,10 @@ class WorkerSide:
         """Give back every slot of a read that will not be finished, once no disk read writes into them."""
         self.client.settle_reads()
         self._released(read.placed)
+        if read.layered is not None:
+            read.layered.settle()
+            for c in read.layered.chunks:
+                self.client.release(c.slot)
         for slot in read.slots:
             self.client.release(slot)
 
@@ -380,7 +487,7 @@ class WorkerSide:
         return [item.chunk for item in items]
 
     def _load_through_slots(self, chunks: list[LoadChunk], errors: set[int], slots: list[memoryview] | None = None
-                            ) -> tuple[Callable[[], object], list[memoryview]] | None:  # fmt: skip
+                            ) -> _Store | None:  # fmt: skip
         """Fetch chunks into arena slots and place them, in windows of as many chunks as the arena has room
         for: a hit larger than the arena still loads whole (a GPU hit of an 8B model's 8k-token prompt is
         1 GiB), in the slots each window gives back. Blocks of chunks that fail go to ``errors``.
@@ -412,7 +519,7 @@ class WorkerSide:
         return stores
 
     def _load_window(self, chunks: list[LoadChunk], slots: list[memoryview], errors: set[int]
-                     ) -> tuple[Callable[[], object], list[memoryview]] | None:  # fmt: skip
+                     ) -> _Store | None:  # fmt: skip
         """Load chunks that all have slots, in groups, placing one group while the next is read. On a GPU
         worker the check threads verify a group's chunks while the segment owner (another process) copies
         the next group into the arena; elsewhere the fetch thread verifies each group after the owner's copy.
@@ -474,7 +581,7 @@ class WorkerSide:
             log.exception("checking a loaded chunk failed; recomputing it")
             return None
 
-    def _drop(self, stores: tuple[Callable[[], object], list[memoryview]]) -> None:
+    def _drop(self, stores: _Store) -> None:
         """Give back the slots of a store into DRAM that will not run."""
         for slot in stores[1]:
             self.client.release(slot)
@@ -623,6 +730,7 @@ class WorkerSide:
         self._async_loader.shutdown(wait=True)
         self._verifier.shutdown(wait=True)
         self._early_reader.shutdown(wait=True)
+        self._layer_readers.shutdown(wait=True)
         self._fetcher.shutdown(wait=True)
         if self._checks is not None:
             self._checks.shutdown(wait=True)

@@ -46,6 +46,15 @@ def test_chunks_the_lookup_found_on_nvme_alone_are_marked_so():
     assert [c.in_dram for c in load_plan(m, BLOCKS, 0, 808, G)] == [True, False, True, True]  # the partial: unknown
 
 
+def test_the_chunk_whose_load_ends_inside_a_block_is_marked_so():
+    """vLLM writes the step's first computed tokens into that block: it must be in before the forward pass."""
+    ends = [c.ends_mid_block for c in load_plan(match(3, partial_tokens=231, stored=232), BLOCKS, 0, 999, G)]
+    assert ends == [False, False, False, True]  # the tail's last block holds token 998, and vLLM writes 999
+    ends = [c.ends_mid_block for c in load_plan(match(3, partial_tokens=40, stored=232), BLOCKS, 0, 600, G)]
+    assert ends == [False, False, True]  # the hit ends at token 600 of the third chunk's second block
+    assert not any(c.ends_mid_block for c in load_plan(match(4), BLOCKS, 0, 1024, G))  # whole blocks: a fresh one
+
+
 def test_what_vllm_holds_locally_is_not_loaded_again():
     plan = load_plan(match(4), BLOCKS, 384, 1000, G)  # the local prefix cache holds 3 blocks
     assert [(c.key[:1], c.first_page, c.blocks) for c in plan] == [

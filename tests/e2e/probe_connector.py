@@ -7,7 +7,10 @@ pass computed them (``saved-<key>.pt``; a tensor-parallel rank whose KV another 
 after placing them, before the forward pass reads them (``loaded-<key>-<first page>-<request>.pt``), each as a
 (layers, pages, *page shape) tensor, and how many of them the segment owner wrote into the pages in place
 (``loaded_in_place.<shard>``, the worker's ``NamespaceSpec.shard``: its tensor-parallel rank under one pipeline
-stage), how many of those reads began at vLLM's first hook of the step (``loaded_early.<shard>``), how many
+stage), how many of those reads began at vLLM's first hook of the step (``loaded_early.<shard>``), how many chunks
+were read from NVMe into their pages layer by layer (``loaded_layer_by_layer.<shard>``: the probe waits for every
+layer of such a load before it records it, and counts apart the attention layers whose KV vLLM itself waited for,
+``layers_waited.<shard>`` as ``<layers waited for>/<layers>``), how many
 requests loaded asynchronously (``loaded_async.<shard>``), how many chunks it was asked to publish
 (``saves.<shard>``) and in which namespace (``namespace.<shard>``); an asynchronous load's pages are recorded
 once the worker reports it over. The scheduler side records whether vLLM schedules each step before the last one
@@ -34,6 +37,7 @@ class ProbeConnector(PrefixCacheConnector):
         super().__init__(*args, **kwargs)
         self._loading: dict[str, list[LoadChunk]] = {}  # asynchronous loads not reported over yet
         self._saves = 0  # chunks the scheduler side asked this worker to publish
+        self._layers_waited: set[str] = set()  # the attention layers vLLM called wait_for_layer_load for
         directory = os.environ.get("PREFIXCACHE_PROBE_DIR")
         if directory and self._scheduler is not None:
             (Path(directory) / "schedules_ahead").write_text(str(self._scheduler.schedules_ahead))
@@ -65,10 +69,13 @@ class ProbeConnector(PrefixCacheConnector):
         if directory is None or not isinstance(meta, PrefixCacheMetadata):
             return
         assert self._worker is not None
+        for layer in range(len(self._worker.layers)):  # in their pages, as the forward pass would have them
+            self._worker.wait_for_layer(layer)
         self._worker.finish_load()  # verified: only intact chunks are recorded
         shard = self._worker.shard
         (directory / f"loaded_in_place.{shard}").write_text(str(self._worker.loaded_in_place))
         (directory / f"loaded_early.{shard}").write_text(str(self._worker.loaded_early))
+        (directory / f"loaded_layer_by_layer.{shard}").write_text(str(self._worker.loaded_layer_by_layer))
         self._record(directory, meta.loads_of(shard))
         self._loading.update(meta.loads_of(shard, asynchronous=True))
 
@@ -91,10 +98,16 @@ class ProbeConnector(PrefixCacheConnector):
                     name = f"loaded-{chunk.key.hex()}-{chunk.first_page}-{req_id}{replica}.pt"
                     torch.save(self._pages(chunk.blocks), directory / name)
 
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._layers_waited.add(layer_name)
+        super().wait_for_layer_load(layer_name)
+
     def wait_for_save(self) -> None:
         directory, meta = self._probe_dir(), self._get_connector_metadata()
         if directory is not None and isinstance(meta, PrefixCacheMetadata):
             assert self._worker is not None
+            waited = len(self._layers_waited.intersection(self._layer_index))
+            (directory / f"layers_waited.{self._worker.shard}").write_text(f"{waited}/{len(self._layer_index)}")
             replica = self._replica_suffix()
             for save in meta.saves:
                 key = chunk_key(save.parents[self._worker.shard], save.tokens)

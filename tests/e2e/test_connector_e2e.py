@@ -548,6 +548,36 @@ def test_a_hit_from_nvme_loads_asynchronously_while_another_request_decodes(busy
 
 
 @pytest.fixture(scope="module")
+def mixed_tier_hit(run_vllm, tiny_model, daemon, busy_nvme_hit, published_in, tmp_path_factory):
+    """Since the restart of ``busy_nvme_hit``, which brought P1's chunks back into DRAM, HALF's own chunks (its
+    third and fourth, and its tail, which B computed and published) lie on NVMe alone. HALF then arrives at an idle
+    engine. Returns (the run's OUT.json, its probe directory)."""
+    keys = stored_chunk_keys(published_in, HALF, CHUNK)
+    assert [tiers_of(daemon, key.hex()) for key in keys[2:]] == [["nvme"]] * 3
+    probe = tmp_path_factory.mktemp("probe-mixed")
+    out = run_vllm({"model": str(tiny_model), "prompts": [HALF], "max_tokens": 16, "prefix_caching": False,
+                    "kv_transfer_config": connector_config(daemon, probe=True)},
+                   env={"PREFIXCACHE_PROBE_DIR": str(probe)})  # fmt: skip
+    return out, probe
+
+
+def test_an_idle_engine_reads_chunks_on_nvme_alone_into_its_pages_layer_by_layer(reference, mixed_tier_hit, probes):
+    """HALF's first two chunks are read from DRAM in place, its next two from NVMe into their pages layer by layer
+    while the forward pass runs, each attention layer waiting for its own, and its tail, whose last block vLLM
+    writes the computed token into, from NVMe through a slot before the forward pass."""
+    run, probe = mixed_tier_hit
+    out = run["outputs"][0]
+    assert out["num_cached_tokens"] == len(HALF) - 1
+    ok, reason = same_greedy_output(reference["outputs"][2], out)
+    assert ok, reason
+    assert int((probe / "loaded_in_place.0").read_text()) == 2
+    assert int((probe / "loaded_layer_by_layer.0").read_text()) == 2
+    waited, layers = (probe / "layers_waited.0").read_text().split("/")
+    assert waited == layers != "0"  # vLLM waited for every attention layer's KV
+    assert assert_loaded_pages_were_saved([probes["a"], probes["b"]], probe)[1] == 5
+
+
+@pytest.fixture(scope="module")
 def mla_model(tmp_path_factory) -> Path:
     return build_tiny_mla(tmp_path_factory.mktemp("tiny-mla"))
 

@@ -1,0 +1,126 @@
+"""NVMe-only chunks read from this node's segment files straight into vLLM's pages, layer by layer.
+
+Why: through arena slots, an NVMe-only hit read every chunk into a slot, verified it and copied it into its
+pages before the forward pass began, so the disk's time (64 MiB in ~30 ms at ~2 GB/s) and the forward
+pass's (~25 ms for an 8k-token prompt on this CPU) added up. Each object holds its payload layer by layer
+from a 4 KiB boundary (format version 2, cachestore/codec.py), and the NVMe tier stores objects at 4 KiB
+boundaries of its segment files, so one layer's pages of a chunk are one aligned range of its file: a single
+O_DIRECT ``preadv`` puts them into their pages (and the scratch for pages the load does not take). The reads
+go out layer by layer; vLLM's ``wait_for_layer_load``, which each attention layer calls before it reads its
+KV, waits for its layer's reads only, so the forward pass computes layer i while layer i + 1 is read. A
+verifier streams each chunk's body checksum behind the reads (``BodyCheck``), and its verdict is in before
+vLLM asks for load errors, as for DRAM hits read in place: KV that fails it is recomputed, its step's output
+dropped.
+
+vLLM writes a step's new keys and values into a layer's pages before that layer waits, so a chunk whose
+last block receives them (``LoadChunk.ends_mid_block``) is never read this way; nor is an object of format
+version 1, whose payload is not aligned.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from concurrent.futures import Executor, Future, wait
+from dataclasses import dataclass
+
+from cachestore.arena import address_of
+from cachestore.codec import BodyCheck, ChunkError
+from cachestore.nvme import PAGE, Extent, open_for_reading, read_pieces
+from connector.metadata import LoadChunk
+
+
+@dataclass
+class LayeredChunk:
+    """One chunk to read: its arena slot (header and tokens at ``head``, then scratch for the pages the load
+    does not take), where each layer's part of its payload goes, in payload order, and where it lies on disk."""
+
+    chunk: LoadChunk
+    slot: memoryview
+    head: memoryview
+    layers: list[list[memoryview]]
+    extent: Extent
+
+    def aligned(self) -> bool:
+        """Whether O_DIRECT can read it: every piece at a 4 KiB-aligned address, of a multiple of 4 KiB."""
+        views = [self.head, *(piece for layer in self.layers for piece in layer)]
+        return self.extent.offset % PAGE == 0 and all(
+            (address_of(view) or 1) % PAGE == 0 and len(view) % PAGE == 0 for view in views
+        )
+
+
+class LayeredRead:
+    """The reads of one load, started at once on ``readers``: every chunk's header and tokens, then layer 0 of
+    every chunk, layer 1, and so on."""
+
+    def __init__(self, chunks: Sequence[LayeredChunk], readers: Executor) -> None:
+        self.chunks = list(chunks)
+        self.started = time.perf_counter()
+        self.waited: set[int] = set()  # layers vLLM waited for
+        self._fds: dict[str, int] = {}
+        fds = [self._open(c.extent.path) for c in self.chunks]
+        self._heads = [
+            self._read(readers, fd, [c.head], c.extent.offset) for c, fd in zip(self.chunks, fds, strict=True)
+        ]
+        self._layers: list[list[Future[bool]]] = []
+        for layer in range(len(self.chunks[0].layers) if self.chunks else 0):
+            reads = []
+            for c, fd in zip(self.chunks, fds, strict=True):
+                at = c.extent.offset + len(c.head) + layer * sum(len(piece) for piece in c.layers[layer])
+                reads.append(self._read(readers, fd, c.layers[layer], at))
+            self._layers.append(reads)
+
+    def wait_layer(self, layer: int) -> None:
+        """Block until every chunk's part of ``layer`` is in its pages (read, not verified yet)."""
+        wait(self._layers[layer])
+        self.waited.add(layer)
+
+    def check(self, namespace: bytes) -> list[BodyCheck | ChunkError]:
+        """Per chunk, its ``BodyCheck`` fed its whole payload as the layers arrive, or why it failed before;
+        waits for every read, then closes the files."""
+        checks: list[BodyCheck | ChunkError] = []
+        for c, head in zip(self.chunks, self._heads, strict=True):
+            try:
+                if not head.result():
+                    raise ChunkError("its header could not be read from disk")
+                checks.append(BodyCheck(c.head, key=c.chunk.key, namespace=namespace))
+            except ChunkError as exc:
+                checks.append(exc)
+        for layer, reads in enumerate(self._layers):
+            for at, (c, read) in enumerate(zip(self.chunks, reads, strict=True)):
+                check = checks[at]
+                if not read.result():
+                    checks[at] = ChunkError(f"layer {layer} could not be read from disk")
+                elif isinstance(check, BodyCheck):
+                    for piece in c.layers[layer]:
+                        check.update(piece)
+        self._close()
+        return checks
+
+    def settle(self) -> None:
+        """Wait for every read (none may still write into slots given back or pages handed over), then close."""
+        wait([*self._heads, *(read for reads in self._layers for read in reads)])
+        self._close()
+
+    def _open(self, path: str) -> int:
+        if path not in self._fds:
+            try:
+                self._fds[path] = open_for_reading(path)
+            except OSError:
+                self._fds[path] = -1  # gone since it was located: every read of it fails, a miss
+        return self._fds[path]
+
+    @staticmethod
+    def _read(readers: Executor, fd: int, views: list[memoryview], offset: int) -> Future[bool]:
+        if fd < 0:
+            failed: Future[bool] = Future()
+            failed.set_result(False)
+            return failed
+        return readers.submit(read_pieces, fd, views, offset)
+
+    def _close(self) -> None:
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            if fd >= 0:
+                os.close(fd)
