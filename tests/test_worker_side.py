@@ -250,7 +250,7 @@ def test_chunks_missing_from_dram_are_read_from_nvme_from_the_steps_first_hook(d
         loader.close()
 
 
-def nvme_only(daemon: Daemon, publisher: WorkerSide, chunks: int) -> list[bytes]:
+def nvme_only(publisher: WorkerSide, chunks: int) -> list[bytes]:
     """Publish ``chunks`` chunks and leave them on NVMe alone, as after a restart of the node; their keys."""
     keys = publish(publisher, chunks=chunks)
     wait_persisted(publisher.client, keys)
@@ -265,86 +265,64 @@ def from_nvme(keys: list[bytes], first_block: int, first_page: int = 0) -> dict[
                             in_dram=False) for i, key in enumerate(keys)]}  # fmt: skip
 
 
-def test_chunks_on_nvme_alone_are_read_into_their_pages_layer_by_layer_then_stored_back_into_dram(daemon, publisher):
-    keys = nvme_only(daemon, publisher, chunks=3)
-    loader = worker(daemon, shared=True)
-    try:
-        loader.start_load(PrefixCacheMetadata(loads=[from_nvme(keys, first_block=8)]))
-        for layer in range(LAYERS):  # each attention layer finds its pages in once its wait returns
-            loader.wait_for_layer(layer)
-            assert torch.equal(loader.pages[layer][8:20], publisher.pages[layer][:12])
-        assert loader.take_load_errors() == set()
-        assert loader.loaded_chunks == loader.loaded_layer_by_layer == 3
-        assert loader.client.stats.read_from_disk == loader.client.stats.fetched == 3
-        loader.save(PrefixCacheMetadata())  # after the forward pass: put into DRAM from the pages
-        assert wait_for(lambda: loader.client.dram.contains(keys) == [True] * 3)
-        again = {
-            "r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(40 + 4 * i, 44 + 4 * i))) for i, key in enumerate(keys)]
-        }
-        assert load(loader, again) == set() and loader.loaded_in_place == 3  # those copies verify
-        assert equal(pages(loader, list(range(40, 52))), pages(publisher, list(range(12))))
-    finally:
-        loader.close()
+def test_chunks_on_nvme_alone_are_read_into_their_pages_layer_by_layer_then_stored_back_into_dram(publisher, loader):
+    keys = nvme_only(publisher, chunks=3)
+    loader.start_load(PrefixCacheMetadata(loads=[from_nvme(keys, first_block=8)]))
+    for layer in range(LAYERS):  # each attention layer finds its pages in once its wait returns
+        loader.wait_for_layer(layer)
+        assert torch.equal(loader.pages[layer][8:20], publisher.pages[layer][:12])
+    assert loader.take_load_errors() == set()
+    assert loader.loaded_chunks == loader.loaded_layer_by_layer == 3
+    assert loader.client.stats.read_from_disk == loader.client.stats.fetched == 3
+    loader.save(PrefixCacheMetadata())  # after the forward pass: put into DRAM from the pages
+    assert wait_for(lambda: loader.client.dram.contains(keys) == [True] * 3)
+    again = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(40 + 4 * i, 44 + 4 * i))) for i, key in enumerate(keys)]}
+    assert load(loader, again) == set() and loader.loaded_in_place == 3  # those copies verify
+    assert equal(pages(loader, list(range(40, 52))), pages(publisher, list(range(12))))
 
 
-def test_a_chunk_read_layer_by_layer_whose_first_page_vllm_holds_reads_that_page_aside(daemon, publisher):
-    keys = nvme_only(daemon, publisher, chunks=2)
-    loader = worker(daemon, shared=True)
-    try:
-        for rows in loader.pages:
-            rows[[20, 24]] = 7  # pages vLLM's own prefix cache holds: the load must leave them alone
-        assert load(loader, from_nvme(keys, first_block=20, first_page=1)) == set()
-        assert loader.loaded_layer_by_layer == 2
-        assert all(bool((rows[[20, 24]] == 7).all()) for rows in loader.pages)
-        loaded = [21, 22, 23, 25, 26, 27]
-        assert equal(pages(loader, loaded), pages(publisher, [b - 20 for b in loaded]))
-    finally:
-        loader.close()
+def test_a_chunk_read_layer_by_layer_whose_first_page_vllm_holds_reads_that_page_aside(publisher, loader):
+    keys = nvme_only(publisher, chunks=2)
+    for rows in loader.pages:
+        rows[[20, 24]] = 7  # pages vLLM's own prefix cache holds: the load must leave them alone
+    assert load(loader, from_nvme(keys, first_block=20, first_page=1)) == set()
+    assert loader.loaded_layer_by_layer == 2
+    assert all(bool((rows[[20, 24]] == 7).all()) for rows in loader.pages)
+    loaded = [21, 22, 23, 25, 26, 27]
+    assert equal(pages(loader, loaded), pages(publisher, [b - 20 for b in loaded]))
 
 
-def test_a_damaged_nvme_copy_read_layer_by_layer_is_a_load_error_and_is_not_stored_into_dram(daemon, publisher):
-    keys = nvme_only(daemon, publisher, chunks=2)
+def test_a_damaged_nvme_copy_read_layer_by_layer_is_a_load_error_and_is_not_stored_into_dram(daemon, publisher, loader):
+    keys = nvme_only(publisher, chunks=2)
     damage_nvme_copy(daemon, keys[1])  # its last byte: in the last layer's last page
-    loader = worker(daemon, shared=True)
-    try:
-        assert load(loader, from_nvme(keys, first_block=0)) == {4, 5, 6, 7}  # recomputed; the step's output dropped
-        assert loader.loaded_layer_by_layer == 1 and loader.client.stats.corrupt == 1
-        loader.save(PrefixCacheMetadata())
-        assert wait_for(lambda: loader.client.dram.contains(keys[:1]) == [True])
-        assert loader.client.dram.contains(keys[1:]) == [False]
-    finally:
-        loader.close()
+    assert load(loader, from_nvme(keys, first_block=0)) == {4, 5, 6, 7}  # recomputed; the step's output dropped
+    assert loader.loaded_layer_by_layer == 1 and loader.client.stats.corrupt == 1
+    loader.save(PrefixCacheMetadata())
+    assert wait_for(lambda: loader.client.dram.contains(keys[:1]) == [True])
+    assert loader.client.dram.contains(keys[1:]) == [False]
 
 
-def test_a_chunk_whose_last_block_vllm_writes_this_step_is_in_its_pages_before_the_forward_pass(daemon, publisher):
+def test_a_chunk_whose_last_block_vllm_writes_this_step_is_in_its_pages_before_the_forward_pass(publisher, loader):
     # vLLM writes a step's new keys and values into a layer's pages before that layer waits for its KV
-    keys = nvme_only(daemon, publisher, chunks=1)
-    loader = worker(daemon, shared=True)
-    try:
-        plan = from_nvme(keys, first_block=12)
-        plan["r"][0].ends_mid_block = True
-        loader.start_load(PrefixCacheMetadata(loads=[plan]))
-        assert equal(pages(loader, [12, 13, 14, 15]), pages(publisher, [0, 1, 2, 3]))  # before any layer's wait
-        assert loader.take_load_errors() == set() and loader.loaded_layer_by_layer == 0
-    finally:
-        loader.close()
+    keys = nvme_only(publisher, chunks=1)
+    plan = from_nvme(keys, first_block=12)
+    plan["r"][0].ends_mid_block = True
+    loader.start_load(PrefixCacheMetadata(loads=[plan]))
+    assert equal(pages(loader, [12, 13, 14, 15]), pages(publisher, [0, 1, 2, 3]))  # before any layer's wait
+    assert loader.take_load_errors() == set() and loader.loaded_layer_by_layer == 0
 
 
 def test_a_load_vllm_did_not_wait_for_every_layer_of_is_recomputed_and_later_ones_are_read_whole(
-    daemon, publisher, caplog
+    publisher, loader, caplog
 ):
-    keys = nvme_only(daemon, publisher, chunks=2)
-    loader = worker(daemon, shared=True)
-    try:
-        loader.start_load(PrefixCacheMetadata(loads=[from_nvme(keys, first_block=0)]))
-        loader.wait_for_layer(0)  # an engine whose attention layers, but the first, never called wait_for_layer_load
-        assert loader.take_load_errors() == set(range(8))
-        assert "vLLM waited for 1 of 4 layers" in caplog.text
-        loader.start_load(PrefixCacheMetadata(loads=[from_nvme(keys, first_block=16)]))
-        assert equal(pages(loader, list(range(16, 24))), pages(publisher, list(range(8))))  # in before any wait
-        assert loader.take_load_errors() == set() and loader.loaded_layer_by_layer == 2  # the first load's only
-    finally:
-        loader.close()
+    keys = nvme_only(publisher, chunks=2)
+    loader.start_load(PrefixCacheMetadata(loads=[from_nvme(keys, first_block=0)]))
+    loader.wait_for_layer(0)  # an engine whose attention layers, but the first, never called wait_for_layer_load
+    assert loader.take_load_errors() == set(range(8))
+    assert "vLLM waited for 1 of 4 layers" in caplog.text
+    loader.start_load(PrefixCacheMetadata(loads=[from_nvme(keys, first_block=16)]))
+    assert equal(pages(loader, list(range(16, 24))), pages(publisher, list(range(8))))  # in before any wait
+    assert loader.take_load_errors() == set() and loader.loaded_layer_by_layer == 2  # the first load's only
 
 
 def test_a_cache_outside_shared_memory_loads_through_slots(daemon, publisher):
