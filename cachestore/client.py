@@ -319,23 +319,27 @@ class CacheClient:
             log.debug("locating chunks on this node's NVMe failed: %s", exc)
             return [None] * len(keys)
 
-    def verify_disk_reads(self, checks: Sequence[BodyCheck | ChunkError], started: float) -> list[bool]:
+    def verify_disk_reads(self, keys: Sequence[bytes], checks: Sequence[BodyCheck | ChunkError], started: float
+                          ) -> list[bool]:  # fmt: skip
         """Per chunk a caller read from ``disk_extents`` into pieces and fed to its ``BodyCheck``, whether it is
         intact (a ``ChunkError`` stands for one that failed before). Records one fetch, timed from ``started``
-        (``time.perf_counter()``). A failure is a miss; the chunk stays on disk (its extent went stale, most
-        likely), and the daemon's next read of it checks it again."""
+        (``time.perf_counter()``). A failure is a miss, and the daemon is asked to promote the chunk: an extent
+        gone stale (compaction moved the object) brings it back into DRAM, a damaged copy is deleted there."""
         ok = []
-        for check in checks:
+        for key, check in zip(keys, checks, strict=True):
             try:
                 if isinstance(check, ChunkError):
                     raise check
                 check.verdict()
                 ok.append(True)
             except ChunkError as exc:
-                log.warning("a chunk read from this node's NVMe failed verification (%s): recomputing", exc)
+                log.info("chunk %s read from this node's NVMe failed its checks (%s): recomputing", key.hex(), exc)
                 ok.append(False)
-        self.stats.count(fetched=sum(ok), read_from_disk=sum(ok), corrupt=len(ok) - sum(ok))
-        self.recorder.record_fetch(self.spec.digest, sum(ok), 0, len(ok) - sum(ok), time.perf_counter() - started)
+        failed = [key for key, intact in zip(keys, ok, strict=True) if not intact]
+        self.stats.count(fetched=sum(ok), read_from_disk=sum(ok), missing=len(failed))
+        self.recorder.record_fetch(self.spec.digest, sum(ok), len(failed), 0, time.perf_counter() - started)
+        if failed:
+            self._request_promotion(self.node, failed)
         return ok
 
     def _read(self, keys: Sequence[bytes], slots: Sequence[memoryview], positions: list[int],

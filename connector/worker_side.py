@@ -430,7 +430,8 @@ class WorkerSide:
 
     def _verify_layered(self, read: LayeredRead, errors: set[int]) -> _Store | None:
         try:
-            intact = self.client.verify_disk_reads(read.check(self.client.spec.digest), read.started)
+            checks = read.check(self.client.spec.digest)
+            intact = self.client.verify_disk_reads([c.chunk.key for c in read.chunks], checks, read.started)
         except Exception:  # noqa: BLE001 - a failed load is recomputed; the request must not fail
             log.exception("verifying %d chunks read from NVMe failed; recomputing them", len(read.chunks))
             read.settle()

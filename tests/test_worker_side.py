@@ -20,6 +20,7 @@ import torch
 from cachestore.client import CacheClient
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.worker_side import WorkerSide
+from indexer.index import Location
 from indexer.keys import chunk_key
 from indexer.tokens import pack_tokens
 from tests.daemon_harness import Daemon, damage_dram_copy, damage_nvme_copy, make_spec, wait_for, wait_persisted
@@ -258,6 +259,12 @@ def nvme_only(publisher: WorkerSide, chunks: int) -> list[bytes]:
     return keys
 
 
+def locations(client: CacheClient, key: bytes) -> list[Location]:
+    """Where the index says chunk ``key`` lies."""
+    entry = client.index.get([key])[0]
+    return list(entry.locations) if entry is not None else []
+
+
 def from_nvme(keys: list[bytes], first_block: int, first_page: int = 0) -> dict[str, list[LoadChunk]]:
     """A request's plan for chunks the lookup found on NVMe alone, into consecutive blocks from ``first_block``."""
     return {"r": [LoadChunk(key, CHUNK_TOKENS, first_page,
@@ -296,9 +303,11 @@ def test_a_damaged_nvme_copy_read_layer_by_layer_is_a_load_error_and_is_not_stor
     keys = nvme_only(publisher, chunks=2)
     damage_nvme_copy(daemon, keys[1])  # its last byte: in the last layer's last page
     assert load(loader, from_nvme(keys, first_block=0)) == {4, 5, 6, 7}  # recomputed; the step's output dropped
-    assert loader.loaded_layer_by_layer == 1 and loader.client.stats.corrupt == 1
+    assert loader.loaded_layer_by_layer == 1 and loader.client.stats.missing == 1
     loader.save(PrefixCacheMetadata())
     assert wait_for(lambda: loader.client.dram.contains(keys[:1]) == [True])
+    # the daemon, asked to promote the chunk, read it again, found it damaged and deleted it
+    assert wait_for(lambda: not any(loc.tier == "nvme" for loc in locations(loader.client, keys[1])))
     assert loader.client.dram.contains(keys[1:]) == [False]
 
 
