@@ -6,6 +6,8 @@ says which is which). Loads run one at a time. When vLLM's KV cache lies in the 
 memory (connector/shared_kv.py), the segment owner writes DRAM hits straight into the pages, from
 vLLM's first hook of the step where that is safe, and they are verified where they landed (while the
 forward pass runs, for a synchronous load); the verdict is in before vLLM asks for load errors.
+Chunks that only this node's NVMe holds are read from their segment files into the pages there, layer by
+layer, each attention layer waiting for its own (connector/layered_reads.py), and verified behind the reads.
 Other chunks are fetched into arena slots, verified and copied in. A chunk that cannot be fetched or
 fails verification reports its blocks as load errors: vLLM recomputes them and discards that step's
 output for the request, and the request's new pages of that step are not published.
@@ -297,8 +299,9 @@ class WorkerSide:
         return [chunk for chunks in meta.loads_of(self.shard).values() for chunk in chunks]
 
     def _read_in_place(self, chunks: list[LoadChunk]) -> _ReadInPlace:
-        """Have the segment owner copy every chunk DRAM holds straight into its pages, in one call, then
-        start bringing the others back from NVMe into slots of their own (one plan for every NVMe read)."""
+        """Start reading the chunks only this node's NVMe holds straight into their pages, layer by layer, then
+        have the segment owner copy every chunk DRAM holds straight into its pages, in one call, then start
+        bringing the others back from NVMe into slots of their own (one plan for every NVMe read)."""
         started = time.perf_counter()
         layered, elsewhere = self._read_layered([chunk for chunk in chunks if not chunk.in_dram])
         placed, in_dram_elsewhere = self._in_place([chunk for chunk in chunks if chunk.in_dram])
