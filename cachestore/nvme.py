@@ -93,7 +93,7 @@ def read_extent(extent: Extent, view: memoryview) -> int:
     be stale by the time it is read (compaction moved the object, the segment was deleted); the caller
     verifies what it read, as every load does, and treats a failure as a miss.
     """
-    if view.nbytes < read_size(extent.length) or not _page_aligned(view):
+    if view.nbytes < read_size(extent.length) or not page_aligned(view):
         return -1
     try:
         fd = open_for_reading(extent.path)
@@ -139,7 +139,7 @@ def _byte_view(buffer: bytes | bytearray | memoryview) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def _page_aligned(view: memoryview) -> bool:
+def page_aligned(view: memoryview) -> bool:
     """Whether O_DIRECT can read into ``view`` (writable, contiguous, starting on a page)."""
     address = address_of(view)
     return address is not None and address % PAGE == 0
@@ -790,7 +790,7 @@ class NvmeStore:
         if view.nbytes < extent.length:
             return -1
         try:
-            if view.nbytes >= extent.padded and _page_aligned(view):
+            if view.nbytes >= extent.padded and page_aligned(view):
                 got = os.preadv(fd, [view[: extent.padded]], extent.offset)
             else:
                 with self._scratch_lock:

@@ -25,9 +25,8 @@ from collections.abc import Sequence
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
 
-from cachestore.arena import address_of
 from cachestore.codec import BodyCheck, ChunkError
-from cachestore.nvme import PAGE, Extent, open_for_reading, read_pieces
+from cachestore.nvme import PAGE, Extent, open_for_reading, page_aligned, read_pieces
 from connector.metadata import LoadChunk
 
 
@@ -45,9 +44,7 @@ class LayeredChunk:
     def aligned(self) -> bool:
         """Whether O_DIRECT can read it: every piece at a 4 KiB-aligned address, of a multiple of 4 KiB."""
         views = [self.head, *(piece for layer in self.layers for piece in layer)]
-        return self.extent.offset % PAGE == 0 and all(
-            (address_of(view) or 1) % PAGE == 0 and len(view) % PAGE == 0 for view in views
-        )
+        return self.extent.offset % PAGE == 0 and all(page_aligned(view) and len(view) % PAGE == 0 for view in views)
 
 
 class LayeredRead:
