@@ -74,4 +74,4 @@ def load_asynchronously(mode: AsyncLoads, *, sync_hazard: bool, others_running: 
 def reads_nvme(match: PrefixMatch, start: int, end: int) -> bool:
     """Whether loading tokens [start, end) of ``match`` reads a chunk the index lists on NVMe alone."""
     first, stop = start // match.chunk_tokens, -(-end // match.chunk_tokens)
-    return any(first <= chunk < stop for chunk in match.without_dram)
+    return any(first <= chunk < stop for chunk in match.on_nvme_alone)

@@ -24,9 +24,10 @@ def load_plan(match: PrefixMatch, blocks: list[int], start: int, end: int, g: Ge
     """Chunks of ``match`` covering tokens [start, end), with the request blocks their pages go to.
 
     ``start`` is block-aligned (what vLLM's own prefix cache holds); a chunk it cuts is loaded from
-    the page where the local copy ends. The partial chunk's tiers are not looked up: it tries DRAM.
+    the page where the local copy ends.
     """
     c = g.chunk_tokens
+    nvme_only = match.on_nvme_alone
     stored = [(key, c) for key in match.keys]
     if match.partial is not None:
         stored.append((match.partial.key, match.partial.stored_tokens))
@@ -36,21 +37,16 @@ def load_plan(match: PrefixMatch, blocks: list[int], start: int, end: int, g: Ge
         if lo < hi:
             span = g.blocks(lo, hi)
             plan.append(LoadChunk(key, stored_tokens, span.start - i * c // g.block_tokens, blocks[span],
-                                  in_dram=i not in match.without_dram,
+                                  in_dram=i not in nvme_only,
                                   ends_mid_block=hi % g.block_tokens != 0))  # fmt: skip
     return plan
 
 
 def tokens_by_tier(matches: Sequence[PrefixMatch], start: int, end: int) -> tuple[int, int]:
     """Tokens [start, end) of a hit, split by the tier they are expected from: (DRAM, NVMe). A chunk the index
-    lists on NVMe alone on any rank counts as NVMe's. The index lists no tiers for the partial chunk: it counts
-    with the full chunk before it, published with it by the same request and aged with it since."""
+    lists on NVMe alone on any rank counts as NVMe's."""
     c = matches[0].chunk_tokens
-    nvme_only: set[int] = set()
-    for match in matches:
-        nvme_only |= match.without_dram
-        if match.partial is not None and len(match.keys) - 1 in match.without_dram:
-            nvme_only.add(len(match.keys))
+    nvme_only = frozenset().union(*(match.on_nvme_alone for match in matches))
     from_nvme = sum(max(0, min(end, (i + 1) * c) - max(start, i * c)) for i in nvme_only)
     return end - start - from_nvme, from_nvme
 

@@ -76,9 +76,9 @@ class EmbeddedIndex:
                 slot = self._slots[key]
                 slot.entry = replace(slot.entry, last_access_s=now, hits=slot.entry.hits + 1)
             probe = query.probes[hits]
-            candidates = list(self._buckets.get(probe, {}).items())[: self._max_candidates] if probe else []
-            without_dram = frozenset(i for i, key in enumerate(query.keys[:hits])
-                                     if all(at.tier != "dram" for at in self._slots[key].locations))  # fmt: skip
+            bucket = list(self._buckets.get(probe, {}).items())[: self._max_candidates] if probe else []
+            candidates = [(key, packed, key not in self._slots or self._in_dram(key)) for key, packed in bucket]
+            without_dram = frozenset(i for i, key in enumerate(query.keys[:hits]) if not self._in_dram(key))
         partial = best_partial(query, hits, candidates) if candidates else None
         return PrefixMatch(keys=list(query.keys[:hits]), chunk_tokens=query.chunk_tokens, partial=partial,
                            without_dram=without_dram)  # fmt: skip
@@ -207,6 +207,10 @@ class EmbeddedIndex:
 
     def close(self) -> None:
         """Nothing to release."""
+
+    def _in_dram(self, key: bytes) -> bool:
+        """Whether ``key``'s entry lists a DRAM location (call with the lock held)."""
+        return any(at.tier == "dram" for at in self._slots[key].locations)
 
     def _remove_one(self, key: bytes) -> int:
         slot = self._slots.pop(key, None)

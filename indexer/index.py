@@ -127,11 +127,13 @@ class ChunkEntry(ChunkIdentity):
 
 @dataclass(frozen=True)
 class PartialHit:
-    """A stored chunk whose first ``tokens`` tokens equal the prompt's tokens at the break point."""
+    """A stored chunk whose first ``tokens`` tokens equal the prompt's tokens at the break point;
+    ``in_dram``: False when the index lists it in no DRAM tier (only on NVMe)."""
 
     key: bytes
     tokens: int
     stored_tokens: int
+    in_dram: bool = True
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,13 @@ class PrefixMatch:
     chunk_tokens: int
     partial: PartialHit | None = None
     without_dram: frozenset[int] = frozenset()
+
+    @property
+    def on_nvme_alone(self) -> frozenset[int]:
+        """Positions of the chunks the index lists on NVMe alone, the partial chunk's being ``len(keys)``."""
+        if self.partial is None or self.partial.in_dram:
+            return self.without_dram
+        return self.without_dram | {len(self.keys)}
 
     @property
     def full_tokens(self) -> int:
@@ -300,10 +309,12 @@ def subtree(index: PrefixIndex, keys: Iterable[bytes], limit: int) -> list[bytes
     return list(found)
 
 
-def best_partial(query: PrefixQuery, position: int, candidates: Iterable[tuple[bytes, bytes]]) -> PartialHit | None:
+def best_partial(
+    query: PrefixQuery, position: int, candidates: Iterable[tuple[bytes, bytes, bool]]
+) -> PartialHit | None:
     """The candidate sharing the most leading tokens with the prompt's chunk at ``position``.
 
-    ``candidates`` are ``(key, packed_tokens)`` pairs from the probe bucket. Each is verified by
+    ``candidates`` are ``(key, packed_tokens, in_dram)`` triples from the probe bucket. Each is verified by
     recomputing its key from its parent and tokens, so a corrupt bucket can only cost a hit.
     """
     wanted = query.tokens_from(position)
@@ -311,7 +322,7 @@ def best_partial(query: PrefixQuery, position: int, candidates: Iterable[tuple[b
         return None
     parent = query.parent(position)
     best: PartialHit | None = None
-    for key, packed in candidates:
+    for key, packed, in_dram in candidates:
         if len(key) != KEY_BYTES or chunk_key(parent, packed) != key:
             continue
         stored = np.frombuffer(packed, dtype="<u4")
@@ -319,5 +330,5 @@ def best_partial(query: PrefixQuery, position: int, candidates: Iterable[tuple[b
         differ = np.flatnonzero(stored[:n] != wanted[:n])
         shared = int(differ[0]) if differ.size else n
         if shared and (best is None or shared > best.tokens):
-            best = PartialHit(key=key, tokens=shared, stored_tokens=int(stored.size))
+            best = PartialHit(key=key, tokens=shared, stored_tokens=int(stored.size), in_dram=in_dram)
     return best

@@ -141,7 +141,8 @@ class RedisIndex:
         if touch:
             self._access.record(b"".join(query.keys[:hits]).hex())
         without_dram = frozenset(i for i, flag in enumerate(reply[1]) if flag == ord("0"))
-        candidates = [(bytes.fromhex(reply[i].decode()), reply[i + 1]) for i in range(2, len(reply), 2)]
+        candidates = [(bytes.fromhex(reply[i].decode()), reply[i + 1], reply[i + 2] != b"0")
+                      for i in range(2, len(reply), 3)]  # fmt: skip
         partial = best_partial(query, hits, candidates) if candidates else None
         return PrefixMatch(keys=list(query.keys[:hits]), chunk_tokens=query.chunk_tokens, partial=partial,
                            without_dram=without_dram)  # fmt: skip

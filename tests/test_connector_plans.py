@@ -43,7 +43,9 @@ def test_a_partial_hit_loads_only_the_pages_it_needs():
 
 def test_chunks_the_lookup_found_on_nvme_alone_are_marked_so():
     m = dataclasses.replace(match(3, partial_tokens=40, stored=232), without_dram=frozenset({1}))
-    assert [c.in_dram for c in load_plan(m, BLOCKS, 0, 808, G)] == [True, False, True, True]  # the partial: unknown
+    assert [c.in_dram for c in load_plan(m, BLOCKS, 0, 808, G)] == [True, False, True, True]
+    m = dataclasses.replace(m, partial=dataclasses.replace(m.partial, in_dram=False))
+    assert [c.in_dram for c in load_plan(m, BLOCKS, 0, 808, G)] == [True, False, True, False]
 
 
 def test_the_chunk_whose_load_ends_inside_a_block_is_marked_so():
@@ -134,13 +136,17 @@ def test_a_load_reads_nvme_when_a_chunk_it_covers_is_on_nvme_alone():
     match = PrefixMatch([b"a", b"b", b"c"], chunk_tokens=256, without_dram=frozenset({1}))
     assert reads_nvme(match, 0, 300) and reads_nvme(match, 256, 512)
     assert not reads_nvme(match, 0, 256) and not reads_nvme(match, 512, 700)
+    tail = PartialHit(key=b"d" * 16, tokens=40, stored_tokens=40, in_dram=False)
+    assert reads_nvme(dataclasses.replace(match, partial=tail), 512, 808)
 
 
 def test_a_hit_is_split_by_the_tier_each_chunk_is_expected_from_on_any_rank():
     rank0 = dataclasses.replace(match(3, partial_tokens=40, stored=232), without_dram=frozenset({1}))
     rank1 = dataclasses.replace(match(3, partial_tokens=40, stored=232), without_dram=frozenset({2}))
     assert tokens_by_tier([rank0], 0, 807) == (807 - 256, 256)
-    assert tokens_by_tier([rank0, rank1], 0, 807) == (256, 551)  # NVMe's where any rank reads it from NVMe
+    assert tokens_by_tier([rank0, rank1], 0, 807) == (295, 512)  # NVMe's where any rank reads it from NVMe
+    rank1 = dataclasses.replace(rank1, partial=dataclasses.replace(rank1.partial, in_dram=False))
+    assert tokens_by_tier([rank0, rank1], 0, 807) == (256, 551)  # the partial chunk on NVMe alone too
     assert tokens_by_tier([rank0, rank1], 384, 600) == (0, 216)  # vLLM holds the first 384 tokens
     assert tokens_by_tier([match(3)], 128, 700) == (572, 0)
     assert tokens_by_tier([rank1], 0, 807) == (512, 295)  # the partial chunk counts with the last full one

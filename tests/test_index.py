@@ -117,6 +117,20 @@ def test_lookup_says_which_hits_have_no_dram_copy(index, spec, geometry):
     assert lookup(index, spec, geometry, list(range(1000, 1300))).without_dram == set()  # a miss
 
 
+def test_lookup_says_whether_the_partial_chunk_has_a_dram_copy(index, spec, geometry):
+    """Its own entry decides, not the chunk before it: a partial on NVMe alone is read from disk at once."""
+    tokens = list(range(300))  # 4 full chunks of 64 + a 44-token tail
+    keys = publish(index, spec, tokens, location=NVME)
+    index.add_location(keys[:4], DRAM)
+    match = lookup(index, spec, geometry, tokens)
+    assert match.partial.key == keys[4] and not match.partial.in_dram
+    assert match.without_dram == set() and match.on_nvme_alone == {4}
+    index.add_location([keys[4]], DRAM)
+    index.drop_location(keys[:4], DRAM)
+    match = lookup(index, spec, geometry, tokens)
+    assert match.partial.in_dram and match.on_nvme_alone == {0, 1, 2, 3}
+
+
 def test_fewer_than_probe_tokens_shared_is_not_a_partial_hit(index, spec, geometry):
     publish(index, spec, list(range(128)))
     match = lookup(index, spec, geometry, list(range(64)) + list(range(64, 74)) + [7777] * 60)

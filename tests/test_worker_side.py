@@ -59,21 +59,25 @@ def loader(daemon):
     w.close()
 
 
-def publish(w: WorkerSide, chunks: int, seed: int = 0) -> list[bytes]:
-    """Fill blocks 0.. with random pages and publish them as ``chunks`` chunks of one prompt; returns keys."""
+def publish(w: WorkerSide, chunks: int, seed: int = 0, tail: int = 0) -> list[bytes]:
+    """Fill blocks 0.. with random pages and publish them as ``chunks`` chunks of one prompt, then its ``tail``
+    tokens as a partial chunk (none if 0); returns keys."""
     generator = torch.Generator().manual_seed(seed)
+    tokens = chunks * CHUNK_TOKENS + tail
     for rows in w.pages:  # whatever the layers' layout, as the bytes of each page
-        rows[: chunks * PAGES] = torch.randint(0, 256, (chunks * PAGES, PAGE_BYTES), dtype=torch.uint8,
-                                               generator=generator)  # fmt: skip
+        rows[: -(-tokens // BLOCK_TOKENS)] = torch.randint(0, 256, (-(-tokens // BLOCK_TOKENS), PAGE_BYTES),
+                                                           dtype=torch.uint8, generator=generator)  # fmt: skip
     parent, saves, keys = w.client.spec.root(), [], []
-    for i in range(chunks):
-        tokens = pack_tokens(list(range(seed * 1000 + i * CHUNK_TOKENS, seed * 1000 + (i + 1) * CHUNK_TOKENS)))
-        saves.append(SaveChunk("p", [parent], tokens, list(range(i * PAGES, (i + 1) * PAGES)), None))
-        parent = chunk_key(parent, tokens)
+    for start in range(0, tokens, CHUNK_TOKENS):
+        end = min(tokens, start + CHUNK_TOKENS)
+        packed = pack_tokens(list(range(seed * 1000 + start, seed * 1000 + end)))
+        blocks = list(range(start // BLOCK_TOKENS, -(-end // BLOCK_TOKENS)))
+        saves.append(SaveChunk("p", [parent], packed, blocks, None))
+        parent = chunk_key(parent, packed)
         keys.append(parent)
     w.save(PrefixCacheMetadata(saves=saves))
     deadline = time.monotonic() + 10
-    while w.published_chunks < chunks:
+    while w.published_chunks < len(keys):
         assert time.monotonic() < deadline, "publishes did not finish"
         time.sleep(0.01)
     return keys
@@ -251,11 +255,12 @@ def test_chunks_missing_from_dram_are_read_from_nvme_from_the_steps_first_hook(d
         loader.close()
 
 
-def nvme_only(publisher: WorkerSide, chunks: int) -> list[bytes]:
-    """Publish ``chunks`` chunks and leave them on NVMe alone, as after a restart of the node; their keys."""
-    keys = publish(publisher, chunks=chunks)
+def nvme_only(publisher: WorkerSide, chunks: int, tail: int = 0) -> list[bytes]:
+    """Publish ``chunks`` chunks (and a ``tail``, as ``publish``) and leave them on NVMe alone, as after a restart
+    of the node; their keys."""
+    keys = publish(publisher, chunks=chunks, tail=tail)
     wait_persisted(publisher.client, keys)
-    assert publisher.client.dram.delete(keys) == chunks
+    assert publisher.client.dram.delete(keys) == len(keys)
     return keys
 
 
@@ -309,6 +314,20 @@ def test_a_damaged_nvme_copy_read_layer_by_layer_is_a_load_error_and_is_not_stor
     # the daemon, asked to promote the chunk, read it again, found it damaged and deleted it
     assert wait_for(lambda: not any(loc.tier == "nvme" for loc in locations(loader.client, keys[1])))
     assert loader.client.dram.contains(keys[1:]) == [False]
+
+
+def test_a_partial_chunk_on_nvme_alone_whose_load_ends_on_a_block_boundary_is_read_layer_by_layer(publisher, loader):
+    """A prompt's stored tail of 40 tokens is three pages, the last partly filled; a hit ending at its token 32
+    takes two, and vLLM computes the rest from a fresh block."""
+    keys = nvme_only(publisher, chunks=1, tail=40)
+    plan = from_nvme(keys[:1], first_block=30)
+    plan["r"].append(LoadChunk(keys[1], 40, 0, [34, 35], in_dram=False))
+    for rows in loader.pages:
+        rows[36] = 7  # the block after the hit's: its page in the chunk is read aside, not into it
+    assert load(loader, plan) == set()
+    assert loader.loaded_layer_by_layer == 2
+    assert equal(pages(loader, list(range(30, 36))), pages(publisher, list(range(6))))
+    assert all(bool((rows[36] == 7).all()) for rows in loader.pages)
 
 
 def test_a_chunk_whose_last_block_vllm_writes_this_step_is_in_its_pages_before_the_forward_pass(publisher, loader):

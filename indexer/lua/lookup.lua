@@ -2,10 +2,10 @@
 -- Longest cached prefixes of one or more chains in one round trip; read-only, so it may run on a replica.
 -- ARGV: P, max_candidates, then keys_1, probes_1, keys_2, probes_2, ... keys concatenates a chain's n
 -- keys (32 hex chars each); probes concatenates the probe bucket of positions 0..n (32 '0's where the
--- prompt has none). Returns one reply per chain, {hits, in_dram, cand_key_1, cand_tokens_1, ...}: the
--- number of leading keys present; per such key '1' if it has a DRAM location, else '0'; then the chunks
--- in the probe bucket at the break point (the client picks the longest token match). Several chains are
--- the shards of one prompt under tensor parallelism.
+-- prompt has none). Returns one reply per chain, {hits, in_dram, cand_key_1, cand_tokens_1, cand_in_dram_1,
+-- ...}: the number of leading keys present; per such key '1' if it has a DRAM location, else '0'; then the
+-- chunks in the probe bucket at the break point (the client picks the longest token match), each with its
+-- own '1' or '0'. Several chains are the shards of one prompt under tensor parallelism.
 local P = ARGV[1]
 local max_candidates = tonumber(ARGV[2])
 
@@ -37,9 +37,12 @@ local function longest(keys, probes)
     end
   end
   -- Entries count their DRAM copies ("dram"); one written before that field existed counts as in DRAM.
+  local function dram_flag(name)
+    return redis.call('HGET', name, 'dram') == '0' and '0' or '1'
+  end
   local in_dram = {}
   for i = 1, hits do
-    in_dram[i] = redis.call('HGET', names[i], 'dram') == '0' and '0' or '1'
+    in_dram[i] = dram_flag(names[i])
   end
   local out = {hits, table.concat(in_dram)}
   local probe = string.sub(probes, hits * 32 + 1, hits * 32 + 32)
@@ -52,9 +55,11 @@ local function longest(keys, probes)
       fields = redis.call('HRANDFIELD', b, max_candidates, 'WITHVALUES')
     end
     for j = 1, #fields, 2 do
-      if redis.call('EXISTS', P .. 'e:' .. fields[j]) == 1 then
+      local name = P .. 'e:' .. fields[j]
+      if redis.call('EXISTS', name) == 1 then
         out[#out + 1] = fields[j]
         out[#out + 1] = fields[j + 1]
+        out[#out + 1] = dram_flag(name)
       end
     end
   end
