@@ -19,15 +19,20 @@ version 1, whose payload is not aligned.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
+from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Executor, Future, wait
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from cachestore.codec import BodyCheck, ChunkError
 from cachestore.nvme import PAGE, Extent, open_for_reading, page_aligned, read_pieces
 from connector.metadata import LoadChunk
+
+log = logging.getLogger("prefixcache.connector")
 
 
 @dataclass
@@ -48,46 +53,54 @@ class LayeredChunk:
 
 
 class LayeredRead:
-    """The reads of one load, started at once on ``readers``: every chunk's header and tokens, then layer 0 of
-    every chunk, layer 1, and so on."""
+    """The reads of one load, in the order they go out: every chunk's header and tokens, then layer 0 of every
+    chunk, layer 1, and so on. ``parallel`` tasks on ``readers`` take them from one queue in that order.
 
-    def __init__(self, chunks: Sequence[LayeredChunk], readers: Executor) -> None:
+    Why one queue rather than a future per read: an 8k-token hit is ~290 reads, and submitting each to the pool
+    took 2-5 ms of the worker's thread (one future, one lock and one thread wake-up per read, beside the
+    readers already holding the GIL) before the forward pass could begin. Each layer counts down instead."""
+
+    def __init__(self, chunks: Sequence[LayeredChunk], readers: Executor, parallel: int) -> None:
         self.chunks = list(chunks)
         self.started = time.perf_counter()
         self.waited: set[int] = set()  # layers vLLM waited for
         self._fds: dict[str, int] = {}
         fds = [self._open(c.extent.path) for c in self.chunks]
-        self._heads = [
-            self._read(readers, fd, [c.head], c.extent.offset) for c, fd in zip(self.chunks, fds, strict=True)
-        ]
-        self._layers: list[list[Future[bool]]] = []
+        # stage 0: headers and tokens; stage i + 1: layer i. Per stage, per chunk: (fd, views, file offset).
+        self._stages = [[(fd, [c.head], c.extent.offset) for c, fd in zip(self.chunks, fds, strict=True)]]
         for layer in range(len(self.chunks[0].layers) if self.chunks else 0):
-            reads = []
-            for c, fd in zip(self.chunks, fds, strict=True):
-                at = c.extent.offset + len(c.head) + layer * sum(len(piece) for piece in c.layers[layer])
-                reads.append(self._read(readers, fd, c.layers[layer], at))
-            self._layers.append(reads)
+            self._stages.append([(fd, c.layers[layer], c.extent.offset + len(c.head)
+                                  + layer * sum(len(piece) for piece in c.layers[layer]))
+                                 for c, fd in zip(self.chunks, fds, strict=True)])  # fmt: skip
+        self._read = [[False] * len(self.chunks) for _ in self._stages]  # whether each read got every byte
+        self._left = [len(self.chunks)] * len(self._stages)
+        self._landed = threading.Condition()
+        self._queue = deque((stage, at) for stage in range(len(self._stages)) for at in range(len(self.chunks)))
+        for _ in range(min(parallel, len(self._queue))):
+            readers.submit(self._drain)
 
     def wait_layer(self, layer: int) -> None:
         """Block until every chunk's part of ``layer`` is in its pages (read, not verified yet)."""
-        wait(self._layers[layer])
+        self._wait(layer + 1)
         self.waited.add(layer)
 
     def check(self, namespace: bytes) -> list[BodyCheck | ChunkError]:
         """Per chunk, its ``BodyCheck`` fed its whole payload as the layers arrive, or why it failed before;
         waits for every read, then closes the files."""
         checks: list[BodyCheck | ChunkError] = []
-        for c, head in zip(self.chunks, self._heads, strict=True):
+        self._wait(0)
+        for c, read in zip(self.chunks, self._read[0], strict=True):
             try:
-                if not head.result():
+                if not read:
                     raise ChunkError("its header could not be read from disk")
                 checks.append(BodyCheck(c.head, key=c.chunk.key, namespace=namespace))
             except ChunkError as exc:
                 checks.append(exc)
-        for layer, reads in enumerate(self._layers):
-            for at, (c, read) in enumerate(zip(self.chunks, reads, strict=True)):
+        for layer in range(len(self._stages) - 1):
+            self._wait(layer + 1)
+            for at, (c, read) in enumerate(zip(self.chunks, self._read[layer + 1], strict=True)):
                 check = checks[at]
-                if not read.result():
+                if not read:
                     checks[at] = ChunkError(f"layer {layer} could not be read from disk")
                 elif isinstance(check, BodyCheck):
                     for piece in c.layers[layer]:
@@ -97,8 +110,32 @@ class LayeredRead:
 
     def settle(self) -> None:
         """Wait for every read (none may still write into slots given back or pages handed over), then close."""
-        wait([*self._heads, *(read for reads in self._layers for read in reads)])
+        for stage in range(len(self._stages)):
+            self._wait(stage)
         self._close()
+
+    def _drain(self) -> None:
+        """One reader: take reads off the queue, in order, until it is empty."""
+        while True:
+            try:
+                stage, at = self._queue.popleft()
+            except IndexError:
+                return
+            fd, views, offset = self._stages[stage][at]
+            try:
+                read = fd >= 0 and read_pieces(fd, views, offset)
+            except Exception:  # noqa: BLE001 - a failed read is a miss, and the waits must still end
+                log.exception("reading a chunk's layer from disk failed")
+                read = False
+            with self._landed:
+                self._read[stage][at] = read
+                self._left[stage] -= 1
+                if self._left[stage] == 0:
+                    self._landed.notify_all()
+
+    def _wait(self, stage: int) -> None:
+        with self._landed:
+            self._landed.wait_for(lambda: self._left[stage] == 0)
 
     def _open(self, path: str) -> int:
         if path not in self._fds:
@@ -107,14 +144,6 @@ class LayeredRead:
             except OSError:
                 self._fds[path] = -1  # gone since it was located: every read of it fails, a miss
         return self._fds[path]
-
-    @staticmethod
-    def _read(readers: Executor, fd: int, views: list[memoryview], offset: int) -> Future[bool]:
-        if fd < 0:
-            failed: Future[bool] = Future()
-            failed.set_result(False)
-            return failed
-        return readers.submit(read_pieces, fd, views, offset)
 
     def _close(self) -> None:
         fds, self._fds = self._fds, {}

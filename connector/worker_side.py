@@ -347,7 +347,7 @@ class WorkerSide:
                 items.append(candidate)
             else:
                 left += self._released([item])
-        return (LayeredRead(items, self._layer_readers) if items else None), left
+        return (LayeredRead(items, self._layer_readers, _LAYER_READERS) if items else None), left
 
     def wait_for_layer(self, layer: int) -> None:
         """vLLM's ``wait_for_layer_load``: an attention layer is about to read its KV; wait for this step's
