@@ -149,4 +149,4 @@ def test_a_hit_is_split_by_the_tier_each_chunk_is_expected_from_on_any_rank():
     assert tokens_by_tier([rank0, rank1], 0, 807) == (256, 551)  # the partial chunk on NVMe alone too
     assert tokens_by_tier([rank0, rank1], 384, 600) == (0, 216)  # vLLM holds the first 384 tokens
     assert tokens_by_tier([match(3)], 128, 700) == (572, 0)
-    assert tokens_by_tier([rank1], 0, 807) == (512, 295)  # the partial chunk counts with the last full one
+    assert tokens_by_tier([rank1], 0, 807) == (512, 295)  # its last full chunk and its partial one
