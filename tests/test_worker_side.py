@@ -64,9 +64,9 @@ def publish(w: WorkerSide, chunks: int, seed: int = 0, tail: int = 0) -> list[by
     tokens as a partial chunk (none if 0); returns keys."""
     generator = torch.Generator().manual_seed(seed)
     tokens = chunks * CHUNK_TOKENS + tail
+    filled = -(-tokens // BLOCK_TOKENS)
     for rows in w.pages:  # whatever the layers' layout, as the bytes of each page
-        rows[: -(-tokens // BLOCK_TOKENS)] = torch.randint(0, 256, (-(-tokens // BLOCK_TOKENS), PAGE_BYTES),
-                                                           dtype=torch.uint8, generator=generator)  # fmt: skip
+        rows[:filled] = torch.randint(0, 256, (filled, PAGE_BYTES), dtype=torch.uint8, generator=generator)
     parent, saves, keys = w.client.spec.root(), [], []
     for start in range(0, tokens, CHUNK_TOKENS):
         end = min(tokens, start + CHUNK_TOKENS)
