@@ -407,10 +407,9 @@ def test_two_tensor_parallel_ranks_each_load_their_own_shard_asynchronously_and_
 @pytest.fixture(scope="module")
 def pipeline_parallel(run_vllm, tiny_model, daemon, tmp_path_factory):
     """Two pipeline stages of four layers, each split over two tensor-parallel ranks: four ranks, two to a core
-    (compiled: see tests/e2e/run_vllm.py). vLLM keeps a step per stage in flight, so B's loads are asynchronous
+    (traced: see tests/e2e/run_vllm.py). vLLM keeps a step per stage in flight, so B's loads are asynchronous
     although it asks for ``auto``. Steps of at most 2048 tokens (P7 still prefills in one): vLLM's warm-up runs a
-    step of that size through the compiled model, 30-35 s per engine at its default of 16384. Returns (spec,
-    reference, a, b, probe directories)."""
+    step of that size, four ranks on two cores. Returns (spec, reference, a, b, probe directories)."""
     probe = {name: tmp_path_factory.mktemp(f"probe-pp-{name}") for name in ("a", "b")}
     spec = {"model": str(tiny_model), "prompts": [P7], "max_tokens": 16, "pipeline_parallel_size": 2,
             "tensor_parallel_size": 2, "max_num_batched_tokens": 2048}  # fmt: skip
