@@ -3,6 +3,11 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# Two pytest-xdist workers, a test module to a worker (its fixtures, such as a chain of engine runs, are set up
+# once), modules in the order collected: tests/e2e first, test_connector_e2e.py (the longest) first of all. Most
+# of the suite's time is e2e engines starting (three processes importing vLLM one after another, one core each),
+# so two run side by side on a 2-core machine. PYTEST_WORKERS=0 runs everything in one process.
+PYTEST_WORKERS ?= 2
 
 .PHONY: setup run test lint bench
 
@@ -13,7 +18,7 @@ run: setup
 	$(VENV)/bin/prefixcache serve --data-dir data
 
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
