@@ -134,7 +134,7 @@ def run(spec: dict) -> tuple[dict, object]:
     _set_env_defaults()
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm.config import CompilationMode, KVTransferConfig
 
     import_s = time.perf_counter() - t0
     kwargs: dict = {}
@@ -149,7 +149,7 @@ def run(spec: dict) -> tuple[dict, object]:
     stages = int(spec.get("pipeline_parallel_size", 1))
     if stages > 1:
         kwargs["pipeline_parallel_size"] = stages
-        kwargs["compilation_config"] = {"mode": 2, "backend": "eager"}  # CompilationMode.DYNAMO_TRACE_ONCE
+        kwargs["compilation_config"] = {"mode": CompilationMode.DYNAMO_TRACE_ONCE, "backend": "eager"}
     if spec.get("num_gpu_blocks") is not None:
         kwargs["num_gpu_blocks_override"] = int(spec["num_gpu_blocks"])
     if spec.get("async_scheduling"):
