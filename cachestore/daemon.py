@@ -35,6 +35,7 @@ from cachestore.api import (
     public_redis_url,
 )
 from cachestore.auth import AccessPolicy
+from cachestore.background import BackgroundLoop
 from cachestore.client_stats import ClientTotals, read_client_stats
 from cachestore.cpus import allowed_cpus
 from cachestore.demotion import Demoter
@@ -88,6 +89,7 @@ class NodeDaemon:
         self.admin: CacheAdmin
         self.nvme_evicted = 0
         self.warmup_jobs: WarmupJobs
+        self._services: list[BackgroundLoop] = []  # asked to stop together before each is joined
 
     def start(self) -> None:
         s = self.settings
@@ -114,26 +116,27 @@ class NodeDaemon:
                                s.dram_high_watermark, s.dram_low_watermark)  # fmt: skip
         self.write_behind.on_persisted = self.demoter.poke
         for service in (self.write_behind, self.promoter, self.extents, self.demoter):
-            service.start()
-            self._stack.callback(service.stop)
+            self._start_service(service)
         if s.kv_events_endpoint:
-            events = KvEventPublisher(self.index.url, s.key_prefix, s.node, s.kv_events_endpoint, s.kv_events_topic,
-                                      block_size=s.chunk_tokens)  # fmt: skip
-            events.start()
-            self._stack.callback(events.stop)
+            self._start_service(KvEventPublisher(self.index.url, s.key_prefix, s.node, s.kv_events_endpoint,
+                                                 s.kv_events_topic, block_size=s.chunk_tokens))  # fmt: skip
             log.info("publishing KV events on %s", s.kv_events_endpoint)
         self.evictor = Evictor(self.index, self.dram, self.nvme, s.node,
                                EvictionOrders(redis.Redis.from_url(self.index.url), s.key_prefix + ":"))  # fmt: skip
         # after reconcile: orders queued while this node was down remove copies the index still names
         self.orders = orders = OrderServer(redis.Redis.from_url(self.index.url), s.key_prefix + ":", s.node, self.index,
                              lambda entries: self.evictor.evict_here(entries).removed)  # fmt: skip
-        orders.start()
-        self._stack.callback(orders.stop)
+        self._start_service(orders)
         self.admin = CacheAdmin(self.index, self.evictor)
         self.warmup_jobs = WarmupJobs(s.data_dir / "warmup" / "jobs", local_url(s.host, s.port), s.data_dir / "warmup",
                                       engine_cpus=engine_cpus)  # fmt: skip
         self.warmup_jobs.start()
         self._stack.callback(self.warmup_jobs.stop)
+
+    def _start_service(self, service: BackgroundLoop) -> None:
+        service.start()
+        self._services.append(service)
+        self._stack.callback(service.stop)
 
     def _start_index(self) -> None:
         s = self.settings
@@ -220,6 +223,8 @@ class NodeDaemon:
         self.index.drop_location(keys, Location("nvme", self.settings.node))
 
     def stop(self) -> None:
+        for service in self._services:
+            service.request_stop()
         self._stack.close()
 
     def client_config(self) -> ClientConfig:

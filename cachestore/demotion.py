@@ -40,9 +40,9 @@ class Demoter(BackgroundLoop):
         self.demoted = 0
         self._wake = threading.Event()
 
-    def stop(self) -> None:
+    def request_stop(self) -> None:
+        super().request_stop()
         self._wake.set()
-        super().stop()
 
     def poke(self) -> None:
         """Check the watermarks now (the write-behind calls this after persisting a batch)."""
