@@ -259,7 +259,7 @@ class WorkerSide:
         over, so the chunks read from NVMe are stored into DRAM at once. Returns the blocks that failed."""
         errors: set[int] = set()
         try:
-            stores, placed = self._load(chunks, errors, asynchronous=True)
+            stores, placed = self._load(chunks, errors)
             from_pages = self._verify_read(placed, errors) if placed is not None else None
         except Exception:  # noqa: BLE001 - a failed load is recomputed; the request must not fail
             log.exception("loading %d chunks asynchronously failed; recomputing them", len(chunks))
@@ -283,15 +283,14 @@ class WorkerSide:
         self.loaded_async += len(over)
         return over
 
-    def _load(self, chunks: list[LoadChunk], errors: set[int], begun: _ReadInPlace | None = None,
-              asynchronous: bool = False) -> tuple[_Store | None, _ReadInPlace | None]:  # fmt: skip
-        """Load ``chunks``, all but verifying those read in place (``begun``: what of them is read already;
-        ``asynchronous``: no forward pass reads or writes their blocks before they are verified).
+    def _load(self, chunks: list[LoadChunk], errors: set[int], begun: _ReadInPlace | None = None
+              ) -> tuple[_Store | None, _ReadInPlace | None]:  # fmt: skip
+        """Load ``chunks``, all but verifying those read in place (``begun``: what of them is read already).
         Blocks of chunks that fail go to ``errors``. Returns the job that stores the chunks read from NVMe
         into DRAM (see ``_load_through_slots``), and the in-place read whose chunks are still to verify."""
         if self._kv is None:
             return self._load_through_slots(chunks, errors), None
-        read = begun or self._read_in_place(chunks, behind_forward=not asynchronous)
+        read = begun or self._read_in_place(chunks)
         stores = self._load_through_slots(read.elsewhere, errors, read.slots) if read.elsewhere else None
         return stores, read if read.placed or read.layered else None
 
@@ -299,20 +298,19 @@ class WorkerSide:
         """This shard's synchronous loads of the step."""
         return [chunk for chunks in meta.loads_of(self.shard).values() for chunk in chunks]
 
-    def _read_in_place(self, chunks: list[LoadChunk], behind_forward: bool = True) -> _ReadInPlace:
+    def _read_in_place(self, chunks: list[LoadChunk]) -> _ReadInPlace:
         """Start reading the chunks only this node's NVMe holds straight into their pages, layer by layer, then
         have the segment owner copy every chunk DRAM holds straight into its pages, in one call, then start
-        bringing the others back from NVMe into slots of their own (one plan for every NVMe read).
-        ``behind_forward``: the step's forward pass runs while the chunks read in place are verified."""
+        bringing the others back from NVMe into slots of their own (one plan for every NVMe read)."""
         started = time.perf_counter()
         layered, elsewhere = self._read_layered([chunk for chunk in chunks if not chunk.in_dram])
-        # Behind the forward pass, a chunk whose load ends inside its last block goes through a slot, verified
-        # before it is placed: vLLM writes the step's first computed token into that block during the forward
-        # pass, which the verifier would otherwise be reading (a recomputed token whose last bits differ from
-        # the stored one's failed the check, seen in a multimodal e2e run).
-        aside = [chunk for chunk in chunks if chunk.in_dram and chunk.ends_mid_block and behind_forward]
-        placed, in_dram_elsewhere = self._in_place([chunk for chunk in chunks if chunk.in_dram and chunk not in aside])
-        elsewhere = in_dram_elsewhere + aside + elsewhere
+        # A chunk whose load ends inside its last block goes through a slot, verified before it is placed:
+        # vLLM writes the step's first computed token into that block during the forward pass, which the
+        # verifier would otherwise be reading (a recomputed token whose last bits differ from the stored
+        # one's failed the check, seen in a multimodal e2e run).
+        placed, in_dram_elsewhere = self._in_place([chunk for chunk in chunks if chunk.in_dram
+                                                    and not chunk.ends_mid_block])  # fmt: skip
+        elsewhere = in_dram_elsewhere + [c for c in chunks if c.in_dram and c.ends_mid_block] + elsewhere
         if placed:
             try:
                 arrived = self.client.fetch_scattered([item.chunk.key for item in placed],
