@@ -304,13 +304,8 @@ class WorkerSide:
         bringing the others back from NVMe into slots of their own (one plan for every NVMe read)."""
         started = time.perf_counter()
         layered, elsewhere = self._read_layered([chunk for chunk in chunks if not chunk.in_dram])
-        # A chunk whose load ends inside its last block goes through a slot, verified before it is placed:
-        # vLLM writes the step's first computed token into that block during the forward pass, which the
-        # verifier would otherwise be reading (a recomputed token whose last bits differ from the stored
-        # one's failed the check, seen in a multimodal e2e run).
-        placed, in_dram_elsewhere = self._in_place([chunk for chunk in chunks if chunk.in_dram
-                                                    and not chunk.ends_mid_block])  # fmt: skip
-        elsewhere = in_dram_elsewhere + [c for c in chunks if c.in_dram and c.ends_mid_block] + elsewhere
+        placed, in_dram_elsewhere = self._in_place([chunk for chunk in chunks if chunk.in_dram])
+        elsewhere = in_dram_elsewhere + elsewhere
         if placed:
             try:
                 arrived = self.client.fetch_scattered([item.chunk.key for item in placed],

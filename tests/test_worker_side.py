@@ -162,20 +162,6 @@ def test_a_load_vllm_writes_blocks_of_first_does_not_begin_early(publisher, load
     assert equal(pages(loader, [4, 5, 6, 7]), pages(publisher, [0, 1, 2, 3]))
 
 
-def test_a_dram_hit_whose_last_block_vllm_writes_this_step_is_verified_before_the_forward_pass(publisher, loader):
-    """vLLM writes the step's first computed token into that block while the forward pass runs. Verified where it
-    landed, behind the forward pass, the chunk failed its check whenever that token's last bits differed from the
-    stored one's (a multimodal e2e run: the recompute then stopped vLLM on an encoder cache miss)."""
-    keys = publish(publisher, chunks=1)
-    chunk = LoadChunk(keys[0], CHUNK_TOKENS, 0, [4, 5, 6, 7], ends_mid_block=True)
-    loader.start_load(PrefixCacheMetadata(loads=[{"r": [chunk]}]))
-    assert equal(pages(loader, [4, 5, 6, 7]), pages(publisher, [0, 1, 2, 3]))  # in before the forward pass
-    for rows in loader.pages:
-        rows[7] += 1  # the forward pass writes its token into the last block
-    assert loader.take_load_errors() == set()
-    assert loader.loaded_chunks == 1 and loader.loaded_in_place == 0
-
-
 def test_a_damaged_dram_copy_read_in_place_is_a_load_error_and_the_next_load_reads_nvme(daemon, publisher, loader):
     keys = publish(publisher, chunks=2)
     wait_persisted(loader.client, keys)
