@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.launch import REPO, run_engine, vllm_env
+from tests.e2e.launch import REPO, RESERVED_CPUS, run_engine, vllm_env
+from tests.e2e.run_vllm import ranks_of
 from tests.e2e.tinymodel import ENGINE_DTYPE, build_tiny_llama
 
 __all__ = ["REPO", "vllm_env"]  # engine helpers other e2e modules import from here
@@ -55,6 +56,5 @@ def is_reference(spec: dict) -> bool:
     so it runs in one process (``in_process``), which saves two imports of vLLM. Only where vLLM would give its
     worker process one core (two cores, one reserved: tests/e2e/launch.py), which is how ``in_process``
     computes; on a larger machine it runs as the others do."""
-    ranks = int(spec.get("tensor_parallel_size", 1)) * int(spec.get("pipeline_parallel_size", 1))
-    one_compute_core = len(os.sched_getaffinity(0)) - int(vllm_env()["VLLM_CPU_NUM_OF_RESERVED_CPU"]) == 1
-    return spec.get("kv_transfer_config") is None and ranks == 1 and one_compute_core
+    one_compute_core = len(os.sched_getaffinity(0)) - RESERVED_CPUS == 1
+    return spec.get("kv_transfer_config") is None and ranks_of(spec) == 1 and one_compute_core

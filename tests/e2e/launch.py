@@ -16,6 +16,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 LOG_TAIL_CHARS = 6000
+RESERVED_CPUS = 1  # VLLM_CPU_NUM_OF_RESERVED_CPU of every engine (vllm_env)
 
 
 class EngineRunError(AssertionError):
@@ -35,7 +36,7 @@ def vllm_env(extra: dict[str, str] | None = None) -> dict[str, str]:
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": str(RESERVED_CPUS),
         **(extra or {}),
     }
 

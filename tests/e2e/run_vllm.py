@@ -81,6 +81,11 @@ class SpecError(ValueError):
     pass
 
 
+def ranks_of(spec: dict) -> int:
+    """How many worker ranks the spec's engine runs (tensor times pipeline parallel size)."""
+    return int(spec.get("tensor_parallel_size", 1)) * int(spec.get("pipeline_parallel_size", 1))
+
+
 def load_spec(path: Path) -> dict:
     spec = json.loads(path.read_text())
     if not isinstance(spec, dict):
@@ -126,10 +131,7 @@ def load_spec(path: Path) -> dict:
     for name in ("together", "async_scheduling", "in_process"):
         if not isinstance(spec.get(name, False), bool):
             raise SpecError(f"spec.{name} must be true or false, got {spec[name]!r}")
-    if spec.get("in_process") and (
-        spec.get("kv_transfer_config") is not None
-        or int(spec.get("tensor_parallel_size", 1)) * int(spec.get("pipeline_parallel_size", 1)) != 1
-    ):
+    if spec.get("in_process") and (spec.get("kv_transfer_config") is not None or ranks_of(spec) != 1):
         raise SpecError("spec.in_process is for one rank without a connector")
     if spec.get("together") and (beside is not None or resets or spec.get("loras")):
         raise SpecError("spec.together runs every prompt in one call: it takes no beside, resets or loras")

@@ -21,6 +21,7 @@ import torch
 from tests.daemon_harness import Daemon, damage_dram_copies, damage_nvme_copy, stored_chunk_keys, wait_for
 from tests.e2e.compare import same_greedy_output
 from tests.e2e.launch import EngineRunError
+from tests.e2e.run_vllm import ranks_of
 from tests.e2e.tinymodel import (
     SLIDING_WINDOW,
     build_lora_adapter,
@@ -354,10 +355,6 @@ def test_requests_complete_when_redis_is_down(run_vllm, tiny_model, tmp_path, re
     assert out["outputs"][0]["num_cached_tokens"] == 0
     ok, reason = same_greedy_output(reference["outputs"][0], out["outputs"][0])
     assert ok, reason
-
-
-def ranks_of(spec: dict) -> int:
-    return spec.get("tensor_parallel_size", 1) * spec.get("pipeline_parallel_size", 1)
 
 
 def bound_two_to_a_core(spec: dict) -> dict[str, str]:
