@@ -49,14 +49,19 @@ class Daemon:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def log_path(self) -> Path:
+        """The daemon's stdout and stderr, every start's appended."""
+        return self.data_dir.parent / f"daemon-{self.port}.log"
+
     def start(self, timeout_s: float = 60) -> Daemon:
         """Start (or restart) the daemon and wait until it reports ready; a failed start leaves nothing running."""
-        log = open(self.data_dir.parent / f"daemon-{self.port}.log", "ab")  # noqa: SIM115 - lives with the process
+        log = open(self.log_path, "ab")  # noqa: SIM115 - lives with the process
         self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise AssertionError(f"daemon exited: {(self.data_dir.parent / f'daemon-{self.port}.log').read_text()}")
+                raise AssertionError(f"daemon exited: {self.log_path.read_text()}")
             try:
                 if httpx.get(self.url + "/v1/health", timeout=1).status_code == 200:
                     return self

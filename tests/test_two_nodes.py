@@ -17,7 +17,6 @@ import pytest
 
 from cachestore.client import CacheClient
 from cachestore.codec import payload_offset
-from cachestore.eviction_orders import ORDER_WAIT_S
 from indexer.index import Location
 from tests.daemon_harness import Daemon, fetch_payloads, make_spec, publish_prompt, wait_for, wait_persisted
 
@@ -55,6 +54,12 @@ def evict(daemon: Daemon, keys: list[bytes], force: bool = False) -> dict:
     """Evict ``keys`` through ``daemon``'s admin API; its answer."""
     answer = httpx.post(daemon.url + "/v1/evict", json={"keys": [k.hex() for k in keys], "force": force}, timeout=30)
     return answer.raise_for_status().json()
+
+
+def waits_run_out(daemon: Daemon) -> int:
+    """How often ``daemon`` waited the whole ``ORDER_WAIT_S`` for a node's confirmation, read from its log:
+    a count that load on the machine cannot change, as it changes the time an evict takes."""
+    return daemon.log_path.read_text(errors="replace").count("did not confirm an eviction within")
 
 
 def nvme_chunks(daemon: Daemon) -> int:
@@ -117,17 +122,15 @@ def test_a_node_that_was_down_takes_its_eviction_order_when_it_returns(cluster):
     a, b = cluster
     keys, _ = persisted_on_b(b, list(range(64 * 3)), seed=4)
     b.stop()
-    started = time.monotonic()
     result = evict(a, keys)
-    assert time.monotonic() - started < ORDER_WAIT_S + 2
     assert (result["chunks"], result["kept_elsewhere"], result["pending_nodes"]) == (0, len(keys), ["node-b"])
+    assert waits_run_out(a) == 1
     reader = connect(a)
     try:
         assert all(e.locations == {ON_B} for e in reader.index.get(keys)), "DRAM copies must go at once"
-        started = time.monotonic()
         again = evict(a, keys)
-        assert time.monotonic() - started < ORDER_WAIT_S, "a node that did not answer is waited for again"
         assert again["pending_nodes"] == ["node-b"]
+        assert waits_run_out(a) == 1, "a node that did not answer is waited for again"
         cli = [sys.executable, "-m", "cachestore", "evict", "--url", a.url, *(k.hex() for k in keys)]
         told = subprocess.run(cli, capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
         assert "kept on other nodes: 3" in told.stdout and "not confirmed yet by node-b" in told.stdout, told.stdout
