@@ -259,7 +259,7 @@ class WorkerSide:
         over, so the chunks read from NVMe are stored into DRAM at once. Returns the blocks that failed."""
         errors: set[int] = set()
         try:
-            stores, placed = self._load(chunks, errors)
+            stores, placed = self._load(chunks, errors, asynchronous=True)
             from_pages = self._verify_read(placed, errors) if placed is not None else None
         except Exception:  # noqa: BLE001 - a failed load is recomputed; the request must not fail
             log.exception("loading %d chunks asynchronously failed; recomputing them", len(chunks))
@@ -283,14 +283,15 @@ class WorkerSide:
         self.loaded_async += len(over)
         return over
 
-    def _load(self, chunks: list[LoadChunk], errors: set[int], begun: _ReadInPlace | None = None
-              ) -> tuple[_Store | None, _ReadInPlace | None]:  # fmt: skip
-        """Load ``chunks``, all but verifying those read in place (``begun``: what of them is read already).
+    def _load(self, chunks: list[LoadChunk], errors: set[int], begun: _ReadInPlace | None = None,
+              asynchronous: bool = False) -> tuple[_Store | None, _ReadInPlace | None]:  # fmt: skip
+        """Load ``chunks``, all but verifying those read in place (``begun``: what of them is read already;
+        ``asynchronous``: no forward pass reads or writes their blocks before they are verified).
         Blocks of chunks that fail go to ``errors``. Returns the job that stores the chunks read from NVMe
         into DRAM (see ``_load_through_slots``), and the in-place read whose chunks are still to verify."""
         if self._kv is None:
             return self._load_through_slots(chunks, errors), None
-        read = begun or self._read_in_place(chunks)
+        read = begun or self._read_in_place(chunks, behind_forward=not asynchronous)
         stores = self._load_through_slots(read.elsewhere, errors, read.slots) if read.elsewhere else None
         return stores, read if read.placed or read.layered else None
 
@@ -298,14 +299,20 @@ class WorkerSide:
         """This shard's synchronous loads of the step."""
         return [chunk for chunks in meta.loads_of(self.shard).values() for chunk in chunks]
 
-    def _read_in_place(self, chunks: list[LoadChunk]) -> _ReadInPlace:
+    def _read_in_place(self, chunks: list[LoadChunk], behind_forward: bool = True) -> _ReadInPlace:
         """Start reading the chunks only this node's NVMe holds straight into their pages, layer by layer, then
         have the segment owner copy every chunk DRAM holds straight into its pages, in one call, then start
-        bringing the others back from NVMe into slots of their own (one plan for every NVMe read)."""
+        bringing the others back from NVMe into slots of their own (one plan for every NVMe read).
+        ``behind_forward``: the step's forward pass runs while the chunks read in place are verified."""
         started = time.perf_counter()
         layered, elsewhere = self._read_layered([chunk for chunk in chunks if not chunk.in_dram])
-        placed, in_dram_elsewhere = self._in_place([chunk for chunk in chunks if chunk.in_dram])
-        elsewhere = in_dram_elsewhere + elsewhere
+        # Behind the forward pass, a chunk whose load ends inside its last block goes through a slot, verified
+        # before it is placed: vLLM writes the step's first computed token into that block during the forward
+        # pass, which the verifier would otherwise be reading (a recomputed token whose last bits differ from
+        # the stored one's failed the check, seen in a multimodal e2e run).
+        aside = [chunk for chunk in chunks if chunk.in_dram and chunk.ends_mid_block and behind_forward]
+        placed, in_dram_elsewhere = self._in_place([chunk for chunk in chunks if chunk.in_dram and chunk not in aside])
+        elsewhere = in_dram_elsewhere + aside + elsewhere
         if placed:
             try:
                 arrived = self.client.fetch_scattered([item.chunk.key for item in placed],
@@ -316,8 +323,10 @@ class WorkerSide:
             elsewhere += self._released([item for item, ok in zip(placed, arrived, strict=True) if not ok])
             placed = [item for item, ok in zip(placed, arrived, strict=True) if ok]
         slots = self._slots(elsewhere)
-        if slots:
-            self.client.read_ahead([(chunk.key, slot) for chunk, slot in zip(elsewhere, slots, strict=False)])
+        in_dram = aside + in_dram_elsewhere  # fetched from DRAM: only the others are read ahead from NVMe
+        if ahead := [(chunk.key, slot) for chunk, slot in zip(elsewhere, slots or [], strict=False)
+                     if chunk not in in_dram]:  # fmt: skip
+            self.client.read_ahead(ahead)
         return _ReadInPlace(placed, elsewhere, slots, started, layered)
 
     def _read_layered(self, chunks: list[LoadChunk]) -> tuple[LayeredRead | None, list[LoadChunk]]:

@@ -162,6 +162,30 @@ def test_a_load_vllm_writes_blocks_of_first_does_not_begin_early(publisher, load
     assert equal(pages(loader, [4, 5, 6, 7]), pages(publisher, [0, 1, 2, 3]))
 
 
+def test_a_dram_hit_whose_last_block_vllm_writes_this_step_is_verified_before_the_forward_pass(publisher, loader):
+    """vLLM writes the step's first computed token into that block while the forward pass runs. Verified where it
+    landed, behind the forward pass, the chunk failed its check whenever that token's last bits differed from the
+    stored one's (a multimodal e2e run: the recompute then stopped vLLM on an encoder cache miss)."""
+    keys = publish(publisher, chunks=2)
+    wait_persisted(loader.client, keys)
+    damage_dram_copy(loader.client.dram, keys[1])
+    chunks = [
+        LoadChunk(key, CHUNK_TOKENS, 0, list(range(4 + 4 * i, 8 + 4 * i)), ends_mid_block=True)
+        for i, key in enumerate(keys)
+    ]
+    for i, chunk in enumerate(chunks):  # a step each
+        loader.start_load(PrefixCacheMetadata(loads=[{"r": [chunk]}]))
+        published = pages(publisher, list(range(4 * i, 4 * i + 4)))
+        assert equal(pages(loader, chunk.blocks), published)  # in before the forward pass
+        for rows in loader.pages:
+            rows[chunk.blocks[-1]] += 1  # the forward pass writes its token into the last block
+        forward_pass(loader)
+        assert loader.take_load_errors() == set()
+    assert loader.loaded_chunks == 2 and loader.loaded_in_place == 0
+    # the intact chunk came from DRAM, though NVMe holds it too; the damaged copy was found, and NVMe read instead
+    assert (loader.client.stats.read_from_disk, loader.client.stats.corrupt) == (1, 1)
+
+
 def test_a_damaged_dram_copy_read_in_place_is_a_load_error_and_the_next_load_reads_nvme(daemon, publisher, loader):
     keys = publish(publisher, chunks=2)
     wait_persisted(loader.client, keys)
