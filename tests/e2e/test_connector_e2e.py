@@ -187,7 +187,7 @@ def assert_loaded_pages_were_saved(saved_dir: Path | dict[str, Path], loaded_dir
     saved = saved_pages(saved_dir) if isinstance(saved_dir, Path) else saved_dir
     loaded = sorted(path for path in loaded_dir.glob("loaded-*.pt") if request is None or request_of(path) == request)
     for path in loaded:
-        key, first_page, _request = path.stem.removeprefix("loaded-").split("-", 2)
+        key, first_page, _request = loaded_record(path)
         got = torch.load(path)
         want = torch.load(saved[key])[:, int(first_page) : int(first_page) + got.shape[1]]
         assert got.shape == want.shape, path.name
@@ -195,15 +195,21 @@ def assert_loaded_pages_were_saved(saved_dir: Path | dict[str, Path], loaded_dir
     return len(saved), len(loaded)
 
 
+def loaded_record(loaded: Path) -> tuple[str, str, str]:
+    """What a ``loaded-<key>-<first page>-<request id>.pt`` record's name says: key (hex), first page, request id."""
+    key, first_page, request_id = loaded.stem.removeprefix("loaded-").split("-", 2)
+    return key, first_page, request_id
+
+
 def request_of(loaded: Path) -> int:
-    """Which prompt of its run a ``loaded-<key>-<first page>-<request id>.pt`` record belongs to: ``LLM.generate``
-    numbers its requests from 0 (vLLM may add a suffix)."""
-    return int(loaded.stem.removeprefix("loaded-").split("-")[2])
+    """Which prompt of its run a loaded record belongs to: ``LLM.generate`` numbers its requests from 0 (vLLM may
+    add a suffix)."""
+    return int(loaded_record(loaded)[2].split("-")[0])
 
 
 def loaded_keys(loaded_dir: Path, request: int) -> set[bytes]:
     """The chunks the ``request``-th prompt of a run loaded intact."""
-    return {bytes.fromhex(p.name.split("-")[1]) for p in loaded_dir.glob("loaded-*.pt") if request_of(p) == request}
+    return {bytes.fromhex(loaded_record(p)[0]) for p in loaded_dir.glob("loaded-*.pt") if request_of(p) == request}
 
 
 def test_a_prompt_sharing_half_gets_exactly_that_half(half_reference, producer_then_consumer):
@@ -305,13 +311,14 @@ def test_a_load_that_fails_partway_is_computed_from_there_and_published_again(
     assert out["outputs"][1]["num_cached_tokens"] == len(P1) - 1
     assert not (tmp_path / "loaded_async.0").exists()  # an idle engine loads synchronously
     recomputed = p1[P1_INTACT // CHUNK :]
-    assert {bytes.fromhex(path.stem.removeprefix("saved-")) for path in tmp_path.glob("saved-*.pt")} == set(recomputed)
+    assert {bytes.fromhex(key) for key in saved_pages(tmp_path)} == set(recomputed)
     assert all(wait_for(lambda key=key: "dram" in tiers_of(daemon, key.hex())) for key in recomputed)  # stored again
     # the first request loaded the three intact chunks and the tail (from NVMe), the second all five
     assert (loaded_keys(tmp_path, 0), loaded_keys(tmp_path, 1)) == (set(p1) - {recomputed[0]}, set(p1))
     assert_loaded_pages_were_saved(probes["a"], tmp_path, request=0)
     fourth = recomputed[0].hex()
-    assert_loaded_pages_were_saved({**saved_pages(probes["a"]), fourth: saved_pages(tmp_path)[fourth]}, tmp_path, 1)
+    assert_loaded_pages_were_saved({**saved_pages(probes["a"]), fourth: saved_pages(tmp_path)[fourth]}, tmp_path,
+                                   request=1)  # fmt: skip
     assert wait_for_corrupt_chunks(daemon, corrupt_before + 2) == corrupt_before + 2
 
 
@@ -537,8 +544,7 @@ def busy_nvme_hit(run_vllm, tiny_model, daemon, producer_then_consumer, probes, 
     with ``async_loads: auto`` it loads while that request keeps decoding. Returns (the run's OUT.json, its probe
     directory)."""
     deadline = time.monotonic() + 60
-    for path in probes["a"].glob("saved-*.pt"):
-        key = path.stem.removeprefix("saved-")
+    for key in saved_pages(probes["a"]):
         while "nvme" not in tiers_of(daemon, key):
             assert time.monotonic() < deadline, f"chunk {key} never reached NVMe"
             time.sleep(0.2)
