@@ -71,6 +71,8 @@ class _InPlace:
     chunk: LoadChunk
     slot: memoryview
     pieces: list[memoryview]
+    # (held in the slot, its page) per layer, for the last block of a chunk whose last block vLLM writes this step
+    held_pages: list[tuple[memoryview, memoryview]] = field(default_factory=list)
 
     @property
     def head(self) -> memoryview:
@@ -88,6 +90,7 @@ class _ReadInPlace:
     slots: list[memoryview]
     started: float
     layered: LayeredRead | None = None  # NVMe-only chunks on their way into their pages, layer by layer
+    verified: int = 0  # chunks in their pages and verified already (those whose last block vLLM writes this step)
 
 
 class WorkerSide:
@@ -246,7 +249,7 @@ class WorkerSide:
             for _, job in self._async_loads:
                 job.exception()
         if begun is not None:
-            self.loaded_early += len(begun.placed)
+            self.loaded_early += len(begun.placed) + begun.verified
         stores, placed = self._load(chunks, self.load_errors, begun)
         if stores is not None:  # stored into DRAM once the forward pass is over
             self._after_forward.append(stores)
@@ -301,18 +304,16 @@ class WorkerSide:
 
     def _read_in_place(self, chunks: list[LoadChunk], behind_forward: bool = True) -> _ReadInPlace:
         """Start reading the chunks only this node's NVMe holds straight into their pages, layer by layer, then
-        have the segment owner copy every chunk DRAM holds straight into its pages, in one call, then start
-        bringing the others back from NVMe into slots of their own (one plan for every NVMe read).
+        have the segment owner copy every chunk DRAM holds straight into its pages, in one call (but the last
+        block of each whose last block vLLM writes this step: ``_place_held_pages``), then start bringing the
+        others back from NVMe into slots of their own (one plan for every NVMe read).
         ``behind_forward``: the step's forward pass runs while the chunks read in place are verified."""
         started = time.perf_counter()
         layered, elsewhere = self._read_layered([chunk for chunk in chunks if not chunk.in_dram])
-        # Behind the forward pass, a chunk whose load ends inside its last block goes through a slot, verified
-        # before it is placed: vLLM writes the step's first computed token into that block during the forward
-        # pass, which the verifier would otherwise be reading (a recomputed token whose last bits differ from
-        # the stored one's failed the check, seen in a multimodal e2e run).
-        aside = [chunk for chunk in chunks if chunk.in_dram and chunk.ends_mid_block and behind_forward]
-        placed, in_dram_elsewhere = self._in_place([chunk for chunk in chunks if chunk.in_dram and chunk not in aside])
-        elsewhere = in_dram_elsewhere + aside + elsewhere
+        placed, in_dram_elsewhere = self._in_place([chunk for chunk in chunks if chunk.in_dram],
+                                                   hold_blocks_vllm_writes=behind_forward)  # fmt: skip
+        elsewhere = in_dram_elsewhere + elsewhere
+        verified = 0
         if placed:
             try:
                 arrived = self.client.fetch_scattered([item.chunk.key for item in placed],
@@ -322,12 +323,39 @@ class WorkerSide:
                 arrived = [False] * len(placed)
             elsewhere += self._released([item for item, ok in zip(placed, arrived, strict=True) if not ok])
             placed = [item for item, ok in zip(placed, arrived, strict=True) if ok]
+            held = [item for item in placed if item.held_pages]
+            failed = self._place_held_pages(held, started)
+            verified = len(held) - len(failed)
+            elsewhere += failed
+            placed = [item for item in placed if not item.held_pages]
         slots = self._slots(elsewhere)
-        in_dram = aside + in_dram_elsewhere  # fetched from DRAM: only the others are read ahead from NVMe
+        # chunks DRAM holds but the arena had no room for are fetched from DRAM: only the others are read ahead
         if ahead := [(chunk.key, slot) for chunk, slot in zip(elsewhere, slots or [], strict=False)
-                     if chunk not in in_dram]:  # fmt: skip
+                     if chunk not in in_dram_elsewhere]:  # fmt: skip
             self.client.read_ahead(ahead)
-        return _ReadInPlace(placed, elsewhere, slots, started, layered)
+        return _ReadInPlace(placed, elsewhere, slots, started, layered, verified)
+
+    def _place_held_pages(self, items: list[_InPlace], started: float) -> list[LoadChunk]:
+        """Verify, before the forward pass, the chunks whose last block vLLM writes this step, then copy that
+        block's pages from their slots into place; returns the chunks that failed (their DRAM copies are
+        deleted: they are read from NVMe instead, in the same load).
+
+        vLLM writes the step's first computed token into that block during the forward pass. Verified there
+        behind it, an intact chunk failed its check whenever that token's last bits differed from the stored
+        one's (seen in a multimodal e2e run, where the recompute then stopped vLLM on an encoder cache miss).
+        So that block's pages land in the chunk's slot, where nothing writes, and the rest in their pages as
+        usual: the copy before the forward pass is one block per layer, not the whole chunk (through a slot,
+        a 4 MiB chunk's own fetch and placing cost the step ~3 ms)."""
+        if not items:
+            return []
+        intact = self.client.verify_scattered([item.chunk.key for item in items], [item.head for item in items],
+                                              [item.pieces for item in items], started)  # fmt: skip
+        for item in itertools.compress(items, intact):
+            for held, page in item.held_pages:
+                page[:] = held
+        self._count_loaded([item.chunk for item in itertools.compress(items, intact)], in_place=True)
+        self._released(items)
+        return [item.chunk for item, ok in zip(items, intact, strict=True) if not ok]
 
     def _read_layered(self, chunks: list[LoadChunk]) -> tuple[LayeredRead | None, list[LoadChunk]]:
         """Start reading NVMe-only chunks from this node's segment files straight into their pages, layer by layer
@@ -380,40 +408,51 @@ class WorkerSide:
                                      if any(errors.intersection(chunk.blocks) for chunk in chunks))  # fmt: skip
         self._loads = {}
 
-    def _in_place(self, chunks: list[LoadChunk]) -> tuple[list[_InPlace], list[LoadChunk]]:
+    def _in_place(self, chunks: list[LoadChunk], hold_blocks_vllm_writes: bool = False
+                  ) -> tuple[list[_InPlace], list[LoadChunk]]:  # fmt: skip
         """An arena slot per chunk for its header, tokens and the pages it does not load; chunks the
-        arena has no room for come second, to go through slots (where they will likely be recomputed)."""
+        arena has no room for come second, to go through slots (where they will likely be recomputed).
+        ``hold_blocks_vllm_writes``: a chunk whose last block vLLM writes this step (while the forward pass
+        runs) holds that block's pages in its slot too (see ``_place_held_pages``)."""
         placed: list[_InPlace] = []
         elsewhere: list[LoadChunk] = []
         for chunk in chunks:
-            scratch = (self._pages(chunk.stored_tokens) - len(chunk.blocks)) * len(self.layers) * self._page_bytes
+            hold_last = chunk.ends_mid_block and hold_blocks_vllm_writes
+            scratch_pages = (self._pages(chunk.stored_tokens) - len(chunk.blocks) + hold_last) * len(self.layers)
             try:
-                slot = self.client.slot(payload_offset(chunk.stored_tokens) + scratch)
+                slot = self.client.slot(payload_offset(chunk.stored_tokens) + scratch_pages * self._page_bytes)
             except ArenaFullError:
                 elsewhere.append(chunk)
                 continue
-            placed.append(_InPlace(chunk, slot, self._pieces(chunk, slot)))
+            placed.append(self._pieces(chunk, slot, hold_last))
         return placed, elsewhere
 
-    def _pieces(self, chunk: LoadChunk, slot: memoryview) -> list[memoryview]:
+    def _pieces(self, chunk: LoadChunk, slot: memoryview, hold_last: bool) -> _InPlace:
         """Where each part of the chunk's payload goes, in payload order (layer by layer, page by page):
         runs of the chunk's blocks, and the scratch after its header in ``slot`` for pages it does not
-        load (vLLM's own prefix cache holds them, or they lie past the request's blocks)."""
+        load (vLLM's own prefix cache holds them, or they lie past the request's blocks) and, with
+        ``hold_last``, for its last block's pages until they are verified."""
         pages, page = self._pages(chunk.stored_tokens), self._page_bytes
         before, after = chunk.first_page, pages - chunk.first_page - len(chunk.blocks)
         scratch = slot[payload_offset(chunk.stored_tokens) :]
-        runs = [(block, n) for _, block, n in block_runs(chunk.blocks)]  # the same for every layer
-        pieces = []
+        direct = chunk.blocks[:-1] if hold_last else chunk.blocks
+        runs = [(block, n) for _, block, n in block_runs(direct)]  # the same for every layer
+        item = _InPlace(chunk, slot, [])
         for start in self._layer_starts:
             if before:
-                pieces.append(scratch[: before * page])
+                item.pieces.append(scratch[: before * page])
                 scratch = scratch[before * page :]
-            pieces.extend(self._kv[start + block * page : start + (block + n) * page]  # type: ignore[index]
-                          for block, n in runs)  # fmt: skip
+            item.pieces.extend(self._kv[start + block * page : start + (block + n) * page]  # type: ignore[index]
+                               for block, n in runs)  # fmt: skip
+            if hold_last:
+                held, scratch = scratch[:page], scratch[page:]
+                last = start + chunk.blocks[-1] * page
+                item.pieces.append(held)
+                item.held_pages.append((held, self._kv[last : last + page]))  # type: ignore[index]
             if after:
-                pieces.append(scratch[: after * page])
+                item.pieces.append(scratch[: after * page])
                 scratch = scratch[after * page :]
-        return pieces
+        return item
 
     def _verify(self, items: list[_InPlace], started: float, errors: set[int]) -> None:
         """The verifier thread: check chunks where they landed while the forward pass reads them (on 2

@@ -140,9 +140,11 @@ def test_a_cache_in_shared_memory_is_loaded_in_place_page_for_page(publisher, lo
     assert all(not layer[untouched].any() for layer in loader.layers)  # skipped pages went to scratch
 
 
-def test_a_load_begun_at_the_steps_first_hook_is_finished_by_start_load(publisher, loader):
+@pytest.mark.parametrize("ends_mid_block", [False, True], ids=["on-a-block-boundary", "inside-its-last-block"])
+def test_a_load_begun_at_the_steps_first_hook_is_finished_by_start_load(publisher, loader, ends_mid_block):
     keys = publish(publisher, chunks=2)
-    plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(10 + 4 * i, 14 + 4 * i))) for i, key in enumerate(keys)]}
+    plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(10 + 4 * i, 14 + 4 * i)),
+                            ends_mid_block=ends_mid_block and i == 1) for i, key in enumerate(keys)]}  # fmt: skip
     meta = PrefixCacheMetadata(loads=[plan], load_early=True)
     loader.begin_load(meta)
     loader.start_load(meta)
@@ -165,7 +167,8 @@ def test_a_load_vllm_writes_blocks_of_first_does_not_begin_early(publisher, load
 def test_a_dram_hit_whose_last_block_vllm_writes_this_step_is_verified_before_the_forward_pass(publisher, loader):
     """vLLM writes the step's first computed token into that block while the forward pass runs. Verified where it
     landed, behind the forward pass, the chunk failed its check whenever that token's last bits differed from the
-    stored one's (a multimodal e2e run: the recompute then stopped vLLM on an encoder cache miss)."""
+    stored one's (a multimodal e2e run: the recompute then stopped vLLM on an encoder cache miss). That block's
+    pages wait in the chunk's slot until it is verified; the rest lands in place."""
     keys = publish(publisher, chunks=2)
     wait_persisted(loader.client, keys)
     damage_dram_copy(loader.client.dram, keys[1])
@@ -181,9 +184,22 @@ def test_a_dram_hit_whose_last_block_vllm_writes_this_step_is_verified_before_th
             rows[chunk.blocks[-1]] += 1  # the forward pass writes its token into the last block
         forward_pass(loader)
         assert loader.take_load_errors() == set()
-    assert loader.loaded_chunks == 2 and loader.loaded_in_place == 0
+    assert loader.loaded_chunks == 2 and loader.loaded_in_place == 1
     # the intact chunk came from DRAM, though NVMe holds it too; the damaged copy was found, and NVMe read instead
     assert (loader.client.stats.read_from_disk, loader.client.stats.corrupt) == (1, 1)
+
+
+def test_a_dram_hit_ending_inside_the_only_block_it_loads_holds_that_block_between_pages_it_does_not_load(
+    publisher, loader
+):
+    """A chunk of whose pages vLLM's own prefix cache holds the first two, and the load ends inside the third: that
+    page waits in the slot, between the scratch for the pages before and after it, until the chunk is verified."""
+    keys = publish(publisher, chunks=1)
+    untouched = pages(loader, [9, 11])
+    assert load(loader, {"r": [LoadChunk(keys[0], CHUNK_TOKENS, 2, [10], ends_mid_block=True)]}) == set()
+    assert equal(pages(loader, [10]), pages(publisher, [2]))
+    assert equal(pages(loader, [9, 11]), untouched)
+    assert loader.loaded_in_place == 1
 
 
 def test_a_damaged_dram_copy_read_in_place_is_a_load_error_and_the_next_load_reads_nvme(daemon, publisher, loader):

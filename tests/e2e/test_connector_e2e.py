@@ -142,17 +142,18 @@ def test_a_request_can_keep_its_prompt_out_of_the_store_or_refuse_hits(reference
         assert ok, reason
     # A published P1's and P2's chunks only; B loaded those of its first three prompts only
     assert len(list(probes["a"].glob("saved-*.pt"))) == 10
-    assert int((probes["b"] / "loaded_in_place.0").read_text()) == 10
+    assert int((probes["b"] / "loaded_in_place.0").read_text()) == 13
 
 
 def test_loaded_kv_is_bit_identical_to_the_kv_the_producer_computed(producer_then_consumer, probes):
     """Every page B loaded holds exactly the bytes A computed for that chunk, in the block B asked for."""
     # P1 and P2: 4 full chunks and a 76-token tail each; HALF: 2 full chunks of P1 and 38 tokens of its third.
     assert assert_loaded_pages_were_saved(probes["a"], probes["b"]) == (10, 13)
-    # The CPU cache is in shared memory: B read in place all but the three chunks whose hit ends inside a block
-    # (P1's and P2's tails, HALF's third chunk), which vLLM writes the computed token into: those went through slots.
-    assert int((probes["b"] / "loaded_in_place.0").read_text()) == 10
-    assert int((probes["b"] / "loaded_early.0").read_text()) == 10  # every in-place read began in handle_preemptions
+    # The CPU cache is in shared memory: B read every chunk in place, those whose hit ends inside a block (P1's and
+    # P2's tails, HALF's third chunk) too, whose last block (vLLM writes the computed token into it) waited in a slot
+    # until the chunk was verified.
+    assert int((probes["b"] / "loaded_in_place.0").read_text()) == 13
+    assert int((probes["b"] / "loaded_early.0").read_text()) == 13  # every in-place read began in handle_preemptions
 
 
 def test_vllms_own_metrics_count_the_hits_by_tier_and_what_the_connector_moved(producer_then_consumer, probes):
@@ -292,11 +293,11 @@ def test_a_load_that_fails_partway_is_computed_from_there_and_published_again(
     run_vllm, tiny_model, daemon, p1_resumed_reference, damaged_in_dram, probes, tmp_path
 ):
     """A fresh instance reads P1's first four chunks straight into its pages and finds the fourth damaged while its
-    forward pass runs. The tail, whose hit ends inside a block, goes through a slot, verified before it is placed:
-    its DRAM copy fails, and its copy on NVMe arrives instead. The connector reports the fourth chunk, vLLM
-    computes P1 again from there, and the connector publishes what it computes (before, the lookup's word that
-    those chunks were stored stood, and they were published by no one). The next request for P1 loads every
-    chunk, intact: the fourth as the first request computed it (its 15 decode steps leave the publish time to
+    forward pass runs. The tail, whose hit ends inside a block, holds that block back until it is verified, before
+    the forward pass: its DRAM copy fails, and its copy on NVMe arrives instead. The connector reports the fourth
+    chunk, vLLM computes P1 again from there, and the connector publishes what it computes (before, the lookup's
+    word that those chunks were stored stood, and they were published by no one). The next request for P1 loads
+    every chunk, intact: the fourth as the first request computed it (its 15 decode steps leave the publish time to
     land), the others as A did. The tail too: the first request stored its NVMe read back into DRAM before it
     published its own recomputed copy (one background thread does both, in order), which found it stored."""
     p1 = damaged_in_dram
