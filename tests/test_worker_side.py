@@ -202,6 +202,23 @@ def test_a_dram_hit_ending_inside_the_only_block_it_loads_holds_that_block_betwe
     assert loader.loaded_in_place == 1
 
 
+def test_a_held_block_whose_verification_fails_to_run_is_read_from_nvme_in_the_same_load(
+    publisher, loader, monkeypatch
+):
+    """Verifying before the forward pass raised (say, Redis gone while a damaged copy was unlisted): the chunk loads
+    through a slot from NVMe instead, and the step neither fails nor keeps unverified pages."""
+    keys = publish(publisher, chunks=1)
+    wait_persisted(loader.client, keys)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("verifier down")
+
+    monkeypatch.setattr(loader.client, "verify_scattered", broken)
+    assert load(loader, {"r": [LoadChunk(keys[0], CHUNK_TOKENS, 0, [20, 21, 22, 23], ends_mid_block=True)]}) == set()
+    assert equal(pages(loader, [20, 21, 22, 23]), pages(publisher, [0, 1, 2, 3]))
+    assert (loader.loaded_chunks, loader.loaded_in_place, loader.client.stats.read_from_disk) == (1, 0, 1)
+
+
 def test_a_damaged_dram_copy_read_in_place_is_a_load_error_and_the_next_load_reads_nvme(daemon, publisher, loader):
     keys = publish(publisher, chunks=2)
     wait_persisted(loader.client, keys)
