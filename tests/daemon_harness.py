@@ -178,6 +178,25 @@ def damage_nvme_copy(daemon: Daemon, key: bytes) -> None:
         segment.write(bytes([last ^ 0xFF]))
 
 
+def tiers_of(daemon: Daemon, key: str) -> list[str]:
+    """The tiers the daemon lists chunk ``key`` (hex) in."""
+    return httpx.get(f"{daemon.url}/v1/chunks/{key}").json()["tiers"]
+
+
+def corrupt_chunks(daemon: Daemon) -> int:
+    """Chunks the daemon's clients have found damaged so far."""
+    return httpx.get(daemon.url + "/v1/stats").json()["corrupt_chunks"]
+
+
+def wait_for_corrupt_chunks(daemon: Daemon, count: int, timeout_s: float = 10) -> int:
+    """The daemon's count of damaged chunks once it reaches ``count`` (clients report every second), or after
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while (found := corrupt_chunks(daemon)) < count and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return found
+
+
 def stored_chunk_keys(root: bytes, prompt: list[int], chunk_tokens: int) -> list[bytes]:
     """The keys the connector stores a prompt's KV under: one per full chunk, and its tail's when the tail is
     long enough to be found (``storable_tokens``)."""

@@ -13,11 +13,19 @@ import subprocess
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
-from tests.daemon_harness import Daemon, damage_dram_copies, damage_nvme_copy, stored_chunk_keys, wait_for
+from tests.daemon_harness import (
+    Daemon,
+    corrupt_chunks,
+    damage_dram_copies,
+    damage_nvme_copy,
+    stored_chunk_keys,
+    tiers_of,
+    wait_for,
+    wait_for_corrupt_chunks,
+)
 from tests.e2e.compare import same_greedy_output
 from tests.e2e.launch import EngineRunError
 from tests.e2e.run_vllm import ranks_of
@@ -346,25 +354,6 @@ def test_under_async_scheduling_a_load_that_keeps_failing_is_tried_twice_then_co
     assert len(list(tmp_path.glob("saved-*.pt"))) == 5  # computed, and published again: the store heals
     # P2's 5 chunks found damaged in DRAM by the engine (the daemon counts what it finds on NVMe apart)
     assert wait_for_corrupt_chunks(daemon, corrupt_before + 5) == corrupt_before + 5
-
-
-def tiers_of(daemon: Daemon, key: str) -> list[str]:
-    """The tiers the daemon lists chunk ``key`` (hex) in."""
-    return httpx.get(f"{daemon.url}/v1/chunks/{key}").json()["tiers"]
-
-
-def corrupt_chunks(daemon: Daemon) -> int:
-    """Chunks the daemon's clients have found damaged so far."""
-    return httpx.get(daemon.url + "/v1/stats").json()["corrupt_chunks"]
-
-
-def wait_for_corrupt_chunks(daemon: Daemon, count: int, timeout_s: float = 10) -> int:
-    """The daemon's count of damaged chunks once it reaches ``count`` (clients report every second), or after
-    ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while (found := corrupt_chunks(daemon)) < count and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return found
 
 
 def test_requests_complete_when_redis_is_down(run_vllm, tiny_model, tmp_path, reference):
