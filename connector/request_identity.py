@@ -40,6 +40,11 @@ def request_variant(request: Any, adapter_fingerprint: Callable[[str], str] = fi
                       separators=(",", ":")).encode()  # fmt: skip
 
 
+def media_ends(request: Any) -> tuple[int, ...]:
+    """Where each of the request's media items' placeholder tokens end (exclusive)."""
+    return tuple(f.mm_position.offset + f.mm_position.length for f in getattr(request, "mm_features", None) or ())
+
+
 def media_marks(request: Any, chunk_tokens: int) -> dict[int, bytes]:
     """Per chunk position, a canonical description of the request's media items whose placeholder tokens
     begin in that chunk (each by modality, identifier, offset and length in the prompt)."""

@@ -32,7 +32,14 @@ import redis
 from cachestore.client import fetch_config
 from cachestore.client_stats import ClientStatsRecorder
 from cachestore.request_params import request_cache_params
-from connector.load_policy import check_load_mode, load_asynchronously, reads_nvme, sync_load_hazard
+from connector.load_policy import (
+    check_load_mode,
+    ends_media,
+    load_asynchronously,
+    media_load_hazard,
+    reads_nvme,
+    sync_load_hazard,
+)
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.plans import (
     Geometry,
@@ -43,7 +50,7 @@ from connector.plans import (
     stored_prefix,
     tokens_by_tier,
 )
-from connector.request_identity import media_marks, request_variant
+from connector.request_identity import media_ends, media_marks, request_variant
 from connector.settings import ConnectorSettings, Directions, check_supported, kv_bytes_per_token, namespace_for
 from indexer.chunking import ChunkGeometry
 from indexer.errors import IndexUnavailableError
@@ -66,6 +73,7 @@ class RequestState:
     prompt: bytes  # packed prompt tokens
     tenant_salt: str | None
     variant: bytes = b""
+    media_ends: tuple[int, ...] = ()  # where its media items end (request_identity.media_ends)
     loads: bool = True  # this request may load (the engine's role allows it and the request did not opt out)
     publishes: bool = True  # likewise, publish
     matches: list[PrefixMatch] | None = None  # per shard
@@ -101,6 +109,9 @@ class SchedulerSide:
             async_scheduling=self.schedules_ahead, pipeline_stages=vllm_config.parallel_config.pipeline_parallel_size,
             v2_model_runner=v2_model_runner)  # fmt: skip
         check_load_mode(settings.async_loads, self.sync_load_hazard)
+        # a model that takes media: a hit in which a media item ends loads asynchronously
+        self.media_hazard = media_load_hazard(vllm_config.model_config.is_multimodal_model)
+        check_load_mode(settings.async_loads, self.media_hazard)
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self.block_tokens = spec.block_size
         client_config = fetch_config(settings.service_url)
@@ -174,8 +185,11 @@ class SchedulerSide:
         if looked_up:
             self.stats.record_lookup(self.namespaces[0].digest, request.num_tokens, external, state.lookup_s)
         end = num_computed_tokens + external
+        sync_hazard = self.sync_load_hazard is not None or (
+            self.media_hazard is not None and ends_media(state.media_ends, num_computed_tokens, end)
+        )
         state.load_async = external > 0 and load_asynchronously(
-            self.async_loads, sync_hazard=self.sync_load_hazard is not None,
+            self.async_loads, sync_hazard=sync_hazard,
             others_running=bool(self._running - {request.request_id}), load_in_flight=bool(self._loading_async),
             reads_nvme=any(reads_nvme(match, num_computed_tokens, end) for match in state.matches or ()),
             load_bytes=external * self.bytes_per_token, async_bytes=self.async_bytes)  # fmt: skip
@@ -288,7 +302,8 @@ class SchedulerSide:
                 media = media_marks(request, self.geometry.chunk_tokens)
                 hashers = [PrefixHasher(ns.root(salt, variant), self.geometry, media) for ns in self.namespaces]
                 extend_all(hashers, request.prompt_token_ids)
-                state = RequestState(hashers=hashers, prompt=hashers[0].packed(), tenant_salt=salt, variant=variant)
+                state = RequestState(hashers=hashers, prompt=hashers[0].packed(), tenant_salt=salt, variant=variant,
+                                     media_ends=media_ends(request))  # fmt: skip
             params, problem = request_cache_params(getattr(request, "kv_transfer_params", None))
             if problem:
                 log.warning("request %s: %s; it neither loads nor publishes", request.request_id, problem)

@@ -6,7 +6,14 @@ from types import SimpleNamespace
 import pytest
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 
-from connector.load_policy import check_load_mode, load_asynchronously, reads_nvme, sync_load_hazard
+from connector.load_policy import (
+    check_load_mode,
+    ends_media,
+    load_asynchronously,
+    media_load_hazard,
+    reads_nvme,
+    sync_load_hazard,
+)
 from connector.plans import (
     Geometry,
     chunks_before_failure,
@@ -130,6 +137,19 @@ def test_synchronous_loads_are_refused_where_vllm_cannot_recover_from_a_failed_o
         check_load_mode("never", pipelined)
     with pytest.raises(ConfigError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
         check_load_mode("never", v2_runner)
+
+
+def test_a_hit_in_which_a_media_item_ends_is_a_hazard_to_load_synchronously():
+    # an image at [600, 664): vLLM sends the worker none of its data once the computed prefix reaches 664
+    assert ends_media([664], 512, 703) and ends_media([664], 0, 664)
+    assert not ends_media([664], 0, 663)  # the image is still to be computed, with its data
+    assert not ends_media([664], 664, 703) and not ends_media([664], 768, 900)  # vLLM's own cache holds it
+    assert not ends_media([], 0, 703)
+    assert ends_media([100, 664], 512, 703)
+    assert media_load_hazard(False) is None
+    check_load_mode("auto", media_load_hazard(True))
+    with pytest.raises(ConfigError, match="this model takes media"):
+        check_load_mode("never", media_load_hazard(True))
 
 
 def test_a_load_reads_nvme_when_a_chunk_it_covers_is_on_nvme_alone():
