@@ -178,7 +178,9 @@ class SchedulerSide:
                 state.matches = None
             state.matched_for = request.num_tokens
             state.lookup_s = time.perf_counter() - started
-        if publish_only:
+        if publish_only or getattr(request, "skip_reading_prefix_cache", False):
+            # vLLM takes no cached tokens for a request that asks for its prompt's logprobs: looked up only to learn
+            # what need not be published again, it is no hit
             return 0, False
         external = min(state.matched_tokens, request.num_tokens - 1) - num_computed_tokens
         external = external if external >= self.min_hit_tokens else 0

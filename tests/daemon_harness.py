@@ -188,6 +188,12 @@ def corrupt_chunks(daemon: Daemon) -> int:
     return httpx.get(daemon.url + "/v1/stats").json()["corrupt_chunks"]
 
 
+def client_use(daemon: Daemon) -> dict[str, int]:
+    """What the daemon's clients have recorded so far: lookups, hits, matched tokens... (``/v1/stats``'s
+    ``clients``; clients report every second)."""
+    return httpx.get(daemon.url + "/v1/stats").json()["clients"]
+
+
 def wait_for_corrupt_chunks(daemon: Daemon, count: int, timeout_s: float = 10) -> int:
     """The daemon's count of damaged chunks once it reaches ``count`` (clients report every second), or after
     ``timeout_s``."""

@@ -24,6 +24,8 @@ SPEC.json::
                                             #   for the prompt's one image token, or none
      "dtype": "bfloat16",                   # optional; the model's dtype in vLLM
      "logprobs": 2,                         # top-k alternatives recorded per generated token
+     "prompt_logprobs": [1 | null, ...],    # optional; per prompt, top-k logprobs of its prompt tokens, or none
+                                            #   (vLLM then takes none of the prompt from any cache)
      "reset_prefix_cache_before": [3, 5],   # optional; prompt indices before which vLLM's own prefix cache is emptied
      "together": false,                     # optional; every prompt in one generate call, so they run side by side
      "num_gpu_blocks": 64,                  # optional; KV cache blocks (few: requests get preempted)
@@ -74,7 +76,7 @@ _KEYS = {"model", "prompts", "max_tokens", "prefix_caching", "kv_transfer_config
          "max_num_batched_tokens", "kv_cache_dtype", "logprobs", "tensor_parallel_size",
          "pipeline_parallel_size", "loras", "beside",
          "reset_prefix_cache_before", "together", "num_gpu_blocks", "max_num_seqs",
-         "max_model_len", "images", "dtype", "async_scheduling", "in_process"}  # fmt: skip
+         "max_model_len", "images", "dtype", "async_scheduling", "in_process", "prompt_logprobs"}  # fmt: skip
 
 
 class SpecError(ValueError):
@@ -108,6 +110,11 @@ def load_spec(path: Path) -> dict:
     loras = spec.get("loras")
     if loras is not None and (len(loras) != len(prompts) or not all(p is None or Path(p).is_dir() for p in loras)):
         raise SpecError("spec.loras must hold an adapter directory or null per prompt")
+    prompt_logprobs = spec.get("prompt_logprobs")
+    if prompt_logprobs is not None and (
+        len(prompt_logprobs) != len(prompts) or not all(k is None or type(k) is int for k in prompt_logprobs)
+    ):
+        raise SpecError("spec.prompt_logprobs must hold an integer or null per prompt")
     images = spec.get("images")
     if images is not None and (len(images) != len(prompts) or not all(i is None or type(i) is int for i in images)):
         raise SpecError("spec.images must hold an image seed (an integer) or null per prompt")
@@ -200,16 +207,19 @@ def run(spec: dict) -> tuple[dict, object]:
     )
     engine_start_s = time.perf_counter() - t0
 
-    def sampling(kv_transfer_params: dict | None) -> SamplingParams:
+    def sampling(kv_transfer_params: dict | None, prompt_logprobs: int | None) -> SamplingParams:
         return SamplingParams(
             max_tokens=int(spec.get("max_tokens", 16)),
             temperature=0.0,
             ignore_eos=True,
             logprobs=int(spec.get("logprobs", 2)),
+            prompt_logprobs=prompt_logprobs,
             extra_args=None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params},
         )
 
     transfer_params = spec.get("kv_transfer_params") or [None] * len(spec["prompts"])
+    prompt_logprobs = spec.get("prompt_logprobs") or [None] * len(spec["prompts"])
+    params = [sampling(kv, k) for kv, k in zip(transfer_params, prompt_logprobs, strict=True)]
     outputs = []
     from vllm.lora.request import LoRARequest
 
@@ -219,11 +229,11 @@ def run(spec: dict) -> tuple[dict, object]:
     beside = spec.get("beside")
     resets = set(spec.get("reset_prefix_cache_before", ()))
     if spec.get("together"):
-        runs = _generate_together(llm, inputs, [sampling(kv_params) for kv_params in transfer_params])
+        runs = _generate_together(llm, inputs, params)
     else:  # lazily: each prompt runs (after its reset) only when the loop below reaches it
-        runs = (_generate_alone(llm, i, prompt, sampling(kv_params), adapters.get(lora), beside, i in resets)
-                for i, (prompt, lora, kv_params) in enumerate(zip(inputs, loras, transfer_params,
-                                                                  strict=True)))  # fmt: skip
+        runs = (_generate_alone(llm, i, prompt, sampling_params, adapters.get(lora), beside, i in resets)
+                for i, (prompt, lora, sampling_params) in enumerate(zip(inputs, loras, params,
+                                                                        strict=True)))  # fmt: skip
     for result, beside_token_s, wall_s in runs:
         completion = result.outputs[0]
         metrics = result.metrics

@@ -18,6 +18,7 @@ import torch
 
 from tests.daemon_harness import (
     Daemon,
+    client_use,
     corrupt_chunks,
     damage_dram_copies,
     damage_nvme_copy,
@@ -258,6 +259,23 @@ def test_another_model_gets_zero_hits_not_wrong_kv(run_vllm, tmp_path_factory, d
     out = run_vllm({"model": str(other), "prompts": [P1], "max_tokens": 4,
                     "kv_transfer_config": connector_config(daemon)})  # fmt: skip
     assert out["outputs"][0]["num_cached_tokens"] == 0
+
+
+def test_a_request_asking_for_its_prompts_logprobs_is_not_a_hit(run_vllm, tiny_model, daemon, producer_then_consumer):
+    """vLLM takes no cached tokens for a request that asks for its prompt's logprobs (``skip_reading_prefix_cache``):
+    the daemon's statistics count no hit for it, though P1 is stored; P2 after it, a hit, is counted. P1 is still
+    looked up, so what it computes is not published again."""
+    before = client_use(daemon)
+    out = run_vllm({"model": str(tiny_model), "prompts": [P1, P2], "max_tokens": 1, "prompt_logprobs": [1, None],
+                    "kv_transfer_config": connector_config(daemon)})  # fmt: skip
+    assert [o["num_cached_tokens"] for o in out["outputs"]] == [0, len(P2) - 1]
+
+    def counted(name: str) -> int:
+        return client_use(daemon)[name] - before[name]
+
+    assert wait_for(lambda: counted("matched_tokens") >= len(P2) - 1)
+    assert (counted("hits"), counted("matched_tokens")) == (1, len(P2) - 1)  # before: 2 hits, P1's tokens too
+    assert (counted("published_chunks"), counted("publish_failures")) == (0, 0)
 
 
 @pytest.mark.skipif(not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()),
