@@ -64,6 +64,10 @@ class PrefixCacheConnector(KVConnectorBase_V1):
 
     # -- scheduler side ------------------------------------------------------------------------------
 
+    def on_new_request(self, request: Any) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

@@ -1,4 +1,5 @@
-"""The connector's scheduler side: one index lookup per new request, then load and publish plans.
+"""The connector's scheduler side: one index lookup per new request, then load and publish plans. The
+requests vLLM adds together are looked up in one round trip (connector/lookups.py).
 
 A producer (``kv_producer``) looks up only requests whose first full chunk or more vLLM's own prefix
 cache holds: what the store already has of those is not published again.
@@ -40,6 +41,7 @@ from connector.load_policy import (
     reads_nvme,
     sync_load_hazard,
 )
+from connector.lookups import BatchedLookups
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.plans import (
     Geometry,
@@ -123,6 +125,7 @@ class SchedulerSide:
         if settings.redis_password:
             redis_url = with_password(redis_url, settings.redis_password)
         self.index = RedisIndex(redis_url, key_prefix=client_config.key_prefix)
+        self.lookups = BatchedLookups(self.index)  # the requests vLLM adds together are looked up together
         # a second connection, with short timeouts, for leases and statistics
         bookkeeping = redis.Redis.from_url(self.index.url, socket_timeout=LEASE_TIMEOUT_S,
                                           socket_connect_timeout=LEASE_TIMEOUT_S)  # fmt: skip
@@ -153,6 +156,14 @@ class SchedulerSide:
 
     # -- vLLM hooks ----------------------------------------------------------------------------------
 
+    def on_new_request(self, request: Any) -> None:
+        """vLLM has added a request: hash its prompt now, and have it looked up with the others added with it
+        (connector/lookups.py). A request that loads nothing is left out: it is looked up only if vLLM's own
+        prefix cache holds a chunk of it."""
+        state = self._state(request)
+        if state.hashers and state.loads:
+            self.lookups.note(request.request_id, request.num_tokens, [hasher.query() for hasher in state.hashers])
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         state = self._state(request)
         state.local_tokens = num_computed_tokens
@@ -172,12 +183,13 @@ class SchedulerSide:
             extend_all(state.hashers, request.all_token_ids[state.hashers[0].num_tokens : request.num_tokens])
             started = time.perf_counter()
             try:
-                state.matches = self.index.lookup_many([hasher.query() for hasher in state.hashers])
+                state.matches, state.lookup_s = self.lookups.matches(
+                    request.request_id, request.num_tokens, lambda: [hasher.query() for hasher in state.hashers]
+                )
             except IndexUnavailableError as exc:
                 log.debug("lookup failed, recomputing: %s", exc)
-                state.matches = None
+                state.matches, state.lookup_s = None, time.perf_counter() - started
             state.matched_for = request.num_tokens
-            state.lookup_s = time.perf_counter() - started
         if publish_only or getattr(request, "skip_reading_prefix_cache", False):
             # vLLM takes no cached tokens for a request that asks for its prompt's logprobs: looked up only to learn
             # what need not be published again, it is no hit
@@ -221,6 +233,7 @@ class SchedulerSide:
         return tokens_by_tier(state.matches, state.local_tokens, state.local_tokens + num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> PrefixCacheMetadata:
+        self.lookups.new_pass()
         meta = PrefixCacheMetadata(loads=[{} for _ in self.namespaces])
         for req_id, state in self.requests.items():
             for shard, plan in enumerate(state.load):
@@ -274,6 +287,7 @@ class SchedulerSide:
 
     def request_finished(self, request: Any) -> None:
         self.requests.pop(request.request_id, None)
+        self.lookups.forget(request.request_id)
         self._running.discard(request.request_id)
 
     def close(self) -> None:
