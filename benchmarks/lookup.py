@@ -6,7 +6,12 @@ a Python list (``p50_ms``/``p99_ms``: includes converting it, 0.25 ms per 32k to
 once per request since the hasher keeps the packed tokens), and tokens already held as a uint32
 array (``array_*``: hashing and lookup only). The naive anchor, measured in the same run on the same
 server, is one EXISTS per chunk in sequence (what LMCache's Redis backend does), plus the floor: a
-bare PING round trip. Run: ``python -m benchmarks.lookup``.
+bare PING round trip.
+
+Bursts: N requests of 4k tokens, all cached, added to vLLM together and scheduled in one pass. The
+scheduler thread's time for them, looked up one by one (one round trip each, as the connector did
+before) against ``BatchedLookups`` (connector/lookups.py: hashed as vLLM adds them, then looked up
+together at the pass's first lookup). Rounds alternate the two ways. Run: ``python -m benchmarks.lookup``.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import redis
 
 from benchmarks.common import percentile_ms, print_table, write_results
 from cachestore.redis_server import EmbeddedRedis
+from connector.lookups import BatchedLookups
 from indexer.chunking import ChunkGeometry
 from indexer.index import ChunkRecord, Location
 from indexer.keys import PrefixHasher
@@ -32,6 +38,8 @@ from indexer.tokens import TOKEN_BYTES, pack_tokens
 
 CHUNK_TOKENS = 256
 PROMPTS = {4096: 2000, 32768: 1000, 131072: 300}  # tokens -> lookups timed
+BURSTS = (1, 8, 32, 64)  # requests added together
+BURST_TOKENS, BURST_ROUNDS = 4096, 40
 
 
 class RoundTripCounter:
@@ -78,6 +86,51 @@ def timed(fn: Callable[[], object], repeats: int) -> tuple[list[float], object]:
         result = fn()
         samples.append(time.perf_counter() - start)
     return samples, result
+
+
+def burst_case(index: RedisIndex, spec: NamespaceSpec, geometry: ChunkGeometry, prompts: list[list[int]]) -> dict:
+    """One burst of ``prompts``, every one cached: the scheduler thread's time one by one and batched."""
+
+    def hashed(prompt: list[int]) -> list:
+        return [PrefixHasher(spec.root(), geometry).extend(prompt).query()]
+
+    def one_by_one() -> tuple[float, float]:
+        started = time.perf_counter()
+        for prompt in prompts:
+            assert index.lookup_many(hashed(prompt))[0].matched_tokens == len(prompt)
+        return 0.0, time.perf_counter() - started
+
+    def batched() -> tuple[float, float]:
+        lookups = BatchedLookups(index)
+        started = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            lookups.note(str(i), len(prompt), hashed(prompt))
+        added = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            (match,), _ = lookups.matches(str(i), len(prompt), lambda: [])
+            assert match.matched_tokens == len(prompt)
+        return added - started, time.perf_counter() - added
+
+    ways = {"one by one": one_by_one, "batched": batched}
+    samples: dict[str, list[tuple[float, float]]] = {way: [] for way in ways}
+    for round_ in range(BURST_ROUNDS):
+        for way in sorted(ways, reverse=round_ % 2 == 1):  # each goes first in turn
+            samples[way].append(ways[way]())
+    with RoundTripCounter() as trips:
+        batched()
+    case: dict[str, object] = {"requests": len(prompts), "tokens": BURST_TOKENS, "batched_round_trips": trips.count}
+    for way, name in (("one by one", "one_by_one"), ("batched", "batched")):
+        case[f"{name}_added_ms"] = percentile_ms([added for added, _ in samples[way]], 50)
+        case[f"{name}_pass_ms"] = percentile_ms([scheduled for _, scheduled in samples[way]], 50)
+        case[f"{name}_total_ms"] = percentile_ms([added + scheduled for added, scheduled in samples[way]], 50)
+    return case
+
+
+def burst_row(case: dict) -> list[object]:
+    ratio = "{:.2f}".format
+    return [case["requests"], case["one_by_one_pass_ms"], case["batched_added_ms"], case["batched_pass_ms"],
+            case["batched_round_trips"], ratio(case["batched_pass_ms"] / case["one_by_one_pass_ms"]),
+            ratio(case["batched_total_ms"] / case["one_by_one_total_ms"])]  # fmt: skip
 
 
 def main() -> None:
@@ -146,6 +199,11 @@ def main() -> None:
                          case["round_trips"], case["naive_p99_ms"], case["naive_round_trips"],
                          f"{case['naive_p99_ms'] / case['p99_ms']:.1f}x", case["ping_p50_ms"]]
                     )  # fmt: skip
+            index.flush()
+            prompts = [[rng.randrange(32000) for _ in range(BURST_TOKENS)] for _ in range(max(BURSTS))]
+            for prompt in prompts:
+                publish(index, spec, prompt)
+            bursts = [burst_case(index, spec, geometry, prompts[:n]) for n in BURSTS]
             index.close()
         finally:
             server.stop()
@@ -166,7 +224,13 @@ def main() -> None:
         ],
         rows,
     )
-    path = write_results("lookup", {"chunk_tokens": CHUNK_TOKENS, "cases": cases})
+    print_table(
+        f"A burst of {BURST_TOKENS}-token requests, all cached: the scheduler thread's ms, medians of {BURST_ROUNDS}",
+        ["requests", "one by one: pass", "batched: as added", "batched: pass", "batched trips",
+         "pass ratio", "total ratio"],
+        [burst_row(burst) for burst in bursts],
+    )  # fmt: skip
+    path = write_results("lookup", {"chunk_tokens": CHUNK_TOKENS, "cases": cases, "bursts": bursts})
     print(f"wrote {path}")
 
 
