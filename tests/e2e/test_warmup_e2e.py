@@ -18,7 +18,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.daemon_harness import Daemon, stored_chunk_keys
+from tests.daemon_harness import Daemon, connector_config, stored_chunk_keys
 from tests.e2e.compare import ONE_BF16_STEP, same_greedy_output
 from tests.e2e.conftest import REPO, vllm_env
 from tests.e2e.tinymodel import ENGINE_DTYPE, random_prompt
@@ -126,9 +126,7 @@ def test_a_fresh_instance_hits_every_warmed_token_and_answers_like_one_without_t
     stack, three_runs, run_vllm, tiny_model
 ):
     daemon, _, prompts = stack
-    extra = {"service_url": daemon.url}  # the arena sized automatically (arena_mb: auto)
-    consumer = {"kv_connector": "PrefixCacheConnector", "kv_connector_module_path": "connector",
-                "kv_role": "kv_consumer", "kv_connector_extra_config": extra}  # fmt: skip
+    consumer = connector_config(daemon, role="kv_consumer", arena_mb="auto")  # the arena sized as by default
     warm = run_vllm({"model": str(tiny_model), "prompts": prompts, "max_tokens": 8, "kv_transfer_config": consumer})
     cold = run_vllm({"model": str(tiny_model), "prompts": prompts, "max_tokens": 8})
     # Token-granular hits: everything but the one token vLLM must compute, tails included.
