@@ -56,6 +56,7 @@ class BatchedLookups:
         made = self._made.pop(request_id, None)
         noted = self._arrived.pop(request_id, None)
         if made is not None and made[0] == tokens:
+            self._index.touch(made[1])
             return made[1], made[2]
         own = noted[1] if noted is not None and noted[0] == tokens else queries()
         others = list(itertools.islice(self._arrived.items(), self._max_batch - 1))
@@ -63,12 +64,16 @@ class BatchedLookups:
             del self._arrived[other]
         batch: list[tuple[str, _Noted]] = [(request_id, (tokens, own)), *others]
         started = time.perf_counter()
-        found = self._index.lookup_many([query for _, (_, group) in batch for query in group])
+        # only the matches taken count as used (last access, hits): a request vLLM does not reach this pass is
+        # looked up again when it does
+        found = self._index.lookup_many([query for _, (_, group) in batch for query in group], touch=False)
         seconds = time.perf_counter() - started
         starts = itertools.accumulate((len(group) for _, (_, group) in batch), initial=0)
         for (rid, (length, group)), start in zip(batch, starts, strict=False):  # starts has one more: the end
             self._made[rid] = (length, found[start : start + len(group)], seconds)
-        return self._made.pop(request_id)[1:]
+        _, matches, seconds = self._made.pop(request_id)
+        self._index.touch(matches)
+        return matches, seconds
 
     def new_pass(self) -> None:
         """vLLM has scheduled a step: what was looked up for requests it did not reach is dropped. Those requests

@@ -72,9 +72,8 @@ class EmbeddedIndex:
                 if key not in self._slots:
                     break
                 hits += 1
-            for key in query.keys[:hits] if touch else ():
-                slot = self._slots[key]
-                slot.entry = replace(slot.entry, last_access_s=now, hits=slot.entry.hits + 1)
+            if touch:
+                self._touch(query.keys[:hits], now)
             probe = query.probes[hits]
             bucket = list(self._buckets.get(probe, {}).items())[: self._max_candidates] if probe else []
             candidates = [(key, packed, key not in self._slots or self._in_dram(key)) for key, packed in bucket]
@@ -85,6 +84,17 @@ class EmbeddedIndex:
 
     def lookup_many(self, queries: Sequence[PrefixQuery], *, touch: bool = True) -> list[PrefixMatch]:
         return [self.lookup(query, touch=touch) for query in queries]
+
+    def touch(self, matches: Sequence[PrefixMatch]) -> None:
+        now = time.time()
+        with self._lock:
+            for match in matches:
+                self._touch([key for key in match.keys if key in self._slots], now)  # some may be gone since
+
+    def _touch(self, keys: Sequence[bytes], now: float) -> None:
+        for key in keys:
+            slot = self._slots[key]
+            slot.entry = replace(slot.entry, last_access_s=now, hits=slot.entry.hits + 1)
 
     def flush_access(self) -> None:
         """Lookups update access statistics synchronously here."""

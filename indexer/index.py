@@ -230,6 +230,10 @@ class PrefixIndex(Protocol):
     def lookup_many(self, queries: Sequence[PrefixQuery], *, touch: bool = True) -> list[PrefixMatch]:
         """``lookup`` of each query, in one round trip: the chains of one prompt's shards (one per rank)."""
 
+    def touch(self, matches: Sequence[PrefixMatch]) -> None:
+        """Count matches that lookups made with ``touch=False`` found as used after all: their full chunks' last
+        access and hit counts, as ``touch=True`` would have (a lookup made ahead, then taken)."""
+
     def flush_access(self) -> None:
         """Apply the last-access/hit updates of past lookups now (a backend may apply them later)."""
 

@@ -136,6 +136,10 @@ class RedisIndex:
             replies = self._lookup(args=args)
         return [self._match(query, reply, touch) for query, reply in zip(queries, replies, strict=True)]
 
+    def touch(self, matches: Sequence[PrefixMatch]) -> None:
+        for match in matches:
+            self._access.record(b"".join(match.keys).hex())
+
     def _match(self, query: PrefixQuery, reply: list, touch: bool) -> PrefixMatch:
         hits = int(reply[0])
         if touch:

@@ -148,6 +148,20 @@ def test_lookup_refreshes_access_time_and_hits_of_the_hits(index, spec, geometry
     assert second.hits == 0
 
 
+def test_a_lookup_that_did_not_touch_counts_once_its_match_is_touched(index, spec, geometry):
+    keys = publish(index, spec, list(range(128)))
+    before = index.get(keys)
+    time.sleep(0.01)
+    (match,) = index.lookup_many([prompt_query(spec.root(), geometry, list(range(64)) + [5] * 64)], touch=False)
+    index.flush_access()
+    assert [entry.hits for entry in index.get(keys)] == [0, 0]
+    index.touch([match])
+    index.flush_access()
+    first, second = index.get(keys)
+    assert first.hits == 1 and first.last_access_s > before[0].last_access_s
+    assert second.hits == 0
+
+
 def test_other_namespace_and_other_tenant_get_zero_hits(index, spec, geometry):
     tokens = list(range(256))
     publish(index, spec, tokens, tenant="tenant-a")

@@ -53,6 +53,18 @@ def test_a_request_vllm_reaches_in_a_later_pass_is_looked_up_again_and_sees_what
     assert (second.matched_tokens, asked) == (128, [1])
 
 
+def test_only_the_lookups_taken_count_as_hits_of_their_chunks(redis_index, spec, geometry):
+    keys = publish(redis_index, spec, prompt(1)[:128])
+    lookups = BatchedLookups(redis_index)
+    for name in ("r1", "r2"):  # the same prompt twice
+        lookups.note(name, len(prompt(1)), queries(spec, geometry, prompt(1)))
+    lookups.matches("r1", len(prompt(1)), lambda: pytest.fail("noted already"))
+    lookups.new_pass()  # vLLM did not reach r2 in that pass: it looks it up again in the next
+    lookups.matches("r2", len(prompt(1)), lambda: queries(spec, geometry, prompt(1)))
+    redis_index.flush_access()
+    assert [entry.hits for entry in redis_index.get(keys)] == [2, 2]
+
+
 def test_a_request_longer_than_when_it_was_noted_is_looked_up_at_its_length(redis_index, spec, geometry):
     tokens = prompt(1)
     publish(redis_index, spec, tokens[:320])
