@@ -134,16 +134,17 @@ class RedisIndex:
             args += [b"".join(query.keys).hex(), b"".join(p or _NO_PROBE for p in query.probes).hex()]
         with self._reachable():
             replies = self._lookup(args=args)
-        return [self._match(query, reply, touch) for query, reply in zip(queries, replies, strict=True)]
+        matches = [self._match(query, reply) for query, reply in zip(queries, replies, strict=True)]
+        if touch:
+            self.touch(matches)
+        return matches
 
     def touch(self, matches: Sequence[PrefixMatch]) -> None:
         for match in matches:
             self._access.record(b"".join(match.keys).hex())
 
-    def _match(self, query: PrefixQuery, reply: list, touch: bool) -> PrefixMatch:
+    def _match(self, query: PrefixQuery, reply: list) -> PrefixMatch:
         hits = int(reply[0])
-        if touch:
-            self._access.record(b"".join(query.keys[:hits]).hex())
         without_dram = frozenset(i for i, flag in enumerate(reply[1]) if flag == ord("0"))
         candidates = [(bytes.fromhex(reply[i].decode()), reply[i + 1], reply[i + 2] != b"0")
                       for i in range(2, len(reply), 3)]  # fmt: skip
