@@ -27,7 +27,9 @@ SPEC.json::
      "prompt_logprobs": [1 | null, ...],    # optional; per prompt, top-k logprobs of its prompt tokens, or none
                                             #   (vLLM then takes none of the prompt from any cache)
      "reset_prefix_cache_before": [3, 5],   # optional; prompt indices before which vLLM's own prefix cache is emptied
-     "together": false,                     # optional; every prompt in one generate call, so they run side by side
+     "together": false,                     # optional; every prompt in one generate call, so they run side by side;
+                                            #   or a list of group sizes ([1, 32, 32]): each group of consecutive
+                                            #   prompts in a call of its own (bursts)
      "num_gpu_blocks": 64,                  # optional; KV cache blocks (few: requests get preempted)
      "max_model_len": 8192,                 # optional; vLLM refuses fewer blocks than this takes
      "max_num_seqs": 4,                     # optional; requests scheduled at once
@@ -43,7 +45,8 @@ SPEC.json::
      "beside": {"prompts": [[ids...], ...], "max_tokens": 96, "after_tokens": 16}}  # optional, see below
 
 The prompts go through one ``generate`` call each, in order, so a later prompt can hit chunks an earlier one
-published; with ``together``, through one call for all. Decoding is greedy (temperature 0, ignore_eos). OUT.json::
+published; with ``together``, through one call for all (or one per group). Decoding is greedy (temperature 0,
+ignore_eos). OUT.json::
 
     {"engine_start_s": float, "import_s": float,
      "outputs": [{"prompt_len": int, "token_ids": [...], "logprobs": [{"<token id>": logprob, ...}, ...],
@@ -55,9 +58,10 @@ published; with ``together``, through one call for all. Decoding is greedy (temp
 
 ``prompt_len`` is the prompt as vLLM saw it (an image token expanded into the image's placeholder tokens).
 ``ttft_s`` is vLLM's first-token latency (arrival to first token, engine side); ``wall_s`` is the wall time of the
-``generate`` call. With ``beside``, each prompt is submitted while the engine decodes ``beside.prompts[i]``, once that
-decode has produced ``after_tokens`` tokens, and its output adds ``beside_token_s``: when each of the decode's tokens
-arrived, in seconds from the prompt's submission (what a hit costs the requests already running).
+``generate`` call (with ``together``, of its group's call). With ``beside``, each prompt is submitted while the
+engine decodes ``beside.prompts[i]``, once that decode has produced ``after_tokens`` tokens, and its output adds
+``beside_token_s``: when each of the decode's tokens arrived, in seconds from the prompt's submission (what a hit
+costs the requests already running).
 The engine runs in this process's children (in this process with ``in_process``): run this script in a fresh
 process per engine.
 Exits 2 on a bad spec and 1 on any other failure, with the reason on stderr.
@@ -65,11 +69,13 @@ Exits 2 on a bad spec and 1 on any other failure, with the reason on stderr.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 _KEYS = {"model", "prompts", "max_tokens", "prefix_caching", "kv_transfer_config", "kv_transfer_params",
@@ -135,7 +141,13 @@ def load_spec(path: Path) -> dict:
     for name in ("num_gpu_blocks", "max_model_len", "max_num_seqs"):
         if name in spec and not (type(spec[name]) is int and spec[name] > 0):
             raise SpecError(f"spec.{name} must be a positive integer, got {spec[name]!r}")
-    for name in ("together", "async_scheduling", "in_process"):
+    together = spec.get("together", False)
+    if not isinstance(together, bool) and not (
+        isinstance(together, list) and all(type(n) is int and n > 0 for n in together) and sum(together) == len(prompts)
+    ):
+        raise SpecError(f"spec.together must be true, false or a list of positive group sizes adding up to the "
+                        f"prompts ({len(prompts)}), got {together!r}")  # fmt: skip
+    for name in ("async_scheduling", "in_process"):
         if not isinstance(spec.get(name, False), bool):
             raise SpecError(f"spec.{name} must be true or false, got {spec[name]!r}")
     if spec.get("in_process") and (spec.get("kv_transfer_config") is not None or ranks_of(spec) != 1):
@@ -229,7 +241,8 @@ def run(spec: dict) -> tuple[dict, object]:
     beside = spec.get("beside")
     resets = set(spec.get("reset_prefix_cache_before", ()))
     if spec.get("together"):
-        runs = _generate_together(llm, inputs, params)
+        groups = spec["together"] if isinstance(spec["together"], list) else [len(inputs)]
+        runs = _generate_together(llm, inputs, params, groups)
     else:  # lazily: each prompt runs (after its reset) only when the loop below reaches it
         runs = (_generate_alone(llm, i, prompt, sampling_params, adapters.get(lora), beside, i in resets)
                 for i, (prompt, lora, sampling_params) in enumerate(zip(inputs, loras, params,
@@ -297,13 +310,15 @@ def _engine_input(prompt: list[int], image_seed: int | None) -> dict:
     return {"prompt_token_ids": prompt, "multi_modal_data": {"image": random_image(image_seed)}}
 
 
-def _generate_together(llm, inputs: list[dict], params: list) -> list[tuple[object, None, float]]:
-    """Every prompt in one call, side by side; per prompt its output, no decode token times, and the call's
-    wall time (one call for all: each prompt's wall time is the call's)."""
-    t0 = time.perf_counter()
-    results = llm.generate(inputs, params, use_tqdm=False)
-    wall_s = time.perf_counter() - t0
-    return [(result, None, wall_s) for result in results]
+def _generate_together(llm, inputs: list[dict], params: list, groups: list[int]
+                       ) -> Iterator[tuple[object, None, float]]:  # fmt: skip
+    """Each group of ``groups`` consecutive prompts in one call, side by side; per prompt its output, no decode
+    token times, and its group's call's wall time."""
+    for start, size in zip(itertools.accumulate(groups, initial=0), groups, strict=False):  # starts has one more
+        t0 = time.perf_counter()
+        results = llm.generate(inputs[start : start + size], params[start : start + size], use_tqdm=False)
+        wall_s = time.perf_counter() - t0
+        yield from ((result, None, wall_s) for result in results)
 
 
 def _generate_alone(llm, i: int, prompt: dict, params, lora, beside: dict | None, reset: bool
