@@ -31,9 +31,9 @@ def test_ratios_compare_medians_over_rounds_and_first_tokens_are_checked_against
 
 
 def test_a_spec_takes_bursts_as_group_sizes_that_add_up_to_its_prompts(tmp_path):
-    def spec(together: object) -> dict:
+    def spec(together: object, **more: object) -> dict:
         path = tmp_path / "spec.json"
-        path.write_text(json.dumps({"model": str(tmp_path), "prompts": [[1], [2], [3]], "together": together}))
+        path.write_text(json.dumps({"model": str(tmp_path), "prompts": [[1], [2], [3]], "together": together, **more}))
         return load_spec(path)
 
     assert spec([1, 2])["together"] == [1, 2]
@@ -41,3 +41,8 @@ def test_a_spec_takes_bursts_as_group_sizes_that_add_up_to_its_prompts(tmp_path)
     for bad in ([1, 1], [1, 3], [0, 3], [1.0, 2], "yes", [True, 2]):
         with pytest.raises(SpecError, match="spec.together"):
             spec(bad)
+    # beside a decode, each group is submitted at once while a decode of its own runs
+    decodes = {"max_tokens": 8, "after_tokens": 2}
+    assert len(spec([1, 2], beside={"prompts": [[7], [8]], **decodes})["beside"]["prompts"]) == 2
+    with pytest.raises(SpecError, match="spec.beside"):
+        spec([1, 2], beside={"prompts": [[7], [8], [9]], **decodes})

@@ -58,10 +58,10 @@ ignore_eos). OUT.json::
 
 ``prompt_len`` is the prompt as vLLM saw it (an image token expanded into the image's placeholder tokens).
 ``ttft_s`` is vLLM's first-token latency (arrival to first token, engine side); ``wall_s`` is the wall time of the
-``generate`` call (with ``together``, of its group's call). With ``beside``, each prompt is submitted while the
-engine decodes ``beside.prompts[i]``, once that decode has produced ``after_tokens`` tokens, and its output adds
-``beside_token_s``: when each of the decode's tokens arrived, in seconds from the prompt's submission (what a hit
-costs the requests already running).
+``generate`` call (with ``together``, of its group's call). With ``beside``, each prompt (with ``together``, each
+group of prompts at once: a burst) is submitted while the engine decodes ``beside.prompts[i]``, once that decode
+has produced ``after_tokens`` tokens, and its output adds ``beside_token_s``: when each of the decode's tokens
+arrived, in seconds from the prompt's submission (what a hit costs the requests already running).
 The engine runs in this process's children (in this process with ``in_process``): run this script in a fresh
 process per engine.
 Exits 2 on a bad spec and 1 on any other failure, with the reason on stderr.
@@ -131,30 +131,40 @@ def load_spec(path: Path) -> dict:
     resets = spec.get("reset_prefix_cache_before", [])
     if not isinstance(resets, list) or not all(isinstance(i, int) and 0 <= i < len(prompts) for i in resets):
         raise SpecError("spec.reset_prefix_cache_before must be a list of prompt indices")
-    beside = spec.get("beside")
-    if beside is not None and (
-        not isinstance(beside, dict)
-        or len(beside.get("prompts") or ()) != len(prompts)
-        or not 0 < int(beside.get("after_tokens", 0)) < int(beside.get("max_tokens", 0))
-    ):
-        raise SpecError("spec.beside needs a prompt per prompt and 0 < after_tokens < max_tokens")  # fmt: skip
-    for name in ("num_gpu_blocks", "max_model_len", "max_num_seqs"):
-        if name in spec and not (type(spec[name]) is int and spec[name] > 0):
-            raise SpecError(f"spec.{name} must be a positive integer, got {spec[name]!r}")
     together = spec.get("together", False)
     if not isinstance(together, bool) and not (
         isinstance(together, list) and all(type(n) is int and n > 0 for n in together) and sum(together) == len(prompts)
     ):
         raise SpecError(f"spec.together must be true, false or a list of positive group sizes adding up to the "
                         f"prompts ({len(prompts)}), got {together!r}")  # fmt: skip
+    submissions = len(groups_of(spec) or prompts)
+    beside = spec.get("beside")
+    if beside is not None and (
+        not isinstance(beside, dict)
+        or len(beside.get("prompts") or ()) != submissions
+        or not 0 < int(beside.get("after_tokens", 0)) < int(beside.get("max_tokens", 0))
+    ):
+        raise SpecError("spec.beside needs a prompt per prompt (per group, with together) and "
+                        "0 < after_tokens < max_tokens")  # fmt: skip
+    for name in ("num_gpu_blocks", "max_model_len", "max_num_seqs"):
+        if name in spec and not (type(spec[name]) is int and spec[name] > 0):
+            raise SpecError(f"spec.{name} must be a positive integer, got {spec[name]!r}")
     for name in ("async_scheduling", "in_process"):
         if not isinstance(spec.get(name, False), bool):
             raise SpecError(f"spec.{name} must be true or false, got {spec[name]!r}")
     if spec.get("in_process") and (spec.get("kv_transfer_config") is not None or ranks_of(spec) != 1):
         raise SpecError("spec.in_process is for one rank without a connector")
-    if spec.get("together") and (beside is not None or resets or spec.get("loras")):
-        raise SpecError("spec.together runs every prompt in one call: it takes no beside, resets or loras")
+    if spec.get("together") and (resets or spec.get("loras")):
+        raise SpecError("spec.together runs prompts in groups, a call each: it takes no resets or loras")
     return spec
+
+
+def groups_of(spec: dict) -> list[int] | None:
+    """The sizes of the groups ``together`` submits at once, in order; None without ``together``."""
+    together = spec.get("together", False)
+    if together is False:
+        return None
+    return [len(spec["prompts"])] if together is True else together
 
 
 def _set_env_defaults() -> None:
@@ -240,9 +250,8 @@ def run(spec: dict) -> tuple[dict, object]:
     }
     beside = spec.get("beside")
     resets = set(spec.get("reset_prefix_cache_before", ()))
-    if spec.get("together"):
-        groups = spec["together"] if isinstance(spec["together"], list) else [len(inputs)]
-        runs = _generate_together(llm, inputs, params, groups)
+    if groups := groups_of(spec):
+        runs = _generate_together(llm, inputs, params, groups, beside)
     else:  # lazily: each prompt runs (after its reset) only when the loop below reaches it
         runs = (_generate_alone(llm, i, prompt, sampling_params, adapters.get(lora), beside, i in resets)
                 for i, (prompt, lora, sampling_params) in enumerate(zip(inputs, loras, params,
@@ -310,15 +319,20 @@ def _engine_input(prompt: list[int], image_seed: int | None) -> dict:
     return {"prompt_token_ids": prompt, "multi_modal_data": {"image": random_image(image_seed)}}
 
 
-def _generate_together(llm, inputs: list[dict], params: list, groups: list[int]
-                       ) -> Iterator[tuple[object, None, float]]:  # fmt: skip
-    """Each group of ``groups`` consecutive prompts in one call, side by side; per prompt its output, no decode
-    token times, and its group's call's wall time."""
-    for start, size in zip(itertools.accumulate(groups, initial=0), groups, strict=False):  # starts has one more
+def _generate_together(llm, inputs: list[dict], params: list, groups: list[int], beside: dict | None
+                       ) -> Iterator[tuple[object, list[float] | None, float]]:  # fmt: skip
+    """Each group of ``groups`` consecutive prompts in one call, side by side (beside decode ``g`` of ``beside``,
+    if given, for group ``g``); per prompt its output, the decode's token times, and its group's wall time."""
+    starts = itertools.accumulate(groups, initial=0)
+    for g, (start, size) in enumerate(zip(starts, groups, strict=False)):  # starts has one more: the end
+        group, group_params = inputs[start : start + size], params[start : start + size]
         t0 = time.perf_counter()
-        results = llm.generate(inputs[start : start + size], params[start : start + size], use_tqdm=False)
+        if beside is None:
+            results, beside_token_s = llm.generate(group, group_params, use_tqdm=False), None
+        else:
+            results, beside_token_s = _beside_a_decode(llm, group, group_params, beside, g)
         wall_s = time.perf_counter() - t0
-        yield from ((result, None, wall_s) for result in results)
+        yield from ((result, beside_token_s, wall_s) for result in results)
 
 
 def _generate_alone(llm, i: int, prompt: dict, params, lora, beside: dict | None, reset: bool
@@ -332,31 +346,34 @@ def _generate_alone(llm, i: int, prompt: dict, params, lora, beside: dict | None
         (result,) = llm.generate([prompt], params, use_tqdm=False, lora_request=lora)
         beside_token_s = None
     else:
-        result, beside_token_s = _beside_a_decode(llm, prompt, params, beside, i)
+        (result,), beside_token_s = _beside_a_decode(llm, [prompt], [params], beside, i)
     return result, beside_token_s, time.perf_counter() - t0
 
 
-def _beside_a_decode(llm, prompt: dict, params, beside: dict, i: int) -> tuple[object, list[float]]:
-    """Run ``prompt`` once decode ``i`` of ``beside`` is under way; its output, and the decode's token times."""
+def _beside_a_decode(llm, prompts: list[dict], params: list, beside: dict, i: int) -> tuple[list, list[float]]:
+    """Submit ``prompts`` at once when decode ``i`` of ``beside`` is under way; their outputs, in order, and the
+    decode's token times. They are added as a step's output arrives, while the engine core computes the next step,
+    so it finds them all when it schedules the one after."""
     from vllm import SamplingParams
 
     engine = llm.llm_engine
     decode = SamplingParams(max_tokens=int(beside["max_tokens"]), temperature=0.0, ignore_eos=True)
     engine.add_request(f"beside-{i}", {"prompt_token_ids": beside["prompts"][i]}, decode)
     arrivals: list[float] = []
-    submitted, result = None, None
+    submitted, results = None, {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             now = time.perf_counter()
             if out.request_id == f"beside-{i}":
                 arrivals += [now] * (len(out.outputs[0].token_ids) - len(arrivals))
                 if submitted is None and len(arrivals) >= int(beside["after_tokens"]):
-                    engine.add_request(f"prompt-{i}", prompt, params)
+                    for k, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True)):
+                        engine.add_request(f"prompt-{i}-{k}", prompt, prompt_params)
                     submitted = now
             elif out.finished:
-                result = out
-    assert result is not None and submitted is not None, "the decode ended before the prompt was submitted"
-    return result, [t - submitted for t in arrivals]
+                results[out.request_id] = out
+    assert submitted is not None, "the decode ended before the prompts were submitted"
+    return [results[f"prompt-{i}-{k}"] for k in range(len(prompts))], [t - submitted for t in arrivals]
 
 
 def _shutdown(llm) -> None:
