@@ -88,13 +88,15 @@ def check_load_mode(mode: AsyncLoads, hazard: str | None) -> None:
 
 
 def load_asynchronously(mode: AsyncLoads, *, sync_hazard: bool, others_running: bool, load_in_flight: bool,
-                        reads_nvme: bool, load_bytes: int, async_bytes: int) -> bool:  # fmt: skip
+                        reads_nvme: bool, step_bytes: int, async_bytes: int) -> bool:  # fmt: skip
     """``auto``: always where a failed synchronous load would not recover (``sync_hazard``); otherwise when one
-    is in flight, or when other requests are running and the hit reads NVMe or moves at least
-    ``async_bytes``: an idle engine loads synchronously, which is faster."""
+    is in flight, or when other requests are running and the hit reads NVMe or would bring the step's
+    synchronous loads (``step_bytes``: the hits planned before it in the step, and its own) to ``async_bytes``:
+    the running requests wait for all of them at once, so a burst of small hits stalls them like one large hit.
+    An idle engine loads synchronously, which is faster."""
     if mode != "auto":
         return mode == "always"
-    return sync_hazard or load_in_flight or (others_running and (reads_nvme or load_bytes >= async_bytes))
+    return sync_hazard or load_in_flight or (others_running and (reads_nvme or step_bytes >= async_bytes))
 
 
 def reads_nvme(match: PrefixMatch, start: int, end: int) -> bool:

@@ -142,6 +142,7 @@ class SchedulerSide:
         self._loading_async: dict[str, frozenset[int]] = {}
         # the synchronous loads of the step built last, reported over with that step's output
         self._loading_in_step: dict[str, frozenset[int]] = {}
+        self._sync_bytes_in_pass = 0  # what the step being scheduled loads synchronously so far, per rank
         self.requests: dict[str, RequestState] = {}
         # Promised chunks must still be there when the worker loads them. Leases are granted off the
         # scheduler's thread: a Redis round trip there took 0.4-2 ms of every hit's TTFT on 2 cores.
@@ -206,7 +207,8 @@ class SchedulerSide:
             self.async_loads, sync_hazard=sync_hazard,
             others_running=bool(self._running - {request.request_id}), load_in_flight=bool(self._loading_async),
             reads_nvme=any(reads_nvme(match, num_computed_tokens, end) for match in state.matches or ()),
-            load_bytes=external * self.bytes_per_token, async_bytes=self.async_bytes)  # fmt: skip
+            step_bytes=self._sync_bytes_in_pass + external * self.bytes_per_token,
+            async_bytes=self.async_bytes)  # fmt: skip
         return external, state.load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -224,6 +226,8 @@ class SchedulerSide:
             self._to_lease.put([chunk.key for plan in state.load for chunk in plan])
             if state.load_async:
                 self._loading_async[request.request_id] = blocks_of(state.load[0])
+            else:
+                self._sync_bytes_in_pass += num_external_tokens * self.bytes_per_token
 
     def tokens_by_tier(self, request: Any, num_external_tokens: int) -> tuple[int, int]:
         """The request's hit, just planned, split by the tier it is expected from: (DRAM, NVMe) tokens."""
@@ -234,6 +238,7 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> PrefixCacheMetadata:
         self.lookups.new_pass()
+        self._sync_bytes_in_pass = 0
         meta = PrefixCacheMetadata(loads=[{} for _ in self.namespaces])
         for req_id, state in self.requests.items():
             for shard, plan in enumerate(state.load):

@@ -28,8 +28,9 @@ class ConnectorSettings(BaseModel):
     async_loads: Literal["auto", "always", "never"] = Field(
         default="auto", description="load hits while vLLM runs other requests' steps (connector/load_policy.py): "
         "auto does so for hits that read NVMe or are large, when other requests are running")  # fmt: skip
-    async_load_mib: int = Field(default=64, ge=1, description="auto: a hit this large (MiB per rank) loads "
-                                "asynchronously when other requests are running")  # fmt: skip
+    async_load_mib: int = Field(default=64, ge=1, description="auto: a hit that brings the step's synchronous "
+                                "loads to this size (MiB per rank) loads asynchronously when other requests are "
+                                "running")  # fmt: skip
     check_threads: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = Field(
         default="auto", description="threads that verify chunks loaded through arena slots (every GPU load) while "
         "the next are copied; 0: the fetch thread checks them; auto: 4 on a GPU worker, 0 on a CPU one")  # fmt: skip

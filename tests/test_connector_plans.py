@@ -109,14 +109,14 @@ def test_blocks_vllm_zeroes_or_copies_into_are_written_before_a_load_may_start()
 
 def test_an_idle_engine_loads_synchronously_and_a_busy_one_asynchronously_when_the_hit_is_slow():
     def decide(mode="auto", sync_hazard=False, others_running=True, load_in_flight=False, reads_nvme=False,
-               load_bytes=1 << 20):  # fmt: skip
+               step_bytes=1 << 20):  # fmt: skip
         return load_asynchronously(mode, sync_hazard=sync_hazard, others_running=others_running,
-                                   load_in_flight=load_in_flight, reads_nvme=reads_nvme, load_bytes=load_bytes,
+                                   load_in_flight=load_in_flight, reads_nvme=reads_nvme, step_bytes=step_bytes,
                                    async_bytes=64 << 20)  # fmt: skip
 
-    assert not decide(others_running=False, reads_nvme=True, load_bytes=1 << 30)  # nobody waits on it
+    assert not decide(others_running=False, reads_nvme=True, step_bytes=1 << 30)  # nobody waits on it
     assert not decide()  # a small DRAM hit: a few milliseconds of the step
-    assert decide(reads_nvme=True) and decide(load_bytes=64 << 20)
+    assert decide(reads_nvme=True) and decide(step_bytes=64 << 20)
     assert decide(others_running=False, load_in_flight=True)  # it would wait behind the one in flight
     assert decide("always", others_running=False) and not decide("never", reads_nvme=True)
     # where vLLM cannot recover from a failed synchronous load, every load is asynchronous

@@ -7,6 +7,7 @@ the connector. Engines take ~40 s to start here, so each runs several prompts.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -32,6 +33,7 @@ from tests.e2e.compare import same_greedy_output
 from tests.e2e.launch import EngineRunError
 from tests.e2e.run_vllm import ranks_of
 from tests.e2e.tinymodel import (
+    KV_BYTES_PER_TOKEN,
     SLIDING_WINDOW,
     build_lora_adapter,
     build_tiny_llama,
@@ -242,6 +244,35 @@ def test_with_vllms_own_prefix_cache_on_hits_load_and_what_is_stored_is_not_publ
     # P1 was stored whole and P5's one-token tail is too short to publish: only P5's first run publishes, its four
     # chunks. Before, the repeat published them again from the pages vLLM's own cache held.
     assert int((probe / "saves.0").read_text()) == 4
+
+
+@pytest.fixture(scope="module")
+def burst_beside_a_decode(run_vllm, tiny_model, daemon, producer_then_consumer, tmp_path_factory):
+    """P1, P2, HALF and P6, each stored whole by A or B, arrive at once while the engine decodes another request, with
+    ``async_load_mib`` over one of their hits but under two. Returns (the run's OUT.json, its probe directory)."""
+    hit_mib = (len(P1) - 1) * KV_BYTES_PER_TOKEN / (1 << 20)
+    config = connector_config(daemon, probe=True, async_load_mib=math.ceil(1.5 * hit_mib))
+    probe = tmp_path_factory.mktemp("probe-burst")
+    out = run_vllm({"model": str(tiny_model), "prompts": [P1, P2, HALF, P6], "max_tokens": 16, "prefix_caching": False,
+                    "together": True, "max_num_seqs": 5, "kv_transfer_config": config,
+                    "beside": {"prompts": [random_prompt(seed=22, length=64)], "max_tokens": 64, "after_tokens": 8}},
+                   env={"PREFIXCACHE_PROBE_DIR": str(probe)})  # fmt: skip
+    return out, probe
+
+
+def test_a_burst_of_small_hits_beside_a_decode_loads_synchronously_only_what_one_step_should_wait_for(
+    burst_beside_a_decode, probes
+):
+    run, probe = burst_beside_a_decode
+    assert [o["num_cached_tokens"] for o in run["outputs"]] == [len(P1) - 1] * 4
+    # A step's first hit loads synchronously; the next would bring the step's synchronous loads over async_load_mib,
+    # so it and every later one load while the decode goes on. Each hit weighed alone, all four loaded synchronously.
+    assert 1 <= int((probe / "loaded_async.0").read_text()) <= 3
+    # Every page loaded, either way, is the one A or B published: four full chunks and the tail of each prompt. A's
+    # records win: B computed P1 again (asked not to load it), and its record of P1's tail page differs past the
+    # tail. (Outputs are not compared with a reference: decoded in one batch, bf16 sums differ from solo runs.)
+    assert assert_loaded_pages_were_saved(saved_pages(probes["b"], probes["a"]), probe)[1] == 4 * 5
+    assert len(run["outputs"][0]["beside_token_s"]) == 64  # the running request decoded every token meanwhile
 
 
 def test_another_model_gets_zero_hits_not_wrong_kv(run_vllm, tmp_path_factory, daemon, producer_then_consumer):
