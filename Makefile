@@ -30,3 +30,4 @@ bench: setup
 	$(PY) -m benchmarks.lookup
 	$(PY) -m benchmarks.tiers
 	$(PY) -m benchmarks.ttft
+	$(PY) -m benchmarks.burst
