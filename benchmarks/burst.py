@@ -80,7 +80,7 @@ class Runner:
 
     def prompts(self, shape: Shape, round_: int) -> list[list[int]]:
         """The prompts of one burst: a set per shape and round, none shared with another set."""
-        seed = 1_000_000 * shape.tokens + 10_000 * round_ + 100 * shape.requests
+        seed = ((shape.tokens * 1000 + shape.requests) * 1000 + round_) * 1000  # each part under 1000 (main)
         return [random_prompt(seed=seed + i, length=shape.tokens) for i in range(shape.requests)]
 
     def engine(self, name: str, plan: list[tuple[Shape, int, str | None]], kv_transfer_config: dict | None = None,
@@ -208,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     if sum(shape.blocks for shape in shapes) > KV_CACHE_BLOCKS * 7 // 8:
         parser.error(f"--bursts: vLLM's own prefix cache must hold every shape's prompts at once: at most "
                      f"{KV_CACHE_BLOCKS * 7 // 8} blocks of 128 tokens in all")  # fmt: skip
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
+    if not 1 <= args.rounds <= 100:
+        parser.error("--rounds must be 1-100")
     reserved = frozenset(sorted(os.sched_getaffinity(0))[-1:])  # VLLM_CPU_NUM_OF_RESERVED_CPU=1
     server_cpus = reserved if args.servers_on == "reserved" else None
     with tempfile.TemporaryDirectory(prefix="burst-") as tmp:
