@@ -39,11 +39,16 @@ from benchmarks.ttft import MAX_BATCHED_TOKENS, WARM_PROMPT
 from cachestore.cpus import format_cpu_list
 from tests.daemon_harness import Daemon
 from tests.e2e.launch import run_engine
-from tests.e2e.tinymodel import ENGINE_DTYPE, KV_BYTES_PER_TOKEN, build_tiny_llama, random_prompt
+from tests.e2e.tinymodel import (
+    ENGINE_DTYPE,
+    KV_BYTES_PER_TOKEN,
+    KV_CACHE_BLOCKS,
+    build_tiny_llama,
+    random_prompt,
+)
 
 DEFAULT_BURSTS = "32x1025,8x4097"
 CEILING = "vllm-prefix-cache"
-KV_CACHE_BLOCKS = (1 << 30) // (128 * KV_BYTES_PER_TOKEN)  # an engine's 1 GiB (tests/e2e/launch.py), 128-token blocks
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """What a cache hit costs the requests already running: synchronous against asynchronous loads.
 
-    python -m benchmarks.stall [--size 8065] [--repeats 3] [--only dram-sync,dram-async,nvme-sync,nvme-auto]
+    python -m benchmarks.stall [--size 8065] [--repeats 3] [--burst 32]
+                               [--only dram-sync,dram-async,burst-sync,burst-auto,nvme-sync,nvme-auto]
 
 A synchronous load runs before its step's forward pass, so every running request's next token waits
 for it; an asynchronous one (connector/load_policy.py) runs while the engine keeps stepping. Each
@@ -12,7 +13,10 @@ published the prompts and exited):
 
 - ``dram-sync`` / ``dram-async``: hits from the DRAM tier, ``async_loads`` ``never`` / ``always``;
 - ``nvme-sync`` / ``nvme-auto``: after a daemon restart (every chunk on NVMe only), ``never`` / ``auto``
-  (the default, which loads such a hit asynchronously because a request is running).
+  (the default, which loads such a hit asynchronously because a request is running);
+- ``burst-sync`` / ``burst-auto``: instead of one hit, ``--burst`` hits of 1025 tokens from DRAM submitted at once
+  (8 MiB each in bf16), ``never`` / ``auto`` (which loads synchronously only what keeps the step's synchronous
+  loads under ``async_load_mib``, the rest asynchronously). Their hit TTFT is the burst's last.
 
 Quoted as ratios inside the run (stall / decode step; hit TTFT async / sync). Writes
 ``benchmarks/results/stall.json``.
@@ -33,41 +37,57 @@ from benchmarks.common import print_table, wait_until_persisted, write_results
 from cachestore.cpus import format_cpu_list
 from tests.daemon_harness import Daemon
 from tests.e2e.launch import run_engine
-from tests.e2e.tinymodel import ENGINE_DTYPE, build_tiny_llama, random_prompt
+from tests.e2e.tinymodel import (
+    ENGINE_DTYPE,
+    KV_CACHE_BLOCKS,
+    build_tiny_llama,
+    random_prompt,
+)
 
 WARM_PROMPT = random_prompt(seed=900_000, length=64)
 DECODE_TOKENS, SUBMIT_AFTER = 96, 16  # the running request's length, and when the hit arrives
-ROWS = (("dram-sync", "never"), ("dram-async", "always"), ("nvme-sync", "never"), ("nvme-auto", "auto"))
+BURST_TOKENS = 1025
+# in this order: an nvme row restarts the daemon first, which leaves every chunk on NVMe alone
+ROWS = (("dram-sync", "never"), ("dram-async", "always"), ("burst-sync", "never"), ("burst-auto", "auto"),
+        ("nvme-sync", "never"), ("nvme-auto", "auto"))  # fmt: skip
 
 
-def engine_spec(model: Path, prompts: list[list[int]], daemon: Daemon, async_loads: str, decodes: bool) -> dict:
+def engine_spec(model: Path, prompts: list[list[int]], daemon: Daemon, async_loads: str, decodes: bool,
+                groups: list[int] | None = None) -> dict:  # fmt: skip
+    """An engine running ``prompts`` (in ``groups`` submitted at once, if given), each prompt or group beside a
+    decode of its own if ``decodes``."""
     spec = {"model": str(model), "dtype": ENGINE_DTYPE, "prompts": prompts, "max_tokens": 1, "logprobs": 0,
             "max_num_batched_tokens": 8192,
             "kv_transfer_config": {"kv_connector": "PrefixCacheConnector", "kv_connector_module_path": "connector",
                                    "kv_role": "kv_both", "kv_connector_extra_config": {
                                        "service_url": daemon.url, "async_loads": async_loads}}}  # fmt: skip
+    if groups is not None:
+        spec.update(together=groups, max_num_seqs=max(groups) + 1)
     if decodes:
-        beside = [random_prompt(seed=700_000 + i, length=64) for i in range(len(prompts))]
+        beside = [random_prompt(seed=700_000 + i, length=64) for i in range(len(groups or prompts))]
         spec["beside"] = {"prompts": beside, "max_tokens": DECODE_TOKENS, "after_tokens": SUBMIT_AFTER}
     return spec
 
 
-def measure(out: dict) -> dict:
-    """One hit: its TTFT; the running decode's median step before it arrived and its longest gap after."""
-    arrivals = np.asarray(out["beside_token_s"])
+def measure(outs: list[dict]) -> dict:
+    """One hit, or a burst of them submitted at once beside the same decode: the last TTFT; the running decode's
+    median step before they arrived and its longest gap after."""
+    arrivals = np.asarray(outs[0]["beside_token_s"])
     gaps = np.diff(arrivals)
     before = gaps[arrivals[1:] <= 0]
     after = gaps[arrivals[1:] > 0]
-    return {"ttft_ms": out["ttft_s"] * 1000, "cached_tokens": out["num_cached_tokens"],
+    return {"ttft_ms": max(out["ttft_s"] for out in outs) * 1000,
+            "cached_tokens": min(out["num_cached_tokens"] for out in outs),
             "decode_step_ms": float(np.median(before)) * 1000, "stall_ms": float(after.max()) * 1000,
             "gaps_after_ms": [round(float(gap) * 1000, 1) for gap in after[:12]],
-            "first_token": out["token_ids"][0]}  # fmt: skip
+            "first_tokens": [out["token_ids"][0] for out in outs]}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=int, default=8065, help="hit prompt length in tokens")
     parser.add_argument("--repeats", type=int, default=3, help="hit prompts (the median is reported)")
+    parser.add_argument("--burst", type=int, default=32, help=f"hits of {BURST_TOKENS} tokens per burst (burst rows)")
     parser.add_argument("--only", default=",".join(name for name, _ in ROWS), help="rows to run")
     args = parser.parse_args(argv)
     rows = [(name, mode) for name, mode in ROWS if name in args.only.split(",")]
@@ -78,7 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--size must be in [512, 8065] (the tiny model's context, with room for the decode)")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    most = (KV_CACHE_BLOCKS - 8) // -(-(BURST_TOKENS + 1) // 128)  # room left for the decode and the warm-up
+    if not 2 <= args.burst <= most:
+        parser.error(f"--burst must be 2-{most}: vLLM's KV cache holds that many such hits beside the decode")
     prompts = [random_prompt(seed=1000 * args.size + i, length=args.size) for i in range(args.repeats)]
+    burst = [random_prompt(seed=800_000 + i, length=BURST_TOKENS) for i in range(args.burst)]
     results: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="stall-") as tmp:
         workdir = Path(tmp)
@@ -88,35 +112,46 @@ def main(argv: list[str] | None = None) -> int:
         daemon.start()
         try:
             print("[stall] producer ...", flush=True)
-            run_engine(engine_spec(model, [WARM_PROMPT, *prompts], daemon, "auto", decodes=False), workdir, "producer")
-            wait_until_persisted(daemon.url, [WARM_PROMPT, *prompts])
+            published = [WARM_PROMPT, *prompts, *(burst if any(n.startswith("burst") for n, _ in rows) else [])]
+            run_engine(engine_spec(model, published, daemon, "auto", decodes=False), workdir, "producer",
+                       timeout_s=1800)  # fmt: skip
+            wait_until_persisted(daemon.url, published)
             for name, mode in rows:
                 if name.startswith("nvme"):
                     daemon.stop()
                     daemon.start()  # the segment owner starts empty: every chunk comes from the NVMe tier
                 print(f"[stall] {name} ...", flush=True)
-                out = run_engine(engine_spec(model, [WARM_PROMPT, *prompts], daemon, mode, decodes=True), workdir,
-                                 name, timeout_s=1800)  # fmt: skip
-                results[name] = [measure(o) for o in out["outputs"][1:]]
+                if name.startswith("burst"):  # the same burst each round: vLLM's own prefix cache is off
+                    spec = engine_spec(model, [WARM_PROMPT, *burst * args.repeats], daemon, mode, decodes=True,
+                                       groups=[1, *[len(burst)] * args.repeats])  # fmt: skip
+                    outs = run_engine(spec, workdir, name, timeout_s=1800)["outputs"][1:]
+                    results[name] = [measure(outs[i : i + len(burst)]) for i in range(0, len(outs), len(burst))]
+                else:
+                    outs = run_engine(engine_spec(model, [WARM_PROMPT, *prompts], daemon, mode, decodes=True),
+                                      workdir, name, timeout_s=1800)["outputs"][1:]  # fmt: skip
+                    results[name] = [measure([out]) for out in outs]
         finally:
             daemon.stop()
-    payload = report(results, args.size)
+    payload = report(results, args.size, args.burst)
     partial = len(rows) < len(ROWS)  # the full run's file is what the README quotes
     path = write_results(
-        "stall", {"size": args.size, "repeats": args.repeats, "dtype": ENGINE_DTYPE, **payload}, partial=partial
+        "stall",
+        {"size": args.size, "repeats": args.repeats, "burst": args.burst, "dtype": ENGINE_DTYPE, **payload},
+        partial=partial,
     )
     print(f"[stall] wrote {path}")
     return 0
 
 
-def report(results: dict[str, list[dict]], size: int) -> dict:
+def report(results: dict[str, list[dict]], size: int, burst: int) -> dict:
     medians = {name: {key: statistics.median(m[key] for m in hits) for key in ("ttft_ms", "decode_step_ms", "stall_ms")}
                for name, hits in results.items()}  # fmt: skip
-    print_table(f"A {size}-token hit arriving while another request decodes (medians, ms)",
+    print_table(f"A {size}-token hit (burst rows: {burst} of {BURST_TOKENS} tokens at once) arriving while another "
+                "request decodes (medians, ms)",
                 ["row", "hit TTFT", "decode step", "decode stall", "stall / step", "cached tokens"],
                 [[name, m["ttft_ms"], m["decode_step_ms"], m["stall_ms"], m["stall_ms"] / m["decode_step_ms"],
                   min(h["cached_tokens"] for h in results[name])] for name, m in medians.items()])  # fmt: skip
-    pairs = [(tier, mode) for tier, mode in (("dram", "async"), ("nvme", "auto"))
+    pairs = [(tier, mode) for tier, mode in (("dram", "async"), ("nvme", "auto"), ("burst", "auto"))
              if f"{tier}-{mode}" in medians and f"{tier}-sync" in medians]  # fmt: skip
     ratios = {
         f"{tier}: {what} async / sync": medians[f"{tier}-{mode}"][key] / medians[f"{tier}-sync"][key]
@@ -125,9 +160,11 @@ def report(results: dict[str, list[dict]], size: int) -> dict:
     }
     for name, value in ratios.items():
         print(f"  {name}: {value:.2f}")
-    first_tokens = {name: [h["first_token"] for h in hits] for name, hits in results.items()}
-    agree = len({tuple(tokens) for tokens in first_tokens.values()}) == 1
-    print(f"  first tokens identical across rows: {agree}")
+    # rows of one hit run the same prompts, and so do the burst rows
+    first_tokens = {name: [h["first_tokens"] for h in hits] for name, hits in results.items()}
+    agree = all(len({str(tokens) for name, tokens in first_tokens.items() if name.startswith("burst") == bursts}) <= 1
+                for bursts in (False, True))  # fmt: skip
+    print(f"  first tokens identical across rows of the same prompts: {agree}")
     return {"rows": results, "medians": medians, "ratios": ratios, "first_tokens_agree": agree}
 
 
