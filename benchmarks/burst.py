@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.common import print_table, wait_until_persisted, write_results
+from benchmarks.common import print_table, wait_until_persisted, with_defaults, write_results
 from benchmarks.ttft import MAX_BATCHED_TOKENS, WARM_PROMPT
 from cachestore.cpus import format_cpu_list
 from tests.daemon_harness import Daemon, connector_config
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         payload = report(run.bursts, shapes)
     path = write_results("burst", {"bursts": args.bursts, "rounds": args.rounds, "servers_on": args.servers_on,
                                    "dtype": ENGINE_DTYPE, **payload},
-                         partial=args.bursts != DEFAULT_BURSTS or args.rounds != 3)  # fmt: skip
+                         partial=not with_defaults(parser, args))  # fmt: skip
     print(f"[burst] wrote {path}")
     return 0
 

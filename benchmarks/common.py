@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -33,11 +34,18 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[obje
     Console(width=200).print(table)
 
 
+def with_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace, *, apart_from: Iterable[str] = ()) -> bool:
+    """Whether every flag but those named in ``apart_from`` kept its default: only such a run is the full run
+    that the README quotes; any other (a few rows, other sizes, fewer repeats) is partial."""
+    defaults = vars(parser.parse_args([]))
+    return all(getattr(args, name) == value for name, value in defaults.items() if name not in set(apart_from))
+
+
 def write_results(name: str, payload: dict, *, partial: bool = False) -> Path:
     """Write ``benchmarks/results/<name>.json`` with the machine it ran on.
 
-    A ``partial`` run (some rows or sizes only, as when checking one change) goes to ``<name>.partial.json``
-    instead, which git ignores: it must not overwrite the full run that the README quotes.
+    A ``partial`` run (see ``with_defaults``; some rows or sizes only, as when checking one change) goes to
+    ``<name>.partial.json`` instead, which git ignores: it must not overwrite the full run that the README quotes.
     """
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / (f"{name}.partial.json" if partial else f"{name}.json")

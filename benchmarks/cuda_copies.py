@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.common import print_table, write_results
+from benchmarks.common import print_table, with_defaults, write_results
 from cachestore.arena import address_of
 from connector.page_copies import CudaPageCopies
 from connector.pages import gather, page_rows, scatter
@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"medians of {args.repeats}",
                 ["direction", "copies", "blocks", "ms", "queue ms", "GB/s", "/ one copy"], rows)  # fmt: skip
     write_results("cuda_copies", {"device": device, "hit_bytes": hit_bytes, "page_bytes": page_bytes,
-                                  "layers": LAYERS, "chunk_pages": CHUNK_PAGES, "cases": cases})  # fmt: skip
+                                  "layers": LAYERS, "chunk_pages": CHUNK_PAGES, "cases": cases},
+                  partial=not with_defaults(parser, args))  # fmt: skip
     return 0
 
 

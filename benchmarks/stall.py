@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import print_table, wait_until_persisted, write_results
+from benchmarks.common import print_table, wait_until_persisted, with_defaults, write_results
 from cachestore.cpus import format_cpu_list
 from tests.daemon_harness import Daemon, connector_config
 from tests.e2e.launch import run_engine
@@ -132,11 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             daemon.stop()
     payload = report(results, args.size, args.burst)
-    partial = len(rows) < len(ROWS)  # the full run's file is what the README quotes
     path = write_results(
         "stall",
         {"size": args.size, "repeats": args.repeats, "burst": args.burst, "dtype": ENGINE_DTYPE, **payload},
-        partial=partial,
+        partial=not with_defaults(parser, args),
     )
     print(f"[stall] wrote {path}")
     return 0

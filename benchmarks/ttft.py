@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.common import bound_to, print_table, wait_until_persisted, write_results
+from benchmarks.common import bound_to, print_table, wait_until_persisted, with_defaults, write_results
 from cachestore.cpus import format_cpu_list
 from cachestore.mooncake_servers import LocalMooncake
 from cachestore.processes import ManagedProcess, free_port, port_open
@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         payload = {**report(run.cases, sizes), "failed_rows": failed}
     path = write_results("ttft", {"sizes": sizes, "repeats": args.repeats, "servers_on": args.servers_on,
                                    "dtype": ENGINE_DTYPE, **payload},
-                         partial=only != list(ROWS) or sizes != list(DEFAULT_SIZES))  # fmt: skip
+                         partial=not with_defaults(parser, args))  # fmt: skip
     print(f"[ttft] wrote {path}")
     return 0
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import print_table, write_results
+from benchmarks.common import print_table, with_defaults, write_results
 from cachestore.client import CacheClient
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.worker_side import WorkerSide
@@ -137,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
                 ["tier", "arena", "windows (about)", "load ms", "GB/s", "/ one window"], rows)  # fmt: skip
     name = "windows" if args.device == "cpu" else f"windows_{args.device}"
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    write_results(name, {"hit_bytes": hit_bytes, "device": device, "cases": cases})
+    write_results(
+        name,
+        {"hit_bytes": hit_bytes, "device": device, "cases": cases},
+        partial=not with_defaults(parser, args, apart_from=["device"]),
+    )  # each device has its file
     return 0
 
 
