@@ -37,8 +37,8 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[obje
 def with_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace, *, apart_from: Iterable[str] = ()) -> bool:
     """Whether every flag but those named in ``apart_from`` kept its default: only such a run is the full run
     that the README quotes; any other (a few rows, other sizes, fewer repeats) is partial."""
-    defaults = vars(parser.parse_args([]))
-    return all(getattr(args, name) == value for name, value in defaults.items() if name not in set(apart_from))
+    defaults, excepted = vars(parser.parse_args([])), set(apart_from)
+    return all(getattr(args, name) == value for name, value in defaults.items() if name not in excepted)
 
 
 def write_results(name: str, payload: dict, *, partial: bool = False) -> Path:

@@ -137,11 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                 ["tier", "arena", "windows (about)", "load ms", "GB/s", "/ one window"], rows)  # fmt: skip
     name = "windows" if args.device == "cpu" else f"windows_{args.device}"
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    write_results(
-        name,
-        {"hit_bytes": hit_bytes, "device": device, "cases": cases},
-        partial=not with_defaults(parser, args, apart_from=["device"]),
-    )  # each device has its file
+    partial = not with_defaults(parser, args, apart_from=["device"])  # each device has a file of its own
+    write_results(name, {"hit_bytes": hit_bytes, "device": device, "cases": cases}, partial=partial)
     return 0
 
 
