@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks.burst import CEILING, Burst, Shape, parse_shapes, report
+from benchmarks.burst import CEILING, Burst, Runner, Shape, parse_shapes, report
 from tests.e2e.run_vllm import SpecError, load_spec
 
 
@@ -28,6 +28,16 @@ def test_ratios_compare_medians_over_rounds_and_first_tokens_are_checked_against
     assert found["ratios"]["vllm-prefix-cache / cold"]["2x100"] == pytest.approx(0.20 / 4.0)
     assert "prefixcache-nvme / vllm-prefix-cache" not in found["ratios"]
     assert found["first_tokens_differ_from_cold"] == ["prefixcache-dram"]
+
+
+def test_warm_up_bursts_are_sets_of_their_own_recorded_at_most_once(tmp_path):
+    run = Runner(tmp_path, tmp_path, [Shape(2, 50), Shape(1, 80)], rounds=3)
+    plan = run.warm_ups(runs=2, config="first")
+    assert [(str(shape), config) for shape, _, config in plan] == [("2x50", "first"), ("2x50", None),
+                                                                   ("1x80", "first"), ("1x80", None)]  # fmt: skip
+    measured = {tuple(p) for shape, round_, _ in run.every_round(None) for p in run.prompts(shape, round_)}
+    warm = {tuple(p) for shape, round_, _ in plan for p in run.prompts(shape, round_)}
+    assert len(warm) == 3 and not warm & measured  # nothing measured was computed by a warm-up
 
 
 def test_a_spec_takes_bursts_as_group_sizes_that_add_up_to_its_prompts(tmp_path):

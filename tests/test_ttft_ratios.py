@@ -1,6 +1,7 @@
-"""benchmarks.ttft's ratios: rows paired in one engine are compared pair by pair, other rows by their medians."""
+"""benchmarks.ttft's ratios (rows paired in one engine are compared pair by pair, other rows by their medians) and
+its unmeasured prompts."""
 
-from benchmarks.ttft import BYPASSED, CEILING, PUBLISHING, Case, medians, paired_ratio, ratios
+from benchmarks.ttft import BYPASSED, CEILING, PUBLISHING, Case, Runner, medians, paired_ratio, ratios
 
 
 def cases(config: str, times: list[float], tokens: int = 4097) -> list[Case]:
@@ -26,3 +27,9 @@ def test_a_paired_ratio_needs_as_many_cases_on_each_side():
     run = cases(PUBLISHING, [1.0, 1.1]) + cases(BYPASSED, [1.0])
     assert paired_ratio(run, PUBLISHING, BYPASSED, 4097) is None
     assert paired_ratio(run, PUBLISHING, BYPASSED, 1025) is None
+
+
+def test_each_size_has_an_unmeasured_prompt_of_its_own(tmp_path):
+    run = Runner(tmp_path, tmp_path, [1025, 4097], repeats=3, server_cpus=None)
+    assert [len(p) for p in run.warm_ups] == [1025, 4097]
+    assert not {tuple(p) for p in run.warm_ups} & {tuple(p) for p in run.prompts}
