@@ -45,6 +45,7 @@ from cachestore.cpus import format_cpu_list
 from tests.daemon_harness import Daemon, connector_config
 from tests.e2e.launch import run_engine
 from tests.e2e.tinymodel import (
+    BLOCK_TOKENS,
     ENGINE_DTYPE,
     KV_BYTES_PER_TOKEN,
     KV_CACHE_BLOCKS,
@@ -230,9 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     for shape in shapes:
         if not (1 <= shape.requests <= 256 and 2 <= shape.tokens <= MAX_BATCHED_TOKENS):
             parser.error(f"--bursts: {shape} needs 1-256 requests of 2-{MAX_BATCHED_TOKENS} tokens")
-    if sum(shape.blocks for shape in shapes) > KV_CACHE_BLOCKS * 7 // 8:
+    most_blocks = KV_CACHE_BLOCKS * 7 // 8
+    if sum(shape.blocks for shape in shapes) > most_blocks:
         parser.error(f"--bursts: vLLM's own prefix cache must hold every shape's prompts at once: at most "
-                     f"{KV_CACHE_BLOCKS * 7 // 8} blocks of 128 tokens in all")  # fmt: skip
+                     f"{most_blocks} blocks of {BLOCK_TOKENS} tokens in all")  # fmt: skip
     if not 1 <= args.rounds <= 100:
         parser.error("--rounds must be 1-100")
     reserved = frozenset(sorted(os.sched_getaffinity(0))[-1:])  # VLLM_CPU_NUM_OF_RESERVED_CPU=1

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import print_table, wait_until_persisted, with_defaults, write_results
+from benchmarks.ttft import MAX_BATCHED_TOKENS, WARM_PROMPT
 from cachestore.cpus import format_cpu_list
 from tests.daemon_harness import Daemon, connector_config
 from tests.e2e.launch import run_engine
@@ -45,7 +46,6 @@ from tests.e2e.tinymodel import (
     random_prompt,
 )
 
-WARM_PROMPT = random_prompt(seed=900_000, length=64)
 DECODE_TOKENS, SUBMIT_AFTER = 96, 16  # the running request's length, and when the hit arrives
 BURST_TOKENS = 1025
 # in this order: an nvme row restarts the daemon first, which leaves every chunk on NVMe alone
@@ -58,7 +58,7 @@ def engine_spec(model: Path, prompts: list[list[int]], daemon: Daemon, async_loa
     """An engine running ``prompts`` (in ``groups`` submitted at once, if given), each prompt or group beside a
     decode of its own if ``decodes``."""
     spec = {"model": str(model), "dtype": ENGINE_DTYPE, "prompts": prompts, "max_tokens": 1, "logprobs": 0,
-            "max_num_batched_tokens": 8192,
+            "max_num_batched_tokens": MAX_BATCHED_TOKENS,
             "kv_transfer_config": connector_config(daemon, arena_mb="auto", async_loads=async_loads)}  # fmt: skip
     if groups is not None:
         spec.update(together=groups, max_num_seqs=max(groups) + 1)

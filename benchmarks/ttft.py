@@ -106,12 +106,11 @@ class Runner:
         that many times, emptying vLLM's own prefix cache before each prompt's first run."""
         runs = 2 if twice else 1
         measured = [p for _ in range(rounds) for p in self.prompts for _ in range(runs)]
-        warm_ups = [p for p in self.warm_ups for _ in range(runs)]
-        spec = self._spec(warm_ups, measured, kv_transfer_config, prefix_caching)
+        unmeasured = self._unmeasured(runs)
+        spec = self._spec(unmeasured, measured, kv_transfer_config, prefix_caching)
         if rounds > 1:
-            first = 1 + len(warm_ups)
-            spec["reset_prefix_cache_before"] = list(range(first, first + len(measured), runs))
-        outputs = self._run(name, spec, env, unmeasured=1 + len(warm_ups))
+            spec["reset_prefix_cache_before"] = list(range(len(unmeasured), len(unmeasured) + len(measured), runs))
+        outputs = self._run(name, spec, env, unmeasured=len(unmeasured))
         if twice:
             self._record(record_first_as, outputs[0::2])
             outputs = outputs[1::2]
@@ -126,17 +125,22 @@ class Runner:
         for i, prompt in enumerate(self.prompts):
             measured += [prompt, prompt]
             params += [None, BYPASS] if i % 2 == 0 else [BYPASS, None]
-        spec = self._spec(self.warm_ups, measured, kv_transfer_config, False)  # the warm-ups published, to be hit later
-        spec["kv_transfer_params"] = [None] * (1 + len(self.warm_ups)) + params
-        outputs = self._run(name, spec, None, unmeasured=1 + len(self.warm_ups))
+        unmeasured = self._unmeasured(runs=1)
+        spec = self._spec(unmeasured, measured, kv_transfer_config, False)
+        spec["kv_transfer_params"] = [None] * len(unmeasured) + params  # the warm-ups published, to be hit later
+        outputs = self._run(name, spec, None, unmeasured=len(unmeasured))
         self._record(record_as, [out for out, param in zip(outputs, params, strict=True) if param is None])
         self._record(record_bypass_as, [out for out, param in zip(outputs, params, strict=True) if param is BYPASS])
 
-    def _spec(self, warm_ups: list[list[int]], measured: list[list[int]], kv_transfer_config: dict | None,
+    def _unmeasured(self, runs: int) -> list[list[int]]:
+        """What an engine runs before its measured prompts: the short warm-up prompt, then each size's warm-up
+        ``runs`` times in a row (as the row runs each measured prompt)."""
+        return [WARM_PROMPT, *(p for p in self.warm_ups for _ in range(runs))]
+
+    def _spec(self, unmeasured: list[list[int]], measured: list[list[int]], kv_transfer_config: dict | None,
               prefix_caching: bool) -> dict:  # fmt: skip
-        """An engine spec (tests/e2e/run_vllm.py) that runs the warm-up prompt, ``warm_ups``, then ``measured``."""
-        prompts = [WARM_PROMPT, *warm_ups, *measured]
-        return {"model": str(self.model), "dtype": ENGINE_DTYPE, "prompts": prompts, "max_tokens": 1,
+        """An engine spec (tests/e2e/run_vllm.py) that runs ``unmeasured``, then ``measured``."""
+        return {"model": str(self.model), "dtype": ENGINE_DTYPE, "prompts": [*unmeasured, *measured], "max_tokens": 1,
                 "logprobs": 0, "prefix_caching": prefix_caching, "kv_transfer_config": kv_transfer_config,
                 "max_num_batched_tokens": MAX_BATCHED_TOKENS}  # fmt: skip
 
