@@ -243,16 +243,18 @@ class CacheClient:
         """A view of ``size`` bytes at ``address`` if they lie in this client's shared memory, else None."""
         return self.dram.registered_view(address, size)
 
-    def fetch_scattered(self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]]) -> list[bool]:
-        """Read chunks from DRAM straight into the caller's memory: each object across ``parts[i]``, in
-        order (its header and tokens, then its payload), all in the arena or ``shared_memory``. Returns
-        per key whether it arrived; one that did not may have written some of its parts.
+    def fetch_scattered(self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]],
+                        second: Sequence[bool] = ()) -> list[bool]:  # fmt: skip
+        """Read chunks from DRAM straight into the caller's memory: the first part of each copy (its header
+        and tokens, then its first layers; where ``second[i]``, the rest of its layers) across ``parts[i]``, in order,
+        all in the arena or ``shared_memory`` (``MooncakeTier.get_scattered``). Returns per key whether it
+        arrived; one that did not may have written some of its parts.
 
         The connector reads each chunk's header and tokens into an arena slot and its payload into the
         KV pages themselves, so a load copies each byte once. Nothing is verified yet: the caller has
         ``verify_scattered`` check the pieces where they landed before any of it counts as loaded.
         """
-        return [size > 0 for size in self.dram.get_scattered(keys, parts)]
+        return [size > 0 for size in self.dram.get_scattered(keys, parts, second)]
 
     def verify_scattered(self, keys: Sequence[bytes], heads: Sequence[memoryview],
                          payloads: Sequence[Sequence[memoryview]], started: float) -> list[bool]:  # fmt: skip
@@ -498,6 +500,12 @@ class CacheClient:
     def _reject(self, key: bytes, exc: ChunkError) -> None:
         self.stats.count(corrupt=1)
         log.warning("chunk %s failed verification (%s): deleted, recomputing", key.hex(), exc)
+        self._discard(key)
+
+    def discard(self, key: bytes) -> None:
+        """Remove a chunk's DRAM copy and its DRAM location: a read found it incomplete (the master evicted one
+        of its parts), so that the next load reads NVMe instead of missing the same way."""
+        self.stats.count(missing=1)
         self._discard(key)
 
     def _discard(self, key: bytes) -> None:

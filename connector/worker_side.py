@@ -35,6 +35,7 @@ import torch
 from cachestore.arena import ArenaFullError, address_of
 from cachestore.client import CacheClient, Fetched
 from cachestore.codec import ChunkMeta, payload_offset
+from cachestore.dram import first_part_rows
 from cachestore.nvme import PAGE, read_size
 from cachestore.runs import runs_of_about
 from connector.layered_reads import LayeredChunk, LayeredRead
@@ -91,6 +92,9 @@ class _ReadInPlace:
     started: float
     layered: LayeredRead | None = None  # NVMe-only chunks on their way into their pages, layer by layer
     verified: int = 0  # chunks in their pages and verified already (those whose last block vLLM writes this step)
+    # of ``placed``, those whose later layers are still being copied (``_copy_later_layers``), and that copy
+    later: list[_InPlace] = field(default_factory=list)
+    later_copy: Future[list[bool]] | None = None
 
 
 class WorkerSide:
@@ -159,6 +163,12 @@ class WorkerSide:
         self._layer_readers = ThreadPoolExecutor(max_workers=_LAYER_READERS, thread_name_prefix="prefixcache-disk",
                                                  initializer=self._io_thread_setup)  # fmt: skip
         self._layered_now: LayeredRead | None = None  # this step's synchronous one, which vLLM waits for by layer
+        # DRAM hits: the layers of each chunk's first DRAM part, in before the forward pass; the rest are copied
+        # while it computes those, until a step shows vLLM does not wait for its layers
+        self._first_layers = first_part_rows(len(self.layers))
+        self._later_layers_behind = self._first_layers > 0
+        self._later_now: _ReadInPlace | None = None  # this step's synchronous read, if it copies later layers
+        self._later_waited = False
 
     def _pages_in_shared_memory(self) -> memoryview | None:
         """The KV cache as one view, when every layer's pages lie in the client's shared memory (the
@@ -255,6 +265,7 @@ class WorkerSide:
             self._after_forward.append(stores)
         if placed is not None:
             self._layered_now = placed.layered
+            self._later_now, self._later_waited = (placed, False) if placed.later_copy is not None else (None, False)
             self._verification = self._verifier.submit(self._verify_read, placed, self.load_errors)
 
     def _load_async(self, chunks: list[LoadChunk]) -> set[int]:
@@ -314,13 +325,9 @@ class WorkerSide:
                                                    hold_blocks_vllm_writes=behind_forward)  # fmt: skip
         elsewhere = in_dram_elsewhere + elsewhere
         verified = 0
+        later: list[_InPlace] = []
         if placed:
-            try:
-                arrived = self.client.fetch_scattered([item.chunk.key for item in placed],
-                                                      [[item.head, *item.pieces] for item in placed])  # fmt: skip
-            except Exception:  # noqa: BLE001 - a failed call: these chunks load through slots instead
-                log.exception("reading %d chunks into their pages failed", len(placed))
-                arrived = [False] * len(placed)
+            arrived = self._copy_first_layers(placed, behind_forward)
             elsewhere += self._released([item for item, ok in zip(placed, arrived, strict=True) if not ok])
             placed = [item for item, ok in zip(placed, arrived, strict=True) if ok]
             held = [item for item in placed if item.held_pages]
@@ -328,12 +335,59 @@ class WorkerSide:
             verified = len(held) - len(failed)
             elsewhere += failed
             placed = [item for item in placed if not item.held_pages]
+            if behind_forward and self._later_layers_behind:
+                later = [item for item in placed if self._cut(item)[1]]
         slots = self._slots(elsewhere)
         # chunks DRAM holds but the arena had no room for are fetched from DRAM: only the others are read ahead
         if ahead := [(chunk.key, slot) for chunk, slot in zip(elsewhere, slots or [], strict=False)
                      if chunk not in in_dram_elsewhere]:  # fmt: skip
             self.client.read_ahead(ahead)
-        return _ReadInPlace(placed, elsewhere, slots, started, layered, verified)
+        read = _ReadInPlace(placed, elsewhere, slots, started, layered, verified, later)
+        if later:  # on this thread when begin_load started the read, so it follows at once
+            read.later_copy = self._early_reader.submit(self._copy_later_layers, later)
+        return read
+
+    def _cut(self, item: _InPlace) -> tuple[list[memoryview], list[memoryview]]:
+        """Where a chunk read in place goes, as the pieces of its two DRAM parts (cachestore/dram.py): its
+        header and tokens and its first layers' pages, then its later layers' (none: a copy not cut)."""
+        if not self._first_layers:
+            return [item.head, *item.pieces], []
+        at = len(item.pieces) // len(self.layers) * self._first_layers
+        return [item.head, *item.pieces[:at]], item.pieces[at:]
+
+    def _copy_first_layers(self, items: list[_InPlace], behind_forward: bool) -> list[bool]:
+        """Have the segment owner copy each chunk's first DRAM part into place, in one call, and its second
+        too where that must be in before the forward pass: for chunks whose last block vLLM writes this
+        step, for every chunk of a load nothing computes behind (``behind_forward`` False), and once vLLM
+        has not waited for a layer. Returns which chunks arrived (of those copied whole: both parts)."""
+        keys: list[bytes] = []
+        parts: list[list[memoryview]] = []
+        second: list[bool] = []
+        at: list[tuple[int, int | None]] = []  # per chunk: where its parts are in the call
+        for item in items:
+            first, rest = self._cut(item)
+            whole = bool(rest) and (bool(item.held_pages) or not behind_forward or not self._later_layers_behind)
+            at.append((len(keys), len(keys) + 1 if whole else None))
+            keys += [item.chunk.key] * (1 + whole)
+            parts += [first, rest] if whole else [first]
+            second += [False, True] if whole else [False]
+        try:
+            got = self.client.fetch_scattered(keys, parts, second)
+        except Exception:  # noqa: BLE001 - a failed call: these chunks load through slots instead
+            log.exception("reading %d chunks into their pages failed", len(items))
+            return [False] * len(items)
+        return [got[i] and (j is None or got[j]) for i, j in at]
+
+    def _copy_later_layers(self, items: list[_InPlace]) -> list[bool]:
+        """The second half of ``_copy_first_layers``: each chunk's second DRAM part into place, in one call, while
+        the forward pass computes the first layers. Returns which arrived; never raises (the others are load
+        errors, as damaged chunks are: their KV would be another's)."""
+        try:
+            return self.client.fetch_scattered([item.chunk.key for item in items],
+                                               [self._cut(item)[1] for item in items], [True] * len(items))  # fmt: skip
+        except Exception:  # noqa: BLE001 - a failed load is recomputed; the request must not fail
+            log.exception("reading the later layers of %d chunks into their pages failed", len(items))
+            return [False] * len(items)
 
     def _place_held_pages(self, items: list[_InPlace], started: float) -> list[LoadChunk]:
         """Verify, before the forward pass, the chunks whose last block vLLM writes this step, then copy that
@@ -391,6 +445,9 @@ class WorkerSide:
         reads of that layer from NVMe (their verification goes on behind them)."""
         if self._layered_now is not None:
             self._layered_now.wait_layer(layer)
+        if self._later_now is not None and layer >= self._first_layers and not self._later_waited:
+            self._later_waited = True
+            self._later_now.later_copy.exception()  # type: ignore[union-attr]
 
     def finish_load(self) -> None:
         """Wait for the verification of this step's loads: after this, ``load_errors`` holds every block that
@@ -403,6 +460,9 @@ class WorkerSide:
         layered, self._layered_now = self._layered_now, None
         if layered is not None and len(layered.waited) < len(self.layers):
             self._distrust(layered)
+        later, self._later_now = self._later_now, None
+        if later is not None and not self._later_waited:
+            self._distrust_later_copy(later)
         errors = self.load_errors
         self._failed_requests.update(request for request, chunks in self._loads.items()
                                      if any(errors.intersection(chunk.blocks) for chunk in chunks))  # fmt: skip
@@ -482,8 +542,16 @@ class WorkerSide:
         """Verify what a read put straight into the pages: the DRAM hits, then (behind their reads, layer by
         layer) the chunks read from NVMe. Returns the job that stores the latter into DRAM from their pages,
         with the slots it holds. Never raises: a chunk that fails goes to ``errors``."""
-        if read.placed:
-            self._verify(read.placed, read.started, errors)
+        placed = read.placed
+        if read.later_copy is not None:  # a chunk whose later layers did not arrive is a miss, never verified
+            missed = {id(item) for item, ok in zip(read.later, read.later_copy.result(), strict=True) if not ok}
+            for item in (item for item in placed if id(item) in missed):
+                errors.update(item.chunk.blocks)
+                self.client.discard(item.chunk.key)
+            placed = [item for item in placed if id(item) not in missed]
+            self._released([item for item in read.placed if id(item) in missed])
+        if placed:
+            self._verify(placed, read.started, errors)
         return self._verify_layered(read.layered, errors) if read.layered is not None else None
 
     def _verify_layered(self, read: LayeredRead, errors: set[int]) -> _Store | None:
@@ -510,6 +578,16 @@ class WorkerSide:
                                   [[c.head, *itertools.chain.from_iterable(c.layers)] for c in good])  # fmt: skip
         return store, [c.slot for c in good]
 
+    def _distrust_later_copy(self, read: _ReadInPlace) -> None:
+        """A step copied DRAM hits' later layers behind the forward pass, but vLLM did not wait for those layers:
+        attention may have read their pages before they were in. The chunks are recomputed, and from now on
+        every chunk's copy is in before the forward pass."""
+        self.load_errors.update(block for item in read.later for block in item.chunk.blocks)
+        if self._later_layers_behind:
+            self._later_layers_behind = False
+            log.warning("vLLM did not wait for the layers of a DRAM hit copied behind the forward pass: recomputing "
+                        "it, and copying every layer before the forward pass from now on")  # fmt: skip
+
     def _distrust(self, read: LayeredRead) -> None:
         """A step read chunks layer by layer, but vLLM did not wait for every layer: an attention layer may have
         read its pages before they were in. Its chunks are recomputed, and loads are never read this way again."""
@@ -531,6 +609,8 @@ class WorkerSide:
     def _abandon(self, read: _ReadInPlace) -> None:
         """Give back every slot of a read that will not be finished, once no disk read writes into them."""
         self.client.settle_reads()
+        if read.later_copy is not None:
+            read.later_copy.exception()
         self._released(read.placed)
         if read.layered is not None:
             read.layered.settle()

@@ -14,8 +14,8 @@ import httpx
 import redis
 
 from cachestore.client import CacheClient, fetch_config
-from cachestore.codec import ChunkMeta
-from cachestore.dram import MooncakeTier
+from cachestore.codec import ChunkMeta, read_meta
+from cachestore.dram import MooncakeTier, split_offset
 from cachestore.extents import locate
 from cachestore.processes import free_port_block
 from cachestore.warmup.plan import storable_tokens
@@ -144,8 +144,10 @@ def damage_dram_copy(dram: MooncakeTier, key: bytes, max_bytes: int = 8 << 20) -
         size = dram.get_into([key], [slot])[0]
         assert size > 0, f"chunk {key.hex()} is not in DRAM"
         slot[size - 1] ^= 0xFF
+        at = split_offset(read_meta(slot)) or 0  # the last byte lies in the second part of a copy cut in two
         address = dram.arena.address + dram.arena.offset_of(slot)
-        assert dram._store.batch_upsert_from([dram._name(key)], [address], [size]) == [0]
+        name = dram._names(key)[bool(at)]
+        assert dram._store.batch_upsert_from([name], [address + at], [size - at]) == [0]
     finally:
         dram.arena.free(slot)
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 
 import numpy as np
 import pytest
+
+from cachestore.codec import ChunkMeta, encode, payload_offset, read_meta
+from cachestore.dram import first_part_rows, split_offset, split_pieces
+from indexer.tokens import pack_tokens
 
 
 @pytest.fixture
@@ -108,3 +113,71 @@ def test_shared_memory_is_handed_out_zeroed_after_the_owner_wrote_every_page(tie
     assert tier.put([(k, data)]) == [True]
     assert tier.get_scattered([k], [[memory[5 << 20 : 6 << 20], memory[10 << 20 : 12 << 20]]]) == [3 << 20]
     assert bytes(memory[5 << 20 : 6 << 20]) + bytes(memory[10 << 20 : 12 << 20]) == data
+
+
+def chunk_object(layers: int, layer_bytes: int = 3 * 4096 + 8) -> tuple[bytes, bytes]:
+    """A chunk's stored form, its payload ``layers`` rows (the connector's layers) of random bytes: (key, object)."""
+    meta = ChunkMeta(os.urandom(16), os.urandom(16), os.urandom(16), pack_tokens(list(range(40))), "uint8",
+                     (layers, layer_bytes))  # fmt: skip
+    return meta.key, bytes(encode(meta, os.urandom(layers * layer_bytes)))
+
+
+def test_a_chunk_is_two_objects_its_first_layers_and_the_rest_joined_again_on_the_way_out(tier):
+    """A load fetches a chunk's first layers, lets the forward pass start on them and fetches the rest meanwhile,
+    so the tier cuts each chunk there; whole-object reads join the parts again."""
+    k, obj = chunk_object(layers=4)
+    at = split_offset(read_meta(obj))
+    assert at == payload_offset(40) + first_part_rows(4) * (3 * 4096 + 8) and 0 < first_part_rows(4) < 4
+    assert tier.put([(k, obj)]) == [True]
+    first, second = tier.arena.alloc(at), tier.arena.alloc(len(obj) - at)
+    assert tier.get_scattered([k, k], [[first], [second]], [False, True]) == [at, len(obj) - at]
+    assert bytes(first) + bytes(second) == obj
+    out = tier.arena.alloc(len(obj) + 5000)  # a slot larger than the object, as the slots of loads are
+    assert tier.get_into([k], [out]) == [len(obj)] and bytes(out[: len(obj)]) == obj
+    plain = bytearray(len(obj))  # staged through the arena
+    assert tier.get_into([k], [memoryview(plain)]) == [len(obj)] and plain == obj
+    # a chunk of one layer, and any other object, is one object
+    one_key, one = chunk_object(layers=1)
+    assert split_offset(read_meta(one)) is None
+    assert tier.put([(one_key, one)]) == [True]
+    assert tier.get_scattered([one_key], [[tier.arena.alloc(len(one))]]) == [len(one)]
+    assert tier.get_scattered([one_key], [[tier.arena.alloc(len(one))]], [True]) == [-1]
+
+
+def test_a_chunk_whose_second_part_the_master_evicted_is_a_miss_and_delete_removes_both(tier):
+    k, obj = chunk_object(layers=4)
+    assert tier.put([(k, obj)]) == [True]
+    assert tier._store.batch_remove([tier._names(k)[1]], True) == [0]  # what the master's eviction may do to one part
+    assert tier.get_into([k], [tier.arena.alloc(len(obj))]) == [-1]
+    assert tier.contains([k]) == [True]  # its first part is still there: the read that needs the rest misses
+    assert tier.delete([k]) == 1
+    assert tier.contains([k]) == [False] and tier.remove([k]) == [True]
+    k, obj = chunk_object(layers=4)
+    assert tier.put([(k, obj)]) == [True]
+    assert tier.remove([k]) == [True]
+    assert tier._store.batch_is_exist(list(tier._names(k))) == [0, 0]
+
+
+def test_a_chunk_put_from_pieces_is_cut_where_a_whole_one_is(tier):
+    """A chunk read from NVMe into a KV cache's pages goes into DRAM from those pages, in pieces of any size."""
+    k, obj = chunk_object(layers=4)
+    memory = tier.shared_memory(1 << 20)
+    cuts = [0, payload_offset(40), payload_offset(40) + 5000, len(obj) - 7, len(obj)]  # head, then pages
+    pieces = [memory[start + i * 4096 : end + i * 4096] for i, (start, end) in enumerate(itertools.pairwise(cuts))]
+    for piece, (start, end) in zip(pieces, itertools.pairwise(cuts), strict=True):
+        piece[:] = obj[start:end]
+    assert tier.put_scattered([k], [pieces]) == [True]
+    at = split_offset(read_meta(obj))
+    first, second = tier.arena.alloc(at), tier.arena.alloc(len(obj) - at)
+    assert tier.get_scattered([k, k], [[first], [second]], [False, True]) == [at, len(obj) - at]
+    assert bytes(first) + bytes(second) == obj
+
+
+def test_pieces_are_cut_at_a_byte_inside_or_between_them():
+    data = memoryview(bytes(range(100)))
+    pieces = [data[0:10], data[10:30], data[30:100]]
+    for at in (5, 10, 29, 30, 99):
+        first, second = split_pieces(pieces, at)
+        assert b"".join(first) == bytes(range(at)) and b"".join(second) == bytes(range(at, 100))
+        assert all(len(piece) for piece in first + second)
+    assert split_pieces(pieces, None) == [pieces]

@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from cachestore.client import CacheClient
+from cachestore.dram import first_part_rows
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.worker_side import WorkerSide
 from indexer.index import Location
@@ -148,6 +150,7 @@ def test_a_load_begun_at_the_steps_first_hook_is_finished_by_start_load(publishe
     meta = PrefixCacheMetadata(loads=[plan], load_early=True)
     loader.begin_load(meta)
     loader.start_load(meta)
+    forward_pass(loader)
     assert loader.take_load_errors() == set()
     assert loader.loaded_early == loader.loaded_in_place == loader.loaded_chunks == 2
     assert equal(pages(loader, list(range(10, 18))), pages(publisher, list(range(8))))
@@ -232,6 +235,64 @@ def test_a_damaged_dram_copy_read_in_place_is_a_load_error_and_the_next_load_rea
     assert load(loader, plan) == set()
     assert loader.client.stats.read_from_disk == 1
     assert equal(pages(loader, list(range(30, 38))), pages(publisher, list(range(8))))
+
+
+def test_a_dram_hits_later_layers_are_copied_while_the_forward_pass_computes_its_first(publisher, loader, monkeypatch):
+    """Each chunk's DRAM copy is its first layers and the rest (cachestore/dram.py): the step starts once the first
+    are in, and the first attention layer of the rest waits for them."""
+    keys = publish(publisher, chunks=2)
+    copying = threading.Event()
+    copy_later_layers = loader._copy_later_layers
+
+    def held_back(items):  # the owner still copying the later layers when the forward pass starts
+        copying.wait(10)
+        return copy_later_layers(items)
+
+    monkeypatch.setattr(loader, "_copy_later_layers", held_back)
+    blocks = list(range(20, 28))
+    loader.start_load(PrefixCacheMetadata(loads=[{"r": [LoadChunk(key, CHUNK_TOKENS, 0, blocks[4 * i : 4 * i + 4])
+                                                        for i, key in enumerate(keys)]}]))  # fmt: skip
+    published = pages(publisher, list(range(8)))
+    first = first_part_rows(LAYERS)
+    assert equal(pages(loader, blocks)[:first], published[:first])  # in when start_load_kv returns
+    assert not any(layer[blocks].any() for layer in loader.layers[first:])  # not yet
+    for layer in range(first):
+        loader.wait_for_layer(layer)  # the first layers compute without waiting
+    assert not any(layer[blocks].any() for layer in loader.layers[first:])
+    copying.set()
+    loader.wait_for_layer(first)
+    assert equal(pages(loader, blocks), published)
+    forward_pass(loader)
+    assert loader.take_load_errors() == set() and loader.loaded_in_place == 2
+
+
+def test_a_dram_hit_whose_later_layers_are_gone_is_a_load_error_and_the_next_load_reads_nvme(publisher, loader):
+    """The master may evict one part of a chunk's copy; the part that arrived is never taken for the whole."""
+    keys = publish(publisher, chunks=2)
+    wait_persisted(loader.client, keys)
+    assert loader.client.dram._store.batch_remove([loader.client.dram._names(keys[1])[1]], True) == [0]
+    plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(30 + 4 * i, 34 + 4 * i))) for i, key in enumerate(keys)]}
+    assert load(loader, plan) == {34, 35, 36, 37}
+    assert loader.loaded_chunks == 1 and loader.client.stats.corrupt == 0 and loader.client.stats.missing == 1
+    assert loader.client.dram.contains([keys[1]]) == [False]  # what was left of the copy is gone
+    assert all(location.tier != "dram" for location in loader.client.index.get([keys[1]])[0].locations)
+    assert load(loader, plan) == set()
+    assert loader.client.stats.read_from_disk == 1
+    assert equal(pages(loader, list(range(30, 38))), pages(publisher, list(range(8))))
+
+
+def test_a_hit_whose_later_layers_vllm_did_not_wait_for_is_recomputed_and_later_hits_copy_every_layer_first(
+    publisher, loader
+):
+    keys = publish(publisher, chunks=2)
+    plan = {"r": [LoadChunk(keys[0], CHUNK_TOKENS, 0, [4, 5, 6, 7])]}
+    loader.start_load(PrefixCacheMetadata(loads=[plan]))
+    for layer in range(first_part_rows(LAYERS)):  # a forward pass that never asks for the later layers' KV
+        loader.wait_for_layer(layer)
+    assert loader.take_load_errors() == {4, 5, 6, 7}
+    loader.start_load(PrefixCacheMetadata(loads=[{"r": [LoadChunk(keys[1], CHUNK_TOKENS, 0, [8, 9, 10, 11])]}]))
+    assert equal(pages(loader, [8, 9, 10, 11]), pages(publisher, [4, 5, 6, 7]))  # every layer in before the forward
+    assert loader.take_load_errors() == set()
 
 
 @pytest.mark.parametrize("check_threads", [0, 4], ids=["checked-by-the-fetch", "checked-while-the-next-is-read"])
@@ -547,6 +608,7 @@ def test_an_asynchronous_load_is_reported_over_once_its_pages_are_in_beside_a_sy
              "later": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(4 * i, 4 * i + 4))) for i, key in enumerate(keys)
                        if i > 0]}  # fmt: skip
     loader.start_load(PrefixCacheMetadata(loads=[loads], load_async={"later"}))
+    forward_pass(loader)
     assert loader.take_load_errors() == set()
     assert equal(pages(loader, [0, 1, 2, 3]), pages(publisher, [0, 1, 2, 3]))  # the synchronous one is in now
     assert finished_async(loader) == {"later"}

@@ -44,6 +44,8 @@ def load(worker: WorkerSide, key: bytes, blocks: list[int], expected: list[torch
     for layer in worker.layers:
         layer[blocks] = 0
     worker.start_load(PrefixCacheMetadata(loads=[{"r": [LoadChunk(key, CHUNK_TOKENS, 0, blocks)]}]))
+    for layer in range(len(worker.layers)):  # the forward pass: each attention layer waits for its KV
+        worker.wait_for_layer(layer)
     if worker.take_load_errors():
         return False
     return all(torch.equal(layer[blocks], pages) for layer, pages in zip(worker.layers, expected, strict=True))
