@@ -18,6 +18,9 @@ published the prompts and exited):
   (8 MiB each in bf16), ``never`` / ``auto`` (which loads synchronously only what keeps the step's synchronous
   loads under ``async_load_mib``, the rest asynchronously). Their hit TTFT is the burst's last.
 
+Each engine first hits its shape once, unmeasured (a prompt of ``--size`` tokens of its own; the burst rows: the
+burst once more), so that no measured hit pays for the shape's first computation.
+
 Quoted as ratios inside the run (stall / decode step; hit TTFT async / sync). Writes
 ``benchmarks/results/stall.json``.
 """
@@ -34,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import print_table, wait_until_persisted, with_defaults, write_results
-from benchmarks.ttft import MAX_BATCHED_TOKENS, WARM_PROMPT
+from benchmarks.ttft import MAX_BATCHED_TOKENS, MAX_REPEATS, WARM_PROMPT
 from cachestore.cpus import format_cpu_list
 from tests.daemon_harness import Daemon, connector_config
 from tests.e2e.launch import run_engine
@@ -95,12 +98,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown rows {sorted(unknown)}; known: {', '.join(name for name, _ in ROWS)}")
     if not 512 <= args.size <= 8065:
         parser.error("--size must be in [512, 8065] (the tiny model's context, with room for the decode)")
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1")
+    if not 1 <= args.repeats <= MAX_REPEATS:
+        parser.error(f"--repeats must be 1-{MAX_REPEATS}")
     most = (KV_CACHE_BLOCKS - 8) // cache_blocks(BURST_TOKENS + 1)  # room left for the decode and the warm-up
     if not 2 <= args.burst <= most:
         parser.error(f"--burst must be 2-{most}: vLLM's KV cache holds that many such hits beside the decode")
     prompts = [random_prompt(seed=1000 * args.size + i, length=args.size) for i in range(args.repeats)]
+    warm_up = random_prompt(seed=1000 * args.size + MAX_REPEATS, length=args.size)  # a hit of the shape, unmeasured
     burst = [random_prompt(seed=800_000 + i, length=BURST_TOKENS) for i in range(args.burst)]
     results: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="stall-") as tmp:
@@ -111,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         daemon.start()
         try:
             print("[stall] producer ...", flush=True)
-            published = [WARM_PROMPT, *prompts, *(burst if any(n.startswith("burst") for n, _ in rows) else [])]
+            bursts = burst if any(name.startswith("burst") for name, _ in rows) else []
+            published = [WARM_PROMPT, warm_up, *prompts, *bursts]
             run_engine(engine_spec(model, published, daemon, "auto", decodes=False), workdir, "producer",
                        timeout_s=1800)  # fmt: skip
             wait_until_persisted(daemon.url, published)
@@ -120,14 +125,15 @@ def main(argv: list[str] | None = None) -> int:
                     daemon.stop()
                     daemon.start()  # the segment owner starts empty: every chunk comes from the NVMe tier
                 print(f"[stall] {name} ...", flush=True)
-                if name.startswith("burst"):  # the same burst each round: vLLM's own prefix cache is off
-                    spec = engine_spec(model, [WARM_PROMPT, *burst * args.repeats], daemon, mode, decodes=True,
-                                       groups=[1, *[len(burst)] * args.repeats])  # fmt: skip
-                    outs = run_engine(spec, workdir, name, timeout_s=1800)["outputs"][1:]
+                # each engine first hits its shape once, unmeasured (the burst once more: vLLM's prefix cache is off)
+                if name.startswith("burst"):
+                    spec = engine_spec(model, [WARM_PROMPT, *burst * (1 + args.repeats)], daemon, mode, decodes=True,
+                                       groups=[1, *[len(burst)] * (1 + args.repeats)])  # fmt: skip
+                    outs = run_engine(spec, workdir, name, timeout_s=1800)["outputs"][1 + len(burst) :]
                     results[name] = [measure(outs[i : i + len(burst)]) for i in range(0, len(outs), len(burst))]
                 else:
-                    outs = run_engine(engine_spec(model, [WARM_PROMPT, *prompts], daemon, mode, decodes=True),
-                                      workdir, name, timeout_s=1800)["outputs"][1:]  # fmt: skip
+                    spec = engine_spec(model, [WARM_PROMPT, warm_up, *prompts], daemon, mode, decodes=True)
+                    outs = run_engine(spec, workdir, name, timeout_s=1800)["outputs"][2:]
                     results[name] = [measure([out]) for out in outs]
         finally:
             daemon.stop()
