@@ -15,7 +15,15 @@ from cachestore.codec import read_meta
 from indexer.index import Location
 from indexer.keys import prompt_query
 from indexer.leases import Leases
-from tests.daemon_harness import Daemon, fetch_payloads, make_spec, publish_prompt, wait_for, wait_persisted
+from tests.daemon_harness import (
+    Daemon,
+    damage_dram_copy,
+    fetch_payloads,
+    make_spec,
+    publish_prompt,
+    wait_for,
+    wait_persisted,
+)
 
 NVME = Location("nvme", "node-a")
 DRAM = Location("dram", "node-a")
@@ -239,13 +247,7 @@ def test_a_flipped_byte_on_nvme_is_a_miss_not_data(daemon, client):
 def test_a_flipped_byte_in_dram_is_a_miss_and_the_copy_is_deleted(client):
     keys, payloads = publish_prompt(client, list(range(64)), seed=9)
     wait_persisted(client, keys)
-    slot = client.slot(4 << 20)
-    size = client.dram.get_into(keys, [slot])[0]
-    slot[size - 1] ^= 0xFF
-    name = "pc:" + keys[0].hex()
-    assert client.dram._store.batch_upsert_from([name], [client.dram.arena.address + client.dram.arena.offset_of(slot)],
-                                                [size]) == [0]  # fmt: skip
-    client.release(slot)
+    damage_dram_copy(client.dram, keys[0])
     assert fetch_payloads(client, keys) == [payloads[0]]  # the bad DRAM copy missed; NVMe served the chunk
     assert client.stats.corrupt == 1 and client.stats.read_from_disk == 1
 
