@@ -17,6 +17,7 @@ import pytest
 
 from cachestore.client import CacheClient
 from cachestore.codec import payload_offset
+from cachestore.dram import first_part_rows, split_pieces
 from indexer.index import Location
 from tests.daemon_harness import Daemon, fetch_payloads, make_spec, publish_prompt, wait_for, wait_persisted
 
@@ -77,8 +78,11 @@ def test_a_node_reads_another_nodes_dram_copies_into_slots_and_straight_into_its
         heads = [reader.slot(payload_offset(64)) for _ in keys]
         ends = list(itertools.accumulate(len(p) for p in payloads))
         parts = [pages[end - len(p) : end] for p, end in zip(payloads, ends, strict=True)]
-        pieces = [[head, part] for head, part in zip(heads, parts, strict=True)]
-        assert reader.fetch_scattered(keys, pieces) == [True] * 4
+        # each chunk's DRAM copy in its two parts (cachestore/dram.py): payload rows are tokens here, 64 a chunk
+        cut = [split_pieces([head, part], payload_offset(64) + first_part_rows(64) * (len(part) // 64))
+               for head, part in zip(heads, parts, strict=True)]  # fmt: skip
+        firsts, seconds = [c[0] for c in cut], [c[1] for c in cut]
+        assert reader.fetch_scattered(keys * 2, firsts + seconds, [False] * 4 + [True] * 4) == [True] * 8
         assert reader.verify_scattered(keys, heads, [[part] for part in parts], time.perf_counter()) == [True] * 4
         assert [bytes(part) for part in parts] == payloads
         assert reader.stats.read_from_disk == reader.stats.promoted == 0
