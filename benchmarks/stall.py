@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import print_table, wait_until_persisted, with_defaults, write_results
-from benchmarks.ttft import MAX_BATCHED_TOKENS, MAX_REPEATS, WARM_PROMPT
+from benchmarks.ttft import MAX_BATCHED_TOKENS, MAX_REPEATS, WARM_PROMPT, sized_prompt
 from cachestore.cpus import format_cpu_list
 from tests.daemon_harness import Daemon, connector_config
 from tests.e2e.launch import run_engine
@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     most = (KV_CACHE_BLOCKS - 8) // cache_blocks(BURST_TOKENS + 1)  # room left for the decode and the warm-up
     if not 2 <= args.burst <= most:
         parser.error(f"--burst must be 2-{most}: vLLM's KV cache holds that many such hits beside the decode")
-    prompts = [random_prompt(seed=1000 * args.size + i, length=args.size) for i in range(args.repeats)]
-    warm_up = random_prompt(seed=1000 * args.size + MAX_REPEATS, length=args.size)  # a hit of the shape, unmeasured
+    prompts = [sized_prompt(args.size, i) for i in range(args.repeats)]
+    warm_up = sized_prompt(args.size, MAX_REPEATS)  # a hit of the shape, unmeasured
     burst = [random_prompt(seed=800_000 + i, length=BURST_TOKENS) for i in range(args.burst)]
     results: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="stall-") as tmp:

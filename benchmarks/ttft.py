@@ -69,6 +69,12 @@ BYPASS = {"prefixcache": {"load": False, "publish": False}}  # a request's own k
 PAIRED_ROWS = {(DRAM_BESIDE, CEILING_BESIDE), (PUBLISHING, BYPASSED)}  # each case of the first beside one of the second
 
 
+def sized_prompt(size: int, i: int) -> list[int]:
+    """The ``i``-th prompt of ``size`` tokens (seed ``1000 · size + i``): measured for ``i < MAX_REPEATS``, the
+    size's warm-up for ``i == MAX_REPEATS``."""
+    return random_prompt(seed=1000 * size + i, length=size)
+
+
 @dataclass
 class Case:
     tokens: int
@@ -86,8 +92,8 @@ class Runner:
         self.model = model
         self.workdir = workdir
         self.server_cpus = server_cpus  # where caches' servers run (None: anywhere)
-        self.prompts = [random_prompt(seed=1000 * size + i, length=size) for size in sizes for i in range(repeats)]
-        self.warm_ups = [random_prompt(seed=1000 * size + MAX_REPEATS, length=size) for size in sizes]  # not measured
+        self.prompts = [sized_prompt(size, i) for size in sizes for i in range(repeats)]
+        self.warm_ups = [sized_prompt(size, MAX_REPEATS) for size in sizes]  # not measured
         self.cases: list[Case] = []
 
     def engine(

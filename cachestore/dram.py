@@ -22,7 +22,6 @@ process (no heartbeat for 10 s) is made to take it back (cachestore/attachment.p
 from __future__ import annotations
 
 import ctypes
-import itertools
 import logging
 import threading
 import time
@@ -194,10 +193,11 @@ class MooncakeTier:
             objects = [self._address(view, staging, copy_in=True) for view in views]
             names, addresses, sizes = [], [], []
             for (key, _), view, address in zip(items, views, objects, strict=True):
-                cut = [0, *((at,) if (at := _split_offset_of(view)) else ()), len(view)]
-                names.append(self._names(key)[: len(cut) - 1])
-                addresses += [address + start for start in cut[:-1]]
-                sizes += [end - start for start, end in itertools.pairwise(cut)]
+                at = _split_offset_of(view)
+                bounds = [(0, at), (at, len(view))] if at else [(0, len(view))]  # each part's (start, end)
+                names.append(self._names(key)[: len(bounds)])
+                addresses += [address + start for start, _ in bounds]
+                sizes += [end - start for start, end in bounds]
             return self._put_parts(
                 names,
                 lambda parts, picked: self._store.batch_put_from(

@@ -265,7 +265,8 @@ class WorkerSide:
             self._after_forward.append(stores)
         if placed is not None:
             self._layered_now = placed.layered
-            self._later_now, self._later_waited = (placed, False) if placed.later_copy is not None else (None, False)
+            self._later_now = placed if placed.later_copy is not None else None
+            self._later_waited = False
             self._verification = self._verifier.submit(self._verify_read, placed, self.load_errors)
 
     def _load_async(self, chunks: list[LoadChunk]) -> set[int]:
@@ -335,8 +336,8 @@ class WorkerSide:
             verified = len(held) - len(failed)
             elsewhere += failed
             placed = [item for item in placed if not item.held_pages]
-            if behind_forward and self._later_layers_behind:
-                later = [item for item in placed if self._cut(item)[1]]
+            if behind_forward and self._later_layers_behind:  # then every chunk's copy is cut
+                later = placed
         slots = self._slots(elsewhere)
         # chunks DRAM holds but the arena had no room for are fetched from DRAM: only the others are read ahead
         if ahead := [(chunk.key, slot) for chunk, slot in zip(elsewhere, slots or [], strict=False)
@@ -544,12 +545,13 @@ class WorkerSide:
         with the slots it holds. Never raises: a chunk that fails goes to ``errors``."""
         placed = read.placed
         if read.later_copy is not None:  # a chunk whose later layers did not arrive is a miss, never verified
-            missed = {id(item) for item, ok in zip(read.later, read.later_copy.result(), strict=True) if not ok}
-            for item in (item for item in placed if id(item) in missed):
+            missed = [item for item, ok in zip(read.later, read.later_copy.result(), strict=True) if not ok]
+            for item in missed:
                 errors.update(item.chunk.blocks)
                 self.client.discard(item.chunk.key)
-            placed = [item for item in placed if id(item) not in missed]
-            self._released([item for item in read.placed if id(item) in missed])
+            self._released(missed)
+            gone = {id(item) for item in missed}
+            placed = [item for item in placed if id(item) not in gone]
         if placed:
             self._verify(placed, read.started, errors)
         return self._verify_layered(read.layered, errors) if read.layered is not None else None
