@@ -173,7 +173,7 @@ class CacheClient:
 
     def fetch(
         self, keys: Sequence[bytes], slots: Sequence[memoryview], *,
-        upcoming: Sequence[tuple[bytes, memoryview]] = (),
+        upcoming: Sequence[tuple[bytes, memoryview]] = (), cuts: Sequence[int | None] = (),
     ) -> list[memoryview | None]:  # fmt: skip
         """Each chunk's verified payload (a view into its slot), or None: a miss the caller recomputes.
 
@@ -184,13 +184,14 @@ class CacheClient:
         will pass for it: when this call must go to NVMe, it plans those of them with no DRAM copy in
         the same requests, and starts reading this node's straight into those slots, so later calls
         find them read or on their way, or promoted. A caller that stops before fetching them all
-        calls ``settle_reads`` before releasing the slots.
+        calls ``settle_reads`` before releasing the slots. ``cuts``: where each chunk's DRAM copy is cut, if
+        the caller knows (``MooncakeTier.get_into``), so that its two parts come in one call.
         """
-        return cast("list[memoryview | None]", self._fetch(keys, slots, upcoming, checks=None))  # all checked
+        return cast("list[memoryview | None]", self._fetch(keys, slots, upcoming, None, cuts))  # all checked
 
     def fetch_checking_later(
         self, keys: Sequence[bytes], slots: Sequence[memoryview], *, checks: Executor,
-        upcoming: Sequence[tuple[bytes, memoryview]] = (),
+        upcoming: Sequence[tuple[bytes, memoryview]] = (), cuts: Sequence[int | None] = (),
     ) -> list[Fetched]:  # fmt: skip
         """``fetch``, returning as soon as DRAM has copied its chunks into their slots: each of those comes
         back as a future of its verified payload, its checksum computed on ``checks``, so the caller reads
@@ -200,22 +201,22 @@ class CacheClient:
         NVMe. Chunks from NVMe come back verified, as from ``fetch``. The caller waits for every future
         before it releases their slots.
         """
-        return self._fetch(keys, slots, upcoming, checks)
+        return self._fetch(keys, slots, upcoming, checks, cuts)
 
     def _fetch(self, keys: Sequence[bytes], slots: Sequence[memoryview], upcoming: Sequence[tuple[bytes, memoryview]],
-               checks: Executor | None) -> list[Fetched]:  # fmt: skip
+               checks: Executor | None, cuts: Sequence[int | None]) -> list[Fetched]:  # fmt: skip
         started = time.perf_counter()
         self._disk_reads = []
         self._streams = {key: stream for key, stream in self._streams.items() if not stream.expired}
         out: list[Fetched] = [None] * len(keys)
         planned = {i for i, key in enumerate(keys) if key in self._streams or key in self._disk_reads_ahead}
-        corrupt = self._read(keys, slots, [i for i in range(len(keys)) if i not in planned], out, checks)
+        corrupt = self._read(keys, slots, [i for i in range(len(keys)) if i not in planned], out, checks, cuts)
         if missing := [i for i in range(len(keys)) if out[i] is None and i not in planned]:
             self._plan_nvme([keys[i] for i in missing], {keys[i]: slots[i] for i in missing}, upcoming)
         self._read_disk(keys, slots, [i for i, k in enumerate(keys) if out[i] is None and k in self._disk_reads_ahead],
                         out)  # fmt: skip
-        corrupt += self._read_promoted(keys, slots, [i for i, key in enumerate(keys)
-                                                     if out[i] is None and key in self._streams], out)  # fmt: skip
+        promoted = [i for i, key in enumerate(keys) if out[i] is None and key in self._streams]
+        corrupt += self._read_promoted(keys, slots, promoted, out, cuts)
         fetched = sum(1 for v in out if v is not None)
         self.stats.count(fetched=fetched, missing=len(out) - fetched)
         self.recorder.record_fetch(self.spec.digest, fetched, len(out) - fetched, corrupt,
@@ -345,14 +346,15 @@ class CacheClient:
         return ok
 
     def _read(self, keys: Sequence[bytes], slots: Sequence[memoryview], positions: list[int],
-              out: list[Fetched], checks: Executor | None) -> int:  # fmt: skip
-        """Read ``keys[i]`` into ``slots[i]`` from DRAM for each i in positions, filling ``out`` with the
-        verified payloads, or with futures of them verified on ``checks``. Returns how many of those verified
-        here were rejected (the checks on ``checks`` count their own)."""
+              out: list[Fetched], checks: Executor | None, cuts: Sequence[int | None]) -> int:  # fmt: skip
+        """Read ``keys[i]`` into ``slots[i]`` from DRAM for each i in positions (at ``cuts[i]``, if any: ``fetch``),
+        filling ``out`` with the verified payloads, or with futures of them verified on ``checks``. Returns how
+        many of those verified here were rejected (the checks on ``checks`` count their own)."""
         if not positions:
             return 0
         rejected = 0
-        sizes = self.dram.get_into([keys[i] for i in positions], [slots[i] for i in positions])
+        sizes = self.dram.get_into([keys[i] for i in positions], [slots[i] for i in positions],
+                                   [cuts[i] for i in positions] if cuts else ())  # fmt: skip
         for i, size in zip(positions, sizes, strict=True):
             if checks is None or size < 0:
                 out[i] = self._verified(keys[i], slots[i], size)
@@ -453,7 +455,7 @@ class CacheClient:
             read.exception()  # waits; a failed read only matters to the fetch that never came
 
     def _read_promoted(self, keys: Sequence[bytes], slots: Sequence[memoryview], positions: list[int],
-                       out: list[Fetched]) -> int:  # fmt: skip
+                       out: list[Fetched], cuts: Sequence[int | None]) -> int:  # fmt: skip
         """Wait for the promotions of ``keys[i]`` (i in positions), then read those promoted; returns how many
         of them were rejected."""
         rejected = 0
@@ -468,7 +470,7 @@ class CacheClient:
                 continue
             ready = [i for i, ok in zip(waiting, flags, strict=True) if ok]
             self.stats.count(promoted=len(ready))
-            rejected += self._read(keys, slots, ready, out, checks=None)  # after a promotion: checked here
+            rejected += self._read(keys, slots, ready, out, None, cuts)  # after a promotion: checked here
         return rejected
 
     def _verified(self, key: bytes, slot: memoryview, size: int) -> memoryview | None:

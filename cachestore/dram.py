@@ -264,9 +264,17 @@ class MooncakeTier:
         config.soft_pin_ttl_ms = int(soft_pin_s * 1000)
         return config
 
-    def get_into(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[int]:
-        if len(keys) != len(buffers):
-            raise ValueError("one buffer per key")
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[memoryview], cuts: Sequence[int | None] = ()
+                 ) -> list[int]:  # fmt: skip
+        """Read each object into its buffer, a chunk's two parts joined; its length, or -1 for a miss.
+
+        ``cuts``, where the caller knows them (``split_at`` of each chunk's geometry; None: unknown), say where
+        each chunk's copy is cut, so that both its parts are asked for in one call. Otherwise the second
+        parts follow in a second call, at the offsets the first parts' headers give: a round trip more, which
+        a GPU's loads (every hit through arena slots, in groups) would pay per group. A wrong cut is a miss.
+        """
+        if len(keys) != len(buffers) or (cuts and len(cuts) != len(keys)):
+            raise ValueError("one buffer per key, and one cut per key if any")
         if not keys or not self._usable():
             return [-1] * len(keys)
         with ExitStack() as staging:
@@ -276,16 +284,7 @@ class MooncakeTier:
                 address = self._address(view, staging, copy_in=False)
                 addresses.append(address)
                 copy_back.append(self.arena.offset_of(view) is None)
-            codes = self._store.batch_get_into([self._names(k)[0] for k in keys], addresses, [len(v) for v in views])
-            # a chunk's second part goes on where its first ended
-            if second := [
-                i for i, code in enumerate(codes) if code > 0 and _split_offset_of(view_at(addresses[i], code)) == code
-            ]:
-                rest = self._store.batch_get_into([self._names(keys[i])[1] for i in second],
-                                                  [addresses[i] + codes[i] for i in second],
-                                                  [len(views[i]) - codes[i] for i in second])  # fmt: skip
-                for i, code in zip(second, rest, strict=True):
-                    codes[i] = codes[i] + code if code > 0 else code
+            codes = self._get_parts(keys, addresses, [len(v) for v in views], cuts or [None] * len(keys))
             out = []
             for view, address, code, staged in zip(views, addresses, codes, copy_back, strict=True):
                 if code > 0:
@@ -296,6 +295,34 @@ class MooncakeTier:
                     self._note(code)
                     out.append(-1)
             return out
+
+    def _get_parts(self, keys: Sequence[bytes], addresses: list[int], sizes: list[int], cuts: Sequence[int | None]
+                   ) -> list[int]:  # fmt: skip
+        """``get_into``'s reads, from registered addresses: each object's length joined, or its error code."""
+        names, at, lengths, spans = [], [], [], []  # spans: per key, its first part's place in the call and its cut
+        for key, address, size, cut in zip(keys, addresses, sizes, cuts, strict=True):
+            first, second = self._names(key)
+            if cut is not None and 0 < cut < size:
+                spans.append((len(names), cut))
+                names += [first, second]
+                at += [address, address + cut]
+                lengths += [cut, size - cut]
+            else:
+                spans.append((len(names), None))
+                names.append(first)
+                at.append(address)
+                lengths.append(size)
+        got = self._store.batch_get_into(names, at, lengths)
+        codes = [_joined(got[i], got[i + 1], cut) if cut is not None else got[i] for i, cut in spans]
+        # a chunk whose cut was not known: its second part goes on where its first ended
+        unknown = [i for i, (_, cut) in enumerate(spans) if cut is None and codes[i] > 0]
+        if second := [i for i in unknown if _split_offset_of(view_at(addresses[i], codes[i])) == codes[i]]:
+            rest = self._store.batch_get_into([self._names(keys[i])[1] for i in second],
+                                              [addresses[i] + codes[i] for i in second],
+                                              [sizes[i] - codes[i] for i in second])  # fmt: skip
+            for i, code in zip(second, rest, strict=True):
+                codes[i] = codes[i] + code if code > 0 else code
+        return codes
 
     def get_scattered(self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]],
                       second: Sequence[bool] = ()) -> list[int]:  # fmt: skip
@@ -416,8 +443,14 @@ class MooncakeTier:
 def split_offset(meta: ChunkMeta) -> int | None:
     """Where a chunk's DRAM copy is cut in two: after the first rows of its payload (the connector's layers,
     ``first_part_rows``); None for a payload of one row, kept whole."""
-    rows = first_part_rows(meta.shape[0])
-    return meta.payload_offset + rows * (meta.payload_bytes // meta.shape[0]) if rows and meta.payload_bytes else None
+    return split_at(meta.payload_offset, meta.shape[0], meta.payload_bytes)
+
+
+def split_at(payload_offset: int, rows: int, payload_bytes: int) -> int | None:
+    """``split_offset`` of a chunk whose payload starts at ``payload_offset`` and holds ``rows`` rows in
+    ``payload_bytes``: what a reader that knows the chunk's geometry passes to ``get_into``."""
+    first = first_part_rows(rows)
+    return payload_offset + first * (payload_bytes // rows) if first and payload_bytes else None
 
 
 def first_part_rows(rows: int) -> int:
@@ -445,6 +478,16 @@ def split_pieces(pieces: Sequence[memoryview], at: int | None) -> list[list[memo
             second.append(piece[cut:])
         start += len(piece)
     return [first, second]
+
+
+def _joined(first: int, second: int, cut: int) -> int:
+    """The length of a chunk read as its two parts at a known cut (``first`` and ``second``, Mooncake's
+    answers), or an error code: a first part of another length was cut elsewhere, and is a miss."""
+    if first <= 0:
+        return first
+    if first != cut:
+        return MISS
+    return first + second if second > 0 else second
 
 
 def _split_offset_of(head: memoryview) -> int | None:

@@ -35,7 +35,7 @@ import torch
 from cachestore.arena import ArenaFullError, address_of
 from cachestore.client import CacheClient, Fetched
 from cachestore.codec import ChunkMeta, payload_offset
-from cachestore.dram import first_part_rows
+from cachestore.dram import first_part_rows, split_at
 from cachestore.nvme import PAGE, read_size
 from cachestore.runs import runs_of_about
 from connector.layered_reads import LayeredChunk, LayeredRead
@@ -670,18 +670,19 @@ class WorkerSide:
         Returns the job that stores the chunks read from NVMe into DRAM, with the slots it holds.
         """
         upcoming = list(zip((chunk.key for chunk in chunks), slots, strict=True))
+        cuts = {chunk.key: self._dram_cut(chunk.stored_tokens) for chunk in chunks}
         groups = runs_of_about(upcoming, lambda pair: len(pair[1]), self._copies.load_group_bytes)
         ends = list(itertools.accumulate(len(group) for group in groups))
         read_from_disk: dict[bytes, memoryview] = {}
         checking: list[Future[memoryview | None]] = []  # every check started, for the slots' release
         damaged: list[int] = []  # positions of chunks whose DRAM copies failed their checks
-        pending = self._fetcher.submit(self._fetch, groups[0], upcoming[ends[0] :])
+        pending = self._fetcher.submit(self._fetch, groups[0], upcoming[ends[0] :], cuts)
         try:
             for i, group in enumerate(groups):
                 fetched = pending.result()  # type: ignore[union-attr] # one is in flight per group left
                 pending = None
                 if i + 1 < len(groups):
-                    pending = self._fetcher.submit(self._fetch, groups[i + 1], upcoming[ends[i + 1] :])
+                    pending = self._fetcher.submit(self._fetch, groups[i + 1], upcoming[ends[i + 1] :], cuts)
                 read_from_disk.update(fetched.from_disk)
                 checking += [got for got in fetched.payloads if isinstance(got, Future)]
                 placing: list[tuple[LoadChunk, memoryview | None]] = []
@@ -693,7 +694,7 @@ class WorkerSide:
                         placing.append((chunks[at], payload))
                 self._place(placing, errors)
             if damaged:
-                again = self._fetch([upcoming[at] for at in damaged], [], check_later=False)
+                again = self._fetch([upcoming[at] for at in damaged], [], cuts, check_later=False)
                 read_from_disk.update(again.from_disk)
                 self._place([(chunks[at], self._checked(got)) for at, got in zip(damaged, again.payloads, strict=True)],
                             errors)  # fmt: skip
@@ -743,16 +744,19 @@ class WorkerSide:
         return slots
 
     def _fetch(self, group: list[tuple[bytes, memoryview]], upcoming: list[tuple[bytes, memoryview]],
-               check_later: bool = True) -> _Fetched:  # fmt: skip
-        """Fetch one group into its slots, its DRAM copies checked on the check threads (``check_later``, where
-        this side has them) or before this returns; runs on the fetch thread."""
+               cuts: dict[bytes, int | None], check_later: bool = True) -> _Fetched:  # fmt: skip
+        """Fetch one group into its slots, each chunk's two DRAM parts in one call (``cuts``: where each is cut),
+        its DRAM copies checked on the check threads (``check_later``, where this side has them) or before
+        this returns; runs on the fetch thread."""
         fetched = _Fetched(payloads=[None] * len(group))
         keys, slots = [key for key, _ in group], [slot for _, slot in group]
+        at = [cuts[key] for key in keys]
         try:
             if check_later and self._checks is not None:
-                fetched.payloads = self.client.fetch_checking_later(keys, slots, upcoming=upcoming, checks=self._checks)
+                fetched.payloads = self.client.fetch_checking_later(keys, slots, upcoming=upcoming, checks=self._checks,
+                                                                    cuts=at)  # fmt: skip
             else:
-                fetched.payloads = list(self.client.fetch(keys, slots, upcoming=upcoming))
+                fetched.payloads = list(self.client.fetch(keys, slots, upcoming=upcoming, cuts=at))
         except Exception:  # noqa: BLE001 - a failed load is recomputed; the request must not fail
             log.exception("loading %d chunks failed; recomputing them", len(group))
         fetched.from_disk = dict(self.client.take_disk_reads())
@@ -889,3 +893,8 @@ class WorkerSide:
 
     def _object_bytes(self, stored_tokens: int) -> int:
         return payload_offset(stored_tokens) + payload_bytes(self.pages, self._pages(stored_tokens))
+
+    def _dram_cut(self, stored_tokens: int) -> int | None:
+        """Where the DRAM copy of a chunk of ``stored_tokens`` tokens is cut (one payload row per layer)."""
+        return split_at(payload_offset(stored_tokens), len(self.layers),
+                        payload_bytes(self.pages, self._pages(stored_tokens)))  # fmt: skip

@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import redis
@@ -244,3 +245,16 @@ def wait_for(condition: Callable[[], bool], timeout_s: float = 10) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+class CallCounter:
+    """A tier's Mooncake client (``MooncakeTier._store``), counting the calls that read: how many round trips a
+    read took."""
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.reads = store, 0
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("batch_get"):
+            self.reads += 1
+        return getattr(self.store, name)

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from cachestore.codec import ChunkMeta, encode, payload_offset, read_meta
-from cachestore.dram import first_part_rows, split_offset, split_pieces
+from cachestore.dram import first_part_rows, split_at, split_offset, split_pieces
 from indexer.tokens import pack_tokens
+from tests.daemon_harness import CallCounter
 
 
 @pytest.fixture
@@ -142,6 +143,29 @@ def test_a_chunk_is_two_objects_its_first_layers_and_the_rest_joined_again_on_th
     assert tier.put([(one_key, one)]) == [True]
     assert tier.get_scattered([one_key], [[tier.arena.alloc(len(one))]]) == [len(one)]
     assert tier.get_scattered([one_key], [[tier.arena.alloc(len(one))]], [True]) == [-1]
+
+
+def test_a_reader_that_knows_where_chunks_are_cut_reads_both_parts_in_one_call(tier):
+    """A GPU's loads read every hit through slots, a group per call: the second part must not cost a round trip
+    more. A wrong cut is a miss, never bytes of another layout."""
+    (k, obj), (one_key, one) = chunk_object(layers=4), chunk_object(layers=1)
+    assert tier.put([(k, obj), (one_key, one)]) == [True, True]
+    meta = read_meta(obj)
+    at = split_at(meta.payload_offset, 4, meta.payload_bytes)
+    assert at == split_offset(meta) and split_at(meta.payload_offset, 1, meta.payload_bytes) is None
+    tier._store = counter = CallCounter(tier._store)
+    slots = [tier.arena.alloc(len(obj) + 5000), tier.arena.alloc(len(one))]
+    assert tier.get_into([k, one_key], slots, [at, None]) == [len(obj), len(one)]
+    assert counter.reads == 1
+    assert bytes(slots[0][: len(obj)]) == obj and bytes(slots[1]) == one
+    plain = bytearray(len(obj))  # staged through the arena
+    assert tier.get_into([k], [memoryview(plain)], [at]) == [len(obj)] and plain == obj
+    assert tier.get_into([k], [tier.arena.alloc(len(obj))]) == [len(obj)]  # not known: a second call
+    assert counter.reads == 4
+    for wrong in (at - 8, at + 8):
+        assert tier.get_into([k], [tier.arena.alloc(len(obj))], [wrong]) == [-1]
+    with pytest.raises(ValueError, match="one cut per key"):
+        tier.get_into([k], [tier.arena.alloc(len(obj))], [at, at])
 
 
 def test_a_chunk_whose_second_part_the_master_evicted_is_a_miss_and_delete_removes_both(tier):

@@ -25,7 +25,15 @@ from connector.worker_side import WorkerSide
 from indexer.index import Location
 from indexer.keys import chunk_key
 from indexer.tokens import pack_tokens
-from tests.daemon_harness import Daemon, damage_dram_copy, damage_nvme_copy, make_spec, wait_for, wait_persisted
+from tests.daemon_harness import (
+    CallCounter,
+    Daemon,
+    damage_dram_copy,
+    damage_nvme_copy,
+    make_spec,
+    wait_for,
+    wait_persisted,
+)
 
 LAYERS, BLOCKS, BLOCK_TOKENS, PAGE_BYTES = 4, 64, 16, 4096
 CHUNK_TOKENS = 64  # four pages a chunk
@@ -476,8 +484,11 @@ def test_a_cache_outside_shared_memory_loads_through_slots(daemon, publisher):
     other = worker(daemon, shared=False)
     try:
         assert other._kv is None
+        other.client.dram._store = counter = CallCounter(other.client.dram._store)
         assert load(other, {"r": [LoadChunk(keys[0], CHUNK_TOKENS, 0, [9, 10, 11, 12])]}) == set()
         assert other.loaded_chunks == 1 and other.loaded_in_place == 0
+        # from DRAM, its two parts in one call: the connector knows where its chunks are cut
+        assert other.client.stats.read_from_disk == 0 and counter.reads == 1
         assert equal(pages(other, [9, 10, 11, 12]), pages(publisher, [0, 1, 2, 3]))
     finally:
         other.close()
