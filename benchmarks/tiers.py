@@ -29,7 +29,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -94,6 +94,25 @@ def warm_segment(tier: MooncakeTier, slot: memoryview) -> None:
     for first in range(0, len(keys), per_call):
         assert all(tier.put([(k, slot) for k in keys[first : first + per_call]])), "warm-up put failed"
     assert tier.delete(keys) == len(keys)
+
+
+@contextlib.contextmanager
+def warmed_tier(work: Path, arena_bytes: int) -> Iterator[MooncakeTier]:
+    """A DRAM tier attached to a segment owner of its own (``SEGMENT`` bytes, under ``work``), warmed as the
+    daemon warms it (``warm_segment``); closed and stopped afterwards."""
+    pool = LocalMooncake(work / "mooncake", segment_bytes=SEGMENT)
+    try:
+        tier = MooncakeTier(pool.owner.shm_address, arena_bytes=arena_bytes, preferred_segment=pool.owner.segment,
+                            metrics_url=pool.metrics_url)  # fmt: skip
+        try:
+            warm = tier.arena.alloc(8 << 20)
+            warm_segment(tier, warm)
+            tier.arena.free(warm)
+            yield tier
+        finally:
+            tier.close()
+    finally:
+        pool.stop()
 
 
 def dram_round(
@@ -191,27 +210,16 @@ def main() -> None:
     src = rng.integers(0, 256, DRAM_ROUND, dtype=np.uint8)  # incompressible, in case the disk compresses
     dst = np.ones_like(src)  # touched now, not while timed
     results: dict[str, list] = {"chunk_mib": [size >> 20 for size in CHUNK_SIZES]}
-    pool = tier = None
     try:
         anchor = work / "anchor.bin"
         with anchor.open("wb") as f:
             for _ in range(NVME_ROUND // len(src)):
                 f.write(src.data)
-        pool = LocalMooncake(work / "mooncake", segment_bytes=SEGMENT)
-        tier = MooncakeTier(pool.owner.shm_address, arena_bytes=2 * BATCH, preferred_segment=pool.owner.segment,
-                            metrics_url=pool.metrics_url)  # fmt: skip
-        warm = tier.arena.alloc(8 << 20)
-        warm[:] = src.data[: len(warm)]
-        warm_segment(tier, warm)
-        tier.arena.free(warm)
-        for chunk in CHUNK_SIZES:
-            for name, value in measure(chunk, work, tier, anchor, src, dst).items():
-                results.setdefault(name, []).append(value)
+        with warmed_tier(work, arena_bytes=2 * BATCH) as tier:
+            for chunk in CHUNK_SIZES:
+                for name, value in measure(chunk, work, tier, anchor, src, dst).items():
+                    results.setdefault(name, []).append(value)
     finally:
-        if tier is not None:
-            tier.close()
-        if pool is not None:
-            pool.stop()
         shutil.rmtree(work, ignore_errors=True)
         with contextlib.suppress(OSError):  # left alone while anything else works in it
             ROOT.rmdir()
