@@ -38,11 +38,12 @@ LAYERS = 8
 #: of 8 MiB chunks (an 8B model's 64-token chunk, 128 KiB of KV per token)
 CASES = ((8, 2), (32, 2), (32, 8))
 WAYS = ("cut known", "cut from headers", "memcpy")
+SLOT_SLACK = 4096  # bytes a slot has past its object, as a load's slots do (rounded up for O_DIRECT reads)
 
 
 def chunks(tier: MooncakeTier, group_mib: int, chunk_mib: int
            ) -> tuple[list[bytes], list[int | None], list[memoryview]]:  # fmt: skip
-    """Put a group's chunks; their keys, their cuts and a slot for each (larger, as a load's slots are)."""
+    """Put a group's chunks; their keys, their cuts and a slot for each (``SLOT_SLACK`` larger than the chunk)."""
     objects = []
     for _ in range(group_mib // chunk_mib):
         meta = ChunkMeta(os.urandom(16), os.urandom(16), os.urandom(16), pack_tokens(list(range(256))), "uint8",
@@ -51,12 +52,12 @@ def chunks(tier: MooncakeTier, group_mib: int, chunk_mib: int
     assert all(tier.put(objects)), "DRAM put failed"
     cuts = [split_offset(read_meta(obj)) for _, obj in objects]
     assert all(cut is not None for cut in cuts)
-    return [key for key, _ in objects], cuts, [tier.arena.alloc(len(obj) + 4096) for _, obj in objects]
+    return [key for key, _ in objects], cuts, [tier.arena.alloc(len(obj) + SLOT_SLACK) for _, obj in objects]
 
 
 def measure(tier: MooncakeTier, group_mib: int, chunk_mib: int, rounds: int) -> dict:
     keys, cuts, slots = chunks(tier, group_mib, chunk_mib)
-    sizes = [len(slot) - 4096 for slot in slots]
+    sizes = [len(slot) - SLOT_SLACK for slot in slots]
     src, dst = np.ones(group_mib << 20, dtype=np.uint8), np.zeros(group_mib << 20, dtype=np.uint8)
     step = chunk_mib << 20
 
