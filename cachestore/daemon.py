@@ -107,7 +107,7 @@ class NodeDaemon:
         self._stack.callback(self.nvme.close)
         # The segment owner starts empty every time, so DRAM locations naming this node are stale.
         reconcile(self.index, self.nvme, s.node, dram_is_new=True)
-        self.write_behind = WriteBehind(self.index, self.dram, self.nvme, s.node)
+        self.write_behind = WriteBehind(self.index, self.dram, self.nvme, s.node, hold_s=s.write_behind_hold_s)
         self.promoter = Promoter(
             redis.Redis.from_url(self.index.url), s.key_prefix + ":", self.index, self.dram, self.nvme, s.node
         )

@@ -50,6 +50,11 @@ class Settings(BaseSettings):
     nvme_dir: Path | None = Field(default=None, description="NVMe tier directory [default: <data_dir>/nvme]")
     dram_high_watermark: float = Field(default=0.85, gt=0, lt=1, description="demote DRAM above this fill")
     dram_low_watermark: float = Field(default=0.70, gt=0, lt=1, description="demote DRAM down to this fill")
+    write_behind_hold_s: float = Field(
+        default=0.25, ge=0, le=10, description="seconds a chunk stays in DRAM alone before the write-behind copies it "
+        "to NVMe, so that its first reads (a decode instance's, right after a prefill instance publishes) do not "
+        "share the node with that copy (cachestore/write_behind.py); 0: at once"
+    )  # fmt: skip
 
     mooncake_master: str | None = Field(default=None, description="host:port of the master; unset: embedded")
     mooncake_metadata_url: str | None = Field(default=None, description="Mooncake metadata server (http/etcd/redis)")

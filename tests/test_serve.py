@@ -151,6 +151,7 @@ def test_the_embedded_stack_dies_with_a_killed_daemon(tmp_path):
         (["--cpus", "1-0"], {}, "invalid setting cpus: '1-0' is not a CPU list"),
         ([], {"PREFIXCACHE_CPUS": "4095"}, "CPUs 4095 are not available to this process"),
         ([], {"PREFIXCACHE_OWNER_NICE": "-21"}, "invalid setting owner_nice: Input should be greater than or equal"),
+        ([], {"PREFIXCACHE_WRITE_BEHIND_HOLD_S": "-1"}, "invalid setting write_behind_hold_s: Input should be greater"),
     ],
 )
 def test_bad_settings_get_a_clear_error_and_exit_2(tmp_path, args, env, message):
