@@ -53,8 +53,8 @@ class WriteBehindCounters:
 class WriteBehind(BackgroundLoop):
     name = "prefixcache-write-behind"
 
-    def __init__(self, index: PrefixIndex, dram: MooncakeTier, nvme: NvmeStore, node: str, batch: int = 32,
-                 hold_s: float = 0.0) -> None:  # fmt: skip
+    def __init__(self, index: PrefixIndex, dram: MooncakeTier, nvme: NvmeStore, node: str, *, hold_s: float,
+                 batch: int = 32) -> None:  # fmt: skip
         super().__init__()
         self.hold_s = hold_s
         self.index = index
