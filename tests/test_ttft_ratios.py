@@ -1,7 +1,9 @@
 """benchmarks.ttft's ratios (rows paired in one engine are compared pair by pair, other rows by their medians) and
 its unmeasured prompts."""
 
-from benchmarks.ttft import BYPASSED, CEILING, PUBLISHING, Case, Runner, medians, paired_ratio, ratios
+import statistics
+
+from benchmarks.ttft import BYPASSED, CEILING, PUBLISHING, Case, Runner, medians, paired_ratio, ratios, ratios_by_pass
 
 
 def cases(config: str, times: list[float], tokens: int = 4097) -> list[Case]:
@@ -33,3 +35,25 @@ def test_each_size_has_an_unmeasured_prompt_of_its_own(tmp_path):
     run = Runner(tmp_path, tmp_path, [1025, 4097], repeats=3, server_cpus=None)
     assert [len(p) for p in run.warm_ups] == [1025, 4097]
     assert not {tuple(p) for p in run.warm_ups} & {tuple(p) for p in run.prompts}
+
+
+def test_each_pass_has_ratios_of_its_own_beside_the_pooled_ones():
+    first = cases("prefixcache-dram", [0.030, 0.031, 0.032]) + cases(CEILING, [0.020, 0.021, 0.022])
+    second = cases("prefixcache-dram", [0.040, 0.041, 0.042]) + cases(CEILING, [0.030, 0.031, 0.032])
+    for case in second:
+        case.run_pass = 1
+    name = "prefixcache-dram / vllm-prefix-cache (target <= 1.25)"
+    by_pass = ratios_by_pass(first + second, [4097])
+    assert by_pass[0][name][4097] == 0.031 / 0.021
+    assert by_pass[1][name][4097] == 0.041 / 0.031
+    pooled = ratios(medians(first + second), first + second, [4097])[name][4097]
+    ours, ceiling = [0.030, 0.031, 0.032, 0.040, 0.041, 0.042], [0.020, 0.021, 0.022, 0.030, 0.031, 0.032]
+    assert pooled == statistics.median(ours) / statistics.median(ceiling)
+
+
+def test_each_pass_runs_in_a_directory_of_its_own(tmp_path):
+    run = Runner(tmp_path, tmp_path, [1025], repeats=1, server_cpus=None)
+    run.start_pass(0)
+    first = run.workdir
+    run.start_pass(1)
+    assert first != run.workdir and first.is_dir() and run.workdir.is_dir() and run.run_pass == 1
