@@ -20,7 +20,10 @@ are measured in one engine milliseconds apart (the ratio least exposed to this V
 and what our connector costs vLLM's own hits shows; and after restarting the daemon, when every chunk comes
 from the NVMe tier. Publishing's cost is measured inside the producer: each prompt runs twice there, once
 published and once asking the connector to leave it alone (a request's own ``kv_transfer_params``),
-alternately first, both computed whole.
+alternately first, both computed whole. What a publish costs the request right after it is measured in one more
+engine, with vLLM's own prefix cache on, over a fresh series of prompts of the same sizes: each computed
+published and bypassed, alternately first, each followed at once by the same request, vLLM's own hit bypassing
+the connector (``Runner.after_publishing``).
 
 The servers of every cache (our daemon with ``--cpus``, the peers' Mooncake pool and LMCache server)
 run on the core vLLM reserves, the last one, as a vLLM CPU host would run them; ``--servers-on
@@ -73,13 +76,17 @@ PAIRED_ROUNDS = 3  # pairs per prompt in that engine: hits are cheap, and more p
 PUBLISHING = "prefixcache-publishing"
 BYPASSED = "prefixcache-bypassed"  # the same prompts in the publishing engine, asking our connector to leave them be
 BYPASS = {"prefixcache": {"load": False, "publish": False}}  # a request's own kv_transfer_params
-PAIRED_ROWS = {(DRAM_BESIDE, CEILING_BESIDE), (PUBLISHING, BYPASSED)}  # each case of the first beside one of the second
+AFTER_PUBLISHING = "vllm-prefix-cache-after-publishing"  # vLLM's own hit on a prompt the engine has just published
+AFTER_BYPASSED = "vllm-prefix-cache-after-bypassed"  # the same hit after the prompt was computed, not published
+FRESH_SEEDS = 10**9  # prompts of a second series, which no other row's engine runs (sized_prompt)
+PAIRED_ROWS = {(DRAM_BESIDE, CEILING_BESIDE), (PUBLISHING, BYPASSED), (AFTER_PUBLISHING, AFTER_BYPASSED)}
+FRESH_ROWS = {AFTER_PUBLISHING, AFTER_BYPASSED}  # rows over Runner.fresh_prompts
 
 
-def sized_prompt(size: int, i: int) -> list[int]:
+def sized_prompt(size: int, i: int, fresh: bool = False) -> list[int]:
     """The ``i``-th prompt of ``size`` tokens (seed ``1000 · size + i``): measured for ``i < MAX_REPEATS``, the
-    size's warm-up for ``i == MAX_REPEATS``."""
-    return random_prompt(seed=1000 * size + i, length=size)
+    size's warm-up for ``i == MAX_REPEATS``. ``fresh``: of a second series (seeds from ``FRESH_SEEDS`` on)."""
+    return random_prompt(seed=(FRESH_SEEDS if fresh else 0) + 1000 * size + i, length=size)
 
 
 @dataclass
@@ -103,6 +110,7 @@ class Runner:
         self.run_pass = 0
         self.server_cpus = server_cpus  # where caches' servers run (None: anywhere)
         self.prompts = [sized_prompt(size, i) for size in sizes for i in range(repeats)]
+        self.fresh_prompts = [sized_prompt(size, i, fresh=True) for size in sizes for i in range(repeats)]
         self.warm_ups = [sized_prompt(size, MAX_REPEATS) for size in sizes]  # not measured
         self.cases: list[Case] = []
 
@@ -153,6 +161,29 @@ class Runner:
         outputs = self._run(name, spec, None, unmeasured=len(unmeasured))
         self._record(record_as, [out for out, param in zip(outputs, params, strict=True) if param is None])
         self._record(record_bypass_as, [out for out, param in zip(outputs, params, strict=True) if param is BYPASS])
+
+    def after_publishing(self, name: str, kv_transfer_config: dict) -> None:
+        """What a publish costs the request right after it. One engine with vLLM's own prefix cache on computes
+        each of its prompts twice, once published and once bypassing the connector (alternately first, vLLM's
+        cache emptied before each), and runs the prompt again at once after each, bypassing the connector: that
+        repeat is vLLM's own hit, the same request in both, and differs only in what the step before set off
+        (the publish's checksums and its copy into DRAM; the node's copy to NVMe waits ``write_behind_hold_s``).
+        Its prompts are a fresh series: the other rows' are stored already, and would be hits here, not publishes."""
+        unmeasured = self._unmeasured(runs=1)
+        measured, params, resets = [], [], []
+        for i, prompt in enumerate(self.fresh_prompts):
+            for first in [None, BYPASS] if i % 2 == 0 else [BYPASS, None]:
+                resets.append(len(unmeasured) + len(measured))
+                measured += [prompt, prompt]
+                params += [first, BYPASS]
+        spec = self._spec(unmeasured, measured, kv_transfer_config, True)
+        spec["kv_transfer_params"] = [None] * len(unmeasured) + params
+        spec["reset_prefix_cache_before"] = resets
+        outputs = self._run(name, spec, None, unmeasured=len(unmeasured))
+        cold_runs = params[0::2]
+        repeats = outputs[1::2]
+        self._record(AFTER_PUBLISHING, [out for out, first in zip(repeats, cold_runs, strict=True) if first is None])
+        self._record(AFTER_BYPASSED, [out for out, first in zip(repeats, cold_runs, strict=True) if first is BYPASS])
 
     def _unmeasured(self, runs: int) -> list[list[int]]:
         """What an engine runs before its measured prompts: the short warm-up prompt, then each size's warm-up
@@ -258,6 +289,7 @@ def prefixcache(run: Runner) -> None:
     try:
         config = connector_config(daemon, arena_mb="auto")  # the connector's defaults
         run.beside_bypass("prefixcache-producer", config, record_as=PUBLISHING, record_bypass_as=BYPASSED)
+        run.after_publishing("prefixcache-after-publishing", config)
         run.engine("prefixcache-consumer-dram", config, record_as="prefixcache-dram")
         # vLLM's own prefix cache on, as in production: each prompt's first run is a DRAM hit of ours and its
         # repeat a hit of vLLM's own, in the same engine a few milliseconds apart (the ratio drifts least)
@@ -328,6 +360,7 @@ def ratios(table: dict[tuple[str, int], Case], cases: list[Case], sizes: list[in
         "example-connector / prefixcache-dram": ("example-connector", "prefixcache-dram"),
         "prefixcache-dram / cold": ("prefixcache-dram", "cold"),
         f"{PUBLISHING} / {BYPASSED} (one engine, median of pairs; target <= 1.05)": (PUBLISHING, BYPASSED),
+        f"{AFTER_PUBLISHING} / {AFTER_BYPASSED} (one engine, median of pairs)": (AFTER_PUBLISHING, AFTER_BYPASSED),
     }
     out: dict[str, dict[int, float]] = {}
     for name, (a, b) in wanted.items():
@@ -345,10 +378,12 @@ def ratios_by_pass(cases: list[Case], sizes: list[int]) -> dict[int, dict[str, d
 
 
 def first_tokens_differing_from_cold(cases: list[Case]) -> list[str]:
-    """Configs whose first token differs from the cold run's on the same prompt (cases keep prompt order)."""
+    """Configs whose first token differs from the cold run's on the same prompt (cases keep prompt order); the
+    rows of the fresh series run other prompts than the cold row."""
     by_config: dict[str, list[Case]] = {}
     for case in cases:
-        by_config.setdefault(case.config, []).append(case)
+        if case.config not in FRESH_ROWS:
+            by_config.setdefault(case.config, []).append(case)
     cold_tokens = [c.first_token for c in by_config.get("cold", [])]
     return sorted(config for config, group in by_config.items()
                   if len(group) == len(cold_tokens) and [c.first_token for c in group] != cold_tokens)  # fmt: skip

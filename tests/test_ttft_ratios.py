@@ -3,7 +3,19 @@ its unmeasured prompts."""
 
 import statistics
 
-from benchmarks.ttft import BYPASSED, CEILING, PUBLISHING, Case, Runner, medians, paired_ratio, ratios, ratios_by_pass
+from benchmarks.ttft import (
+    AFTER_PUBLISHING,
+    BYPASSED,
+    CEILING,
+    PUBLISHING,
+    Case,
+    Runner,
+    first_tokens_differing_from_cold,
+    medians,
+    paired_ratio,
+    ratios,
+    ratios_by_pass,
+)
 
 
 def cases(config: str, times: list[float], tokens: int = 4097) -> list[Case]:
@@ -57,3 +69,17 @@ def test_each_pass_runs_in_a_directory_of_its_own(tmp_path):
     first = run.workdir
     run.start_pass(1)
     assert first != run.workdir and first.is_dir() and run.workdir.is_dir() and run.run_pass == 1
+
+
+def test_the_fresh_series_is_apart_from_every_other_prompt_and_from_the_cold_rows_check(tmp_path):
+    run = Runner(tmp_path, tmp_path, [1025, 4097], repeats=3, server_cpus=None)
+    assert [len(p) for p in run.fresh_prompts] == [len(p) for p in run.prompts]
+    others = {tuple(p[:256]) for p in [*run.prompts, *run.warm_ups]}  # a chunk shared would be a hit, not a publish
+    assert not {tuple(p[:256]) for p in run.fresh_prompts} & others
+    cold = cases("cold", [1.0, 1.1, 1.2])
+    after = [Case(4097, AFTER_PUBLISHING, 0.02, 4096, first_token=99) for _ in range(3)]
+    assert first_tokens_differing_from_cold(cold + after) == []
+    assert first_tokens_differing_from_cold(cold + cases("prefixcache-dram", [0.02] * 3)) == []
+    assert first_tokens_differing_from_cold(cold + [Case(4097, "prefixcache-dram", 0.02, 4096, 99)] * 3) == [
+        "prefixcache-dram"
+    ]
