@@ -83,6 +83,12 @@ PAIRED_ROWS = {(DRAM_BESIDE, CEILING_BESIDE), (PUBLISHING, BYPASSED), (AFTER_PUB
 FRESH_ROWS = {AFTER_PUBLISHING, AFTER_BYPASSED}  # rows over Runner.fresh_prompts
 
 
+def _published_and_bypassed(i: int) -> list[dict | None]:
+    """The ``kv_transfer_params`` of the ``i``-th prompt's two runs in a row that runs it both ways: published
+    (None) and bypassing the connector, the one first for even ``i``, the other for odd."""
+    return [None, BYPASS] if i % 2 == 0 else [BYPASS, None]
+
+
 def sized_prompt(size: int, i: int, fresh: bool = False) -> list[int]:
     """The ``i``-th prompt of ``size`` tokens (seed ``1000 · size + i``): measured for ``i < MAX_REPEATS``, the
     size's warm-up for ``i == MAX_REPEATS``. ``fresh``: of a second series (seeds from ``FRESH_SEEDS`` on)."""
@@ -154,13 +160,12 @@ class Runner:
         measured, params = [], []
         for i, prompt in enumerate(self.prompts):
             measured += [prompt, prompt]
-            params += [None, BYPASS] if i % 2 == 0 else [BYPASS, None]
+            params += _published_and_bypassed(i)
         unmeasured = self._unmeasured(runs=1)
         spec = self._spec(unmeasured, measured, kv_transfer_config, False)
         spec["kv_transfer_params"] = [None] * len(unmeasured) + params  # the warm-ups published, to be hit later
         outputs = self._run(name, spec, None, unmeasured=len(unmeasured))
-        self._record(record_as, [out for out, param in zip(outputs, params, strict=True) if param is None])
-        self._record(record_bypass_as, [out for out, param in zip(outputs, params, strict=True) if param is BYPASS])
+        self._record_by_params(outputs, params, record_as, record_bypass_as)
 
     def after_publishing(self, name: str, kv_transfer_config: dict) -> None:
         """What a publish costs the request right after it. One engine with vLLM's own prefix cache on computes
@@ -172,7 +177,7 @@ class Runner:
         unmeasured = self._unmeasured(runs=1)
         measured, params, resets = [], [], []
         for i, prompt in enumerate(self.fresh_prompts):
-            for first in [None, BYPASS] if i % 2 == 0 else [BYPASS, None]:
+            for first in _published_and_bypassed(i):
                 resets.append(len(unmeasured) + len(measured))
                 measured += [prompt, prompt]
                 params += [first, BYPASS]
@@ -180,10 +185,14 @@ class Runner:
         spec["kv_transfer_params"] = [None] * len(unmeasured) + params
         spec["reset_prefix_cache_before"] = resets
         outputs = self._run(name, spec, None, unmeasured=len(unmeasured))
-        cold_runs = params[0::2]
-        repeats = outputs[1::2]
-        self._record(AFTER_PUBLISHING, [out for out, first in zip(repeats, cold_runs, strict=True) if first is None])
-        self._record(AFTER_BYPASSED, [out for out, first in zip(repeats, cold_runs, strict=True) if first is BYPASS])
+        # each repeat, recorded by what its cold run before it was
+        self._record_by_params(outputs[1::2], params[0::2], AFTER_PUBLISHING, AFTER_BYPASSED)
+
+    def _record_by_params(self, outputs: list[dict], params: list[dict | None], published_as: str,
+                          bypassed_as: str) -> None:  # fmt: skip
+        """Record each output as ``published_as`` or ``bypassed_as``, by its ``kv_transfer_params`` in ``params``."""
+        self._record(published_as, [out for out, param in zip(outputs, params, strict=True) if param is None])
+        self._record(bypassed_as, [out for out, param in zip(outputs, params, strict=True) if param is BYPASS])
 
     def _unmeasured(self, runs: int) -> list[list[int]]:
         """What an engine runs before its measured prompts: the short warm-up prompt, then each size's warm-up
@@ -403,7 +412,8 @@ def report(cases: list[Case], sizes: list[int]) -> dict:
     found = ratios(table, cases, sizes)
     print_table("ratios (this run)", ["ratio", *map(str, sizes)],
                 [[name, *(f"{v[s]:.2f}" if s in v else "-" for s in sizes)] for name, v in found.items()])  # fmt: skip
-    by_pass = ratios_by_pass(cases, sizes) if len({case.run_pass for case in cases}) > 1 else {}
+    by_pass = ratios_by_pass(cases, sizes)
+    by_pass = by_pass if len(by_pass) > 1 else {}  # one pass: its ratios are the run's
     if by_pass:
         print_table("ratios per pass (each pass's own engines)", ["ratio", "size", *(f"pass {p}" for p in by_pass)],
                     [[name, str(size), *(f"{by_pass[p][name][size]:.2f}" if size in by_pass[p].get(name, {}) else "-"
@@ -455,8 +465,8 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     ROWS[name](run)
                 except (EngineRunError, RuntimeError) as exc:  # one peer that does not run must not sink the others
-                    failed[f"{name} (pass {run_pass})"] = str(exc).splitlines()[0]
-                    print(f"[ttft] {name} failed in pass {run_pass}: {str(exc).splitlines()[0]}")
+                    failed[f"{name} (pass {run_pass})"] = reason = str(exc).splitlines()[0]
+                    print(f"[ttft] {name} failed in pass {run_pass}: {reason}")
         payload = {**report(run.cases, sizes), "failed_rows": failed}
     path = write_results("ttft", {"sizes": sizes, "repeats": args.repeats, "passes": args.passes,
                                    "servers_on": args.servers_on, "dtype": ENGINE_DTYPE, **payload},
