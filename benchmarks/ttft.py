@@ -78,6 +78,8 @@ BYPASSED = "prefixcache-bypassed"  # the same prompts in the publishing engine, 
 BYPASS = {"prefixcache": {"load": False, "publish": False}}  # a request's own kv_transfer_params
 AFTER_PUBLISHING = "vllm-prefix-cache-after-publishing"  # vLLM's own hit on a prompt the engine has just published
 AFTER_BYPASSED = "vllm-prefix-cache-after-bypassed"  # the same hit after the prompt was computed, not published
+# what lmcache-mp / prefixcache-dram would be were our hit as fast as vLLM's own, which moves no bytes: its bound
+LMCACHE_REACH = "lmcache-mp / vllm-prefix-cache (the most that lmcache-mp / prefixcache-dram can reach)"
 FRESH_SEEDS = 10**9  # prompts of a second series, which no other row's engine runs (sized_prompt)
 PAIRED_ROWS = {(DRAM_BESIDE, CEILING_BESIDE), (PUBLISHING, BYPASSED), (AFTER_PUBLISHING, AFTER_BYPASSED)}
 FRESH_ROWS = {AFTER_PUBLISHING, AFTER_BYPASSED}  # rows over Runner.fresh_prompts
@@ -365,6 +367,7 @@ def ratios(table: dict[tuple[str, int], Case], cases: list[Case], sizes: list[in
         f"{DRAM_BESIDE} / {CEILING_BESIDE} (one engine, median of pairs)": (DRAM_BESIDE, CEILING_BESIDE),
         f"{CEILING_BESIDE} / vllm-prefix-cache (our connector's cost on vLLM's own hits)": (CEILING_BESIDE, CEILING),
         "lmcache-mp / prefixcache-dram (target >= 3)": ("lmcache-mp", "prefixcache-dram"),
+        LMCACHE_REACH: ("lmcache-mp", CEILING),
         "mooncake-store-connector / prefixcache-dram": ("mooncake-store-connector", "prefixcache-dram"),
         "example-connector / prefixcache-dram": ("example-connector", "prefixcache-dram"),
         "prefixcache-dram / cold": ("prefixcache-dram", "cold"),
