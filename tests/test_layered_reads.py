@@ -57,11 +57,14 @@ def layered_chunks(path: Path, objects: list[bytes], padded: int) -> list[Layere
     return chunks
 
 
-def read(chunks: list[LayeredChunk]) -> LayeredRead:
-    return LayeredRead(chunks, ThreadPoolExecutor(2), parallel=2)
+@pytest.fixture
+def read():
+    """Starts a LayeredRead of chunks on two reader threads, shut down after the test."""
+    with ThreadPoolExecutor(2) as readers:
+        yield lambda chunks: LayeredRead(chunks, readers, parallel=2)
 
 
-def test_each_layer_is_in_its_pages_once_its_wait_returns_and_both_chunks_verify(segment):
+def test_each_layer_is_in_its_pages_once_its_wait_returns_and_both_chunks_verify(segment, read):
     path, objects, padded = segment
     chunks = layered_chunks(path, objects, padded)
     assert all(c.aligned() for c in chunks)
@@ -78,7 +81,7 @@ def test_each_layer_is_in_its_pages_once_its_wait_returns_and_both_chunks_verify
     assert reading.waited == set(range(LAYERS))
 
 
-def test_a_segment_cut_short_fails_the_chunk_at_its_first_missing_layer_and_every_wait_ends(segment):
+def test_a_segment_cut_short_fails_the_chunk_at_its_first_missing_layer_and_every_wait_ends(segment, read):
     path, objects, padded = segment
     head = chunk_meta(0).payload_offset
     os.truncate(path, padded + head + 2 * 2 * PAGE_BYTES)  # the second object's layers 2 and 3 are gone
@@ -90,7 +93,7 @@ def test_a_segment_cut_short_fails_the_chunk_at_its_first_missing_layer_and_ever
     assert isinstance(second, ChunkError) and "layer 2 could not be read" in str(second)
 
 
-def test_a_segment_gone_since_it_was_located_fails_every_chunk_at_its_header(segment):
+def test_a_segment_gone_since_it_was_located_fails_every_chunk_at_its_header(segment, read):
     path, objects, padded = segment
     chunks = layered_chunks(path, objects, padded)
     path.unlink()
