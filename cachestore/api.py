@@ -36,6 +36,14 @@ class MooncakeConfig(BaseModel):
     segment: str
 
 
+class SecretFiles(BaseModel):
+    """Where this node keeps its secrets, for clients on its host run as the daemon's user: paths, never values."""
+
+    chunk_key: str | None = Field(default=None, description="the key every chunk is signed with (the cluster secret)")
+    redis_password: str | None = Field(default=None, description="the index's password, where it needs one")
+    admin_token: str | None = Field(default=None, description="the bearer token admin calls need")
+
+
 class ClientConfig(BaseModel):
     """What a connector or warm-up job needs to attach to this node. Never holds a secret."""
 
@@ -45,6 +53,7 @@ class ClientConfig(BaseModel):
     key_prefix: str
     chunk_tokens: int
     mooncake: MooncakeConfig
+    secret_files: SecretFiles = Field(default_factory=SecretFiles)
 
 
 class TierStats(BaseModel):
