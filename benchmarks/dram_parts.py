@@ -29,6 +29,7 @@ import numpy as np
 
 from benchmarks.common import print_table, with_defaults, write_results
 from benchmarks.tiers import ROOT, warmed_tier
+from cachestore.chunk_mac import ChunkMacKey
 from cachestore.codec import ChunkMeta, encode, read_meta
 from cachestore.dram import MooncakeTier, split_offset
 from indexer.tokens import pack_tokens
@@ -48,7 +49,7 @@ def chunks(tier: MooncakeTier, group_mib: int, chunk_mib: int
     for _ in range(group_mib // chunk_mib):
         meta = ChunkMeta(os.urandom(16), os.urandom(16), os.urandom(16), pack_tokens(list(range(256))), "uint8",
                          (LAYERS, (chunk_mib << 20) // LAYERS))  # fmt: skip
-        objects.append((meta.key, bytes(encode(meta, os.urandom(chunk_mib << 20)))))
+        objects.append((meta.key, bytes(encode(meta, os.urandom(chunk_mib << 20), ChunkMacKey(os.urandom(32))))))
     assert all(tier.put(objects)), "DRAM put failed"
     cuts = [split_offset(read_meta(obj)) for _, obj in objects]
     assert all(cut is not None for cut in cuts)

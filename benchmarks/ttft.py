@@ -174,7 +174,7 @@ class Runner:
         each of its prompts twice, once published and once bypassing the connector (alternately first, vLLM's
         cache emptied before each), and runs the prompt again at once after each, bypassing the connector: that
         repeat is vLLM's own hit, the same request in both, and differs only in what the step before set off
-        (the publish's checksums and its copy into DRAM; the node's copy to NVMe waits ``write_behind_hold_s``).
+        (the publish's MACs and its copy into DRAM; the node's copy to NVMe waits ``write_behind_hold_s``).
         Its prompts are a fresh series: the other rows' are stored already, and would be hits here, not publishes."""
         unmeasured = self._unmeasured(runs=1)
         measured, params, resets = [], [], []

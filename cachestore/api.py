@@ -84,6 +84,7 @@ class ClientUse(BaseModel):
     fetched_chunks: int
     fetch_misses: int
     corrupt_chunks: int
+    mac_failures: int = Field(description="fetched chunks whose MAC did not verify: forged, or altered since signed")
     published_chunks: int
     publish_failures: int
 
@@ -118,6 +119,9 @@ class Stats(BaseModel):
     demoted: int
     evictions: EvictionStats
     corrupt_chunks: int = Field(description="found by the write-behind, promotions and clients; each was deleted")
+    corrupt_by_reason: dict[str, int] = Field(
+        default_factory=dict, description="the same by reason: 'mac' (forged or altered), 'damaged' (anything else)"
+    )
     queues: QueueDepths
     clients: ClientUse
     namespaces: dict[str, NamespaceStats]

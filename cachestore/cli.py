@@ -47,6 +47,7 @@ def serve(
     mooncake_protocol: Annotated[Optional[str], typer.Option(help="tcp or rdma [default: tcp]")] = None,  # noqa: UP045
     mooncake_device_names: Annotated[Optional[str], typer.Option(help="RDMA NICs, e.g. mlx5_0")] = None,  # noqa: UP045
     mooncake_host: Annotated[Optional[str], typer.Option(help="this node's address in the pool")] = None,  # noqa: UP045
+    chunk_key_file: Annotated[Optional[Path], typer.Option(help="the cluster's chunk-signing key file")] = None,  # noqa: UP045
     admin_token: Annotated[Optional[str], typer.Option(help="bearer token admin calls need")] = None,  # noqa: UP045
     open_reads: Annotated[Optional[bool], typer.Option("--open-reads", help="reads need no token")] = None,  # noqa: UP045
     kv_events_endpoint: Annotated[Optional[str], typer.Option(help="KV events: ZMQ tcp://*:PORT")] = None,  # noqa: UP045
@@ -62,7 +63,7 @@ def serve(
         nvme_bytes=nvme_bytes, nvme_dir=nvme_dir, mooncake_master=mooncake_master,
         mooncake_metadata_url=mooncake_metadata_url, mooncake_protocol=mooncake_protocol,
         mooncake_device_names=mooncake_device_names, mooncake_host=mooncake_host, admin_token=admin_token,
-        open_reads=open_reads,
+        open_reads=open_reads, chunk_key_file=chunk_key_file,
         kv_events_endpoint=kv_events_endpoint, cpus=cpus,
     )  # fmt: skip
     with _clear_errors():

@@ -19,12 +19,14 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import cast
 
 import httpx
 import redis
 
 from cachestore.api import ClientConfig
+from cachestore.chunk_mac import ChunkMacKey
 from cachestore.client_stats import ClientStatsRecorder
 from cachestore.codec import BodyCheck, ChunkError, ChunkMeta, decode, decode_scattered, write_header
 from cachestore.dram import MooncakeTier
@@ -61,6 +63,7 @@ class ClientStats:
     fetched: int = 0
     missing: int = 0
     corrupt: int = 0
+    mac_failures: int = 0  # of those corrupt, chunks whose MAC did not verify
     promoted: int = 0
     read_from_disk: int = 0
     stored_after_disk_read: int = 0
@@ -82,13 +85,24 @@ def fetch_config(service_url: str, timeout_s: float = 5.0) -> ClientConfig:
     return ClientConfig.model_validate(response.json())
 
 
+def chunk_mac_key(config: ClientConfig, key_file: str | None = None) -> ChunkMacKey:
+    """The cluster's chunk-signing key: from ``key_file`` if given, else from the file the daemon names."""
+    path = key_file or config.secret_files.chunk_key
+    if path is None:
+        raise ConfigError(f"node {config.node}'s daemon names no chunk-signing key file; give the client one")
+    return ChunkMacKey.read(Path(path))
+
+
 class CacheClient:
     def __init__(self, config: ClientConfig, spec: NamespaceSpec, *, arena_bytes: int = 256 << 20,
                  redis_password: str | None = None, promote_timeout_s: float = 2.0,
-                 io_thread_setup: Callable[[], None] | None = None) -> None:  # fmt: skip
-        """``io_thread_setup`` runs first in each thread the client starts (the connector binds them to cores)."""
+                 io_thread_setup: Callable[[], None] | None = None,
+                 mac_key: ChunkMacKey | None = None) -> None:  # fmt: skip
+        """``io_thread_setup`` runs first in each thread the client starts (the connector binds them to cores).
+        ``mac_key``: the cluster's chunk-signing key [default: read from the file the daemon names]."""
         self.config = config
         self.spec = spec
+        self.mac_key = mac_key or chunk_mac_key(config)
         self.node = config.node
         self.geometry = ChunkGeometry(spec.chunk_tokens)
         self.location = Location("dram", config.node)
@@ -154,7 +168,7 @@ class CacheClient:
         if not chunks:
             return []
         started = time.perf_counter()
-        objects = [(meta.key, slot[: write_header(slot, meta)]) for meta, slot in chunks]
+        objects = [(meta.key, slot[: write_header(slot, meta, self.mac_key)]) for meta, slot in chunks]
         stored = self.dram.put(objects, soft_pin_s=UNPERSISTED_PROTECTION_S)
         records = [
             ChunkRecord.of(parent=meta.parent, packed_tokens=meta.tokens, root=meta.root, namespace=meta.namespace,
@@ -194,7 +208,7 @@ class CacheClient:
         upcoming: Sequence[tuple[bytes, memoryview]] = (), cuts: Sequence[int | None] = (),
     ) -> list[Fetched]:  # fmt: skip
         """``fetch``, returning as soon as DRAM has copied its chunks into their slots: each of those comes
-        back as a future of its verified payload, its checksum computed on ``checks``, so the caller reads
+        back as a future of its verified payload, its MAC computed on ``checks``, so the caller reads
         the next chunks while these are checked, on as many threads as ``checks`` has (on one thread of an
         H100 host, checking a chunk took three quarters as long as Mooncake's copy of it). A future that
         resolves to None was a damaged DRAM copy, now deleted: ``fetch`` that chunk again to have it from
@@ -327,7 +341,8 @@ class CacheClient:
         """Per chunk a caller read from ``disk_extents`` into pieces and fed to its ``BodyCheck``, whether it is
         intact (a ``ChunkError`` stands for one that failed before). Records one fetch, timed from ``started``
         (``time.perf_counter()``). A failure is a miss, and the daemon is asked to promote the chunk: an extent
-        gone stale (compaction moved the object) brings it back into DRAM, a damaged copy is deleted there."""
+        gone stale (compaction moved the object) brings it back into DRAM, a damaged or forged copy is deleted there
+        and counted by the daemon, which drops it, so that each bad copy is counted once."""
         ok = []
         for key, check in zip(keys, checks, strict=True):
             try:
@@ -433,9 +448,10 @@ class CacheClient:
             if slot is not slots[i]:  # read ahead into another slot than the caller passes now
                 size = -1
             try:
-                out[i] = decode(slots[i][:size], key=keys[i], namespace=self.spec.digest)[1] if size >= 0 else None
+                out[i] = decode(slots[i][:size], key=keys[i], namespace=self.spec.digest,
+                                mac_key=self.mac_key)[1] if size >= 0 else None  # fmt: skip
             except ChunkError:
-                out[i] = None  # the object moved since it was located: the daemon still knows where
+                out[i] = None  # moved since it was located, or bad: the daemon, asked to promote it, tells which
             if out[i] is None:
                 stale.append(keys[i])
             else:
@@ -477,7 +493,7 @@ class CacheClient:
         if size < 0:
             return None
         try:
-            _, payload = decode(slot[:size], key=key, namespace=self.spec.digest)
+            _, payload = decode(slot[:size], key=key, namespace=self.spec.digest, mac_key=self.mac_key)
         except ChunkError as exc:
             self._reject(key, exc)
             return None
@@ -493,14 +509,25 @@ class CacheClient:
 
     def _verified_scattered(self, key: bytes, head: memoryview, payload: Sequence[memoryview]) -> bool:
         try:
-            decode_scattered(head, payload, key=key, namespace=self.spec.digest)
+            decode_scattered(head, payload, key=key, namespace=self.spec.digest, mac_key=self.mac_key)
         except ChunkError as exc:
             self._reject(key, exc)
             return False
         return True
 
+    def body_check(self, key: bytes, head: memoryview) -> BodyCheck:
+        """The check of chunk ``key`` of this client's namespace whose header and tokens are in ``head``, for a
+        caller that feeds it the payload piece by piece as it lands (raises ``ChunkError`` at once for a bad header)."""
+        return BodyCheck(head, key=key, namespace=self.spec.digest, mac_key=self.mac_key)
+
+    def _count_mac_failure(self) -> None:
+        self.stats.count(mac_failures=1)
+        self.recorder.record_mac_failure(self.spec.digest)
+
     def _reject(self, key: bytes, exc: ChunkError) -> None:
         self.stats.count(corrupt=1)
+        if exc.reason == "mac":
+            self._count_mac_failure()
         log.warning("chunk %s failed verification (%s): deleted, recomputing", key.hex(), exc)
         self._discard(key)
 

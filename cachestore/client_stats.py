@@ -30,7 +30,7 @@ OPERATIONS: tuple[Operation, ...] = ("lookup", "fetch", "publish")
 #: Upper bounds (seconds) of the latency buckets; a last, unbounded bucket follows.
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 COUNTERS = ("lookups", "hits", "misses", "requested_tokens", "matched_tokens", "fetched_chunks", "fetch_misses",
-            "corrupt_chunks", "published_chunks", "publish_failures")  # fmt: skip
+            "corrupt_chunks", "mac_failures", "published_chunks", "publish_failures")  # fmt: skip
 
 
 def stats_key(prefix: str, node: str) -> str:
@@ -63,6 +63,10 @@ class ClientStatsRecorder(PeriodicFlusher):
         """A chunk an earlier ``record_fetch`` counted fetched failed its check afterwards (a client that checks
         chunks on other threads while it fetches the next): it was a corrupt chunk, and a miss."""
         self._count(namespace.hex(), {"fetched_chunks": -1, "fetch_misses": 1, "corrupt_chunks": 1})
+
+    def record_mac_failure(self, namespace: bytes) -> None:
+        """A chunk counted corrupt (by ``record_fetch`` or ``record_rejected_after_fetch``) failed its MAC."""
+        self._count(namespace.hex(), {"mac_failures": 1})
 
     def record_publish(self, namespace: bytes, stored: int, failed: int, seconds: float) -> None:
         self._add(namespace.hex(), seconds, "publish", published_chunks=stored, publish_failures=failed)

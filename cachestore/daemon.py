@@ -28,6 +28,7 @@ from cachestore.api import (
     EvictionStats,
     MooncakeConfig,
     QueueDepths,
+    SecretFiles,
     Stats,
     TierStats,
     WriteBehindStats,
@@ -36,6 +37,7 @@ from cachestore.api import (
 )
 from cachestore.auth import AccessPolicy
 from cachestore.background import BackgroundLoop
+from cachestore.chunk_mac import KEY_FILE_NAME, ChunkMacKey
 from cachestore.client_stats import ClientTotals, read_client_stats
 from cachestore.cpus import allowed_cpus
 from cachestore.demotion import Demoter
@@ -51,8 +53,9 @@ from cachestore.processes import port_open
 from cachestore.promotion import Promoter
 from cachestore.reconcile import reconcile
 from cachestore.redis_server import EmbeddedRedis
+from cachestore.secrets_store import secrets_dir
 from cachestore.settings import NVME_SEGMENT_BYTES, Settings
-from cachestore.stats_report import all_clients, namespace_stats
+from cachestore.stats_report import all_clients, corrupt_by_reason, namespace_stats
 from cachestore.warmup.api import warmup_router
 from cachestore.warmup.jobs import WarmupJobs, local_url
 from cachestore.write_behind import GROUP as WRITE_BEHIND_GROUP
@@ -88,6 +91,8 @@ class NodeDaemon:
         self.orders: OrderServer
         self.admin: CacheAdmin
         self.nvme_evicted = 0
+        self.mac_key_file: Path
+        self.mac_key: ChunkMacKey
         self.warmup_jobs: WarmupJobs
         self._services: list[BackgroundLoop] = []  # asked to stop together before each is joined
 
@@ -99,6 +104,7 @@ class NodeDaemon:
             # before any thread or server starts: each inherits the binding
             os.sched_setaffinity(0, s.cpu_set)
             log.info("daemon and its servers bound to CPUs %s", s.cpus)
+        self._load_mac_key()
         self._start_index()
         self.leases = Leases(redis.Redis.from_url(self.index.url), s.key_prefix)
         self._start_mooncake()
@@ -107,10 +113,10 @@ class NodeDaemon:
         self._stack.callback(self.nvme.close)
         # The segment owner starts empty every time, so DRAM locations naming this node are stale.
         reconcile(self.index, self.nvme, s.node, dram_is_new=True)
-        self.write_behind = WriteBehind(self.index, self.dram, self.nvme, s.node, hold_s=s.write_behind_hold_s)
-        self.promoter = Promoter(
-            redis.Redis.from_url(self.index.url), s.key_prefix + ":", self.index, self.dram, self.nvme, s.node
-        )
+        self.write_behind = WriteBehind(self.index, self.dram, self.nvme, s.node, hold_s=s.write_behind_hold_s,
+                                        mac_key=self.mac_key)  # fmt: skip
+        self.promoter = Promoter(redis.Redis.from_url(self.index.url), s.key_prefix + ":", self.index, self.dram,
+                                 self.nvme, s.node, mac_key=self.mac_key)  # fmt: skip
         self.extents = ExtentServer(redis.Redis.from_url(self.index.url), s.key_prefix + ":", self.nvme, s.node)
         self.demoter = Demoter(self.index, self.dram, self.write_behind, s.node, self._protected,
                                s.dram_high_watermark, s.dram_low_watermark)  # fmt: skip
@@ -132,6 +138,19 @@ class NodeDaemon:
                                       engine_cpus=engine_cpus)  # fmt: skip
         self.warmup_jobs.start()
         self._stack.callback(self.warmup_jobs.stop)
+
+    def _load_mac_key(self) -> None:
+        """The cluster's chunk-signing key: the operator's file, or this node's own, generated at first start."""
+        s = self.settings
+        if s.chunk_key_file is not None:
+            self.mac_key_file = s.chunk_key_file
+            self.mac_key = ChunkMacKey.read(s.chunk_key_file)
+            return
+        self.mac_key_file = secrets_dir(s.data_dir) / KEY_FILE_NAME
+        self.mac_key = ChunkMacKey.load_or_create(self.mac_key_file)
+        if not (s.embedded_redis and s.embedded_mooncake):
+            log.warning("this node signs chunks with a key of its own (%s): other nodes can use its chunks only if "
+                        "every node is given the same PREFIXCACHE_CHUNK_KEY_FILE", self.mac_key_file)  # fmt: skip
 
     def _start_service(self, service: BackgroundLoop) -> None:
         service.start()
@@ -237,6 +256,7 @@ class NodeDaemon:
                 master=self.master_address, metadata_url=self.metadata_url, protocol=s.mooncake_protocol,
                 device_names=s.mooncake_device_names, shm_address=self.owner.shm_address, segment=self.owner.segment,
             ),
+            secret_files=SecretFiles(chunk_key=str(self.mac_key_file.absolute())),
         )  # fmt: skip
 
     def stats(self) -> Stats:
@@ -250,7 +270,7 @@ class NodeDaemon:
                            chunks=len(self.write_behind.resident)),
             nvme=TierStats(bytes_used=nvme.bytes_used, capacity_bytes=nvme.capacity_bytes, chunks=nvme.chunks),
             write_behind=WriteBehindStats(
-                persisted=wb.persisted, corrupt=wb.corrupt, vanished=wb.vanished,
+                persisted=wb.persisted, corrupt=wb.corrupt.total, vanished=wb.vanished,
                 delay_p50_s=delays[len(delays) // 2], delay_p99_s=delays[min(len(delays) - 1, len(delays) * 99 // 100)],
                 delay_max_s=wb.max_delay_s,
             ),
@@ -258,7 +278,8 @@ class NodeDaemon:
             evictions=EvictionStats(requested_chunks=self.evictor.evicted_chunks,
                                     requested_bytes=self.evictor.evicted_bytes, nvme_capacity=self.nvme_evicted,
                                     dram_demoted=self.demoter.demoted),
-            corrupt_chunks=wb.corrupt + clients.corrupt_chunks,
+            corrupt_chunks=wb.corrupt.total + self.promoter.corrupt.total + clients.corrupt_chunks,
+            corrupt_by_reason=corrupt_by_reason(clients, wb.corrupt, self.promoter.corrupt),
             queues=QueueDepths(promotion=self.promoter.client.llen(self.promoter.queue),
                                write_behind=self.index.feed_backlog(self.settings.node, WRITE_BEHIND_GROUP),
                                eviction_orders=self.orders.client.llen(self.orders.queue)),

@@ -24,6 +24,7 @@ CLIENT_COUNTERS = {
     "misses": "lookups that matched nothing", "requested_tokens": "prompt tokens looked up",
     "matched_tokens": "tokens served from the cache", "fetched_chunks": "chunks fetched and verified",
     "fetch_misses": "chunks a fetch did not find", "corrupt_chunks": "fetched chunks that failed verification",
+    "mac_failures": "fetched chunks whose MAC did not verify (forged or altered)",
     "published_chunks": "chunks published", "publish_failures": "chunks a publish could not store",
 }  # fmt: skip
 
@@ -42,8 +43,11 @@ class CacheCollector(Collector):
         evicted.add_metric(["nvme_capacity"], s.evictions.nvme_capacity)
         evicted.add_metric(["dram_demoted"], s.evictions.dram_demoted)
         yield evicted
-        yield CounterMetricFamily("prefixcache_corrupt_chunks", "chunks that failed verification (deleted)",
-                                  value=s.corrupt_chunks)  # fmt: skip
+        corrupt = CounterMetricFamily("prefixcache_corrupt_chunks", "chunks that failed verification (deleted), by "
+                                      "reason: mac (forged or altered) or damaged", labels=["reason"])  # fmt: skip
+        for reason, count in s.corrupt_by_reason.items():
+            corrupt.add_metric([reason], count)
+        yield corrupt
         queues = GaugeMetricFamily("prefixcache_queue_depth", "work waiting in the daemon's queues", labels=["queue"])
         queues.add_metric(["promotion"], s.queues.promotion)
         queues.add_metric(["write_behind"], s.queues.write_behind)

@@ -25,7 +25,8 @@ import redis
 
 from cachestore.arena import ArenaFullError
 from cachestore.background import BackgroundLoop
-from cachestore.codec import ChunkError, decode
+from cachestore.chunk_mac import ChunkMacKey
+from cachestore.codec import ChunkError, RejectCounts, decode
 from cachestore.dram import MooncakeTier
 from cachestore.node_requests import REPLY_TTL_S, format_request, parse_request
 from cachestore.nvme import NvmeStore, read_size
@@ -117,8 +118,9 @@ class Promoter(BackgroundLoop):
     name = "prefixcache-promoter"
 
     def __init__(self, client: redis.Redis, prefix: str, index: PrefixIndex, dram: MooncakeTier, nvme: NvmeStore,
-                 node: str, max_batch: int = 64) -> None:  # fmt: skip
+                 node: str, *, mac_key: ChunkMacKey, max_batch: int = 64) -> None:  # fmt: skip
         super().__init__()
+        self.mac_key = mac_key
         self.client = client
         self.queue = f"{prefix}pq:{node}"
         self.prefix = prefix
@@ -129,6 +131,7 @@ class Promoter(BackgroundLoop):
         self.max_batch = max_batch
         self.promoted = 0
         self.failed = 0
+        self.corrupt = RejectCounts()
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixcache-promote-read")
 
     def step(self) -> None:
@@ -205,9 +208,10 @@ class Promoter(BackgroundLoop):
             if length < 0:
                 continue
             try:
-                decode(slot[:length], key=key, namespace=entries[key].namespace)
+                decode(slot[:length], key=key, namespace=entries[key].namespace, mac_key=self.mac_key)
             except ChunkError as exc:
                 log.warning("chunk %s on NVMe is corrupt (%s): deleted", key.hex(), exc)
+                self.corrupt.count(exc)
                 self.nvme.delete([key])
                 self.index.drop_location([key], Location("nvme", self.location.node))
                 continue

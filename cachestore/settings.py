@@ -67,6 +67,10 @@ class Settings(BaseSettings):
     )
     segment_port: int | None = Field(default=None, ge=1, le=65535, description="names this node's segment [port+3]")
     master_port: int | None = Field(default=None, ge=1, le=65535, description="embedded master RPC [port+4]")
+    chunk_key_file: Path | None = Field(
+        default=None, description="file holding the key every chunk is signed with (64 hex digits), the same on every "
+        "node of a cluster; unset: <data_dir>/secrets/chunk-key, generated at first start"
+    )  # fmt: skip
     admin_token: SecretStr | None = Field(
         default=None, description="bearer token mutating (and, unless open_reads, reading) calls need"
     )

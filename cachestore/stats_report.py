@@ -5,6 +5,7 @@ from __future__ import annotations
 from cachestore.admin_models import tier_use
 from cachestore.api import ClientUse, NamespaceStats
 from cachestore.client_stats import ClientTotals
+from cachestore.codec import RejectCounts
 from indexer.index import NamespaceUsage
 
 
@@ -17,6 +18,13 @@ def all_clients(totals: dict[bytes, ClientTotals]) -> ClientUse:
     for total in totals.values():
         overall.add(total)
     return client_use(overall)
+
+
+def corrupt_by_reason(clients: ClientUse, *services: RejectCounts) -> dict[str, int]:
+    """Chunks refused on this node, by ``ChunkError`` reason: clients' fetches and the daemon's services."""
+    mac = clients.mac_failures + sum(s.mac for s in services)
+    total = clients.corrupt_chunks + sum(s.total for s in services)
+    return {"mac": mac, "damaged": total - mac}
 
 
 def namespace_stats(

@@ -1,6 +1,6 @@
 """What every chunk tier offers the daemon, so eviction, promotion and reporting treat DRAM and NVMe alike.
 
-A chunk is an opaque byte string (the codec's header, payload and checksum) under a 16-byte key. Tiers
+A chunk is an opaque byte string (the codec's signed header and payload) under a 16-byte key. Tiers
 never parse it: verification belongs to the codec, placement and capacity to the tier.
 """
 

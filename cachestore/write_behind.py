@@ -27,7 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cachestore.background import BackgroundLoop
-from cachestore.codec import ChunkError, decode
+from cachestore.chunk_mac import ChunkMacKey
+from cachestore.codec import ChunkError, RejectCounts, decode
 from cachestore.dram import MooncakeTier
 from cachestore.nvme import NvmeStore
 from indexer.errors import IndexUnavailableError
@@ -40,7 +41,7 @@ GROUP = "persist"
 @dataclass
 class WriteBehindCounters:
     persisted: int = 0
-    corrupt: int = 0
+    corrupt: RejectCounts = field(default_factory=RejectCounts)
     vanished: int = 0
     max_delay_s: float = 0.0
     delays_s: deque[float] = field(default_factory=lambda: deque(maxlen=1000))  # recent, for percentiles
@@ -54,9 +55,10 @@ class WriteBehind(BackgroundLoop):
     name = "prefixcache-write-behind"
 
     def __init__(self, index: PrefixIndex, dram: MooncakeTier, nvme: NvmeStore, node: str, *, hold_s: float,
-                 batch: int = 32) -> None:  # fmt: skip
+                 mac_key: ChunkMacKey, batch: int = 32) -> None:  # fmt: skip
         super().__init__()
         self.hold_s = hold_s
+        self.mac_key = mac_key
         self.index = index
         self.dram = dram
         self.nvme = nvme
@@ -125,10 +127,11 @@ class WriteBehind(BackgroundLoop):
                 vanished.append(entry.key)
                 continue
             try:
-                decode(slot[:size], key=entry.key, namespace=entry.namespace)
+                decode(slot[:size], key=entry.key, namespace=entry.namespace, mac_key=self.mac_key)
             except ChunkError as exc:
                 log.warning("chunk %s in DRAM is corrupt (%s): dropped, not persisted", entry.key.hex(), exc)
                 corrupt.append(entry.key)
+                self.stats.corrupt.count(exc)
                 continue
             good.append((entry, slot[:size]))
         if corrupt:
@@ -148,7 +151,6 @@ class WriteBehind(BackgroundLoop):
         self.stats.persisted += len(persisted)
         if persisted:
             self.on_persisted()
-        self.stats.corrupt += len(corrupt)
         self.stats.vanished += len(vanished)
 
     def step(self) -> None:

@@ -2,7 +2,7 @@
 
 vLLM's CPU backend binds a worker's compute (OpenMP) threads, its main thread included, to cores of
 their own and leaves the cores it reserves (``VLLM_CPU_NUM_OF_RESERVED_CPU``) to the engine's other
-processes. Threads the connector starts inherit that binding: a load's checksum verification and
+processes. Threads the connector starts inherit that binding: a load's MAC verification and
 Mooncake calls, its disk reads and the background publishes would all queue behind the forward pass
 on the compute cores while the reserved ones wait on I/O. By default (``io_cpus="auto"``) they run on
 the cores no rank computes on instead, on the worker's own NUMA node: under tensor parallelism vLLM

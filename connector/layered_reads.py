@@ -3,18 +3,17 @@
 Why: through arena slots, an NVMe-only hit read every chunk into a slot, verified it and copied it into its
 pages before the forward pass began, so the disk's time (64 MiB in ~30 ms at ~2 GB/s) and the forward
 pass's (~25 ms for an 8k-token prompt on this CPU) added up. Each object holds its payload layer by layer
-from a 4 KiB boundary (format version 2, cachestore/codec.py), and the NVMe tier stores objects at 4 KiB
+from a 4 KiB boundary (cachestore/codec.py), and the NVMe tier stores objects at 4 KiB
 boundaries of its segment files, so one layer's pages of a chunk are one aligned range of its file: a single
 O_DIRECT ``preadv`` puts them into their pages (and the scratch for pages the load does not take). The reads
 go out layer by layer; vLLM's ``wait_for_layer_load``, which each attention layer calls before it reads its
 KV, waits for its layer's reads only, so the forward pass computes layer i while layer i + 1 is read. A
-verifier streams each chunk's body checksum behind the reads (``BodyCheck``), and its verdict is in before
+verifier streams each chunk's MAC behind the reads (``BodyCheck``), and its verdict is in before
 vLLM asks for load errors, as for DRAM hits read in place: KV that fails it is recomputed, its step's output
 dropped.
 
 vLLM writes a step's new keys and values into a layer's pages before that layer waits, so a chunk whose
-last block receives them (``LoadChunk.ends_mid_block``) is never read this way; nor is an object of format
-version 1, whose payload is not aligned.
+last block receives them (``LoadChunk.ends_mid_block``) is never read this way.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -91,16 +90,16 @@ class LayeredRead:
         self._wait(layer)
         self.waited.add(layer)
 
-    def check(self, namespace: bytes) -> list[BodyCheck | ChunkError]:
-        """Per chunk, its ``BodyCheck`` fed its whole payload as the layers arrive, or why it failed before;
-        waits for every read, then closes the files."""
+    def check(self, body_check: Callable[[bytes, memoryview], BodyCheck]) -> list[BodyCheck | ChunkError]:
+        """Per chunk, its ``BodyCheck`` (``body_check(key, head)``, ``CacheClient.body_check``) fed its whole payload
+        as the layers arrive, or why it failed before; waits for every read, then closes the files."""
         checks: list[BodyCheck | ChunkError] = []
         self._wait(0)
         for c, read in zip(self.chunks, self._read[0], strict=True):
             try:
                 if not read:
                     raise ChunkError("its header and layer 0 could not be read from disk")
-                checks.append(BodyCheck(c.head, key=c.chunk.key, namespace=namespace))
+                checks.append(body_check(c.chunk.key, c.head))
             except ChunkError as exc:
                 checks.append(exc)
         for layer in range(len(self._stages)):

@@ -138,7 +138,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         if self._cache_client is None:
             from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
-            from cachestore.client import CacheClient, fetch_config
+            from cachestore.client import CacheClient, chunk_mac_key, fetch_config
             from connector.settings import arena_mib, kv_bytes_per_token, namespace_for
 
             group = self._kv_cache_config.kv_cache_groups[0]
@@ -156,7 +156,8 @@ class PrefixCacheConnector(KVConnectorBase_V1):
             log.info("prefixcache: a %d MiB arena (arena_mb=%s)", arena, self._settings.arena_mb)
             self._cache_client = CacheClient(config, spec, arena_bytes=arena << 20,
                                              redis_password=self._settings.redis_password,
-                                             io_thread_setup=self._io_thread_setup)  # fmt: skip
+                                             io_thread_setup=self._io_thread_setup,
+                                             mac_key=chunk_mac_key(config, self._settings.chunk_key_file))  # fmt: skip
         return self._cache_client
 
     @property

@@ -23,6 +23,8 @@ class ConnectorSettings(BaseModel):
         "steps of publishes (arena_mib)")  # fmt: skip
     min_hit_tokens: int = Field(default=16, ge=1, description="smaller external hits are not worth a load")
     redis_password: str | None = Field(default=None, description="if the index needs one (never logged)")
+    chunk_key_file: str | None = Field(default=None, description="the cluster's chunk-signing key file, where this "
+                                       "host's path differs from the one the daemon names in /v1/config")  # fmt: skip
     io_cpus: IoCpus = Field(default="auto", description="cores for the connector's threads: auto, inherit or CPU ids "
                             "(connector/io_threads.py)")  # fmt: skip
     async_loads: Literal["auto", "always", "never"] = Field(

@@ -415,7 +415,7 @@ class WorkerSide:
     def _read_layered(self, chunks: list[LoadChunk]) -> tuple[LayeredRead | None, list[LoadChunk]]:
         """Start reading NVMe-only chunks from this node's segment files straight into their pages, layer by layer
         (connector/layered_reads.py); returns that read and the chunks left to load through slots: those whose
-        last block vLLM writes this step, those on no disk of this node, in format version 1 (another size), or
+        last block vLLM writes this step, those on no disk of this node, of another size than this geometry's, or
         beyond the arena's room for their headers."""
         if not self._reads_layered or not chunks:
             return None, chunks
@@ -558,7 +558,7 @@ class WorkerSide:
 
     def _verify_layered(self, read: LayeredRead, errors: set[int]) -> _Store | None:
         try:
-            checks = read.check(self.client.spec.digest)
+            checks = read.check(self.client.body_check)
             intact = self.client.verify_disk_reads([c.chunk.key for c in read.chunks], checks, read.started)
         except Exception:  # noqa: BLE001 - a failed load is recomputed; the request must not fail
             log.exception("verifying %d chunks read from NVMe failed; recomputing them", len(read.chunks))

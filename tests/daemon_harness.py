@@ -14,8 +14,9 @@ from typing import Any
 import httpx
 import redis
 
+from cachestore.chunk_mac import ChunkMacKey
 from cachestore.client import CacheClient, fetch_config
-from cachestore.codec import ChunkMeta, read_meta
+from cachestore.codec import ChunkMeta, encode, read_meta
 from cachestore.dram import MooncakeTier, split_offset
 from cachestore.extents import locate
 from cachestore.processes import free_port_block
@@ -42,9 +43,14 @@ class Daemon:
         and Mooncake master (ports ``PORT+1``, ``+4``, ``+5``, ``+6``, as ``serve`` derives them)."""
         host = "127.0.0.1"
         return Daemon(data_dir, "--redis-url", f"redis://{host}:{self.port + 1}/0",
-                      "--mooncake-master", f"{host}:{self.port + 4}",
+                      "--mooncake-master", f"{host}:{self.port + 4}", "--chunk-key-file", str(self.chunk_key_file),
                       "--mooncake-metadata-url", f"http://{host}:{self.port + 5}/metadata", node=node,
                       env={"PREFIXCACHE_MOONCAKE_METRICS_URL": f"http://{host}:{self.port + 6}/metrics"})  # fmt: skip
+
+    @property
+    def chunk_key_file(self) -> Path:
+        """The chunk-signing key this daemon generated at its first start (every node of its cluster shares it)."""
+        return self.data_dir / "secrets" / "chunk-key"
 
     @property
     def url(self) -> str:
@@ -153,13 +159,15 @@ def damage_dram_copy(dram: MooncakeTier, key: bytes, max_bytes: int = 8 << 20) -
         dram.arena.free(slot)
 
 
-def damage_dram_copies(daemon: Daemon, keys: list[bytes]) -> None:
-    """``damage_dram_copy`` of each of ``keys`` in ``daemon``'s pool, through a client of the test's own."""
+def damage_dram_copies(daemon: Daemon, keys: list[bytes],
+                       damage: Callable[[MooncakeTier, bytes], object] = damage_dram_copy) -> None:  # fmt: skip
+    """``damage`` (``damage_dram_copy``, or ``forge_dram_copy``) each of ``keys`` in ``daemon``'s pool, through a
+    client of the test's own."""
     config = fetch_config(daemon.url)
     dram = MooncakeTier(config.mooncake.shm_address, arena_bytes=16 << 20, object_prefix=config.key_prefix)
     try:
         for key in keys:
-            damage_dram_copy(dram, key)
+            damage(dram, key)
     finally:
         dram.close()
 
@@ -181,6 +189,50 @@ def damage_nvme_copy(daemon: Daemon, key: bytes) -> None:
         segment.write(bytes([last ^ 0xFF]))
 
 
+#: What an attacker signs with: any key but the cluster's.
+ATTACKER_KEY = ChunkMacKey(bytes(32))
+
+
+def forged(obj: bytes | memoryview, payload: bytes | None = None) -> bytearray:
+    """A forgery of chunk object ``obj``: the same, self-consistent header (identity, tokens, header checksum)
+    over another payload (``payload``, default zeros), signed with a key that is not the cluster's: what a process
+    that can write into the pool or a segment file, but does not hold the key, can make."""
+    meta = read_meta(obj)
+    return encode(meta, payload if payload is not None else bytes(meta.payload_bytes), ATTACKER_KEY)
+
+
+def forge_dram_copy(dram: MooncakeTier, key: bytes, max_bytes: int = 8 << 20) -> bytes:
+    """Replace chunk ``key``'s DRAM copy with ``forged`` under its own name (both parts); returns the forgery."""
+    slot = dram.arena.alloc(max_bytes)
+    try:
+        size = dram.get_into([key], [slot])[0]
+        assert size > 0, f"chunk {key.hex()} is not in DRAM"
+        fake = forged(slot[:size])
+    finally:
+        dram.arena.free(slot)
+    dram.delete([key])
+    assert dram.put([(key, fake)]) == [True]
+    return bytes(fake)
+
+
+def forge_nvme_copy(daemon: Daemon, key: bytes) -> bytes:
+    """Replace chunk ``key``'s object in ``daemon``'s NVMe segment file with ``forged``, where the daemon says it
+    lies; returns the forgery."""
+    config = fetch_config(daemon.url)
+    client = redis.Redis.from_url(config.redis_url)
+    try:
+        (extent,) = locate(client, config.key_prefix + ":", config.node, [key], timeout_s=5)
+    finally:
+        client.close()
+    assert extent is not None, f"chunk {key.hex()} is not on {config.node}'s NVMe tier"
+    with open(extent.path, "r+b") as segment:
+        segment.seek(extent.offset)
+        fake = forged(segment.read(extent.length))
+        segment.seek(extent.offset)
+        segment.write(fake)
+    return bytes(fake)
+
+
 def connector_config(daemon: Daemon, role: str = "kv_both", probe: bool = False, **extra: object) -> dict:
     """The connector's kv_transfer_config; ``probe`` loads the recording subclass (tests/e2e/probe_connector.py);
     ``extra``: more of its settings."""
@@ -197,9 +249,10 @@ def tiers_of(daemon: Daemon, key: str) -> list[str]:
     return httpx.get(f"{daemon.url}/v1/chunks/{key}").json()["tiers"]
 
 
-def corrupt_chunks(daemon: Daemon) -> int:
-    """Chunks the daemon's clients have found damaged so far."""
-    return httpx.get(daemon.url + "/v1/stats").json()["corrupt_chunks"]
+def corrupt_chunks(daemon: Daemon, reason: str | None = None) -> int:
+    """Chunks the daemon and its clients have found damaged so far (of ``reason``, if given: "mac", "damaged")."""
+    stats = httpx.get(daemon.url + "/v1/stats").json()
+    return stats["corrupt_chunks"] if reason is None else stats["corrupt_by_reason"][reason]
 
 
 def client_use(daemon: Daemon) -> dict[str, int]:
@@ -208,11 +261,11 @@ def client_use(daemon: Daemon) -> dict[str, int]:
     return httpx.get(daemon.url + "/v1/stats").json()["clients"]
 
 
-def wait_for_corrupt_chunks(daemon: Daemon, count: int, timeout_s: float = 10) -> int:
-    """The daemon's count of damaged chunks once it reaches ``count`` (clients report every second), or after
-    ``timeout_s``."""
+def wait_for_corrupt_chunks(daemon: Daemon, count: int, timeout_s: float = 10, reason: str | None = None) -> int:
+    """The daemon's count of damaged chunks (of ``reason``) once it reaches ``count`` (clients report every second),
+    or after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while (found := corrupt_chunks(daemon)) < count and time.monotonic() < deadline:
+    while (found := corrupt_chunks(daemon, reason)) < count and time.monotonic() < deadline:
         time.sleep(0.2)
     return found
 

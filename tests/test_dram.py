@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from cachestore.chunk_mac import ChunkMacKey
 from cachestore.codec import ChunkMeta, encode, payload_offset, read_meta
 from cachestore.dram import first_part_rows, split_at, split_offset, split_pieces
 from indexer.tokens import pack_tokens
@@ -120,7 +121,7 @@ def chunk_object(layers: int, layer_bytes: int = 3 * 4096 + 8) -> tuple[bytes, b
     """A chunk's stored form, its payload ``layers`` rows (the connector's layers) of random bytes: (key, object)."""
     meta = ChunkMeta(os.urandom(16), os.urandom(16), os.urandom(16), pack_tokens(list(range(40))), "uint8",
                      (layers, layer_bytes))  # fmt: skip
-    return meta.key, bytes(encode(meta, os.urandom(layers * layer_bytes)))
+    return meta.key, bytes(encode(meta, os.urandom(layers * layer_bytes), ChunkMacKey(os.urandom(32))))
 
 
 def test_a_chunk_is_two_objects_its_first_layers_and_the_rest_joined_again_on_the_way_out(tier):

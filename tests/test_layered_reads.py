@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cachestore.chunk_mac import ChunkMacKey
 from cachestore.codec import BodyCheck, ChunkError, ChunkMeta, encode
 from cachestore.nvme import PAGE, Extent
 from connector.layered_reads import LayeredChunk, LayeredRead
@@ -20,6 +21,11 @@ NS, ROOT = b"n" * 16, b"r" * 16
 LAYERS, TOKENS = 4, 64
 SHAPE = (LAYERS, 2, TOKENS, 4, 32)  # float32: 64 KiB a layer, two 32 KiB pages
 PAGE_BYTES = 32 << 10
+MAC_KEY = ChunkMacKey(bytes(range(32)))
+
+
+def body_check(key: bytes, head: memoryview) -> BodyCheck:
+    return BodyCheck(head, key=key, namespace=NS, mac_key=MAC_KEY)
 
 
 def chunk_meta(i: int) -> ChunkMeta:
@@ -33,7 +39,9 @@ def segment(tmp_path: Path) -> tuple[Path, list[bytes], int]:
     each object's padded length."""
     metas = [chunk_meta(i) for i in range(2)]
     rng = np.random.default_rng(1)
-    objects = [bytes(encode(m, rng.integers(0, 256, m.payload_bytes, dtype=np.uint8).tobytes())) for m in metas]
+    objects = [
+        bytes(encode(m, rng.integers(0, 256, m.payload_bytes, dtype=np.uint8).tobytes(), MAC_KEY)) for m in metas
+    ]
     padded = -(-len(objects[0]) // PAGE) * PAGE
     path = tmp_path / "00000001.seg"
     path.write_bytes(b"".join(obj.ljust(padded, b"\0") for obj in objects))
@@ -76,7 +84,7 @@ def test_each_layer_is_in_its_pages_once_its_wait_returns_and_both_chunks_verify
         for c, obj in zip(chunks, objects, strict=True):
             assert b"".join(c.layers[layer]) == obj[head + layer * layer_bytes :][:layer_bytes]
     assert [bytes(c.head) for c in chunks] == [obj[:head] for obj in objects]  # read with layer 0
-    checks = reading.check(NS)
+    checks = reading.check(body_check)
     assert [check.verdict() for check in checks] == [chunk_meta(0), chunk_meta(1)]  # type: ignore[union-attr]
     assert reading.waited == set(range(LAYERS))
 
@@ -88,7 +96,7 @@ def test_a_segment_cut_short_fails_the_chunk_at_its_first_missing_layer_and_ever
     reading = read(layered_chunks(path, objects, padded))
     for layer in range(LAYERS):
         reading.wait_layer(layer)
-    first, second = reading.check(NS)
+    first, second = reading.check(body_check)
     assert isinstance(first, BodyCheck) and first.verdict() == chunk_meta(0)
     assert isinstance(second, ChunkError) and "layer 2 could not be read" in str(second)
 
@@ -98,5 +106,5 @@ def test_a_segment_gone_since_it_was_located_fails_every_chunk_at_its_header(seg
     chunks = layered_chunks(path, objects, padded)
     path.unlink()
     reading = read(chunks)
-    checks = reading.check(NS)
+    checks = reading.check(body_check)
     assert all(isinstance(c, ChunkError) and "its header and layer 0 could not be read" in str(c) for c in checks)

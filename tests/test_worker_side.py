@@ -30,6 +30,8 @@ from tests.daemon_harness import (
     Daemon,
     damage_dram_copy,
     damage_nvme_copy,
+    forge_dram_copy,
+    forge_nvme_copy,
     make_spec,
     wait_for,
     wait_persisted,
@@ -93,11 +95,15 @@ def publish(w: WorkerSide, chunks: int, seed: int = 0, tail: int = 0) -> list[by
     return keys
 
 
+def daemon_stats(daemon: Daemon) -> dict:
+    return httpx.get(daemon.url + "/v1/stats").json()
+
+
 def reported_client_use(daemon: Daemon, client: CacheClient) -> dict[str, int]:
     """What the node's daemon reports its clients did in the client's namespace (``/v1/stats``), once this
     client's own counts are flushed to it."""
     client.recorder.flush()
-    return httpx.get(daemon.url + "/v1/stats").json()["namespaces"][client.spec.digest.hex()]["clients"]
+    return daemon_stats(daemon)["namespaces"][client.spec.digest.hex()]["clients"]
 
 
 def load(w: WorkerSide, loads: dict[str, list[LoadChunk]]) -> set[int]:
@@ -303,6 +309,43 @@ def test_a_hit_whose_later_layers_vllm_did_not_wait_for_is_recomputed_and_later_
     assert loader.take_load_errors() == set()
 
 
+def test_a_forged_dram_copy_read_in_place_is_a_load_error_counted_as_a_mac_failure_and_dropped(publisher, loader):
+    """A copy replaced by a valid header over zeros, signed with another key: its zeros reach the pages, fail the
+    MAC while the forward pass runs, and vLLM recomputes them; the next load reads the genuine NVMe copy."""
+    keys = publish(publisher, chunks=2)
+    wait_persisted(loader.client, keys)
+    forge_dram_copy(loader.client.dram, keys[1])
+    plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(30 + 4 * i, 34 + 4 * i))) for i, key in enumerate(keys)]}
+    assert load(loader, plan) == {34, 35, 36, 37}
+    assert loader.client.stats.corrupt == loader.client.stats.mac_failures == 1
+    assert loader.client.dram.contains([keys[1]]) == [False]  # the forgery is gone
+    assert load(loader, plan) == set()
+    assert equal(pages(loader, list(range(30, 38))), pages(publisher, list(range(8))))
+
+
+@pytest.mark.parametrize("check_threads", [0, 4], ids=["checked-by-the-fetch", "checked-while-the-next-is-read"])
+def test_a_forged_dram_copy_loaded_through_slots_never_reaches_the_pages(daemon, publisher, check_threads):
+    """Through slots (every GPU load) a chunk is verified before any of it is placed: the forgery is refused, counted
+    as a MAC failure by the node, and NVMe serves the chunk in the same load."""
+    loader = worker(daemon, shared=False, check_threads=check_threads)
+    try:
+        keys = publish(publisher, chunks=2)
+        wait_persisted(loader.client, keys)
+        forge_dram_copy(loader.client.dram, keys[1])
+        plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(30 + 4 * i, 34 + 4 * i)))
+                      for i, key in enumerate(keys)]}  # fmt: skip
+        before = reported_client_use(daemon, loader.client)
+        assert load(loader, plan) == set()
+        assert loader.client.stats.mac_failures == 1 and loader.client.stats.read_from_disk == 1
+        after = reported_client_use(daemon, loader.client)
+        assert {name: after[name] - before[name] for name in ("corrupt_chunks", "mac_failures")} == {
+            "corrupt_chunks": 1, "mac_failures": 1}  # fmt: skip
+        assert loader.client.dram.contains([keys[1]]) == [False]
+        assert equal(pages(loader, list(range(30, 38))), pages(publisher, list(range(8))))
+    finally:
+        loader.close()
+
+
 @pytest.mark.parametrize("check_threads", [0, 4], ids=["checked-by-the-fetch", "checked-while-the-next-is-read"])
 def test_a_damaged_dram_copy_loaded_through_slots_is_read_from_nvme_in_the_same_load(daemon, publisher, check_threads):
     # a GPU's path: every chunk is verified before anything of it is placed (check threads: a GPU worker's default)
@@ -439,6 +482,21 @@ def test_a_damaged_nvme_copy_read_layer_by_layer_is_a_load_error_and_is_not_stor
     assert wait_for(lambda: loader.client.dram.contains(keys[:1]) == [True])
     # the daemon, asked to promote the chunk, read it again, found it damaged and deleted it
     assert wait_for(lambda: not any(loc.tier == "nvme" for loc in locations(loader.client, keys[1])))
+    assert loader.client.dram.contains(keys[1:]) == [False]
+
+
+def test_a_forged_nvme_copy_read_layer_by_layer_is_a_load_error_and_the_daemon_drops_and_counts_it(
+    daemon, publisher, loader
+):
+    """A segment file's object replaced by a self-consistent forgery: the layers land, the MAC fails behind them,
+    vLLM recomputes the chunk; the daemon, asked to promote it, finds the same and deletes it from NVMe."""
+    keys = nvme_only(publisher, chunks=2)
+    forged_before = daemon_stats(daemon)["corrupt_by_reason"]["mac"]
+    forge_nvme_copy(daemon, keys[1])
+    assert load(loader, from_nvme(keys, first_block=0)) == {4, 5, 6, 7}
+    assert loader.loaded_layer_by_layer == 1
+    assert wait_for(lambda: not any(loc.tier == "nvme" for loc in locations(loader.client, keys[1])))
+    assert wait_for(lambda: daemon_stats(daemon)["corrupt_by_reason"]["mac"] == forged_before + 1)
     assert loader.client.dram.contains(keys[1:]) == [False]
 
 

@@ -24,6 +24,8 @@ from tests.daemon_harness import (
     corrupt_chunks,
     damage_dram_copies,
     damage_nvme_copy,
+    forge_dram_copy,
+    forge_nvme_copy,
     stored_chunk_keys,
     tiers_of,
     wait_for,
@@ -322,9 +324,11 @@ def published_in(producer_then_consumer, probes) -> bytes:
 @pytest.fixture(scope="module")
 def damaged_in_dram(daemon, published_in) -> list[bytes]:
     """The DRAM copies of P1's chunks from its fourth on (its fourth full chunk and its tail), and of all of P2's,
-    damaged in place. Returns P1's keys."""
+    forged: each replaced by a self-consistent header (valid key, tokens and header checksum) over zeros, signed
+    with a key that is not the cluster's, as a process that can write the pool could. Returns P1's keys."""
     p1 = stored_chunk_keys(published_in, P1, CHUNK)
-    damage_dram_copies(daemon, p1[P1_INTACT // CHUNK :] + stored_chunk_keys(published_in, P2, CHUNK))
+    damage_dram_copies(daemon, p1[P1_INTACT // CHUNK :] + stored_chunk_keys(published_in, P2, CHUNK),
+                       damage=forge_dram_copy)  # fmt: skip
     return p1
 
 
@@ -349,7 +353,7 @@ def test_a_load_that_fails_partway_is_computed_from_there_and_published_again(
     published its own recomputed copy (one background thread does both, in order), which found it stored."""
     p1 = damaged_in_dram
     assert wait_for(lambda: "nvme" in tiers_of(daemon, p1[-1].hex())), "the tail's load falls back to its NVMe copy"
-    corrupt_before = corrupt_chunks(daemon)
+    corrupt_before, forged_before = corrupt_chunks(daemon), corrupt_chunks(daemon, "mac")
     out = run_vllm({"model": str(tiny_model), "prompts": [P1, P1], "max_tokens": 16,
                     "kv_transfer_config": connector_config(daemon, probe=True)},
                    env={"PREFIXCACHE_PROBE_DIR": str(tmp_path)})  # fmt: skip
@@ -368,20 +372,21 @@ def test_a_load_that_fails_partway_is_computed_from_there_and_published_again(
     assert_loaded_pages_were_saved({**saved_pages(probes["a"]), fourth: saved_pages(tmp_path)[fourth]}, tmp_path,
                                    request=1)  # fmt: skip
     assert wait_for_corrupt_chunks(daemon, corrupt_before + 2) == corrupt_before + 2
+    assert corrupt_chunks(daemon, "mac") == forged_before + 2  # both refused for their MAC
 
 
 def test_under_async_scheduling_a_load_that_keeps_failing_is_tried_twice_then_computed(
     run_vllm, tiny_model, daemon, reference, damaged_in_dram, published_in, tmp_path
 ):
     """vLLM's asynchronous scheduling, its default on GPUs: every load is asynchronous, since a synchronous one that
-    failed would stop vLLM 0.32's engine core (connector/load_policy.py). Every copy of P2's chunks is damaged, in
-    DRAM and on NVMe. vLLM asks again about a request whose asynchronous load failed from its first block: the
-    connector looks it up once more (the damaged DRAM copies are unlisted by then, and the NVMe copies planned;
-    the daemon finds those damaged as it reads them, and deletes them), then has it computed and published again.
-    Before, it planned the chunks of its first lookup for as long as vLLM asked."""
-    corrupt_before = corrupt_chunks(daemon)
+    failed would stop vLLM 0.32's engine core (connector/load_policy.py). Every copy of P2's chunks is forged, in
+    DRAM and on NVMe (valid headers over zeros, signed with another key). vLLM asks again about a request whose
+    asynchronous load failed from its first block: the connector looks it up once more (the forged DRAM copies are
+    unlisted by then, and the NVMe copies planned; the daemon finds those forged as it reads them, and deletes
+    them), then has it computed and published again, and never loads a forged byte."""
+    corrupt_before, forged_before = corrupt_chunks(daemon), corrupt_chunks(daemon, "mac")
     for key in stored_chunk_keys(published_in, P2, CHUNK):
-        damage_nvme_copy(daemon, key)
+        forge_nvme_copy(daemon, key)
     out = run_vllm({"model": str(tiny_model), "prompts": [P2], "max_tokens": 16, "async_scheduling": True,
                     "kv_transfer_config": connector_config(daemon, probe=True)},
                    env={"PREFIXCACHE_PROBE_DIR": str(tmp_path)})  # fmt: skip
@@ -391,8 +396,9 @@ def test_under_async_scheduling_a_load_that_keeps_failing_is_tried_twice_then_co
     assert int((tmp_path / "loaded_async.0").read_text()) == 2  # from DRAM, then from NVMe; both failed
     assert not list(tmp_path.glob("loaded-*.pt"))  # no chunk arrived intact
     assert len(list(tmp_path.glob("saved-*.pt"))) == 5  # computed, and published again: the store heals
-    # P2's 5 chunks found damaged in DRAM by the engine (the daemon counts what it finds on NVMe apart)
-    assert wait_for_corrupt_chunks(daemon, corrupt_before + 5) == corrupt_before + 5
+    # P2's 5 chunks found forged in DRAM by the engine and on NVMe by the daemon, each counted by whoever dropped it
+    assert wait_for_corrupt_chunks(daemon, corrupt_before + 10) == corrupt_before + 10
+    assert corrupt_chunks(daemon, "mac") == forged_before + 10
 
 
 def test_requests_complete_when_redis_is_down(run_vllm, tiny_model, tmp_path, reference):
@@ -498,7 +504,8 @@ def test_under_pipeline_parallelism_a_stage_whose_load_keeps_failing_has_the_pro
     assert ok, reason
     assert [int((tmp_path / f"loaded_async.{shard}").read_text()) for shard in range(4)] == [2] * 4
     assert len(list(tmp_path.glob("saved-*.pt"))) == 20  # P7's 5 chunks, each rank's shard
-    assert wait_for_corrupt_chunks(daemon, corrupt_before + 1) == corrupt_before + 1  # found in DRAM by the engine
+    # found in DRAM by the engine and on NVMe by the daemon, each counted by whoever dropped it
+    assert wait_for_corrupt_chunks(daemon, corrupt_before + 2) == corrupt_before + 2
 
 
 @pytest.fixture(scope="module")
