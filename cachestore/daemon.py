@@ -46,6 +46,7 @@ from cachestore.eviction import Evictor
 from cachestore.eviction_orders import EvictionOrders, OrderServer
 from cachestore.extents import ExtentServer
 from cachestore.kv_events import KvEventPublisher
+from cachestore.listeners import check_listeners
 from cachestore.metrics import metrics_router
 from cachestore.mooncake_servers import MooncakeMaster, SegmentOwner
 from cachestore.nvme import NvmeStore
@@ -328,6 +329,18 @@ class NodeDaemon:
         return ComponentHealth(ok=ok, detail=f"{usage.chunks} chunks, {usage.bytes_used >> 20} MiB of "
                                              f"{usage.capacity_bytes >> 20} MiB")  # fmt: skip
 
+    def check_listeners(self) -> None:
+        """Refuse to serve if a process of the daemon's tree listens beyond the node's addresses: loopback, the
+        pool address (``mooncake_host``), the REST API on ``host`` and a configured KV-events endpoint
+        (cachestore/listeners.py). Mooncake ignores some bind addresses (cachestore/bind_shim.py)."""
+        s = self.settings
+        endpoints = [(s.host, s.port)]
+        if s.kv_events_endpoint and s.kv_events_endpoint.startswith("tcp://"):
+            host, _, port = s.kv_events_endpoint.removeprefix("tcp://").rpartition(":")
+            endpoints.append((host.strip("[]"), int(port)))
+        check_listeners(os.getpid(), [s.mooncake_host], endpoints)
+        log.info("every listener of this node is on loopback or %s", s.mooncake_host)
+
     def serve(self) -> None:
         """Start everything, serve until SIGINT/SIGTERM, then stop everything.
 
@@ -338,6 +351,7 @@ class NodeDaemon:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         try:
             self.start()
+            self.check_listeners()
             s = self.settings
             routers = [*admin_routers(self.admin), metrics_router(self.stats, self.client_totals),
                        warmup_router(self.warmup_jobs)]  # fmt: skip

@@ -4,6 +4,9 @@ The segment owner is a standalone ``mooncake_client`` that contributes this node
 Every local process (vLLM workers, the daemon itself) attaches to it with ``setup_dummy`` and moves
 bytes through shared memory at memcpy speed (~6 GB/s here, against ~1.5 GB/s over TCP). Because the
 owner is a process of its own, objects outlive whichever process put them.
+
+Both listen only on the host they are given: Mooncake binds some of its listeners to the wildcard whatever
+its flags say, so each runs with the bind shim (cachestore/bind_shim.py), through ``mooncake_env``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import mooncake
 
+from cachestore.bind_shim import bind_env, numeric_address
 from cachestore.processes import ManagedProcess, find_executable, free_port, port_open
 
 #: Every Mooncake RPC gives up after this long instead of the library's 30 s default, so a hung
@@ -36,13 +40,18 @@ def bound_rpc_timeouts() -> None:
     os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(RPC_TIMEOUT_MS))
 
 
-def mooncake_env() -> dict[str, str]:
+def mooncake_env(host: str) -> dict[str, str]:
+    """The environment of a Mooncake server that must listen on ``host`` only.
+
+    ``MC_TCP_BIND_ADDRESS`` is the address a transfer engine advertises for its handshake and data ports
+    (by default the first non-loopback interface's); the shim makes it the one they are bound to as well.
+    """
     bound_rpc_timeouts()
-    return dict(os.environ)
+    return {**os.environ, **bind_env(host), "MC_TCP_BIND_ADDRESS": numeric_address(host)}
 
 
 class MooncakeMaster(ManagedProcess):
-    """``mooncake_master`` with its HTTP metadata server, on loopback.
+    """``mooncake_master`` with its HTTP metadata server, on ``host`` (loopback unless told).
 
     Leases last 2 s, not 10: every read grants one and a leased object can be neither evicted nor
     removed. The master's own eviction starts at 95% so that the daemon's demotion (which keeps the
@@ -74,7 +83,7 @@ class MooncakeMaster(ManagedProcess):
         ]
         ports = (self.rpc_port, self.metadata_port, self.metrics_port)
         super().__init__("mooncake_master", argv, Path(log_dir) / "mooncake_master.log", self._answers,
-                         env=mooncake_env(), listens_on=[(host, port) for port in ports])  # fmt: skip
+                         env=mooncake_env(host), listens_on=[(host, port) for port in ports])  # fmt: skip
 
     @property
     def address(self) -> str:
@@ -123,7 +132,7 @@ class SegmentOwner(ManagedProcess):
             "-logtostderr",
         ]
         super().__init__("mooncake_client", argv, Path(log_dir) / "mooncake_client.log", self._answers,
-                         env=mooncake_env(), listens_on=[(host, self.shm_port)], nice=nice)  # fmt: skip
+                         env=mooncake_env(host), listens_on=[(host, self.shm_port)], nice=nice)  # fmt: skip
 
     @property
     def segment(self) -> str:

@@ -23,7 +23,8 @@ as_root() {
 
 apt_packages() {
     local missing=()
-    for pkg in libibverbs1 librdmacm1; do
+    # gcc and libc6-dev build the bind shim that keeps Mooncake's listeners on their address (cachestore/bind_shim.py)
+    for pkg in libibverbs1 librdmacm1 gcc libc6-dev; do
         dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
     done
     command -v redis-server >/dev/null || missing+=(redis-server)
