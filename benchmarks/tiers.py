@@ -13,6 +13,9 @@ For 1 MiB and 8 MiB chunks:
   Anchor: plain O_DIRECT sequential reads of a 1 GiB file on the same disk, in chunk-sized requests,
   into the same slots (on this VM the destination buffers alone move raw reads between ~1.1 and ~2.4
   GB/s, so the anchor must not use others).
+* Verification: what every load computes over each chunk it reads, the MAC (keyed BLAKE3,
+  cachestore/chunk_mac.py), beside xxh3-64 (the unkeyed checksum it replaced) and memcpy, each over the
+  chunks a DRAM get just filled, one chunk at a time on one thread, as a loader's check thread does.
 
 Each get call is paired with its anchor on the same number of bytes, the two run back to back in
 alternating order, so both see the same machine: this virtual disk swings between ~1 and ~2 GB/s for
@@ -33,8 +36,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from benchmarks.common import print_table, write_results
+from cachestore.chunk_mac import KEY_BYTES, ChunkMacKey
 from cachestore.dram import MooncakeTier
 from cachestore.mooncake_servers import LocalMooncake
 from cachestore.nvme import NvmeStore
@@ -146,6 +151,28 @@ def dram_round(
     }
 
 
+def verification_round(views: list[memoryview], src: np.ndarray, dst: np.ndarray) -> dict[str, float]:
+    """GB/s of the MAC (keyed BLAKE3), of xxh3-64 and of memcpy over the bytes of ``views``, chunk by chunk."""
+    mac_key = ChunkMacKey(os.urandom(KEY_BYTES))
+    nbytes, chunk = sum(len(v) for v in views), len(views[0])
+
+    def mac() -> None:
+        for view in views:
+            hasher = mac_key.hasher()
+            hasher.update(view)
+            hasher.digest()
+
+    def xxh3() -> None:
+        for view in views:
+            xxhash.xxh3_64_intdigest(view)
+
+    def memcpy() -> None:
+        for start in range(0, nbytes, chunk):
+            np.copyto(dst[start : start + chunk], src[start : start + chunk])
+
+    return {"mac_gbps": gbps(nbytes, mac), "xxh3_gbps": gbps(nbytes, xxh3), "mac_memcpy_gbps": gbps(nbytes, memcpy)}
+
+
 def nvme_round(store: NvmeStore, sources: list[memoryview], dests: list[memoryview], anchor: Path) -> dict[str, float]:
     """Put NVME_ROUND bytes (durably), drop the page cache, read them back, each batch paired with plain
     O_DIRECT sequential reads of as many bytes of ``anchor`` (a file of NVME_ROUND bytes) in chunk-sized
@@ -192,8 +219,11 @@ def measure(chunk: int, work: Path, tier: MooncakeTier, anchor: Path, src: np.nd
             slot[:] = src.data[i * chunk : (i + 1) * chunk]
         samples = []
         for _ in range(ROUNDS):
-            sample = {**dram_round(tier, sources, dests, src, dst), **nvme_round(store, sources, dests, anchor)}
+            sample = {**dram_round(tier, sources, dests, src, dst), **verification_round(dests, src, dst),
+                      **nvme_round(store, sources, dests, anchor)}  # fmt: skip
             sample["dram_get_over_memcpy"] = sample["dram_get_gbps"] / sample["memcpy_gbps"]
+            sample["mac_over_memcpy"] = sample["mac_gbps"] / sample["mac_memcpy_gbps"]
+            sample["mac_over_xxh3"] = sample["mac_gbps"] / sample["xxh3_gbps"]
             sample["nvme_get_over_odirect"] = sample["nvme_get_gbps"] / sample["odirect_read_gbps"]
             samples.append(sample)
         return {name: statistics.median(s[name] for s in samples) for name in samples[0]}
