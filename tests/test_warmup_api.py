@@ -3,6 +3,7 @@ and the operator's rules a job must pass before it is queued (``cachestore/warmu
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -196,3 +197,32 @@ def test_local_url_reaches_a_wildcard_bind_on_loopback() -> None:
     assert local_url("0.0.0.0", 8600) == "http://127.0.0.1:8600"
     assert local_url("10.0.0.5", 8600) == "http://10.0.0.5:8600"
     assert local_url("::1", 8600) == "http://[::1]:8600"
+
+
+def test_a_job_gets_the_index_password_on_stdin_and_none_of_the_daemons_secrets(tmp_path, root, corpus, model,
+                                                                                monkeypatch) -> None:  # fmt: skip
+    """The job's command is replaced by a script that records what it was given."""
+    dump = tmp_path / "dump"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\nenv > {dump}.env\necho "$@" > {dump}.argv\ncat > {dump}.stdin\n')
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    secrets = {"PREFIXCACHE_ADMIN_TOKEN": "admin-secret-0123456789", "PREFIXCACHE_REDIS_PASSWORD": "env-password",
+               "PREFIXCACHE_REDIS_URL": "redis://:url-password@127.0.0.1:1/0",
+               "PREFIXCACHE_CHUNK_KEY": "k3y-value"}  # fmt: skip
+    for name, value in secrets.items():
+        monkeypatch.setenv(name, value)
+    jobs = WarmupJobs(tmp_path / "jobs", "http://127.0.0.1:1", tmp_path / "state", policy=WarmupPolicy((root,)),
+                      redis_password="index-password")  # fmt: skip
+    jobs.start()
+    try:
+        api = client(jobs)
+        job = api.post("/v1/warmup", json={"corpus": str(corpus), "model": model, "tenant": "acme"}).json()
+        assert wait_finished(api, job["id"])["exit_code"] == 0
+    finally:
+        jobs.stop()
+    assert Path(f"{dump}.stdin").read_text() == "index-password\n"
+    assert "--redis-password-stdin" in Path(f"{dump}.argv").read_text()
+    env = Path(f"{dump}.env").read_text()
+    assert "PREFIXCACHE_WARMUP_TENANT=acme" in env and "PATH=" in env
+    assert not [value for value in (*secrets.values(), "url-password", "index-password") if value in env]

@@ -97,7 +97,8 @@ def reported_client_use(daemon: Daemon, client: CacheClient) -> dict[str, int]:
     """What the node's daemon reports its clients did in the client's namespace (``/v1/stats``), once this
     client's own counts are flushed to it."""
     client.recorder.flush()
-    return httpx.get(daemon.url + "/v1/stats").json()["namespaces"][client.spec.digest.hex()]["clients"]
+    stats = httpx.get(daemon.url + "/v1/stats", headers=daemon.headers).json()
+    return stats["namespaces"][client.spec.digest.hex()]["clients"]
 
 
 def load(w: WorkerSide, loads: dict[str, list[LoadChunk]]) -> set[int]:
