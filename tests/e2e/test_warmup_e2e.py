@@ -54,8 +54,8 @@ def stack(tmp_path_factory, tiny_model):
         for name, value in vllm_env().items():
             env.setenv(name, value)
         # the corpus (under root) and the model are what its warm-up jobs may read
-        daemon = Daemon(root / "data", "--warmup-root", str(root), "--warmup-root", str(tiny_model), dram="512MiB",
-                        nvme="2GiB").start()  # fmt: skip
+        roots = ["--warmup-root", str(root.resolve()), "--warmup-root", str(Path(tiny_model).resolve())]
+        daemon = Daemon(root / "data", *roots, dram="512MiB", nvme="2GiB").start()
     text_ids = AutoTokenizer.from_pretrained(str(tiny_model)).encode(TEXT)
     lines = corpus_lines(text_ids)
     corpus = root / "corpus.jsonl"
