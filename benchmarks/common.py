@@ -60,9 +60,12 @@ def wait_until_persisted(url: str, prompts: list[list[int]], timeout_s: float = 
     chunk = httpx.get(url + "/v1/config").json()["chunk_tokens"]
     # full chunks, plus the tail where it is long enough to be published (connector/plans.py)
     expected = sum(len(p) // chunk + (len(p) % chunk >= PROBE_TOKENS) for p in prompts)
+    from cachestore.admin_cli import Api  # the admin token as the CLI finds it (given, or the daemon's own file)
+
+    headers = Api(url, os.environ.get("PREFIXCACHE_ADMIN_TOKEN")).headers
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if httpx.get(url + "/v1/stats").json()["write_behind"]["persisted"] >= expected:
+        if httpx.get(url + "/v1/stats", headers=headers).json()["write_behind"]["persisted"] >= expected:
             return
         time.sleep(0.5)
     raise RuntimeError(f"write-behind persisted fewer than {expected} chunks in {timeout_s} s")

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import redis
 from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from cachestore.admin_models import (
@@ -97,7 +98,9 @@ def admin_routers(admin: CacheAdmin) -> list[APIRouter]:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Errors a request can cause, as 4xx with the reason; an unreachable index as 503."""
+    """Errors a request can cause, as 4xx with the reason; an unreachable index as 503. A validation error (422)
+    names each bad field and why, never the value sent (which may be large, or a secret)."""
+    app.add_exception_handler(RequestValidationError, _invalid)
     statuses: dict[type[Exception], int] = {
         NotFoundError: 404, ConflictError: 409, TokenizerUnavailableError: 422, ConfigError: 422,
         InvalidTokensError: 422, IndexUnavailableError: 503, redis.RedisError: 503,
@@ -111,3 +114,10 @@ def _answer(code: int):  # noqa: ANN202 - a Starlette exception handler
         return JSONResponse(status_code=code, content={"detail": str(exc)})
 
     return handler
+
+
+async def _invalid(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    problems = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+                for e in exc.errors()]  # fmt: skip
+    return JSONResponse(status_code=422, content={"detail": problems})

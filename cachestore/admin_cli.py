@@ -1,14 +1,16 @@
 """``prefixcache stats | ls | lookup | evict | pin | unpin``: the admin API from a terminal.
 
 Each command is one or a few HTTP calls to a daemon (``--url``, env ``PREFIXCACHE_URL``), with the
-admin token from ``--token`` or ``PREFIXCACHE_ADMIN_TOKEN``; it prints a table, or the API's JSON
-with ``--json``. A refused or failed call prints the daemon's reason and exits with 2.
+admin token from ``--token`` or ``PREFIXCACHE_ADMIN_TOKEN``, else from the file the daemon generated
+it in (``GET /v1/config`` names it; readable by the daemon's user only); it prints a table, or the
+API's JSON with ``--json``. A refused or failed call prints the daemon's reason and exits with 2.
 """
 
 from __future__ import annotations
 
 import logging
 from datetime import datetime
+from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import httpx
@@ -17,6 +19,8 @@ from rich.console import Console
 from rich.table import Table
 
 from cachestore.admin_models import MAX_PAGE
+from cachestore.secrets_store import read_secret
+from indexer.errors import ConfigError
 
 DEFAULT_URL = "http://127.0.0.1:8600"
 out = Console()
@@ -36,13 +40,41 @@ class Api:
     def __init__(self, url: str, token: str | None) -> None:
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the answer
         self.url = url.rstrip("/")
+        #: why no token could be found (said if the daemon refuses the call); None: a token is sent
+        self.missing: str | None = None
+        if token is None:
+            token, self.missing = self._generated_token()
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+    def _generated_token(self) -> tuple[str | None, str | None]:
+        """The token the daemon generated, read from the file ``/v1/config`` names; or why there is none."""
+        given = "pass --token or set PREFIXCACHE_ADMIN_TOKEN"
+        config = self._get("/v1/config")
+        path = (config.get("secret_files") or {}).get("admin_token") if isinstance(config, dict) else None
+        if not path:
+            return None, f"the daemon at {self.url} has an operator-set admin token: {given}"
+        try:
+            return read_secret(Path(path)), None
+        except ConfigError as exc:
+            return None, f"{exc} (it is readable by the daemon's user only): run as that user, or {given}"
+
+    def _get(self, path: str) -> Any:
+        try:
+            response = httpx.get(self.url + path, timeout=60)
+        except httpx.HTTPError as exc:
+            _fail(f"cannot reach the daemon at {self.url}: {exc}")
+        try:
+            return response.json() if response.status_code == 200 else None
+        except ValueError:
+            return None
 
     def call(self, method: str, path: str, **options: Any) -> Any:
         try:
             response = httpx.request(method, self.url + path, headers=self.headers, timeout=600, **options)
         except httpx.HTTPError as exc:
             _fail(f"cannot reach the daemon at {self.url}: {exc}")
+        if response.status_code == 401 and self.missing:
+            _fail(f"401: no admin token: {self.missing}")
         if response.status_code >= 400:
             _fail(f"{response.status_code}: {_reason(response)}")
         return response.json()

@@ -11,6 +11,8 @@ from pydantic import BaseModel, Field
 from cachestore.admin_api import install_error_handlers
 from cachestore.admin_models import TierUse
 from cachestore.auth import AccessPolicy, install_access_policy, require_reader
+from cachestore.http_guards import LOOPBACK_HOSTS, install_http_guards
+from cachestore.settings import DEFAULT_MAX_BODY_BYTES
 from indexer.index import Tier
 from indexer.redis_index import redact_url
 
@@ -137,8 +139,11 @@ def create_app(
     *,
     routers: Sequence[APIRouter] = (),
     access: AccessPolicy | None = None,
+    allowed_hosts: Sequence[str] = LOOPBACK_HOSTS,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
-    """The API: health and config (always open), stats, and the given routers (which declare their auth)."""
+    """The API: health and config (always open), stats, and the given routers (which declare their auth), behind
+    the Host check and the body limit (``http_guards``). No access policy: nothing but health and config answers."""
     app = FastAPI(
         title="prefixcache",
         summary="Persistent prefix KV cache for vLLM: inspect, evict and pin cached prefixes.",
@@ -146,6 +151,7 @@ def create_app(
     )
     install_access_policy(app, access or AccessPolicy())
     install_error_handlers(app)
+    install_http_guards(app, allowed_hosts, max_body_bytes)
 
     @app.get("/v1/health", response_model=Health, responses={503: {"model": Health}})
     def health(response: Response) -> Health:

@@ -52,6 +52,10 @@ def serve(
     open_reads: Annotated[Optional[bool], typer.Option("--open-reads", help="reads need no token")] = None,  # noqa: UP045
     kv_events_endpoint: Annotated[Optional[str], typer.Option(help="KV events: ZMQ tcp://*:PORT")] = None,  # noqa: UP045
     cpus: Annotated[Optional[str], typer.Option(help="run the daemon and its servers on CPUs: 1, 2-3")] = None,  # noqa: UP045
+    allowed_host: Annotated[Optional[list[str]], typer.Option(help="also answer this Host name (repeat)")] = None,  # noqa: UP045
+    max_body_bytes: Annotated[Optional[str], typer.Option(help="larger bodies get 413 [default: 16MiB]")] = None,  # noqa: UP045
+    warmup_root: Annotated[Optional[list[Path]], typer.Option(help="warm-up jobs' files lie here (repeat)")] = None,  # noqa: UP045
+    warmup_allow_trust_remote_code: Annotated[bool, typer.Option(help="jobs may pass --trust-remote-code")] = False,
 ) -> None:
     """Run this node's daemon. With no --redis-url it starts its own redis-server under the data dir."""
     from cachestore.daemon import NodeDaemon
@@ -64,7 +68,9 @@ def serve(
         mooncake_metadata_url=mooncake_metadata_url, mooncake_protocol=mooncake_protocol,
         mooncake_device_names=mooncake_device_names, mooncake_host=mooncake_host, admin_token=admin_token,
         open_reads=open_reads, chunk_key_file=chunk_key_file,
-        kv_events_endpoint=kv_events_endpoint, cpus=cpus,
+        kv_events_endpoint=kv_events_endpoint, cpus=cpus, allowed_hosts=allowed_host or None,
+        max_body_bytes=max_body_bytes, warmup_roots=warmup_root or None,
+        warmup_allow_trust_remote_code=warmup_allow_trust_remote_code or None,
     )  # fmt: skip
     with _clear_errors():
         NodeDaemon(load_settings(flags, config)).serve()

@@ -16,9 +16,11 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import redis
 import uvicorn
+from pydantic import SecretStr
 
 from cachestore.admin_api import admin_routers
 from cachestore.admin_service import CacheAdmin
@@ -35,7 +37,7 @@ from cachestore.api import (
     create_app,
     public_redis_url,
 )
-from cachestore.auth import AccessPolicy
+from cachestore.auth import AccessPolicy, admin_token_path
 from cachestore.background import BackgroundLoop
 from cachestore.chunk_mac import KEY_FILE_NAME, ChunkMacKey
 from cachestore.client_stats import ClientTotals, read_client_stats
@@ -45,6 +47,7 @@ from cachestore.dram import MooncakeTier
 from cachestore.eviction import Evictor
 from cachestore.eviction_orders import EvictionOrders, OrderServer
 from cachestore.extents import ExtentServer
+from cachestore.http_guards import trusted_hosts
 from cachestore.kv_events import KvEventPublisher
 from cachestore.listeners import check_listeners
 from cachestore.metrics import metrics_router
@@ -54,11 +57,12 @@ from cachestore.processes import port_open
 from cachestore.promotion import Promoter
 from cachestore.reconcile import reconcile
 from cachestore.redis_server import EmbeddedRedis
-from cachestore.secrets_store import secrets_dir
+from cachestore.secrets_store import load_or_create_secret, secrets_dir
 from cachestore.settings import NVME_SEGMENT_BYTES, Settings
 from cachestore.stats_report import all_clients, corrupt_by_reason, namespace_stats
 from cachestore.warmup.api import warmup_router
 from cachestore.warmup.jobs import WarmupJobs, local_url
+from cachestore.warmup.policy import WarmupPolicy
 from cachestore.write_behind import GROUP as WRITE_BEHIND_GROUP
 from cachestore.write_behind import WriteBehind
 from indexer.errors import IndexUnavailableError
@@ -95,10 +99,14 @@ class NodeDaemon:
         self.mac_key_file: Path
         self.mac_key: ChunkMacKey
         self.warmup_jobs: WarmupJobs
+        self.admin_token: SecretStr
+        #: the generated token's file; None when the operator set the token
+        self.admin_token_file: Path | None = None
         self._services: list[BackgroundLoop] = []  # asked to stop together before each is joined
 
     def start(self) -> None:
         s = self.settings
+        self._load_admin_token()
         engine_cpus = None  # where warm-up engines run: unbound, as the daemon
         if s.cpu_set is not None:
             engine_cpus = allowed_cpus()  # warm-up engines are vLLM engines: they keep the cores the daemon had
@@ -135,8 +143,10 @@ class NodeDaemon:
                              lambda entries: self.evictor.evict_here(entries).removed)  # fmt: skip
         self._start_service(orders)
         self.admin = CacheAdmin(self.index, self.evictor)
+        policy = WarmupPolicy(tuple(s.warmup_roots), s.warmup_allow_trust_remote_code)
         self.warmup_jobs = WarmupJobs(s.data_dir / "warmup" / "jobs", local_url(s.host, s.port), s.data_dir / "warmup",
-                                      engine_cpus=engine_cpus)  # fmt: skip
+                                      engine_cpus=engine_cpus, policy=policy,
+                                      redis_password=self._redis_password())  # fmt: skip
         self.warmup_jobs.start()
         self._stack.callback(self.warmup_jobs.stop)
 
@@ -152,6 +162,21 @@ class NodeDaemon:
         if not (s.embedded_redis and s.embedded_mooncake):
             log.warning("this node signs chunks with a key of its own (%s): other nodes can use its chunks only if "
                         "every node is given the same PREFIXCACHE_CHUNK_KEY_FILE", self.mac_key_file)  # fmt: skip
+
+    def _load_admin_token(self) -> None:
+        """The operator's token, or the one generated at this data dir's first start (kept, 0600, for the CLI)."""
+        if self.settings.admin_token is not None:
+            self.admin_token = self.settings.admin_token
+            return
+        path = admin_token_path(secrets_dir(self.settings.data_dir))
+        self.admin_token = SecretStr(load_or_create_secret(path))
+        self.admin_token_file = path
+        log.info("admin token in %s (readable by this user only; `prefixcache stats` and the other admin commands "
+                 "read it from there)", path)  # fmt: skip
+
+    def _redis_password(self) -> str | None:
+        """The index's password, for warm-up children (on their stdin): from the URL, else the environment."""
+        return urlsplit(self.index.url).password or os.environ.get("PREFIXCACHE_REDIS_PASSWORD") or None
 
     def _start_service(self, service: BackgroundLoop) -> None:
         service.start()
@@ -257,7 +282,8 @@ class NodeDaemon:
                 master=self.master_address, metadata_url=self.metadata_url, protocol=s.mooncake_protocol,
                 device_names=s.mooncake_device_names, shm_address=self.owner.shm_address, segment=self.owner.segment,
             ),
-            secret_files=SecretFiles(chunk_key=str(self.mac_key_file.absolute())),
+            secret_files=SecretFiles(chunk_key=str(self.mac_key_file.absolute()),
+                                     admin_token=str(self.admin_token_file.absolute()) if self.admin_token_file else None),
         )  # fmt: skip
 
     def stats(self) -> Stats:
@@ -355,11 +381,16 @@ class NodeDaemon:
             s = self.settings
             routers = [*admin_routers(self.admin), metrics_router(self.stats, self.client_totals),
                        warmup_router(self.warmup_jobs)]  # fmt: skip
+            hosts = trusted_hosts(s.host, s.node, extra=s.allowed_hosts)
             app = create_app(self.client_config(), self.probes(), self.stats, routers=routers,
-                             access=AccessPolicy(admin_token=s.admin_token, open_reads=s.open_reads))  # fmt: skip
-            if s.admin_token is None and s.host not in ("127.0.0.1", "localhost", "::1"):
-                log.warning("no admin token: anyone who reaches %s:%d can evict and pin (set PREFIXCACHE_ADMIN_TOKEN)",
+                             access=AccessPolicy(admin_token=self.admin_token, open_reads=s.open_reads),
+                             allowed_hosts=hosts, max_body_bytes=int(s.max_body_bytes))  # fmt: skip
+            if s.open_reads and s.host not in ("127.0.0.1", "localhost", "::1"):
+                log.warning("open reads: anyone who reaches %s:%d can list the cache's chunks and stats",
                             s.host, s.port)  # fmt: skip
+            log.info("answering Host names %s", ", ".join(hosts))
+            if not s.warmup_roots:
+                log.info("no warm-up roots: POST /v1/warmup refuses every job (set --warmup-root)")
             log.info("prefixcache serving on http://%s:%d (node %s)", s.host, s.port, s.node)
             uvicorn.run(app, host=s.host, port=s.port, log_level="warning")
         finally:

@@ -8,13 +8,15 @@ invalid fails before a single server starts, with the field, the value's source 
 from __future__ import annotations
 
 import json
+import os
+import re
 import socket
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ByteSize, Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from cachestore.cpus import allowed_cpus, cpu_list, format_cpu_list
 from indexer.chunking import DEFAULT_CHUNK_TOKENS, MAX_CHUNK_TOKENS
@@ -23,6 +25,8 @@ from indexer.redis_index import redact_url
 
 #: Size of one NVMe segment file: large sequential writes, and the unit compaction works in.
 NVME_SEGMENT_BYTES = 256 << 20
+#: Largest request body the REST API reads by default (a 1M-token prompt as JSON is about 8 MB).
+DEFAULT_MAX_BODY_BYTES = 16 << 20
 
 
 def default_data_dir() -> Path:
@@ -72,9 +76,24 @@ class Settings(BaseSettings):
         "node of a cluster; unset: <data_dir>/secrets/chunk-key, generated at first start"
     )  # fmt: skip
     admin_token: SecretStr | None = Field(
-        default=None, description="bearer token mutating (and, unless open_reads, reading) calls need"
-    )
+        default=None, description="bearer token mutating (and, unless open_reads, reading) calls need; unset: "
+        "generated at first start into DATA_DIR/secrets/admin-token (0600)"
+    )  # fmt: skip
     open_reads: bool = Field(default=False, description="read-only endpoints answer without the admin token")
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default=[], description="Host header names the REST API answers besides localhost, 127.0.0.1, ::1, host "
+        "and node (comma-separated in the environment)"
+    )  # fmt: skip
+    max_body_bytes: ByteSize = Field(
+        default=ByteSize(DEFAULT_MAX_BODY_BYTES), ge=1024, description="larger request bodies get 413, unread"
+    )
+    warmup_roots: Annotated[list[Path], NoDecode] = Field(
+        default=[], description="folders the models, tokenizers and corpora of POST /v1/warmup must lie in "
+        "(':'-separated in the environment); none: warm-up jobs are refused"
+    )  # fmt: skip
+    warmup_allow_trust_remote_code: bool = Field(
+        default=False, description="POST /v1/warmup may pass --trust-remote-code (runs the model's own code)"
+    )
     kv_events_endpoint: str | None = Field(
         default=None, description="ZMQ PUB endpoint for vLLM-format KV events, e.g. tcp://*:5557; unset: off"
     )
@@ -88,6 +107,38 @@ class Settings(BaseSettings):
         "DRAM hit into vLLM's pages beside vLLM's busy-polling engine core; below 0 needs CAP_SYS_NICE "
         "(cachestore/priority.py)"
     )  # fmt: skip
+
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _host_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_names(cls, hosts: list[str]) -> list[str]:
+        for host in hosts:
+            if not re.fullmatch(r"(\*\.)?[A-Za-z0-9_.\-]+|\[?[0-9A-Fa-f:.]+\]?", host):
+                raise ValueError(f"{host!r} is not a host name (a name, an address, or *.domain)")
+        return [host.lower() for host in hosts]
+
+    @field_validator("warmup_roots", mode="before")
+    @classmethod
+    def _path_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [part for part in value.split(os.pathsep) if part]
+        return value
+
+    @field_validator("warmup_roots")
+    @classmethod
+    def _absolute_folders(cls, roots: list[Path]) -> list[Path]:
+        for root in roots:
+            if not root.is_absolute():
+                raise ValueError(f"{str(root)!r} is not an absolute path")
+            if not root.is_dir():
+                raise ValueError(f"{str(root)!r} is not a folder")
+        return [root.resolve() for root in roots]
 
     @field_validator("redis_url")
     @classmethod

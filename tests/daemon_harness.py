@@ -15,11 +15,13 @@ import httpx
 import redis
 
 from cachestore.chunk_mac import ChunkMacKey
+from cachestore.auth import admin_token_path
 from cachestore.client import CacheClient, fetch_config
 from cachestore.codec import ChunkMeta, encode, read_meta
 from cachestore.dram import MooncakeTier, split_offset
 from cachestore.extents import locate
 from cachestore.processes import free_port_block
+from cachestore.secrets_store import read_secret, secrets_dir
 from cachestore.warmup.plan import storable_tokens
 from indexer.chunking import ChunkGeometry
 from indexer.keys import PrefixHasher, chunk_key
@@ -55,6 +57,19 @@ class Daemon:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def token(self) -> str:
+        """The admin token: the one given with ``--admin-token``, else the one the daemon generated (a started
+        daemon's, read from its data dir as the CLI reads it)."""
+        if "--admin-token" in self.args:
+            return self.args[self.args.index("--admin-token") + 1]
+        return read_secret(admin_token_path(secrets_dir(self.data_dir)))
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What an authorised admin call sends."""
+        return {"Authorization": f"Bearer {self.token}"}
 
     @property
     def log_path(self) -> Path:
@@ -246,19 +261,19 @@ def connector_config(daemon: Daemon, role: str = "kv_both", probe: bool = False,
 
 def tiers_of(daemon: Daemon, key: str) -> list[str]:
     """The tiers the daemon lists chunk ``key`` (hex) in."""
-    return httpx.get(f"{daemon.url}/v1/chunks/{key}").json()["tiers"]
+    return httpx.get(f"{daemon.url}/v1/chunks/{key}", headers=daemon.headers).json()["tiers"]
 
 
 def corrupt_chunks(daemon: Daemon, reason: str | None = None) -> int:
     """Chunks the daemon and its clients have found damaged so far (of ``reason``, if given: "mac", "damaged")."""
-    stats = httpx.get(daemon.url + "/v1/stats").json()
+    stats = httpx.get(daemon.url + "/v1/stats", headers=daemon.headers).json()
     return stats["corrupt_chunks"] if reason is None else stats["corrupt_by_reason"][reason]
 
 
 def client_use(daemon: Daemon) -> dict[str, int]:
     """What the daemon's clients have recorded so far: lookups, hits, matched tokens... (``/v1/stats``'s
     ``clients``; clients report every second)."""
-    return httpx.get(daemon.url + "/v1/stats").json()["clients"]
+    return httpx.get(daemon.url + "/v1/stats", headers=daemon.headers).json()["clients"]
 
 
 def wait_for_corrupt_chunks(daemon: Daemon, count: int, timeout_s: float = 10, reason: str | None = None) -> int:

@@ -54,7 +54,7 @@ def test_every_published_chunk_is_persisted_within_a_bounded_delay(daemon, clien
     keys, _ = publish_prompt(client, list(range(64 * 10)))
     assert wait_persisted(client, keys) < 5
     assert all(e.locations == {DRAM, NVME} for e in client.index.get(keys))
-    stats = httpx.get(daemon.url + "/v1/stats").json()
+    stats = httpx.get(daemon.url + "/v1/stats", headers=daemon.headers).json()
     assert stats["write_behind"]["persisted"] == 10 and stats["nvme"]["chunks"] == 10
     # held back write_behind_hold_s (0.25 s by default) after the publish, then copied
     assert 0.25 <= stats["write_behind"]["delay_p50_s"] <= stats["write_behind"]["delay_max_s"] < 5

@@ -87,7 +87,7 @@ def test_the_write_behind_never_persists_a_forged_copy(tmp_path):
         damage_dram_copies(daemon, keys[:1], damage=forge_dram_copy)
         wait_persisted(client, keys[1:])
         assert wait_for(lambda: client.index.get(keys[:1]) == [None]), "the forged copy stayed indexed"
-        stats = httpx.get(daemon.url + "/v1/stats").json()
+        stats = httpx.get(daemon.url + "/v1/stats", headers=daemon.headers).json()
         assert stats["write_behind"]["corrupt"] == 1 and stats["corrupt_by_reason"]["mac"] == 1
         assert fetch_payloads(client, keys[:1]) == [None]
     finally:
@@ -101,6 +101,6 @@ def test_metrics_count_mac_failures_by_reason(daemon, client):
     forge_dram_copy(client.dram, keys[0])
     fetch_payloads(client, keys)
     client.recorder.flush()
-    metrics = httpx.get(daemon.url + "/metrics").text
+    metrics = httpx.get(daemon.url + "/metrics", headers=daemon.headers).text
     assert 'prefixcache_corrupt_chunks_total{reason="mac"} 1.0' in metrics
     assert 'prefixcache_corrupt_chunks_total{reason="damaged"} 0.0' in metrics

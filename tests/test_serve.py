@@ -152,6 +152,10 @@ def test_the_embedded_stack_dies_with_a_killed_daemon(tmp_path):
         ([], {"PREFIXCACHE_CPUS": "4095"}, "CPUs 4095 are not available to this process"),
         ([], {"PREFIXCACHE_OWNER_NICE": "-21"}, "invalid setting owner_nice: Input should be greater than or equal"),
         ([], {"PREFIXCACHE_WRITE_BEHIND_HOLD_S": "-1"}, "invalid setting write_behind_hold_s: Input should be greater"),
+        (["--warmup-root", "relative/models"], {}, "warmup_roots: 'relative/models' is not an absolute"),
+        ([], {"PREFIXCACHE_WARMUP_ROOTS": "/nonexistent"}, "warmup_roots: '/nonexistent' is not a folder"),
+        (["--allowed-host", "evil/x"], {}, "invalid setting allowed_hosts: 'evil/x' is not a host name"),
+        (["--max-body-bytes", "10"], {}, "invalid setting max_body_bytes: Input should be greater"),
     ],
 )
 def test_bad_settings_get_a_clear_error_and_exit_2(tmp_path, args, env, message):

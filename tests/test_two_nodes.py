@@ -53,7 +53,8 @@ def persisted_on_b(b: Daemon, tokens: list[int], seed: int) -> tuple[list[bytes]
 
 def evict(daemon: Daemon, keys: list[bytes], force: bool = False) -> dict:
     """Evict ``keys`` through ``daemon``'s admin API; its answer."""
-    answer = httpx.post(daemon.url + "/v1/evict", json={"keys": [k.hex() for k in keys], "force": force}, timeout=30)
+    body = {"keys": [k.hex() for k in keys], "force": force}
+    answer = httpx.post(daemon.url + "/v1/evict", json=body, timeout=30, headers=daemon.headers)
     return answer.raise_for_status().json()
 
 
@@ -63,8 +64,12 @@ def waits_run_out(daemon: Daemon) -> int:
     return daemon.log_path.read_text(errors="replace").count("did not confirm an eviction within")
 
 
+def stats(daemon: Daemon) -> dict:
+    return httpx.get(daemon.url + "/v1/stats", headers=daemon.headers).json()
+
+
 def nvme_chunks(daemon: Daemon) -> int:
-    return httpx.get(daemon.url + "/v1/stats").json()["nvme"]["chunks"]
+    return stats(daemon)["nvme"]["chunks"]
 
 
 def test_a_node_reads_another_nodes_dram_copies_into_slots_and_straight_into_its_shared_memory(cluster):
@@ -118,7 +123,7 @@ def test_an_eviction_on_one_node_deletes_the_copies_another_nodes_nvme_holds(clu
         assert fetch_payloads(reader, kept) == kept_payloads  # the rest of B's tier is untouched
     finally:
         reader.close()
-    assert httpx.get(b.url + "/v1/stats").json()["evictions"]["requested_chunks"] == len(keys)
+    assert stats(b)["evictions"]["requested_chunks"] == len(keys)
 
 
 def test_a_node_that_was_down_takes_its_eviction_order_when_it_returns(cluster):
@@ -141,7 +146,7 @@ def test_a_node_that_was_down_takes_its_eviction_order_when_it_returns(cluster):
         b.start()
         assert wait_for(lambda: reader.index.get(keys) == [None] * len(keys), timeout_s=30), "B never took its order"
         assert nvme_chunks(b) == 0
-        assert httpx.get(b.url + "/v1/stats").json()["queues"]["eviction_orders"] == 0
+        assert stats(b)["queues"]["eviction_orders"] == 0
     finally:
         reader.close()
 
@@ -153,14 +158,15 @@ def test_a_returning_node_keeps_chunks_pinned_after_its_order_and_drops_those_a_
     pinned_later, forced = keys[:2], keys[2:]
     b.stop()
     assert evict(a, pinned_later)["pending_nodes"] == ["node-b"]
-    httpx.post(a.url + "/v1/pin", json={"keys": [k.hex() for k in pinned_later + forced]}).raise_for_status()
+    pins = {"keys": [k.hex() for k in pinned_later + forced]}
+    httpx.post(a.url + "/v1/pin", json=pins, headers=a.headers).raise_for_status()
     result = evict(a, forced, force=True)
     assert (result["kept_elsewhere"], result["pending_nodes"]) == (len(forced), ["node-b"])
     with closing(connect(a)) as reader:
         assert not any(e.pinned() for e in reader.index.get(forced)), "a forced eviction takes the pins with it"
         b.start()
         assert wait_for(lambda: reader.index.get(forced) == [None] * len(forced), timeout_s=30)
-        assert wait_for(lambda: httpx.get(b.url + "/v1/stats").json()["queues"]["eviction_orders"] == 0)
+        assert wait_for(lambda: stats(b)["queues"]["eviction_orders"] == 0)
         kept = reader.index.get(pinned_later)
     assert all(e is not None and e.pinned() and e.locations == {ON_B} for e in kept)
     assert nvme_chunks(b) == len(pinned_later)

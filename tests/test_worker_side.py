@@ -96,7 +96,7 @@ def publish(w: WorkerSide, chunks: int, seed: int = 0, tail: int = 0) -> list[by
 
 
 def daemon_stats(daemon: Daemon) -> dict:
-    return httpx.get(daemon.url + "/v1/stats").json()
+    return httpx.get(daemon.url + "/v1/stats", headers=daemon.headers).json()
 
 
 def reported_client_use(daemon: Daemon, client: CacheClient) -> dict[str, int]:

@@ -1,5 +1,6 @@
 """``/v1/warmup``: submit, inspect and cancel warm-up jobs. Submitting and cancelling need the admin token
-(``require_admin``), reading needs what every other read-only endpoint needs (``require_reader``)."""
+(``require_admin``), reading needs what every other read-only endpoint needs (``require_reader``). A job runs
+only what the daemon's operator allowed (``policy``): anything else is a 400 that says which rule it broke."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from fastapi import APIRouter, Depends, HTTPException, Path, status
 
 from cachestore.auth import require_admin, require_reader
 from cachestore.warmup.jobs import JobFinishedError, JobNotFoundError, WarmupJob, WarmupJobs, WarmupRequest
+from cachestore.warmup.policy import WarmupRefusedError
 
 JOB_ID = Path(pattern=r"^[0-9a-f]{12}$", description="the id POST /v1/warmup returned")
 
@@ -17,11 +19,17 @@ def warmup_router(jobs: WarmupJobs) -> APIRouter:
     router = APIRouter(prefix="/v1/warmup", tags=["warm-up"], responses={404: {"description": "no such job"}})
 
     @router.post("", response_model=WarmupJob, status_code=status.HTTP_202_ACCEPTED,
-                 dependencies=[Depends(require_admin)])  # fmt: skip
+                 dependencies=[Depends(require_admin)],
+                 responses={400: {"description": "a path outside the warm-up roots, or an engine option not "
+                                                 "allowed"}})  # fmt: skip
     def submit(request: WarmupRequest) -> WarmupJob:
         """Queue a job; the daemon runs jobs one at a time, each in a child process. Same corpus, model and
-        options as an earlier job: it resumes that job, and does nothing if it finished."""
-        return jobs.submit(request)
+        options as an earlier job: it resumes that job, and does nothing if it finished. Paths must lie in the
+        daemon's warm-up roots, engine options in its allowlist."""
+        try:
+            return jobs.submit(request)
+        except WarmupRefusedError as exc:
+            raise HTTPException(status.HTTP_400_BAD_REQUEST, str(exc)) from None
 
     @router.get("", response_model=list[WarmupJob], dependencies=[Depends(require_reader)])
     def list_jobs() -> list[WarmupJob]:

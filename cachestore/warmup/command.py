@@ -4,6 +4,11 @@ Options it does not know are vLLM engine options, parsed by vLLM's own ``vllm se
 them after ``--`` to be explicit). Exit codes: 0 done (or stopped by ``--max-prompts``), 1 some
 prompts' chunks never reached the index (a rerun retries them), 2 bad input or settings, 130
 interrupted (SIGINT or SIGTERM; a rerun resumes).
+
+Run by hand it takes any model, corpus and ``vllm serve`` option: it runs as the operator, with the
+operator's rights. The daemon's ``POST /v1/warmup`` runs this command too, but only for requests its
+operator's rules allow (``policy``: paths inside the warm-up roots, allowlisted engine options), with
+its secrets scrubbed from the environment and the Redis password on stdin (``--redis-password-stdin``).
 """
 
 from __future__ import annotations
@@ -42,16 +47,18 @@ def warmup(
     arena_mb: Annotated[Optional[int], typer.Option(help="connector arena in MiB (default: the connector's)")] = None,  # noqa: UP045
     json_output: Annotated[bool, typer.Option("--json", help="print the report as JSON only")] = False,
     progress_file: Annotated[Optional[Path], typer.Option(help="keep a JSON progress snapshot here")] = None,  # noqa: UP045
+    redis_password_stdin: Annotated[bool, typer.Option(help="the index's password: stdin's first line")] = False,
 ) -> None:
     """Precompute and store the KV of a prompt corpus, so the first real request hits. Resumable; reruns skip
     what is done. Further options go to the vLLM engine, as for `vllm serve` (e.g. --dtype bfloat16)."""
     from cachestore.cli import _clear_errors, err
 
     with _clear_errors():
+        password = sys.stdin.readline().rstrip("\r\n") if redis_password_stdin else None
         options = _options(dict(
             corpus=corpus, model=model, tokenizer=tokenizer, tenant=tenant, service_url=service_url,
             state_dir=state_dir, batch_size=batch_size, max_prompts=max_prompts, on_error=on_error, arena_mb=arena_mb,
-            redis_password=os.environ.get("PREFIXCACHE_REDIS_PASSWORD"), engine_options=list(ctx.args),
+            redis_password=password or os.environ.get("PREFIXCACHE_REDIS_PASSWORD"), engine_options=list(ctx.args),
             progress_file=progress_file,
         ))  # fmt: skip
         report = _run(options, err)

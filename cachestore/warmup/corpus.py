@@ -3,7 +3,8 @@
 JSONL: one object per line with ``prompt`` (text) or ``token_ids`` (a list of ints), optionally ``id``
 and ``tenant`` (vLLM's ``cache_salt``); blank lines are ignored, any other key is an error so a typo
 never goes unnoticed. A folder: every non-hidden regular file below it, in path order, is one prompt,
-its text taken byte for byte (a trailing newline is part of the prompt).
+its text taken byte for byte (a trailing newline is part of the prompt). Symlinks in a folder are
+never followed (neither to files nor to folders), so a folder corpus reads only files inside it.
 
 Every problem names its place (``corpus.jsonl:17``) and the whole corpus is read before a single
 token is computed, so a job told to fail on bad input fails with nothing written, and a job told to
@@ -13,7 +14,10 @@ run in ``check_against_model`` once the engine is up, before the first batch, un
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,12 +133,9 @@ def _read_folder(root: Path, default_tenant: str | None) -> Corpus:
     digest = xxhash.xxh3_128()
     prompts: list[CorpusPrompt] = []
     problems: list[Problem] = []
-    for file in sorted(p for p in root.rglob("*") if p.is_file() and not _hidden(p.relative_to(root))):
-        name = file.relative_to(root).as_posix()
-        try:
-            raw = file.read_bytes()
-        except OSError as exc:
-            problems.append(Problem(name, f"cannot read: {exc.strerror}"))
+    for name, raw in _folder_files(root):
+        if isinstance(raw, OSError):
+            problems.append(Problem(name, f"cannot read: {raw.strerror}"))
             continue
         digest.update(f"{name}\0{len(raw)}\0".encode() + raw)
         try:
@@ -147,6 +148,38 @@ def _read_folder(root: Path, default_tenant: str | None) -> Corpus:
             continue
         prompts.append(CorpusPrompt(name, name, text, None, default_tenant))
     return Corpus(prompts, problems, digest.hexdigest())
+
+
+def _folder_files(root: Path) -> list[tuple[str, bytes | OSError]]:
+    """(relative path, contents or the error reading it) of every non-hidden regular file below ``root``, in path
+    order. Walks with directory descriptors and opens with O_NOFOLLOW, so no symlink is followed, even one put
+    in place while the folder is read; a symlink or anything but a regular file is left out."""
+    found: list[tuple[str, bytes | OSError]] = []
+    for folder, dirs, files, dir_fd in os.fwalk(root, follow_symlinks=False):
+        relative = Path(folder).relative_to(root)
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        if _hidden(relative):
+            continue
+        for file in files:
+            if file.startswith("."):
+                continue
+            name = (relative / file).as_posix()
+            try:
+                fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:  # ELOOP: a symlink, left out
+                    found.append((name, exc))
+                continue
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    continue
+                with os.fdopen(fd, "rb", closefd=False) as handle:
+                    found.append((name, handle.read()))
+            except OSError as exc:
+                found.append((name, exc))
+            finally:
+                os.close(fd)
+    return sorted(found, key=lambda item: Path(item[0]).parts)  # the order (and digest) of earlier versions
 
 
 def _hidden(relative: Path) -> bool:

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from cachestore.processes import _die_with_parent
 from cachestore.warmup.command import TENANT_ENV
+from cachestore.warmup.policy import WarmupPolicy, scrubbed_environment
 from cachestore.warmup.progress import Snapshot
 from cachestore.warmup.report import Report
 
@@ -39,29 +40,21 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class WarmupRequest(BaseModel):
-    """``POST /v1/warmup``: what ``prefixcache warmup`` takes, with paths on the daemon's machine."""
+    """``POST /v1/warmup``: what ``prefixcache warmup`` takes, with paths on the daemon's machine, inside the
+    daemon's warm-up roots (``policy``)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    corpus: str = Field(description="absolute path of a JSONL file or a folder of text files on this node")
-    model: str = Field(min_length=1, max_length=4096)
-    tokenizer: str | None = Field(default=None, min_length=1, max_length=4096)
+    corpus: str = Field(min_length=1, max_length=4096, description="absolute path, in a warm-up root, of a JSONL "
+                        "file or a folder of text files")  # fmt: skip
+    model: str = Field(min_length=1, max_length=4096, description="absolute path of the model in a warm-up root")
+    tokenizer: str | None = Field(default=None, min_length=1, max_length=4096, description="as model")
     tenant: str | None = Field(default=None, min_length=1, description="cache_salt of lines without their own")
     on_error: Literal["skip", "fail"] = "fail"
     batch_size: int = Field(default=16, ge=1, le=4096)
     max_prompts: int | None = Field(default=None, ge=1)
     arena_mb: int | None = Field(default=None, ge=16, le=1 << 20)
     engine_options: list[str] = Field(default=[], max_length=256, description="vllm serve options, e.g. --dtype")
-
-    @field_validator("corpus")
-    @classmethod
-    def _existing_absolute_path(cls, value: str) -> str:
-        path = Path(value)
-        if not path.is_absolute():
-            raise ValueError("must be an absolute path on the daemon's machine")
-        if not (path.is_file() or path.is_dir()):
-            raise ValueError(f"{value} is neither a file nor a folder on this node")
-        return value
 
     @field_validator("engine_options")
     @classmethod
@@ -111,9 +104,13 @@ class _Job:
 
 class WarmupJobs:
     def __init__(self, directory: Path, service_url: str, state_dir: Path,
-                 engine_cpus: frozenset[int] | None = None) -> None:  # fmt: skip
-        """``engine_cpus``: the CPUs a job's engine runs on (None: the daemon's own)."""
+                 engine_cpus: frozenset[int] | None = None, policy: WarmupPolicy | None = None,
+                 redis_password: str | None = None) -> None:  # fmt: skip
+        """``engine_cpus``: the CPUs a job's engine runs on (None: the daemon's own); ``policy``: what jobs may run
+        (None: nothing, no warm-up roots); ``redis_password``: the index's, handed to each child on its stdin."""
         self.directory = directory
+        self.policy = policy or WarmupPolicy()
+        self._redis_password = redis_password
         self.engine_cpus = engine_cpus
         self.service_url = service_url
         self.state_dir = state_dir
@@ -135,11 +132,24 @@ class WarmupJobs:
         self._runner.join(CANCEL_GRACE_S + 5)
 
     def submit(self, request: WarmupRequest) -> WarmupJob:
+        """Queue ``request`` once the policy allows it (``WarmupRefusedError`` otherwise), with its paths resolved."""
+        request = self.admit(request)
         job = _Job(secrets.token_hex(6), request, self.directory)
         with self._lock:
             self._jobs[job.id] = job
         self._queue.put(job)
         return self._view(job)
+
+    def admit(self, request: WarmupRequest) -> WarmupRequest:
+        """``request`` if the policy allows it, its corpus resolved (the child reads what was checked). The model
+        and tokenizer keep the path as given once it checked out: vLLM names the namespace after it, so the job
+        stores its chunks where a server started with that same path looks them up."""
+        p = self.policy
+        p.check_options(request.engine_options)
+        p.resolve("model", request.model)
+        if request.tokenizer is not None:
+            p.resolve("tokenizer", request.tokenizer)
+        return request.model_copy(update={"corpus": p.resolve("corpus", request.corpus)})
 
     def get(self, job_id: str) -> WarmupJob:
         return self._view(self._job(job_id))
@@ -194,15 +204,24 @@ class WarmupJobs:
                 "--service-url", self.service_url, "--state-dir", str(self.state_dir),
                 "--batch-size", str(r.batch_size), "--on-error", r.on_error,
                 "--json", "--progress-file", str(job.progress_path)]  # fmt: skip
+        if self._redis_password:
+            argv.append("--redis-password-stdin")
         for flag, value in (("--tokenizer", r.tokenizer), ("--max-prompts", r.max_prompts), ("--arena-mb", r.arena_mb)):
             if value is not None:
                 argv += [flag, str(value)]
-        env = {k: v for k, v in os.environ.items() if k != TENANT_ENV}
+        env = {k: v for k, v in scrubbed_environment(os.environ).items() if k != TENANT_ENV}
         if r.tenant:
             env[TENANT_ENV] = r.tenant
+        stdin = subprocess.PIPE if self._redis_password else subprocess.DEVNULL
         with open(job.report_path, "wb") as out, open(job.log_path, "ab") as log:
-            return subprocess.Popen([*argv, "--", *r.engine_options], stdout=out, stderr=log, stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen([*argv, "--", *r.engine_options], stdout=out, stderr=log, stdin=stdin,
                                     env=env, start_new_session=True, preexec_fn=self._child_setup)  # fmt: skip
+        if proc.stdin is not None:  # a line, far below a pipe's buffer: never blocks
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.write(self._redis_password.encode() + b"\n")
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.close()
+        return proc
 
     def _child_setup(self) -> None:
         """Runs in the job's process before it starts: dies with the daemon, runs on the engine's CPUs."""

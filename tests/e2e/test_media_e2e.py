@@ -77,7 +77,8 @@ def published(run, daemon: Daemon) -> tuple[dict[int, dict], str]:
     lies in (A publishes it last)."""
     started = time.time()
     outputs = run([CAT, BIRD], connector=True)
-    recent = httpx.get(f"{daemon.url}/v1/chunks", params={"newer_than_s": time.time() - started}).json()["chunks"]
+    since = {"newer_than_s": time.time() - started}
+    recent = httpx.get(f"{daemon.url}/v1/chunks", params=since, headers=daemon.headers).json()["chunks"]
     tails = sorted((c for c in recent if c["tokens"] < CHUNK), key=lambda c: c["created_s"])
     assert len(tails) == 2, recent  # CAT's and BIRD's: a chunk ending the prompt, keyed by its image
     return dict(zip([CAT, BIRD], outputs, strict=True)), tails[-1]["key"]

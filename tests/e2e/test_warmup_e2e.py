@@ -53,7 +53,9 @@ def stack(tmp_path_factory, tiny_model):
     with pytest.MonkeyPatch.context() as env:
         for name, value in vllm_env().items():
             env.setenv(name, value)
-        daemon = Daemon(root / "data", dram="512MiB", nvme="2GiB").start()
+        # the corpus (under root) and the model are what its warm-up jobs may read
+        roots = ["--warmup-root", str(root.resolve()), "--warmup-root", str(Path(tiny_model).resolve())]
+        daemon = Daemon(root / "data", *roots, dram="512MiB", nvme="2GiB").start()
     text_ids = AutoTokenizer.from_pretrained(str(tiny_model)).encode(TEXT)
     lines = corpus_lines(text_ids)
     corpus = root / "corpus.jsonl"
@@ -77,17 +79,19 @@ def warmup_cli(daemon: Daemon, corpus: Path, model: Path, *flags: str, engine_op
 def warmup_rest(daemon: Daemon, corpus: Path, model: Path) -> dict:
     body = {"corpus": str(corpus), "model": str(model), "on_error": "skip", "batch_size": 2, "arena_mb": 128,
             "engine_options": ENGINE_OPTIONS}  # fmt: skip
-    job = httpx.post(daemon.url + "/v1/warmup", json=body, timeout=10).raise_for_status().json()
+    job = httpx.post(daemon.url + "/v1/warmup", json=body, timeout=10, headers=daemon.headers).raise_for_status().json()
     assert job["status"] in ("queued", "running")
     seen_progress = False
     deadline = time.monotonic() + 900  # a hung job fails the test instead of hanging it
     while job["status"] in ("queued", "running") and time.monotonic() < deadline:
         time.sleep(1)
-        job = httpx.get(f"{daemon.url}/v1/warmup/{job['id']}", timeout=10).raise_for_status().json()
+        job = httpx.get(f"{daemon.url}/v1/warmup/{job['id']}", timeout=10, headers=daemon.headers)
+        job = job.raise_for_status().json()
         seen_progress |= job["progress"] is not None
     assert job["status"] == "succeeded", job
     assert seen_progress and job["progress"]["phase"] == "done"
-    assert [j["id"] for j in httpx.get(daemon.url + "/v1/warmup", timeout=10).json()] == [job["id"]]
+    listed = httpx.get(daemon.url + "/v1/warmup", timeout=10, headers=daemon.headers).json()
+    assert [j["id"] for j in listed] == [job["id"]]
     return job["report"]
 
 
