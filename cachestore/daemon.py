@@ -154,10 +154,10 @@ class NodeDaemon:
         """The cluster's chunk-signing key: the operator's file, or this node's own, generated at first start."""
         s = self.settings
         if s.chunk_key_file is not None:
-            self.mac_key_file = s.chunk_key_file
+            self.mac_key_file = s.chunk_key_file.absolute()
             self.mac_key = ChunkMacKey.read(s.chunk_key_file)
             return
-        self.mac_key_file = secrets_dir(s.data_dir) / KEY_FILE_NAME
+        self.mac_key_file = (secrets_dir(s.data_dir) / KEY_FILE_NAME).absolute()
         self.mac_key = ChunkMacKey.load_or_create(self.mac_key_file)
         if not (s.embedded_redis and s.embedded_mooncake):
             log.warning("this node signs chunks with a key of its own (%s): other nodes can use its chunks only if "
@@ -170,7 +170,7 @@ class NodeDaemon:
             return
         path = admin_token_path(secrets_dir(self.settings.data_dir))
         self.admin_token = SecretStr(load_or_create_secret(path))
-        self.admin_token_file = path
+        self.admin_token_file = path.absolute()
         log.info("admin token in %s (readable by this user only; `prefixcache stats` and the other admin commands "
                  "read it from there)", path)  # fmt: skip
 
@@ -282,8 +282,8 @@ class NodeDaemon:
                 master=self.master_address, metadata_url=self.metadata_url, protocol=s.mooncake_protocol,
                 device_names=s.mooncake_device_names, shm_address=self.owner.shm_address, segment=self.owner.segment,
             ),
-            secret_files=SecretFiles(chunk_key=str(self.mac_key_file.absolute()),
-                                     admin_token=str(self.admin_token_file.absolute()) if self.admin_token_file else None),
+            secret_files=SecretFiles(chunk_key=str(self.mac_key_file),
+                                     admin_token=str(self.admin_token_file) if self.admin_token_file else None),
         )  # fmt: skip
 
     def stats(self) -> Stats:

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import redis
 
-from cachestore.chunk_mac import ChunkMacKey
 from cachestore.auth import admin_token_path
+from cachestore.chunk_mac import ChunkMacKey
 from cachestore.client import CacheClient, fetch_config
 from cachestore.codec import ChunkMeta, encode, read_meta
 from cachestore.dram import MooncakeTier, split_offset
