@@ -28,6 +28,7 @@ from cachestore.api import (
     EvictionStats,
     MooncakeConfig,
     QueueDepths,
+    SecretFiles,
     Stats,
     TierStats,
     WriteBehindStats,
@@ -51,6 +52,7 @@ from cachestore.processes import port_open
 from cachestore.promotion import Promoter
 from cachestore.reconcile import reconcile
 from cachestore.redis_server import EmbeddedRedis
+from cachestore.secrets_store import load_or_create_secret, secrets_dir
 from cachestore.settings import NVME_SEGMENT_BYTES, Settings
 from cachestore.stats_report import all_clients, namespace_stats
 from cachestore.warmup.api import warmup_router
@@ -63,6 +65,8 @@ from indexer.leases import Leases
 from indexer.redis_index import RedisIndex
 
 log = logging.getLogger("prefixcache.daemon")
+#: The embedded redis-server's password, under ``secrets_dir(data_dir)``.
+REDIS_PASSWORD_FILE = "redis-password"
 DAEMON_ARENA_BYTES = 256 << 20
 WARMUP_OBJECT_BYTES = 8 << 20
 
@@ -142,15 +146,21 @@ class NodeDaemon:
         s = self.settings
         redis_url = s.redis_url
         if redis_url is None:
-            server = EmbeddedRedis(s.data_dir / "redis", port=s.derived_port("redis_port"))
+            password = load_or_create_secret(self.redis_password_file)
+            server = EmbeddedRedis(s.data_dir / "redis", port=s.derived_port("redis_port"), password=password)
             server.start()
             self._stack.callback(server.stop)
             redis_url = server.url
-            log.info("embedded redis-server ready at %s (AOF in %s)", redis_url, server.directory)
+            log.info("embedded redis-server ready at %s (AOF in %s; password in %s)", public_redis_url(redis_url)[0],
+                     server.directory, self.redis_password_file)  # fmt: skip
         self.index = RedisIndex(redis_url, key_prefix=s.key_prefix)
         self._stack.callback(self.index.close)
         self.index.ping()
         log.info("index ready at %s", public_redis_url(redis_url)[0])
+
+    @property
+    def redis_password_file(self) -> Path:
+        return secrets_dir(self.settings.data_dir) / REDIS_PASSWORD_FILE
 
     def _start_mooncake(self) -> None:
         s = self.settings
@@ -233,6 +243,7 @@ class NodeDaemon:
         return ClientConfig(
             node=s.node, redis_url=url, redis_password_required=needs_password, key_prefix=s.key_prefix,
             chunk_tokens=s.chunk_tokens,
+            secret_files=SecretFiles(redis_password=str(self.redis_password_file) if s.embedded_redis else None),
             mooncake=MooncakeConfig(
                 master=self.master_address, metadata_url=self.metadata_url, protocol=s.mooncake_protocol,
                 device_names=s.mooncake_device_names, shm_address=self.owner.shm_address, segment=self.owner.segment,

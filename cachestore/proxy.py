@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.background import BackgroundTask
 
-from cachestore.client import fetch_config
+from cachestore.client import fetch_config, index_url
 from cachestore.proxy_routing import (
     InstancePool,
     prefill_body,
@@ -45,7 +45,7 @@ from indexer.chunking import ChunkGeometry
 from indexer.errors import ConfigError, IndexUnavailableError, validation_problems
 from indexer.index import PrefixIndex
 from indexer.keys import PrefixHasher, extend_all
-from indexer.redis_index import RedisIndex, with_password
+from indexer.redis_index import RedisIndex
 
 log = logging.getLogger("prefixcache.proxy")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -133,8 +133,7 @@ class CachedPrefix:
     def of_service(cls, service_url: str, redis_password: str | None) -> CachedPrefix:
         """The index the daemon at ``service_url`` uses."""
         config = fetch_config(service_url)
-        url = with_password(config.redis_url, redis_password) if redis_password else config.redis_url
-        return cls(RedisIndex(url, key_prefix=config.key_prefix))
+        return cls(RedisIndex(index_url(config, redis_password), key_prefix=config.key_prefix))
 
     def complete(self, model: str, tokens: list[int], tenant_salt: str | None) -> bool:
         try:
