@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import stat
 import sys
 import time
 import urllib.request
@@ -52,7 +53,7 @@ from cachestore.processes import port_open
 from cachestore.promotion import Promoter
 from cachestore.reconcile import reconcile
 from cachestore.redis_server import EmbeddedRedis
-from cachestore.secrets_store import load_or_create_secret, secrets_dir
+from cachestore.secrets_store import PRIVATE_UMASK, load_or_create_secret, make_private_dir, secrets_dir
 from cachestore.settings import NVME_SEGMENT_BYTES, Settings
 from cachestore.stats_report import all_clients, namespace_stats
 from cachestore.warmup.api import warmup_router
@@ -67,8 +68,27 @@ from indexer.redis_index import RedisIndex
 log = logging.getLogger("prefixcache.daemon")
 #: The embedded redis-server's password, under ``secrets_dir(data_dir)``.
 REDIS_PASSWORD_FILE = "redis-password"
+#: What the daemon keeps under its data dir (besides the NVMe tier), made private at each start.
+PRIVATE_SUBDIRS = ("redis", "logs", "warmup", "secrets")
 DAEMON_ARENA_BYTES = 256 << 20
 WARMUP_OBJECT_BYTES = 8 << 20
+
+
+def _make_private(directory: Path) -> None:
+    """``directory`` (created if missing) and everything under it the daemon's user's alone (0700 directories,
+    files without group or other bits): what an older build left, or a directory someone else created."""
+    try:
+        make_private_dir(directory)
+        for root, dirs, files in os.walk(directory):
+            for name in dirs:
+                make_private_dir(Path(root, name))
+            for name in files:
+                path = Path(root, name)
+                mode = path.lstat().st_mode
+                if stat.S_ISREG(mode) and mode & 0o077:
+                    os.chmod(path, stat.S_IMODE(mode) & ~0o077)
+    except OSError as exc:
+        log.warning("cannot make %s private to this user (%s): other users may read its chunks", directory, exc)
 
 
 class NodeDaemon:
@@ -97,6 +117,12 @@ class NodeDaemon:
 
     def start(self) -> None:
         s = self.settings
+        # before anything is created: every file the daemon and its children (redis-server, Mooncake, warm-up
+        # jobs) write is the daemon's user's alone, as are the data dir and the NVMe tier
+        os.umask(PRIVATE_UMASK)
+        make_private_dir(s.data_dir)
+        for directory in (s.nvme_path, *(s.data_dir / name for name in PRIVATE_SUBDIRS)):
+            _make_private(directory)
         engine_cpus = None  # where warm-up engines run: unbound, as the daemon
         if s.cpu_set is not None:
             engine_cpus = allowed_cpus()  # warm-up engines are vLLM engines: they keep the cores the daemon had
