@@ -49,7 +49,7 @@ def serve(
     mooncake_host: Annotated[Optional[str], typer.Option(help="this node's address in the pool")] = None,  # noqa: UP045
     admin_token: Annotated[Optional[str], typer.Option(help="bearer token admin calls need")] = None,  # noqa: UP045
     open_reads: Annotated[Optional[bool], typer.Option("--open-reads", help="reads need no token")] = None,  # noqa: UP045
-    kv_events_endpoint: Annotated[Optional[str], typer.Option(help="KV events: ZMQ tcp://*:PORT")] = None,  # noqa: UP045
+    kv_events_endpoint: Annotated[Optional[str], typer.Option(help="KV events: ZMQ tcp://ADDRESS:PORT")] = None,  # noqa: UP045
     cpus: Annotated[Optional[str], typer.Option(help="run the daemon and its servers on CPUs: 1, 2-3")] = None,  # noqa: UP045
 ) -> None:
     """Run this node's daemon. With no --redis-url it starts its own redis-server under the data dir."""
