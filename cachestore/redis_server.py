@@ -23,6 +23,20 @@ from indexer.redis_index import with_password
 #: BGREWRITEAOF, ACL, REPLICAOF, MIGRATE, MONITOR, KEYS, INFO...), none of which the project calls.
 CLIENT_ACL = "~* &* +@all -@dangerous"
 CONFIG_FILE = "redis.conf"
+#: Every command the project runs on its index (the daemon, connectors, warm-up jobs, the proxy), those its Lua
+#: scripts (indexer/lua) call included: tests/test_redis_acl.py runs the index suites and a daemon with only these.
+INDEX_USER_COMMANDS = (
+    "+ping +evalsha +script|load +exists +del +unlink +scan +expire "
+    "+hget +hgetall +hmget +hset +hsetnx +hdel +hincrby +hkeys +hlen +hvals +hrandfield +sadd +srem +smembers "
+    "+zadd +zrange +zrem +zmscore +zremrangebyscore +rpush +lpop +blpop +llen "
+    "+xadd +xlen +xreadgroup +xack +xgroup|create +xinfo|groups"
+)
+
+
+def index_user_acl(user: str, password: str, key_prefix: str) -> str:
+    """The ``user`` line (redis.conf, or ``ACL SETUSER`` without the word ``user``) of a shared index's user for
+    the project: only the commands it runs (``INDEX_USER_COMMANDS``), only keys under ``key_prefix``, no channels."""
+    return f"user {user} on >{password} resetchannels ~{key_prefix}:* -@all {INDEX_USER_COMMANDS}"
 
 
 def _acl_password(password: str) -> str:
