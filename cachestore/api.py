@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from fastapi import APIRouter, Depends, FastAPI, Response
 from pydantic import BaseModel, Field
@@ -14,7 +15,6 @@ from cachestore.auth import AccessPolicy, install_access_policy, require_reader
 from cachestore.http_guards import LOOPBACK_HOSTS, install_http_guards
 from cachestore.settings import DEFAULT_MAX_BODY_BYTES
 from indexer.index import Tier
-from indexer.redis_index import redact_url
 
 
 class ComponentHealth(BaseModel):
@@ -177,6 +177,10 @@ def create_app(
 
 
 def public_redis_url(url: str) -> tuple[str, bool]:
-    """The Redis URL without its password, and whether one is needed."""
-    redacted = redact_url(url)
-    return redacted.replace(":***@", "@"), redacted != url
+    """The Redis URL without its password (its user name kept), and whether one is needed."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url, False
+    host = parts.netloc.rpartition("@")[2]
+    netloc = f"{parts.username}@{host}" if parts.username else host
+    return f"{parts.scheme}://{netloc}" + urlunsplit(parts._replace(scheme="", netloc="")), True

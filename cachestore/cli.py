@@ -50,7 +50,7 @@ def serve(
     chunk_key_file: Annotated[Optional[Path], typer.Option(help="the cluster's chunk-signing key file")] = None,  # noqa: UP045
     admin_token: Annotated[Optional[str], typer.Option(help="bearer token admin calls need")] = None,  # noqa: UP045
     open_reads: Annotated[Optional[bool], typer.Option("--open-reads", help="reads need no token")] = None,  # noqa: UP045
-    kv_events_endpoint: Annotated[Optional[str], typer.Option(help="KV events: ZMQ tcp://*:PORT")] = None,  # noqa: UP045
+    kv_events_endpoint: Annotated[Optional[str], typer.Option(help="KV events: ZMQ tcp://ADDRESS:PORT")] = None,  # noqa: UP045
     cpus: Annotated[Optional[str], typer.Option(help="run the daemon and its servers on CPUs: 1, 2-3")] = None,  # noqa: UP045
     allowed_host: Annotated[Optional[list[str]], typer.Option(help="also answer this Host name (repeat)")] = None,  # noqa: UP045
     max_body_bytes: Annotated[Optional[str], typer.Option(help="larger bodies get 413 [default: 16MiB]")] = None,  # noqa: UP045
@@ -87,14 +87,25 @@ def proxy(
     timeout_s: Annotated[Optional[float], typer.Option(help="longest request to an instance [default: 600]")] = None,  # noqa: UP045
     publish_wait_s: Annotated[Optional[float], typer.Option(help="wait for a prefill's chunks [default: 2]")] = None,  # noqa: UP045
     retry_after_s: Annotated[Optional[float], typer.Option(help="a failed instance goes last [default: 10]")] = None,  # noqa: UP045
+    auth_token_file: Annotated[Optional[Path], typer.Option(help="bearer token clients send: its file")] = None,  # noqa: UP045
 ) -> None:
     """OpenAI-compatible front for disaggregated prefill: each request is prefilled on a prefill instance,
-    which publishes the prompt's KV, then generated on a decode instance, which loads it from the store."""
+    which publishes the prompt's KV, then generated on a decode instance, which loads it from the store. Secrets come
+    from the environment or files, never flags: PREFIXCACHE_PROXY_TOKEN (or --auth-token-file) is the bearer token
+    clients must send, PREFIXCACHE_REDIS_PASSWORD the index's password (cache-aware routing, where the daemon's
+    password file cannot be read)."""
+    import os
+
     from cachestore.proxy import ProxySettings, serve
+    from cachestore.secrets_store import read_secret
 
     flags = dict(prefill=prefill, decode=decode, host=host, port=port, routing=routing, service_url=service_url,
-                 timeout_s=timeout_s, publish_wait_s=publish_wait_s, retry_after_s=retry_after_s)  # fmt: skip
+                 timeout_s=timeout_s, publish_wait_s=publish_wait_s, retry_after_s=retry_after_s,
+                 auth_token=os.environ.get("PREFIXCACHE_PROXY_TOKEN"),
+                 redis_password=os.environ.get("PREFIXCACHE_REDIS_PASSWORD"))  # fmt: skip
     with _clear_errors():
+        if auth_token_file is not None:
+            flags["auth_token"] = read_secret(auth_token_file)
         serve(ProxySettings.parse(flags))
 
 

@@ -33,6 +33,7 @@ from cachestore.dram import MooncakeTier
 from cachestore.extents import locate
 from cachestore.nvme import Extent, read_extent
 from cachestore.promotion import PromotionStream
+from cachestore.secrets_store import read_secret
 from indexer.chunking import ChunkGeometry
 from indexer.errors import ConfigError, IndexUnavailableError
 from indexer.index import ChunkRecord, Location, NamespaceCheck, PrefixMatch, attach_namespace
@@ -93,6 +94,23 @@ def chunk_mac_key(config: ClientConfig, key_file: str | None = None) -> ChunkMac
     return ChunkMacKey.read(Path(path))
 
 
+def index_url(config: ClientConfig, redis_password: str | None = None) -> str:
+    """The index URL a client of ``config``'s node connects with (the connector's scheduler and workers, warm-up
+    jobs, the proxy): with ``redis_password`` where one is given (a setting), else, where the index needs a
+    password, with the one in the file the node names (``secret_files.redis_password``: its embedded
+    redis-server's, readable by the daemon's user on its host)."""
+    if redis_password:
+        return with_password(config.redis_url, redis_password)
+    password_file = config.secret_files.redis_password
+    if config.redis_password_required and password_file:
+        try:
+            return with_password(config.redis_url, read_secret(Path(password_file)))
+        except ConfigError as exc:
+            raise ConfigError(f"the index at {config.redis_url} needs a password: {exc} (run as the daemon's "
+                              "user on its host, or set redis_password)") from None  # fmt: skip
+    return config.redis_url
+
+
 class CacheClient:
     def __init__(self, config: ClientConfig, spec: NamespaceSpec, *, arena_bytes: int = 256 << 20,
                  redis_password: str | None = None, promote_timeout_s: float = 2.0,
@@ -107,8 +125,7 @@ class CacheClient:
         self.geometry = ChunkGeometry(spec.chunk_tokens)
         self.location = Location("dram", config.node)
         self.stats = ClientStats()
-        redis_url = with_password(config.redis_url, redis_password) if redis_password else config.redis_url
-        self.index = RedisIndex(redis_url, key_prefix=config.key_prefix)
+        self.index = RedisIndex(index_url(config, redis_password), key_prefix=config.key_prefix)
         self._redis = redis.Redis.from_url(self.index.url, socket_timeout=promote_timeout_s + 1)
         self._prefix = config.key_prefix + ":"
         self.recorder = ClientStatsRecorder(self._redis, self._prefix, config.node)  # the daemon reports these

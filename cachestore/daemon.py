@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import stat
 import sys
 import time
 import urllib.request
@@ -57,7 +58,7 @@ from cachestore.processes import port_open
 from cachestore.promotion import Promoter
 from cachestore.reconcile import reconcile
 from cachestore.redis_server import EmbeddedRedis
-from cachestore.secrets_store import load_or_create_secret, secrets_dir
+from cachestore.secrets_store import PRIVATE_UMASK, load_or_create_secret, make_private_dir, secrets_dir
 from cachestore.settings import NVME_SEGMENT_BYTES, Settings
 from cachestore.stats_report import all_clients, corrupt_by_reason, namespace_stats
 from cachestore.warmup.api import warmup_router
@@ -71,8 +72,29 @@ from indexer.leases import Leases
 from indexer.redis_index import RedisIndex
 
 log = logging.getLogger("prefixcache.daemon")
+#: The embedded redis-server's password, under ``secrets_dir(data_dir)``.
+REDIS_PASSWORD_FILE = "redis-password"
+#: What the daemon keeps under its data dir (besides the NVMe tier), made private at each start.
+PRIVATE_SUBDIRS = ("redis", "logs", "warmup", "secrets")
 DAEMON_ARENA_BYTES = 256 << 20
 WARMUP_OBJECT_BYTES = 8 << 20
+
+
+def _make_private(directory: Path) -> None:
+    """``directory`` (created if missing) and everything under it the daemon's user's alone (0700 directories,
+    files without group or other bits): what an older build left, or a directory someone else created."""
+    try:
+        make_private_dir(directory)
+        for root, dirs, files in os.walk(directory):
+            for name in dirs:
+                make_private_dir(Path(root, name))
+            for name in files:
+                path = Path(root, name)
+                mode = path.lstat().st_mode
+                if stat.S_ISREG(mode) and mode & 0o077:
+                    os.chmod(path, stat.S_IMODE(mode) & ~0o077)
+    except OSError as exc:
+        log.warning("cannot make %s private to this user (%s): other users may read its chunks", directory, exc)
 
 
 class NodeDaemon:
@@ -106,6 +128,12 @@ class NodeDaemon:
 
     def start(self) -> None:
         s = self.settings
+        # before anything is created: every file the daemon and its children (redis-server, Mooncake, warm-up
+        # jobs) write is the daemon's user's alone, as are the data dir and the NVMe tier
+        os.umask(PRIVATE_UMASK)
+        make_private_dir(s.data_dir)
+        for directory in (s.nvme_path, *(s.data_dir / name for name in PRIVATE_SUBDIRS)):
+            _make_private(directory)
         self._load_admin_token()
         engine_cpus = None  # where warm-up engines run: unbound, as the daemon
         if s.cpu_set is not None:
@@ -187,15 +215,21 @@ class NodeDaemon:
         s = self.settings
         redis_url = s.redis_url
         if redis_url is None:
-            server = EmbeddedRedis(s.data_dir / "redis", port=s.derived_port("redis_port"))
+            password = load_or_create_secret(self.redis_password_file)
+            server = EmbeddedRedis(s.data_dir / "redis", port=s.derived_port("redis_port"), password=password)
             server.start()
             self._stack.callback(server.stop)
             redis_url = server.url
-            log.info("embedded redis-server ready at %s (AOF in %s)", redis_url, server.directory)
+            log.info("embedded redis-server ready at %s (AOF in %s; password in %s)", public_redis_url(redis_url)[0],
+                     server.directory, self.redis_password_file)  # fmt: skip
         self.index = RedisIndex(redis_url, key_prefix=s.key_prefix)
         self._stack.callback(self.index.close)
         self.index.ping()
         log.info("index ready at %s", public_redis_url(redis_url)[0])
+
+    @property
+    def redis_password_file(self) -> Path:
+        return (secrets_dir(self.settings.data_dir) / REDIS_PASSWORD_FILE).absolute()
 
     def _start_mooncake(self) -> None:
         s = self.settings
@@ -282,8 +316,11 @@ class NodeDaemon:
                 master=self.master_address, metadata_url=self.metadata_url, protocol=s.mooncake_protocol,
                 device_names=s.mooncake_device_names, shm_address=self.owner.shm_address, segment=self.owner.segment,
             ),
-            secret_files=SecretFiles(chunk_key=str(self.mac_key_file),
-                                     admin_token=str(self.admin_token_file) if self.admin_token_file else None),
+            secret_files=SecretFiles(
+                chunk_key=str(self.mac_key_file),
+                redis_password=str(self.redis_password_file) if s.embedded_redis else None,
+                admin_token=str(self.admin_token_file) if self.admin_token_file else None,
+            ),
         )  # fmt: skip
 
     def stats(self) -> Stats:

@@ -240,8 +240,8 @@ class _Segment:
         return self.end - self.live
 
     def writer(self) -> int:
-        if self._write_fd is None:
-            self._write_fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        if self._write_fd is None:  # chunks hold their tokens in clear: the file is its owner's alone
+            self._write_fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
         return self._write_fd
 
     def close_writer(self) -> None:

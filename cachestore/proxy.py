@@ -15,11 +15,16 @@ Failures degrade, never break: a prefill instance that cannot be reached (or ans
 the decode instance prefills the prompt itself; a decode instance that cannot be reached is replaced by
 the next one; only when none answers does the client get an error, as an OpenAI-style JSON body with
 status 502.
+
+Authorization: the client's ``Authorization`` header reaches every instance the request goes to (so vLLM's own
+``--api-key`` works behind the proxy), and with ``auth_token`` the proxy itself answers 401 to a request that
+does not carry ``Bearer <auth_token>`` (the same value as vLLM's API key, when both are set).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 from dataclasses import asdict, dataclass
@@ -29,10 +34,10 @@ from urllib.parse import urlsplit
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from starlette.background import BackgroundTask
 
-from cachestore.client import fetch_config
+from cachestore.client import fetch_config, index_url
 from cachestore.proxy_routing import (
     InstancePool,
     prefill_body,
@@ -45,7 +50,7 @@ from indexer.chunking import ChunkGeometry
 from indexer.errors import ConfigError, IndexUnavailableError, validation_problems
 from indexer.index import PrefixIndex
 from indexer.keys import PrefixHasher, extend_all
-from indexer.redis_index import RedisIndex, with_password
+from indexer.redis_index import RedisIndex
 
 log = logging.getLogger("prefixcache.proxy")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -70,6 +75,10 @@ class ProxySettings(BaseModel):
         default=2.0, ge=0, description="cache-aware: how long to wait for a prefill's chunks to appear in the index"
     )
     retry_after_s: float = Field(default=10.0, gt=0, description="a failed instance is tried last for this long")
+    auth_token: SecretStr | None = Field(
+        default=None, min_length=16, description="bearer token every request but /health needs; unset: none (the "
+        "instances may still check theirs: the client's Authorization header is forwarded)"
+    )  # fmt: skip
 
     @field_validator("prefill", "decode", mode="before")
     @classmethod
@@ -133,8 +142,7 @@ class CachedPrefix:
     def of_service(cls, service_url: str, redis_password: str | None) -> CachedPrefix:
         """The index the daemon at ``service_url`` uses."""
         config = fetch_config(service_url)
-        url = with_password(config.redis_url, redis_password) if redis_password else config.redis_url
-        return cls(RedisIndex(url, key_prefix=config.key_prefix))
+        return cls(RedisIndex(index_url(config, redis_password), key_prefix=config.key_prefix))
 
     def complete(self, model: str, tokens: list[int], tenant_salt: str | None) -> bool:
         try:
@@ -171,7 +179,9 @@ class Proxy:
         if self.cache is not None:
             self.cache.close()
 
-    async def generate(self, path: str, body: dict[str, Any]) -> Response:
+    async def generate(self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
+        """``headers``: the client's that go on to the instances (its ``Authorization``)."""
+        headers = headers or {}
         self.stats.requests += 1
         params, problem = request_cache_params(body.get("kv_transfer_params"))
         if problem:
@@ -179,20 +189,21 @@ class Proxy:
         decode_order = self.decode.order()
         if not (params.publish and params.load):  # a prefill instance's work would never reach the decode instance
             self.stats.not_through_the_store += 1
-            return await self._decode(path, body, decode_order)
-        tokens = await self._prompt_tokens(path, body, decode_order[0])
+            return await self._decode(path, body, decode_order, headers)
+        tokens = await self._prompt_tokens(path, body, decode_order[0], headers)
         aware = self.settings.routing == "cache-aware" and tokens is not None and "model" in body
         if aware and await self._cached(body, tokens):
             self.stats.prefill_skipped += 1
         else:
-            prefilled = await self._prefill(path, body)
+            prefilled = await self._prefill(path, body, headers)
             if isinstance(prefilled, Response):
                 return prefilled
             if prefilled and aware and self.settings.publish_wait_s > 0:
                 await self._wait_published(body, tokens)
-        return await self._decode(path, body, decode_order)
+        return await self._decode(path, body, decode_order, headers)
 
-    async def _prompt_tokens(self, path: str, body: dict[str, Any], decode_url: str) -> list[int] | None:
+    async def _prompt_tokens(self, path: str, body: dict[str, Any], decode_url: str,
+                             headers: dict[str, str]) -> list[int] | None:  # fmt: skip
         """The prompt's token ids, asking the decode instance's tokenizer when the request has text."""
         if self.settings.routing != "cache-aware":
             return None
@@ -200,7 +211,7 @@ class Proxy:
         request = tokenize_body(path, body) if tokens is None else None
         if request is not None:
             try:
-                response = await self.client.post(decode_url + "/tokenize", json=request)
+                response = await self.client.post(decode_url + "/tokenize", json=request, headers=headers)
                 if response.status_code == 200:
                     tokens = response.json().get("tokens")
             except httpx.HTTPError as exc:
@@ -225,14 +236,14 @@ class Proxy:
             await asyncio.sleep(PUBLISH_POLL_S)
         log.debug("a prefill's chunks reached the index %.3f s after it answered", clock() - started)
 
-    async def _prefill(self, path: str, body: dict[str, Any]) -> Response | bool:
+    async def _prefill(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Response | bool:
         """Run the prompt on a prefill instance; whether one did. An instance failure just skips the step (the
         decode instance prefills itself, and nothing is waited for); the client's own mistakes (4xx: the decode
         instance would refuse the request too) come back as the error response to relay."""
         request = prefill_body(body)
         for url in self.prefill.order():
             try:
-                response = await self.client.post(url + path, json=request)
+                response = await self.client.post(url + path, json=request, headers=headers)
             except httpx.HTTPError as exc:
                 log.warning("prefill instance %s failed (%s); trying the next", url, exc)
                 self.prefill.failed(url)
@@ -249,10 +260,10 @@ class Proxy:
         log.warning("no prefill instance answered: the decode instance prefills the prompt itself")
         return False
 
-    async def _decode(self, path: str, body: dict[str, Any], order: list[str]) -> Response:
+    async def _decode(self, path: str, body: dict[str, Any], order: list[str], headers: dict[str, str]) -> Response:
         stream = bool(body.get("stream"))
         for url in order:
-            request = self.client.build_request("POST", url + path, json=body)
+            request = self.client.build_request("POST", url + path, json=body, headers=headers)
             try:
                 response = await self.client.send(request, stream=stream)
             except httpx.HTTPError as exc:
@@ -274,10 +285,10 @@ class Proxy:
         self.stats.decode_failed += 1
         return error_response(502, f"no decode instance answered (tried {', '.join(order)})", "BadGateway")
 
-    async def forward_get(self, path: str) -> Response:
+    async def forward_get(self, path: str, headers: dict[str, str] | None = None) -> Response:
         for url in self.decode.order():
             try:
-                return _relay(await self.client.get(url + path))
+                return _relay(await self.client.get(url + path, headers=headers))
             except httpx.HTTPError:
                 self.decode.failed(url)
         return error_response(502, "no decode instance answered", "BadGateway")
@@ -305,11 +316,36 @@ def error_response(status: int, message: str, kind: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}}, status)
 
 
+def forwarded_headers(request: Request) -> dict[str, str]:
+    """What of the client's request goes on to the instances: its credentials."""
+    authorization = request.headers.get("authorization")
+    return {"Authorization": authorization} if authorization is not None else {}
+
+
+def bearer_matches(request: Request, token: SecretStr) -> bool:
+    """Whether the request carries ``Authorization: Bearer <token>`` (compared in constant time)."""
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    expected = token.get_secret_value().encode()
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected)
+
+
 def create_app(settings: ProxySettings) -> FastAPI:
     proxy = Proxy(settings)
     app = FastAPI(title="prefixcache proxy", summary="Disaggregated prefill through the prefixcache store.")
     app.router.add_event_handler("shutdown", proxy.close)
     app.state.proxy = proxy
+
+    if settings.auth_token is not None:
+        token = settings.auth_token
+
+        @app.middleware("http")
+        async def require_token(request: Request, call_next: Any) -> Response:
+            if request.url.path == "/health" or bearer_matches(request, token):
+                return await call_next(request)
+            response = error_response(401, "missing or wrong bearer token (Authorization: Bearer ...)",
+                                      "AuthenticationError")  # fmt: skip
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
 
     async def generation(request: Request) -> Response:
         try:
@@ -318,14 +354,14 @@ def create_app(settings: ProxySettings) -> FastAPI:
             return error_response(400, f"request body is not valid JSON: {exc}", "BadRequestError")
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object", "BadRequestError")
-        return await proxy.generate(request.url.path, body)
+        return await proxy.generate(request.url.path, body, forwarded_headers(request))
 
     for path in GENERATION_PATHS:
         app.add_api_route(path, generation, methods=["POST"])
 
     @app.get("/v1/models")
-    async def models() -> Response:
-        return await proxy.forward_get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await proxy.forward_get("/v1/models", forwarded_headers(request))
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -345,4 +381,7 @@ def serve(settings: ProxySettings) -> None:
     app = create_app(settings)
     log.info("prefixcache proxy on http://%s:%d: prefill %s, decode %s, routing %s", settings.host, settings.port,
              ", ".join(settings.prefill), ", ".join(settings.decode), settings.routing)  # fmt: skip
+    if settings.auth_token is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("no proxy token: anyone who reaches %s:%d can send requests to the instances "
+                    "(set PREFIXCACHE_PROXY_TOKEN, or give them --api-key)", settings.host, settings.port)  # fmt: skip
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")

@@ -95,8 +95,9 @@ class Settings(BaseSettings):
         default=False, description="POST /v1/warmup may pass --trust-remote-code (runs the model's own code)"
     )
     kv_events_endpoint: str | None = Field(
-        default=None, description="ZMQ PUB endpoint for vLLM-format KV events, e.g. tcp://*:5557; unset: off"
-    )
+        default=None, description="ZMQ PUB endpoint for vLLM-format KV events (they carry every chunk's token ids), "
+        "e.g. tcp://127.0.0.1:5557 or the node's address; tcp://* is refused; unset: off"
+    )  # fmt: skip
     kv_events_topic: str = Field(default="", description="topic frame of every KV-event message")
     cpus: str | None = Field(
         default=None, description="CPUs the daemon and its servers run on, e.g. the cores vLLM reserves: '1' or "
@@ -185,7 +186,11 @@ class Settings(BaseSettings):
             host, _, port = address.rpartition(":")
             tcp_ok = bool(host) and port.isdigit() and 0 < int(port) < 65536
             if not sep or scheme not in ("tcp", "ipc") or not address or (scheme == "tcp" and not tcp_ok):
-                raise ValueError(f"must look like tcp://HOST:PORT, tcp://*:PORT or ipc://PATH (got {endpoint!r})")
+                raise ValueError(f"must look like tcp://HOST:PORT or ipc://PATH (got {endpoint!r})")
+            if scheme == "tcp" and host == "*":
+                raise ValueError(f"{endpoint} would publish every cached chunk's token ids on every interface: name "
+                                 f"the address routers reach (tcp://127.0.0.1:{port}, this node's own address, or "
+                                 f"tcp://0.0.0.0:{port} if every interface is meant)")  # fmt: skip
         return endpoint
 
     @model_validator(mode="after")

@@ -30,7 +30,7 @@ from typing import Any
 
 import redis
 
-from cachestore.client import fetch_config
+from cachestore.client import fetch_config, index_url
 from cachestore.client_stats import ClientStatsRecorder
 from cachestore.request_params import request_cache_params
 from connector.load_policy import (
@@ -59,7 +59,7 @@ from indexer.errors import IndexUnavailableError
 from indexer.index import PrefixMatch, attach_namespace
 from indexer.keys import PrefixHasher, extend_all
 from indexer.leases import Leases
-from indexer.redis_index import RedisIndex, with_password
+from indexer.redis_index import RedisIndex
 from indexer.tokens import TOKEN_BYTES
 
 log = logging.getLogger("prefixcache.connector")
@@ -121,10 +121,7 @@ class SchedulerSide:
         self.plan_geometry = Geometry(client_config.chunk_tokens, self.block_tokens)
         first = namespace_for(vllm_config, spec, client_config.chunk_tokens, tp_rank=0, pp_rank=0)
         self.namespaces = first.shards()
-        redis_url = client_config.redis_url
-        if settings.redis_password:
-            redis_url = with_password(redis_url, settings.redis_password)
-        self.index = RedisIndex(redis_url, key_prefix=client_config.key_prefix)
+        self.index = RedisIndex(index_url(client_config, settings.redis_password), key_prefix=client_config.key_prefix)
         self.lookups = BatchedLookups(self.index)  # the requests vLLM adds together are looked up together
         # a second connection, with short timeouts, for leases and statistics
         bookkeeping = redis.Redis.from_url(self.index.url, socket_timeout=LEASE_TIMEOUT_S,

@@ -22,7 +22,10 @@ class ConnectorSettings(BaseModel):
         default="auto", description="registered buffer for loads and publishes, in MiB; auto sizes it for two "
         "steps of publishes (arena_mib)")  # fmt: skip
     min_hit_tokens: int = Field(default=16, ge=1, description="smaller external hits are not worth a load")
-    redis_password: str | None = Field(default=None, description="if the index needs one (never logged)")
+    redis_password: str | None = Field(
+        default=None, description="if the index needs one (never logged); unset: the embedded index's, read from "
+        "the file the daemon names (GET /v1/config secret_files.redis_password)"
+    )  # fmt: skip
     chunk_key_file: str | None = Field(default=None, description="the cluster's chunk-signing key file, where this "
                                        "host's path differs from the one the daemon names in /v1/config")  # fmt: skip
     io_cpus: IoCpus = Field(default="auto", description="cores for the connector's threads: auto, inherit or CPU ids "

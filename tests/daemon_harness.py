@@ -16,7 +16,7 @@ import redis
 
 from cachestore.auth import admin_token_path
 from cachestore.chunk_mac import ChunkMacKey
-from cachestore.client import CacheClient, fetch_config
+from cachestore.client import CacheClient, fetch_config, index_url
 from cachestore.codec import ChunkMeta, encode, read_meta
 from cachestore.dram import MooncakeTier, split_offset
 from cachestore.extents import locate
@@ -39,15 +39,19 @@ class Daemon:
                      "--dram-bytes", dram, "--nvme-bytes", nvme, "--node", node, *extra]  # fmt: skip
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
+        self.index_password: str | None = None  # what its clients pass as redis_password, where they need one
 
     def joined_by(self, data_dir: Path, node: str) -> Daemon:
         """Another node of this daemon's cluster: its own DRAM segment and NVMe tier, this daemon's Redis
         and Mooncake master (ports ``PORT+1``, ``+4``, ``+5``, ``+6``, as ``serve`` derives them)."""
         host = "127.0.0.1"
-        return Daemon(data_dir, "--redis-url", f"redis://{host}:{self.port + 1}/0",
-                      "--mooncake-master", f"{host}:{self.port + 4}", "--chunk-key-file", str(self.chunk_key_file),
-                      "--mooncake-metadata-url", f"http://{host}:{self.port + 5}/metadata", node=node,
-                      env={"PREFIXCACHE_MOONCAKE_METRICS_URL": f"http://{host}:{self.port + 6}/metrics"})  # fmt: skip
+        password = self.redis_password()
+        joined = Daemon(data_dir, "--redis-url", f"redis://:{password}@{host}:{self.port + 1}/0",
+                        "--mooncake-master", f"{host}:{self.port + 4}", "--chunk-key-file", str(self.chunk_key_file),
+                        "--mooncake-metadata-url", f"http://{host}:{self.port + 5}/metadata", node=node,
+                        env={"PREFIXCACHE_MOONCAKE_METRICS_URL": f"http://{host}:{self.port + 6}/metrics"})  # fmt: skip
+        joined.index_password = password  # its clients are given it: the index is not its own, it names no file
+        return joined
 
     @property
     def chunk_key_file(self) -> Path:
@@ -57,6 +61,10 @@ class Daemon:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def redis_password(self) -> str:
+        """The embedded redis-server's password, which the daemon generated at its first start."""
+        return read_secret(secrets_dir(self.data_dir) / "redis-password")
 
     @property
     def token(self) -> str:
@@ -191,7 +199,7 @@ def damage_nvme_copy(daemon: Daemon, key: bytes) -> None:
     """Flip the last byte of chunk ``key``'s copy in ``daemon``'s NVMe tier, in its segment file (where the
     daemon itself says it lies): a disk that returns bad data for the next reader."""
     config = fetch_config(daemon.url)
-    client = redis.Redis.from_url(config.redis_url)
+    client = redis.Redis.from_url(index_url(config))
     try:
         (extent,) = locate(client, config.key_prefix + ":", config.node, [key], timeout_s=5)
     finally:

@@ -30,7 +30,7 @@ def listed(api, **params) -> list[str]:
 def test_without_the_token_only_health_and_config_answer(daemon):
     with httpx.Client(base_url=daemon.url) as anonymous:
         assert anonymous.get("/v1/health").status_code == 200
-        assert TOKEN not in anonymous.get("/v1/config").text  # it names secret files (none here), never a value
+        assert TOKEN not in anonymous.get("/v1/config").text  # it names secret files (admin_token), never values
         calls = [("GET", "/v1/stats"), ("GET", "/v1/chunks"), ("GET", "/metrics"), ("POST", "/v1/evict"),
                  ("POST", "/v1/pin"), ("DELETE", "/v1/chunks/" + "0" * 32)]  # fmt: skip
         for method, path in calls:

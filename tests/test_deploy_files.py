@@ -27,8 +27,12 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=120)
 
 
+#: Variables of other commands than ``serve``: the proxy's token and the index password of the proxy and warm-up.
+OTHER_COMMANDS_VARIABLES = {"PREFIXCACHE_PROXY_TOKEN", "PREFIXCACHE_REDIS_PASSWORD"}
+
+
 def test_every_prefixcache_variable_named_in_deploy_is_a_setting():
-    known = {f"PREFIXCACHE_{name.upper()}" for name in Settings.model_fields}
+    known = {f"PREFIXCACHE_{name.upper()}" for name in Settings.model_fields} | OTHER_COMMANDS_VARIABLES
     for path in DEPLOY_TEXT_FILES:
         named = set(re.findall(r"\bPREFIXCACHE_[A-Z_]+[A-Z]\b", path.read_text()))
         assert named <= known, f"{path.name} names unknown settings {sorted(named - known)}"

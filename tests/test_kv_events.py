@@ -15,6 +15,7 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 
 from cachestore.client import CacheClient
 from cachestore.processes import free_port
+from cachestore.settings import Settings
 from tests.daemon_harness import Daemon, make_spec, publish_prompt
 
 CHUNK = 64
@@ -112,3 +113,18 @@ def test_a_malformed_endpoint_stops_serve_with_a_clear_error(tmp_path):
     )  # fmt: skip
     assert result.returncode == 2
     assert "invalid setting kv_events_endpoint: must look like tcp://HOST:PORT" in result.stderr
+
+
+def test_every_interface_must_be_asked_for_by_its_address(tmp_path):
+    """The events carry every chunk's token ids: ``tcp://*`` (what vLLM's examples use) is refused, naming the
+    addresses to give instead; ``0.0.0.0`` is taken as meant."""
+    result = subprocess.run(
+        [sys.executable, "-m", "cachestore", "serve", "--data-dir", str(tmp_path), "--kv-events-endpoint",
+         "tcp://*:5557"], capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "tcp://*:5557 would publish every cached chunk's token ids on every interface" in result.stderr
+    assert "tcp://127.0.0.1:5557" in result.stderr and "tcp://0.0.0.0:5557" in result.stderr
+    assert not (tmp_path / "redis").exists()  # refused before anything started
+    assert Settings(kv_events_endpoint="tcp://0.0.0.0:5557").kv_events_endpoint == "tcp://0.0.0.0:5557"
+    assert Settings(kv_events_endpoint="ipc:///run/prefixcache/events").kv_events_endpoint

@@ -1,9 +1,15 @@
-"""The proxy's pure rules, its settings' errors, and how it answers when no instance can be reached.
+"""The proxy's pure rules, its settings' errors, what it forwards and refuses, and how it answers when no instance
+can be reached.
 
 The flow through real vLLM instances is tested in tests/e2e/test_proxy_e2e.py.
 """
 
 from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -190,3 +196,91 @@ async def test_with_no_prefill_instance_answering_nothing_waits_for_chunks_it_ne
         stats = (await client.get("/proxy/stats")).json()
         assert stats["prefill_failed"] == 1 and stats["decode_failed"] == 1 and stats["publish_wait_expired"] == 0
     await app.state.proxy.close()
+
+
+class Upstream:
+    """A stand-in vLLM instance on a real local port: answers completions and models, records each request's path
+    and Authorization header."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str | None]] = []
+        upstream = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                upstream.seen.append((self.path, self.headers.get("Authorization")))
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                body = json.dumps({"choices": [{"text": "ok"}], "data": []}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def instances() -> Iterator[tuple[Upstream, Upstream]]:
+    prefill, decode = Upstream(), Upstream()
+    yield prefill, decode
+    prefill.close()
+    decode.close()
+
+
+@pytest.mark.anyio
+async def test_the_clients_authorization_reaches_the_prefill_and_the_decode_instance(instances):
+    """vLLM started with --api-key checks it behind the proxy."""
+    prefill, decode = instances
+    app = create_app(ProxySettings.parse({"prefill": [prefill.url], "decode": [decode.url]}))
+    auth = {"Authorization": "Bearer vllm-api-key"}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+        response = await client.post("/v1/completions", json={"model": "m", "prompt": [1, 2, 3]}, headers=auth)
+        assert response.status_code == 200
+        assert (await client.get("/v1/models", headers=auth)).status_code == 200
+        assert (await client.post("/v1/completions", json={"model": "m", "prompt": [1]})).status_code == 200
+    await app.state.proxy.close()
+    assert prefill.seen == [("/v1/completions", "Bearer vllm-api-key"), ("/v1/completions", None)]
+    assert decode.seen == [("/v1/completions", "Bearer vllm-api-key"), ("/v1/models", "Bearer vllm-api-key"),
+                           ("/v1/completions", None)]  # fmt: skip
+
+
+@pytest.mark.anyio
+async def test_with_a_proxy_token_a_request_without_it_is_a_401_that_reaches_no_instance(instances):
+    prefill, decode = instances
+    token = "proxy-token-0123456789abcdef"
+    app = create_app(ProxySettings.parse({"prefill": [prefill.url], "decode": [decode.url], "auth_token": token}))
+    body = {"model": "m", "prompt": [1, 2, 3]}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+        for headers in ({}, {"Authorization": "Bearer wrong-token-0123456789ab"}, {"Authorization": token},
+                        {"Authorization": f"Basic {token}"}):  # fmt: skip
+            response = await client.post("/v1/completions", json=body, headers=headers)
+            assert response.status_code == 401, headers
+            assert response.headers["www-authenticate"] == "Bearer"
+            assert response.json()["error"]["code"] == 401 and token not in response.text
+        assert (await client.get("/v1/models")).status_code == 401
+        assert (await client.get("/proxy/stats")).status_code == 401
+        assert (await client.get("/health")).status_code == 200  # for probes
+        assert prefill.seen == decode.seen == []
+        good = {"Authorization": f"Bearer {token}"}
+        assert (await client.post("/v1/completions", json=body, headers=good)).status_code == 200
+        assert (await client.get("/proxy/stats", headers=good)).json()["prefilled"] == 1
+    await app.state.proxy.close()
+    assert decode.seen == [("/v1/completions", f"Bearer {token}")]  # the same value may be vLLM's --api-key
+
+
+def test_a_short_proxy_token_is_refused():
+    with pytest.raises(ConfigError, match="auth_token"):
+        ProxySettings.parse({"prefill": ["http://a:1"], "decode": ["http://b:1"], "auth_token": "short"})

@@ -61,15 +61,16 @@ def test_lookup_is_one_round_trip(redis_index, spec, geometry, monkeypatch):
 
 
 def test_index_survives_a_redis_restart_with_aof(tmp_path, spec, geometry):
-    server = EmbeddedRedis(tmp_path / "r")
+    server = EmbeddedRedis(tmp_path / "r", admin=True)
     server.start()
     index = RedisIndex(server.url)
     keys = publish(index, spec, list(range(128)))
-    index._redis.execute_command("BGREWRITEAOF")
+    with redis.Redis.from_url(server.admin_url) as admin:  # clients may not: it is one of Redis's @dangerous
+        admin.execute_command("BGREWRITEAOF")
     server.stop()
     with pytest.raises(IndexUnavailableError):
         index.ping()
-    restarted = EmbeddedRedis(tmp_path / "r", port=server.port)
+    restarted = EmbeddedRedis(tmp_path / "r", port=server.port, password=server.password)
     restarted.start()
     try:
         # scripts are gone after a restart; redis-py reloads them on NOSCRIPT

@@ -36,7 +36,7 @@ def cluster(tmp_path: Path) -> Iterator[tuple[Daemon, Daemon]]:
 
 
 def connect(daemon: Daemon) -> CacheClient:
-    return CacheClient.connect(daemon.url, make_spec(), arena_bytes=64 << 20)
+    return CacheClient.connect(daemon.url, make_spec(), arena_bytes=64 << 20, redis_password=daemon.index_password)
 
 
 def persisted_on_b(b: Daemon, tokens: list[int], seed: int) -> tuple[list[bytes], list[bytes]]:

@@ -24,7 +24,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cachestore.api import ClientConfig
-from cachestore.client import fetch_config
+from cachestore.client import fetch_config, index_url
 from cachestore.settings import default_data_dir
 from cachestore.warmup import plan
 from cachestore.warmup.corpus import CorpusError, CorpusPrompt, Problem, check_against_model, read_corpus
@@ -37,7 +37,7 @@ from indexer.fingerprint import fingerprint_model
 from indexer.index import ChunkEntry
 from indexer.keys import PrefixHasher, extend_all
 from indexer.namespace import NamespaceSpec, tenant_id
-from indexer.redis_index import RedisIndex, with_password
+from indexer.redis_index import RedisIndex
 
 SETTLE_TIMEOUT_S = 30.0
 SETTLE_POLL_S = 0.05
@@ -151,9 +151,7 @@ class WarmupRun:
         state_file.save(state)
         prompts = [_Prompt(r.prompt.key, r.token_ids, r.prompt.tenant,
                            self._hashers(specs, r.prompt.tenant, r.token_ids)) for r in ready]  # fmt: skip
-        password = self.o.redis_password
-        index = RedisIndex(with_password(config.redis_url, password) if password else config.redis_url,
-                           key_prefix=config.key_prefix)  # fmt: skip
+        index = RedisIndex(index_url(config, self.o.redis_password), key_prefix=config.key_prefix)
         self.warming_started = time.monotonic()
         try:
             return self._run_waves(engine, index, prompts, state, state_file)
