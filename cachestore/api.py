@@ -20,10 +20,14 @@ from indexer.index import Tier
 class ComponentHealth(BaseModel):
     ok: bool
     detail: str
+    degraded: bool = Field(default=False, description="serving, but failing part of its job (detail says which)")
 
 
 class Health(BaseModel):
-    status: Literal["ready", "unavailable"]
+    status: Literal["ready", "degraded", "unavailable"] = Field(
+        description="ready: every component ok; degraded: every one serving, some failing part of its job (HTTP "
+        "200: the node still serves); unavailable: some component down (HTTP 503)"
+    )
     components: dict[str, ComponentHealth]
 
 
@@ -124,6 +128,11 @@ class Stats(BaseModel):
     corrupt_by_reason: dict[str, int] = Field(
         default_factory=dict, description="the same by reason: 'mac' (forged or altered), 'damaged' (anything else)"
     )
+    persist_failures: dict[str, int] = Field(
+        default_factory=dict,
+        description="chunks the write-behind failed to persist (kept in DRAM, retried), by reason: 'enospc' (no "
+        "room on the NVMe tier), 'eio' (the disk failed a write), 'index' (the index refused a write), 'error'",
+    )
     queues: QueueDepths
     clients: ClientUse
     namespaces: dict[str, NamespaceStats]
@@ -155,11 +164,15 @@ def create_app(
 
     @app.get("/v1/health", response_model=Health, responses={503: {"model": Health}})
     def health(response: Response) -> Health:
-        """Ready only when every component answers; each is named with its state."""
+        """Ready when every component answers, degraded (still 200) when one fails part of its job; each is
+        named with its state."""
         components = {name: probe() for name, probe in probes.items()}
-        ready = all(c.ok for c in components.values())
-        response.status_code = 200 if ready else 503
-        return Health(status="ready" if ready else "unavailable", components=components)
+        serving = all(c.ok for c in components.values())
+        response.status_code = 200 if serving else 503
+        if not serving:
+            return Health(status="unavailable", components=components)
+        degraded = any(c.degraded for c in components.values())
+        return Health(status="degraded" if degraded else "ready", components=components)
 
     @app.get("/v1/stats", response_model=Stats, dependencies=[Depends(require_reader)])
     def node_stats() -> Stats:

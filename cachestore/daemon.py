@@ -344,6 +344,7 @@ class NodeDaemon:
                                     dram_demoted=self.demoter.demoted),
             corrupt_chunks=wb.corrupt.total + self.promoter.corrupt.total + clients.corrupt_chunks,
             corrupt_by_reason=corrupt_by_reason(clients, wb.corrupt, self.promoter.corrupt),
+            persist_failures=dict(wb.failures.counts),
             queues=QueueDepths(promotion=self.promoter.client.llen(self.promoter.queue),
                                write_behind=self.index.feed_backlog(self.settings.node, WRITE_BEHIND_GROUP),
                                eviction_orders=self.orders.client.llen(self.orders.queue)),
@@ -387,10 +388,15 @@ class NodeDaemon:
         return ComponentHealth(ok=True, detail=f"segment {self.owner.segment}")
 
     def _nvme_health(self) -> ComponentHealth:
+        """Degraded while the write-behind fails to persist chunks (they wait in DRAM), naming why."""
         usage = self.nvme.usage()
         ok = Path(self.nvme.directory).is_dir()
-        return ComponentHealth(ok=ok, detail=f"{usage.chunks} chunks, {usage.bytes_used >> 20} MiB of "
-                                             f"{usage.capacity_bytes >> 20} MiB")  # fmt: skip
+        detail = f"{usage.chunks} chunks, {usage.bytes_used >> 20} MiB of {usage.capacity_bytes >> 20} MiB"
+        failures = self.write_behind.stats.failures
+        if failures.failing is None:
+            return ComponentHealth(ok=ok, detail=detail)
+        why = f"persisting fails ({failures.failing}: {failures.detail}); unpersisted chunks wait in DRAM"
+        return ComponentHealth(ok=ok, degraded=True, detail=f"{why}; {detail}")
 
     def check_listeners(self) -> None:
         """Refuse to serve if a process of the daemon's tree listens beyond the node's addresses: loopback, the

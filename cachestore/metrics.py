@@ -8,6 +8,7 @@ and ``/v1/stats`` can never disagree.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import get_args
 
 from fastapi import APIRouter, Depends, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -17,6 +18,7 @@ from prometheus_client.registry import Collector
 from cachestore.api import Stats
 from cachestore.auth import require_reader
 from cachestore.client_stats import LATENCY_BUCKETS_S, ClientTotals
+from cachestore.persist_failures import PersistFailureReason
 
 #: Client counters exposed per namespace, with their help text.
 CLIENT_COUNTERS = {
@@ -48,6 +50,11 @@ class CacheCollector(Collector):
         for reason, count in s.corrupt_by_reason.items():
             corrupt.add_metric([reason], count)
         yield corrupt
+        failures = CounterMetricFamily("prefixcache_persist_failures", "chunks the write-behind failed to persist "
+                                       "(kept in DRAM and retried), by reason", labels=["reason"])  # fmt: skip
+        for reason in get_args(PersistFailureReason):
+            failures.add_metric([reason], s.persist_failures.get(reason, 0))
+        yield failures
         queues = GaugeMetricFamily("prefixcache_queue_depth", "work waiting in the daemon's queues", labels=["queue"])
         queues.add_metric(["promotion"], s.queues.promotion)
         queues.add_metric(["write_behind"], s.queues.write_behind)

@@ -15,14 +15,24 @@ crash between the two steps leaves unreferenced bytes in a segment (dead space, 
 never an entry pointing at missing bytes. Compaction follows the same order, and segment files are
 deleted only after the manifest stopped referencing them.
 
-Space: ``capacity_bytes`` bounds the total size of segment files. Writes keep one segment of it free
-so that compaction, which copies a segment's live objects before deleting it, can always run without
-passing the bound. A put that needs room evicts least-recently-used unpinned chunks, deletes segments
-left without live objects and compacts the segment with the most dead bytes.
+Space: ``capacity_bytes`` bounds the total size of segment files: the configured size, or less where the
+filesystem holds less (what the tier uses plus the free space, less a headroom for the manifest), measured
+again at every put, so that space other files take or give back counts at once. Writes keep one segment of
+it free (half of it on a filesystem smaller than two segments) so that compaction, which copies a segment's
+live objects before deleting it, can always run without passing the bound. A put that needs room evicts
+least-recently-used unpinned chunks, deletes segments left without live objects and compacts the segment
+with the most dead bytes. A put the disk refuses (ENOSPC, EIO) is measured and tried once more; what it
+still cannot store is reported False, and ``write_failure`` says why, so that the caller keeps its copy.
+
+Recovery never deletes what it can read: segment files the manifest does not reference (all of them, when
+the manifest is missing, empty or had to be moved aside because RocksDB cannot open it) are scanned for
+their self-describing objects (``cachestore/segment_scan.py``), which are taken back into the manifest; files
+holding none are left as they are. Files are deleted only at run time, once the manifest no longer names them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
@@ -36,11 +46,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import rocksdict
 
 from cachestore.arena import address_of
+from cachestore.segment_scan import scan_segment
 from cachestore.tiers import TierUsage
 from indexer.errors import ConfigError
 from indexer.index import Tier
@@ -58,6 +69,19 @@ _PIN_QUERY_KEYS = 256
 #: Bytes of live objects compaction copies per put-like batch (one read buffer, one fdatasync).
 _COMPACTION_BATCH_BYTES = 64 << 20
 _RECORD = struct.Struct("<IQQQ")  # segment id, offset, length, created (ms since the epoch)
+
+
+#: Free space the tier leaves on its filesystem for the manifest (a memtable flush, its WAL): after one failed
+#: write RocksDB refuses every other until it is reopened, so the tier's own writes must not take it.
+_MANIFEST_HEADROOM = 16 << 20
+
+#: Why a put stored less than it was given: no room (the filesystem's or the tier's, every unpinned chunk
+#: evicted), or the disk failed the write.
+WriteFailure = Literal["enospc", "eio"]
+
+
+def failure_of(error: OSError) -> WriteFailure:
+    return "enospc" if error.errno in (errno.ENOSPC, errno.EDQUOT) else "eio"
 
 
 #: Reads in flight for a multi-object ``get_into``: one O_DIRECT read at a time reached 0.3-0.9 GB/s on
@@ -192,7 +216,9 @@ class RecoveryReport:
 
     chunks: int
     dropped_entries: int  # manifest entries whose segment file is missing or ends before their bytes
-    deleted_segments: int  # segment files holding no live object (crash leftovers, compacted ones)
+    rebuilt: int  # objects found in segment files the manifest did not reference, taken back into it
+    untouched_segments: int  # segment files without one readable object: not used, left as they are
+    manifest_moved_to: str | None = None  # where a manifest RocksDB could not open or read was moved
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,9 +305,19 @@ class _Located(NamedTuple):
 
 
 class _Manifest:
-    """key -> packed ``_Extent`` in RocksDB. Every write is one batch, synced through the WAL."""
+    """key -> packed ``_Extent`` in RocksDB. Every write is one batch, synced through the WAL.
+
+    rocksdict raises a bare ``Exception`` for every RocksDB status; this class raises ``OSError`` instead
+    (ENOSPC or EIO), so that the store handles a failed manifest write like a failed segment write.
+    """
 
     def __init__(self, path: Path) -> None:
+        self.path = path
+        self._db = self._open()
+        self._sync = rocksdict.WriteOptions()
+        self._sync.sync = True
+
+    def _open(self) -> rocksdict.Rdict:
         options = rocksdict.Options(raw_mode=True)
         options.create_if_missing(True)
         # Records are 44 bytes and only read in full at open: no block cache or bloom filter to tune,
@@ -289,12 +325,10 @@ class _Manifest:
         options.set_write_buffer_size(8 << 20)
         options.set_max_total_wal_size(64 << 20)
         options.set_keep_log_file_num(2)
-        self._db = rocksdict.Rdict(str(path), options)
-        self._sync = rocksdict.WriteOptions()
-        self._sync.sync = True
+        return rocksdict.Rdict(str(self.path), options)
 
-    def items(self) -> Iterable[tuple[bytes, bytes]]:
-        return self._db.items()
+    def items(self) -> list[tuple[bytes, bytes]]:
+        return list(self._db.items())
 
     def write(self, puts: Iterable[tuple[bytes, bytes]] = (), deletes: Iterable[bytes] = ()) -> None:
         batch = rocksdict.WriteBatch(raw_mode=True)
@@ -302,10 +336,52 @@ class _Manifest:
             batch.put(key, record)
         for key in deletes:
             batch.delete(key)
-        self._db.write(batch, self._sync)
+        try:
+            self._db.write(batch, self._sync)
+        except Exception as exc:  # noqa: BLE001 - rocksdict's one exception type
+            self._reopen()
+            code = errno.ENOSPC if "No space left" in str(exc) else errno.EIO
+            raise OSError(code, f"NVMe manifest write failed: {exc}") from exc
+
+    def _reopen(self) -> None:
+        """After a failed write RocksDB refuses all others until reopened (what it wrote before stays)."""
+        with contextlib.suppress(Exception):
+            self._db.close()
+        try:
+            self._db = self._open()
+        except Exception as exc:  # noqa: BLE001 - still failing: the next write tries again
+            log.warning("NVMe manifest %s cannot be reopened yet: %s", self.path, exc)
 
     def close(self) -> None:
         self._db.close()
+
+
+def _open_manifest(path: Path) -> tuple[_Manifest, list[tuple[bytes, bytes]], Path | None]:
+    """The manifest, its records, and where a broken one was moved: one that RocksDB cannot open or read (a
+    garbage ``CURRENT``, say) is renamed aside, never deleted, and a new one started for recovery to fill."""
+    try:
+        manifest = _Manifest(path)
+    except Exception as exc:  # noqa: BLE001 - rocksdict's one exception type
+        return _move_aside(path, exc)
+    try:
+        return manifest, manifest.items(), None
+    except Exception as exc:  # noqa: BLE001 - rocksdict's one exception type
+        with contextlib.suppress(Exception):
+            manifest.close()
+        return _move_aside(path, exc)
+
+
+def _move_aside(path: Path, error: Exception) -> tuple[_Manifest, list[tuple[bytes, bytes]], Path]:
+    aside = path.with_name(f"{path.name}.broken-{time.time_ns()}")
+    try:
+        path.rename(aside)
+        _fsync_dir(path.parent)
+    except OSError as exc:
+        raise ConfigError(f"NVMe manifest {path} is unreadable ({error}) and cannot be moved aside ({exc}); "
+                          "segment files untouched") from exc  # fmt: skip
+    log.warning("NVMe manifest %s is unreadable (%s): moved to %s; rebuilding it from the segment files",
+                path, str(error).splitlines()[0], aside)  # fmt: skip
+    return _Manifest(path), [], aside
 
 
 class _Scratch(threading.local):
@@ -352,9 +428,12 @@ class NvmeStore:
     ) -> None:
         _validate(capacity_bytes, segment_bytes)
         self.directory = Path(directory)
+        self.setting_bytes = capacity_bytes  # what it was given; ``capacity_bytes`` is what it may use now
         self.capacity_bytes = capacity_bytes
         self.segment_bytes = segment_bytes
         self._write_budget = capacity_bytes - segment_bytes
+        #: why the last put stored less than it was given; None once one stores everything
+        self.write_failure: WriteFailure | None = None
         self._is_pinned = is_pinned
         self._on_evict = on_evict
         self._lock = threading.Lock()
@@ -375,17 +454,23 @@ class NvmeStore:
         except (FileExistsError, NotADirectoryError) as e:
             raise ConfigError(f"NVMe tier directory {self.directory} is not a directory: {e}") from e
         _fsync_dir(self.directory)
-        self._manifest = _Manifest(self.directory / "manifest")
-        self.recovery = self._recover()
+        self._manifest, records, moved_to = _open_manifest(self.directory / "manifest")
+        self.recovery = self._recover(records, moved_to)
         log.info("NVMe tier at %s: %s", self.directory, self.recovery)
+        if self.refresh_capacity() < capacity_bytes:
+            log.warning("NVMe tier at %s: set to %d MiB, but its filesystem holds %d MiB for it (%d MiB used by "
+                        "the tier, the rest free, %d MiB left for the manifest); it uses at most that",
+                        self.directory, capacity_bytes >> 20, self.capacity_bytes >> 20, self.usage_bytes() >> 20,
+                        _MANIFEST_HEADROOM >> 20)  # fmt: skip
 
     # ---- public API -------------------------------------------------------------------------------
 
     def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
         """Store each object; True where it is durable now. A key given twice stores its last object.
 
-        False only for objects larger than ``capacity_bytes - segment_bytes``, for objects that do not
-        fit once every unpinned chunk is evicted, and when the disk fails the write.
+        False only for objects larger than the write budget, for objects that do not fit once every
+        unpinned chunk is evicted, and when the disk fails the write twice (the capacity is measured
+        again in between); ``write_failure`` then says why.
         """
         objects: dict[bytes, memoryview] = {}
         for key, value in items:
@@ -396,10 +481,39 @@ class NvmeStore:
             objects[key] = view
         with self._write_lock:
             self._check_open()
-            admitted = self._admit(objects)
-            now_ms = time.time_ns() // 1_000_000
-            stored = self._append([(key, objects[key], now_ms) for key in admitted], touch=True)
+            stored = self._store(objects)
         return [key in stored for key, _ in items]
+
+    def _store(self, objects: dict[bytes, memoryview]) -> set[bytes]:
+        """Admit and write the objects; after a write error, once more with the capacity measured again."""
+        for attempt in range(2):
+            self.refresh_capacity()
+            try:
+                admitted = self._admit(objects)
+                now_ms = time.time_ns() // 1_000_000
+                stored = self._append([(key, objects[key], now_ms) for key in admitted], touch=True)
+            except OSError as exc:
+                self.write_failure = failure_of(exc)
+                log.warning("NVMe tier: writing %d objects failed (%s)%s", len(objects), exc,
+                            "; evicting and trying again" if attempt == 0 else "; they are not stored")  # fmt: skip
+                continue
+            self.write_failure = None if len(stored) == len(objects) else "enospc"
+            return stored
+        return set()
+
+    def refresh_capacity(self) -> int:
+        """Measure what the tier may use now: its setting, or what its filesystem holds for it if less."""
+        fs = os.statvfs(self._segment_dir)
+        with self._lock:
+            room = self._space()[0] + fs.f_bavail * fs.f_frsize - _MANIFEST_HEADROOM
+            self.capacity_bytes = max(0, min(self.setting_bytes, room))
+            self._write_budget = self.capacity_bytes - min(self.segment_bytes, _align(self.capacity_bytes // 2))
+            return self.capacity_bytes
+
+    def usage_bytes(self) -> int:
+        """Bytes of segment files the tier holds."""
+        with self._lock:
+            return self._space()[0]
 
     def get_into(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[int]:
         """Read each object into its buffer; its length, or -1 (unknown key, buffer too small, I/O error)."""
@@ -469,6 +583,7 @@ class NvmeStore:
             return list(self._entries)
 
     def usage(self) -> TierUsage:
+        self.refresh_capacity()
         with self._lock:
             used, _ = self._space()
             return TierUsage(self.tier, used, self._live_length, self.capacity_bytes, len(self._entries))
@@ -486,17 +601,17 @@ class NvmeStore:
 
     # ---- restart ----------------------------------------------------------------------------------
 
-    def _recover(self) -> RecoveryReport:
-        """Rebuild memory from the manifest, keeping only entries whose bytes are on disk."""
+    def _recover(self, records: list[tuple[bytes, bytes]], moved_to: Path | None) -> RecoveryReport:
+        """Rebuild memory from the manifest, keeping only entries whose bytes are on disk, then take back the
+        objects of segment files it does not reference. Nothing is deleted here but manifest entries."""
         sizes = {}
         for path in self._segment_dir.glob("*.seg"):
             if path.stem.isdigit():
                 sizes[int(path.stem)] = path.stat().st_size
-        self._segments = {sid: _Segment(self._segment_dir, sid, _align(size)) for sid, size in sizes.items()}
         self._next_segment = max(sizes, default=0) + 1  # ids only grow, even past deleted files
-        found: list[tuple[bytes, _Extent]] = []
+        found: dict[bytes, _Extent] = {}
         dropped: list[bytes] = []
-        for key, record in self._manifest.items():
+        for key, record in records:
             try:
                 extent = _Extent.unpack(record)
             except struct.error:
@@ -507,22 +622,60 @@ class NvmeStore:
             if len(key) != KEY_BYTES or size is None or extent.offset + extent.length > size:
                 dropped.append(key)
             else:
-                found.append((key, extent))
+                found[key] = extent
         if dropped:
             log.warning("NVMe manifest: dropped %d entries whose bytes are missing", len(dropped))
             self._manifest.write(deletes=dropped)
+        for segment_id in {extent.segment for extent in found.values()}:
+            self._segments[segment_id] = _Segment(self._segment_dir, segment_id, _align(sizes[segment_id]))
+        rebuilt, untouched = self._rebuild(sorted(set(sizes) - set(self._segments)), found)
         # Recency does not survive a restart; creation order is the best guess of it.
-        found.sort(key=lambda item: (item[1].created_ms, item[1].segment, item[1].offset))
-        for key, extent in found:
+        for key, extent in sorted(found.items(), key=lambda item: (item[1].created_ms, item[1].segment,
+                                                                   item[1].offset)):  # fmt: skip
             self._place(key, extent)
-        before = len(self._segments)
-        self._delete_empty(list(self._segments.values()))
         if self._segments:
             newest = self._segments[max(self._segments)]
             # Keep appending to the newest segment: restarts then leave no trail of small files.
             if newest.end < self.segment_bytes:
                 self._active = newest
-        return RecoveryReport(len(found), len(dropped), before - len(self._segments))
+        return RecoveryReport(len(found), len(dropped), rebuilt, untouched, str(moved_to) if moved_to else None)
+
+    def _rebuild(self, segment_ids: list[int], found: dict[bytes, _Extent]) -> tuple[int, int]:
+        """Scan segment files no manifest entry names (a crash before the manifest write, a lost manifest) and
+        enter their objects whose keys it lacks, a later copy winning; (objects entered, files left untouched).
+
+        A file without one readable object is not used at all. One read whole whose objects are all known
+        (what a crash between a compaction and its unlink leaves) stays, its bytes dead: compaction reclaims it.
+        """
+        adopted: dict[bytes, _Extent] = {}
+        untouched = 0
+        for segment_id in segment_ids:
+            path = self._segment_dir / f"{segment_id:08d}.seg"
+            try:
+                scan = scan_segment(path)
+                created_ms = path.stat().st_mtime_ns // 1_000_000
+            except OSError as exc:
+                raise ConfigError(f"NVMe segment {path} cannot be read to rebuild the manifest ({exc}); "
+                                  "nothing was changed") from exc  # fmt: skip
+            if not scan.objects:
+                untouched += 1
+                log.warning("NVMe tier: %s holds no readable chunk object; left as it is, unused", path)
+                continue
+            end = path.stat().st_size
+            if scan.torn_at is not None:  # the tail of a write a crash cut: truncated to the last whole object
+                os.truncate(path, scan.torn_at)
+                log.warning("NVMe tier: %s ended inside an object at %d; truncated there", path, scan.torn_at)
+                end = scan.torn_at
+            self._segments[segment_id] = _Segment(self._segment_dir, segment_id, _align(end))
+            for obj in scan.objects:
+                if obj.key not in found:
+                    adopted[obj.key] = _Extent(segment_id, obj.offset, obj.length, created_ms)
+        if adopted:
+            self._manifest.write(puts=[(key, extent.pack()) for key, extent in adopted.items()])
+            log.warning("NVMe tier: %d chunk objects found in %d segment files the manifest did not name: entered",
+                        len(adopted), len(segment_ids) - untouched)  # fmt: skip
+        found.update(adopted)
+        return len(adopted), untouched
 
     # ---- space ------------------------------------------------------------------------------------
 
@@ -530,6 +683,8 @@ class NvmeStore:
         """Make room for the batch and return the keys that will be written (all, unless space runs out)."""
         padded = {key: _align(view.nbytes) for key, view in objects.items()}
         sizes = {key: size for key, size in padded.items() if size <= self._write_budget}
+        if not sizes:  # nothing would fit in an empty tier: evict nothing for it
+            return []
         if self._make_room(sum(sizes.values()), protected=set(objects)):
             return list(sizes)
         # Everything evictable is gone: keep, in the order given, what fits beside the pinned chunks.
@@ -608,15 +763,18 @@ class NvmeStore:
             extents = sorted(((key, self._entries[key]) for key in segment.keys), key=lambda item: item[1].offset)
             fd = segment.acquire(self._open_reader)
         try:
-            return all(self._copy(fd, group) for group in _batches(extents, _COMPACTION_BATCH_BYTES))
+            copied = all(self._copy(fd, group) for group in _batches(extents, _COMPACTION_BATCH_BYTES))
         finally:
             with self._lock:
                 segment.release()
+        self._delete_empty([segment])  # its copies replaced it, or it had no live object
+        return copied
 
     # ---- writes -----------------------------------------------------------------------------------
 
     def _append(self, objects: list[tuple[bytes, memoryview, int]], *, touch: bool) -> set[bytes]:
-        """Write objects to the active segment(s), sync, then record them in the manifest and in memory."""
+        """Write objects to the active segment(s), sync, then record them in the manifest and in memory;
+        raises ``OSError`` when the disk or the manifest fails, with none of them stored."""
         if not objects:
             return set()
         runs: dict[_Segment, list[tuple[bytes, memoryview, _Extent]]] = {}
@@ -629,17 +787,16 @@ class NvmeStore:
                 extent = _Extent(segment.id, segment.end, view.nbytes, created_ms)
                 runs.setdefault(segment, []).append((key, view, extent))
                 segment.end += padded
+        placed = [(key, extent) for run in runs.values() for key, _, extent in run]
         try:
             self._write_runs(runs)
-        except OSError:
-            log.exception("NVMe tier: writing %d objects failed; they are not stored", len(objects))
+            self._manifest.write(puts=[(key, extent.pack()) for key, extent in placed])
+        except OSError:  # nothing of the batch is stored
             with self._lock:
                 self._seal_active()  # the next put starts a fresh file after whatever this one left
                 self._close_sealed_writers(runs)
             self._delete_empty(runs)
-            return set()
-        placed = [(key, extent) for run in runs.values() for key, _, extent in run]
-        self._manifest.write(puts=[(key, extent.pack()) for key, extent in placed])
+            raise
         with self._lock:
             emptied = [old for key, extent in placed if (old := self._place(key, extent)) is not None]
             if touch:

@@ -4,7 +4,10 @@ The node's change feed (a Redis stream written atomically with each registration
 this worker reads it in batches through a consumer group, copies each chunk DRAM -> NVMe (verifying
 it on the way: a corrupt object is deleted and its location dropped, never persisted), adds the
 ``nvme@node`` location, and only then acknowledges the events. A crash leaves events unacknowledged,
-so they are processed again after a restart: the delay is bounded by the batch time, not by luck.
+so they are processed again after a restart: the delay is bounded by the batch time, not by luck. A chunk
+it cannot persist (the NVMe tier full or failing, the index refusing writes) keeps its event unacknowledged
+and its DRAM copy; the failure is counted and the pending events are replayed after a backoff
+(``cachestore/persist_failures.py``), in this process.
 
 A chunk is held back ``hold_s`` after its publish (the publisher's clock, ``ChunkEntry.created_s``) before it
 is copied. The first reads of a chunk come right after its publish (a decode instance loading what a prefill
@@ -31,11 +34,13 @@ from cachestore.chunk_mac import ChunkMacKey
 from cachestore.codec import ChunkError, RejectCounts, decode
 from cachestore.dram import MooncakeTier
 from cachestore.nvme import NvmeStore
+from cachestore.persist_failures import PersistFailureReason, PersistFailures
 from indexer.errors import IndexUnavailableError
 from indexer.index import ChunkEntry, FeedEvent, Location, PrefixIndex
 
 log = logging.getLogger("prefixcache.write_behind")
 GROUP = "persist"
+CONSUMER = "daemon"
 
 
 @dataclass
@@ -43,6 +48,7 @@ class WriteBehindCounters:
     persisted: int = 0
     corrupt: RejectCounts = field(default_factory=RejectCounts)
     vanished: int = 0
+    failures: PersistFailures = field(default_factory=PersistFailures)
     max_delay_s: float = 0.0
     delays_s: deque[float] = field(default_factory=lambda: deque(maxlen=1000))  # recent, for percentiles
 
@@ -74,15 +80,22 @@ class WriteBehind(BackgroundLoop):
         self.on_persisted: Callable[[], None] = lambda: None
 
     def run_once(self, block_s: float = 0.2) -> int:
-        """Handle one batch of feed events; returns how many there were."""
-        events = self.index.read_feed(self.node, GROUP, "daemon", count=self.batch, block_s=block_s)
+        """Handle one batch of feed events; returns how many there were. The events of chunks it could not
+        persist stay unacknowledged (``stats.failures`` says why); the others are acknowledged."""
+        events = self.index.read_feed(self.node, GROUP, CONSUMER, count=self.batch, block_s=block_s)
         if not events:
             return 0
         self._track_residency(events)
         wanted = list(dict.fromkeys(e.key for e in events if e.op == "add" and e.location == self.dram_location))
-        if wanted and not self._persist(wanted):
+        try:
+            failed = self._persist(wanted) if wanted else set()
+        except IndexUnavailableError as exc:
+            self._failed("index", str(exc), len(wanted))
+            return 0  # nothing acknowledged: every event is replayed
+        if failed is None:
             return 0  # stopped while holding: the events stay unacknowledged and are handled after a restart
-        self.index.ack_feed(self.node, GROUP, [e.id for e in events])
+        settled = [e.id for e in events if not (e.op == "add" and e.key in failed)]
+        self.index.ack_feed(self.node, GROUP, settled)
         return len(events)
 
     def resident_oldest(self, limit: int) -> list[bytes]:
@@ -99,27 +112,30 @@ class WriteBehind(BackgroundLoop):
                 else:
                     self.resident.pop(event.key, None)
 
-    def _persist(self, keys: list[bytes]) -> bool:
-        """Copy the chunks still only in DRAM to NVMe, once held; False if the loop stopped while holding."""
+    def _persist(self, keys: list[bytes]) -> set[bytes] | None:
+        """Copy the chunks still only in DRAM to NVMe, once held; the keys it could not persist, or None if the
+        loop stopped while holding."""
         entries = [
             e for e in self.index.get(keys)
             if e is not None and self.dram_location in e.locations and self.nvme_location not in e.locations
         ]  # fmt: skip
         wait = hold_left_s(max((e.created_s for e in entries), default=0.0), time.time(), self.hold_s)
         if wait > 0 and self._stop.wait(wait):
-            return False
+            return None
+        failed: set[bytes] = set()
         while entries:
             slots = self.dram.arena.alloc_batch([e.size_bytes for e in entries])
             taken = entries[: len(slots)]
             try:
-                self._persist_batch(taken, slots)
+                failed |= self._persist_batch(taken, slots)
             finally:
                 for slot in slots:
                     self.dram.arena.free(slot)
             entries = entries[len(taken) :]
-        return True
+        return failed
 
-    def _persist_batch(self, entries: list[ChunkEntry], slots: list) -> None:
+    def _persist_batch(self, entries: list[ChunkEntry], slots: list) -> set[bytes]:
+        """Verify, store and index one batch; the keys left unpersisted (counted in ``stats.failures``)."""
         sizes = self.dram.get_into([e.key for e in entries], slots)
         good, corrupt, vanished = [], [], []
         for entry, slot, size in zip(entries, slots, sizes, strict=True):
@@ -138,10 +154,16 @@ class WriteBehind(BackgroundLoop):
             self.dram.delete(corrupt)
         if corrupt or vanished:  # the index must never say a chunk is where it is not
             self.index.drop_location(corrupt + vanished, self.dram_location)
-        stored = self.nvme.put([(e.key, view) for e, view in good]) if good else []
-        persisted = [e for (e, _), ok in zip(good, stored, strict=True) if ok]
+        persisted, unstored = self._store(good)
+        if unstored:
+            reason = self.nvme.write_failure or "enospc"
+            self._failed(reason, f"the NVMe tier stored {len(persisted)} of {len(good)} chunks", len(unstored))
         if persisted:
-            gone = set(self.index.add_location([e.key for e in persisted], self.nvme_location))
+            try:
+                gone = set(self.index.add_location([e.key for e in persisted], self.nvme_location))
+            except IndexUnavailableError as exc:  # on NVMe, not indexed yet: the replay adds the location
+                self._failed("index", str(exc), len(persisted))
+                return unstored | {e.key for e in persisted}
             if gone:  # evicted while being copied: leave no NVMe bytes the index does not know of
                 self.nvme.delete(list(gone))
                 persisted = [e for e in persisted if e.key not in gone]
@@ -152,13 +174,41 @@ class WriteBehind(BackgroundLoop):
         if persisted:
             self.on_persisted()
         self.stats.vanished += len(vanished)
+        return unstored
+
+    def _store(self, good: list[tuple[ChunkEntry, memoryview]]) -> tuple[list[ChunkEntry], set[bytes]]:
+        """Put the verified chunks the NVMe tier lacks (a replay after an index failure finds them there);
+        (the chunks now on NVMe, the keys it did not store)."""
+        held = self.nvme.contains([e.key for e, _ in good])
+        missing = [(e, view) for (e, view), there in zip(good, held, strict=True) if not there]
+        stored = self.nvme.put([(e.key, view) for e, view in missing]) if missing else []
+        unstored = {e.key for (e, _), ok in zip(missing, stored, strict=True) if not ok}
+        return [e for e, _ in good if e.key not in unstored], unstored
+
+    def _failed(self, reason: PersistFailureReason, detail: str, chunks: int) -> None:
+        self.stats.failures.failed(reason, detail, chunks, time.monotonic())
+        log.warning("write-behind: %d chunks not persisted (%s: %s); kept in DRAM, retried in %.1fs", chunks, reason,
+                    detail, self.stats.failures.backoff_s)  # fmt: skip
 
     def step(self) -> None:
+        """One batch; after a failed one, wait out the backoff and replay this consumer's pending events."""
+        failures = self.stats.failures
+        wait = failures.wait_s(time.monotonic())
+        if wait > 0:
+            self._stop.wait(wait)
+            return
+        before = failures.attempts_failed
         try:
+            if failures.failing:
+                self.index.rewind_feed(self.node, GROUP, CONSUMER)
             self.run_once()
         except IndexUnavailableError as exc:
-            log.warning("write-behind paused: %s", exc)
-            self._stop.wait(1.0)
+            self._failed("index", str(exc), 0)
+        except Exception as exc:
+            self._failed("error", f"{type(exc).__name__}: {exc}", 0)
+            raise
+        if failures.attempts_failed == before:
+            failures.succeeded()
 
 
 def hold_left_s(newest_created_s: float, now_s: float, hold_s: float) -> float:

@@ -177,6 +177,9 @@ class EmbeddedIndex:
     def ack_feed(self, node: str, group: str, ids: Sequence[str]) -> None:
         """Nothing to acknowledge: events are delivered once."""
 
+    def rewind_feed(self, node: str, group: str, consumer: str) -> None:
+        """Nothing to deliver again: events are delivered once."""
+
     def _add(self, slot: _Slot, location: Location) -> None:
         if location not in slot.locations:
             slot.locations.add(location)

@@ -265,6 +265,10 @@ class PrefixIndex(Protocol):
     def ack_feed(self, node: str, group: str, ids: Sequence[str]) -> None:
         """Acknowledge events handled; unacknowledged ones are delivered again after a restart."""
 
+    def rewind_feed(self, node: str, group: str, consumer: str) -> None:
+        """Deliver this consumer's unacknowledged events again, from its next ``read_feed`` on, before new
+        ones: how a consumer retries the events of a step that failed without restarting."""
+
     def scan(self, batch: int = 512) -> Iterator[ChunkEntry]:
         """Every entry, in no particular order."""
 

@@ -47,6 +47,14 @@ def with_password(url: str, password: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
+def _refuses_writes(error: redis.exceptions.ResponseError) -> bool:
+    """Whether Redis turned a write down for a state of its own (out of memory, a failed snapshot, a replica),
+    which passes like a lost connection: the index is unavailable, its data intact."""
+    return isinstance(error, redis.exceptions.OutOfMemoryError | redis.exceptions.ReadOnlyError) or str(
+        error
+    ).startswith("MISCONF")
+
+
 def redact_url(url: str) -> str:
     """The URL with any password replaced, for messages and logs."""
     return url if urlsplit(url).password is None else with_password(url, "***")
@@ -107,6 +115,10 @@ class RedisIndex:
             yield
         except (RedisConnectionError, RedisTimeoutError) as exc:
             raise IndexUnavailableError(f"Redis index at {redact_url(self.url)} is unreachable: {exc}") from exc
+        except redis.exceptions.ResponseError as exc:
+            if not _refuses_writes(exc):
+                raise
+            raise IndexUnavailableError(f"Redis index at {redact_url(self.url)} refuses writes: {exc}") from exc
 
     def ping(self) -> None:
         with self._reachable():
@@ -242,6 +254,11 @@ class RedisIndex:
         if ids:
             with self._reachable():
                 self._redis.xack(self._prefix + "f:" + node, group, *ids)
+
+    def rewind_feed(self, node: str, group: str, consumer: str) -> None:
+        cursor = (self._prefix + "f:" + node, group, consumer)
+        if cursor in self._feed_groups:
+            self._feed_groups[cursor] = "0"
 
     def scan(self, batch: int = 512) -> Iterator[ChunkEntry]:
         pattern = self._prefix + "e:*"
