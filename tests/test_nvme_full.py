@@ -83,7 +83,7 @@ def test_a_write_the_disk_refuses_is_not_stored_and_named(small_fs: Path, monkey
 
 
 def stats(daemon: Daemon) -> dict:
-    return httpx.get(daemon.url + "/v1/stats").json()
+    return httpx.get(daemon.url + "/v1/stats", headers=daemon.headers).json()
 
 
 def health(daemon: Daemon) -> tuple[int, dict]:
@@ -117,7 +117,7 @@ def test_no_chunk_acknowledged_as_persisted_is_lost_on_a_full_disk(tmp_path: Pat
         assert not any(NVME in e.locations for e in client.index.get(waiting))
         assert stats(daemon)["queues"]["write_behind"] > 0  # their events wait
         assert fetch_payloads(client, waiting[:8]) == [published[k] for k in waiting[:8]]  # still in DRAM
-        metrics = httpx.get(daemon.url + "/metrics").text
+        metrics = httpx.get(daemon.url + "/metrics", headers=daemon.headers).text
         assert 'prefixcache_persist_failures_total{reason="enospc"}' in metrics
 
         # 2. room again: the waiting chunks persist by themselves, without a restart; the node is ready again
