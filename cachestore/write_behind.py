@@ -157,7 +157,7 @@ class WriteBehind(BackgroundLoop):
         try:
             self.run_once()
         except IndexUnavailableError as exc:
-            log.warning("write-behind paused: %s", exc)
+            self.errors.log(log, exc, "write-behind paused: %s", exc, level=logging.WARNING, traceback=False)
             self._stop.wait(1.0)
 
 
