@@ -40,6 +40,7 @@ from cachestore.background import BackgroundLoop
 from cachestore.chunk_mac import KEY_FILE_NAME, ChunkMacKey
 from cachestore.client_stats import ClientTotals, read_client_stats
 from cachestore.cpus import allowed_cpus
+from cachestore.data_dir_lock import DataDirLock
 from cachestore.demotion import Demoter
 from cachestore.dram import MooncakeTier
 from cachestore.eviction import Evictor
@@ -99,6 +100,9 @@ class NodeDaemon:
 
     def start(self) -> None:
         s = self.settings
+        data_dir_lock = DataDirLock(s.data_dir)
+        data_dir_lock.acquire(s.port)  # before anything starts: a second daemon here must change nothing
+        self._stack.callback(data_dir_lock.release)
         engine_cpus = None  # where warm-up engines run: unbound, as the daemon
         if s.cpu_set is not None:
             engine_cpus = allowed_cpus()  # warm-up engines are vLLM engines: they keep the cores the daemon had
