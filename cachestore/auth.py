@@ -2,8 +2,8 @@
 
 With no admin token configured every endpoint is open (the API binds to loopback unless told
 otherwise). With one, every mutating endpoint needs ``Authorization: Bearer <token>`` and so does
-every read-only one, unless reads are opened (``open_reads``). ``/v1/health`` and ``/v1/config``
-take no dependency and stay open: probes and connectors use them, and neither holds a secret.
+every read-only one, unless reads are opened (``open_reads``). ``/v1/health``, ``/v1/live`` and
+``/v1/config`` take no dependency and stay open: probes and connectors use them, and none holds a secret.
 
 Routers declare their needs with ``dependencies=[Depends(require_admin)]`` (mutations) or
 ``Depends(require_reader)`` (inspection); the policy lives on ``app.state`` so any router, in any
