@@ -136,6 +136,9 @@ class Stats(BaseModel):
     queues: QueueDepths
     clients: ClientUse
     namespaces: dict[str, NamespaceStats]
+    child_restarts: dict[str, int] = Field(
+        default_factory=dict, description="restarts of each server the daemon started (cachestore/supervisor.py)"
+    )
 
 
 HealthProbe = Callable[[], ComponentHealth]

@@ -4,8 +4,8 @@ Every mutating endpoint needs ``Authorization: Bearer <token>`` and so does ever
 unless reads are opened (``open_reads``); writes and warm-up jobs can never be opened. The daemon
 always has a token: the operator's, or one it generated at first start (``ADMIN_TOKEN_FILE`` in its
 secrets folder, 0600, where the CLI run as the same user finds it). A policy without a token fails
-closed: nothing authenticates. ``/v1/health`` and ``/v1/config`` take no dependency and stay open:
-probes and connectors use them, and neither holds a secret (``/v1/config`` names the token's file,
+closed: nothing authenticates. ``/v1/health``, ``/v1/live`` and ``/v1/config`` take no dependency and
+stay open: probes and connectors use them, and none holds a secret (``/v1/config`` names the token's file,
 never its value).
 
 Routers declare their needs with ``dependencies=[Depends(require_admin)]`` (mutations) or

@@ -5,11 +5,14 @@ from __future__ import annotations
 import logging
 import threading
 
+from cachestore.log_limits import RepeatedErrors
+
 log = logging.getLogger("prefixcache.daemon")
 
 
 class BackgroundLoop:
     """Calls ``step`` in a daemon thread until ``stop``; a failing step is logged and retried after a pause.
+    The same failure again is logged at most once per ``log_limits.QUIET_S``, with a count of those not logged.
 
     Steps block briefly on their own input (a feed read, a queue pop, a timer), so ``stop`` takes
     effect within one step.
@@ -21,6 +24,7 @@ class BackgroundLoop:
     def __init__(self) -> None:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.errors = RepeatedErrors()
 
     def step(self) -> None:
         raise NotImplementedError
@@ -47,6 +51,6 @@ class BackgroundLoop:
         while not self._stop.is_set():
             try:
                 self.step()
-            except Exception:  # noqa: BLE001 - a service must outlive any one failed step
-                log.exception("%s: step failed; retrying in %.0fs", self.name, self.retry_pause_s)
+            except Exception as exc:  # noqa: BLE001 - a service must outlive any one failed step
+                self.errors.log(log, exc, "%s: step failed; retrying in %.0fs", self.name, self.retry_pause_s)
                 self._stop.wait(self.retry_pause_s)

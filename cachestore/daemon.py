@@ -43,6 +43,7 @@ from cachestore.background import BackgroundLoop
 from cachestore.chunk_mac import KEY_FILE_NAME, ChunkMacKey
 from cachestore.client_stats import ClientTotals, read_client_stats
 from cachestore.cpus import allowed_cpus
+from cachestore.data_dir_lock import DataDirLock
 from cachestore.demotion import Demoter
 from cachestore.dram import MooncakeTier
 from cachestore.eviction import Evictor
@@ -51,6 +52,7 @@ from cachestore.extents import ExtentServer
 from cachestore.http_guards import trusted_hosts
 from cachestore.kv_events import KvEventPublisher
 from cachestore.listeners import check_listeners
+from cachestore.liveness import liveness_router
 from cachestore.metrics import metrics_router
 from cachestore.mooncake_servers import MooncakeMaster, SegmentOwner
 from cachestore.nvme import NvmeStore
@@ -61,6 +63,7 @@ from cachestore.redis_server import EmbeddedRedis
 from cachestore.secrets_store import PRIVATE_UMASK, load_or_create_secret, make_private_dir, secrets_dir
 from cachestore.settings import NVME_SEGMENT_BYTES, Settings
 from cachestore.stats_report import all_clients, corrupt_by_reason, namespace_stats
+from cachestore.supervisor import Supervisor
 from cachestore.warmup.api import warmup_router
 from cachestore.warmup.jobs import WarmupJobs, local_url
 from cachestore.warmup.policy import WarmupPolicy
@@ -78,6 +81,8 @@ REDIS_PASSWORD_FILE = "redis-password"
 PRIVATE_SUBDIRS = ("redis", "logs", "warmup", "secrets")
 DAEMON_ARENA_BYTES = 256 << 20
 WARMUP_OBJECT_BYTES = 8 << 20
+#: The health component that reports each server the daemon supervises.
+SERVER_OF_COMPONENT = {"redis": "redis-server", "mooncake_master": "mooncake_master", "dram": "mooncake_client"}
 
 
 def _make_private(directory: Path) -> None:
@@ -125,16 +130,23 @@ class NodeDaemon:
         #: the generated token's file; None when the operator set the token
         self.admin_token_file: Path | None = None
         self._services: list[BackgroundLoop] = []  # asked to stop together before each is joined
+        self.supervisor = Supervisor()
 
     def start(self) -> None:
         s = self.settings
         # before anything is created: every file the daemon and its children (redis-server, Mooncake, warm-up
         # jobs) write is the daemon's user's alone, as are the data dir and the NVMe tier
         os.umask(PRIVATE_UMASK)
+        data_dir_lock = DataDirLock(s.data_dir)
+        data_dir_lock.acquire(s.port)  # before anything starts: a second daemon here must change nothing
+        self._stack.callback(data_dir_lock.release)
         make_private_dir(s.data_dir)
         for directory in (s.nvme_path, *(s.data_dir / name for name in PRIVATE_SUBDIRS)):
             _make_private(directory)
         self._load_admin_token()
+        # asked to stop first (no restart while stopping), joined last: after the servers it may have restarted
+        self._services.append(self.supervisor)
+        self._stack.callback(self.supervisor.stop)
         engine_cpus = None  # where warm-up engines run: unbound, as the daemon
         if s.cpu_set is not None:
             engine_cpus = allowed_cpus()  # warm-up engines are vLLM engines: they keep the cores the daemon had
@@ -177,6 +189,7 @@ class NodeDaemon:
                                       redis_password=self._redis_password())  # fmt: skip
         self.warmup_jobs.start()
         self._stack.callback(self.warmup_jobs.stop)
+        self.supervisor.start()
 
     def _load_mac_key(self) -> None:
         """The cluster's chunk-signing key: the operator's file, or this node's own, generated at first start."""
@@ -219,6 +232,7 @@ class NodeDaemon:
             server = EmbeddedRedis(s.data_dir / "redis", port=s.derived_port("redis_port"), password=password)
             server.start()
             self._stack.callback(server.stop)
+            self.supervisor.watch(server)  # redis-py clients reconnect by themselves; Redis replays its AOF
             redis_url = server.url
             log.info("embedded redis-server ready at %s (AOF in %s; password in %s)", public_redis_url(redis_url)[0],
                      server.directory, self.redis_password_file)  # fmt: skip
@@ -240,6 +254,8 @@ class NodeDaemon:
                                     metrics_port=s.derived_port("metrics_port"))  # fmt: skip
             master.start()
             self._stack.callback(master.stop)
+            # a new master knows no objects (the owner mounts its segment on it again by itself)
+            self.supervisor.watch(master, before_restart=self._forget_dram)
             self.master_address, self.metadata_url = master.address, master.metadata_url
             self.metrics_url = f"http://{master.host}:{master.metrics_port}/metrics"
             log.info("embedded mooncake_master ready at %s", master.address)
@@ -260,6 +276,8 @@ class NodeDaemon:
         )  # fmt: skip
         self.owner.start()
         self._stack.callback(self.owner.stop)
+        # a new owner starts empty; attached tiers (this daemon's too) re-register their memory with it by themselves
+        self.supervisor.watch(self.owner, before_restart=self._forget_dram)
         self.dram = MooncakeTier(
             self.owner.shm_address, arena_bytes=DAEMON_ARENA_BYTES, object_prefix=s.key_prefix,
             preferred_segment=self.owner.segment, metrics_url=self.metrics_url,
@@ -296,6 +314,10 @@ class NodeDaemon:
             return [p or leased for p, leased in zip(pinned, self.leases.held(keys, now), strict=True)]
         except IndexUnavailableError:
             return [True] * len(keys)  # cannot tell: move nothing rather than a protected chunk
+
+    def _forget_dram(self) -> None:
+        """DRAM copies went with a dead segment owner or master: drop their locations, as a start does."""
+        log.warning("dropped the DRAM locations of %d chunks of this node", self.write_behind.forget_resident())
 
     def _evicted(self, keys: list[bytes]) -> None:
         self.nvme_evicted += len(keys)
@@ -349,6 +371,7 @@ class NodeDaemon:
                                write_behind=self.index.feed_backlog(self.settings.node, WRITE_BEHIND_GROUP),
                                eviction_orders=self.orders.client.llen(self.orders.queue)),
             clients=clients, namespaces=namespace_stats(self.index.usage(), client_totals),
+            child_restarts=self.supervisor.restarts,
         )  # fmt: skip
 
     def client_totals(self) -> dict[bytes, ClientTotals]:
@@ -356,8 +379,19 @@ class NodeDaemon:
         return read_client_stats(self.promoter.client, self.settings.key_prefix + ":", self.settings.node)
 
     def probes(self) -> dict[str, Callable[[], ComponentHealth]]:
-        return {"redis": self._index_health, "mooncake_master": self._master_health, "dram": self._dram_health,
-                "nvme": self._nvme_health}  # fmt: skip
+        probes = {"redis": self._index_health, "mooncake_master": self._master_health, "dram": self._dram_health,
+                  "nvme": self._nvme_health}  # fmt: skip
+        return {name: self._unless_restarting(SERVER_OF_COMPONENT.get(name), probe) for name, probe in probes.items()}
+
+    def _unless_restarting(self, server: str | None, probe: Callable[[], ComponentHealth]
+                           ) -> Callable[[], ComponentHealth]:  # fmt: skip
+        """``probe``, but down while the supervisor is bringing back ``server`` (its hooks may still be running)."""
+
+        def health() -> ComponentHealth:
+            trouble = self.supervisor.trouble(server) if server else None
+            return ComponentHealth(ok=False, detail=trouble) if trouble else probe()
+
+        return health
 
     def _index_health(self) -> ComponentHealth:
         try:
@@ -423,7 +457,7 @@ class NodeDaemon:
             self.check_listeners()
             s = self.settings
             routers = [*admin_routers(self.admin), metrics_router(self.stats, self.client_totals),
-                       warmup_router(self.warmup_jobs)]  # fmt: skip
+                       warmup_router(self.warmup_jobs), liveness_router(self.supervisor.alive)]  # fmt: skip
             hosts = trusted_hosts(s.host, s.node, extra=s.allowed_hosts)
             app = create_app(self.client_config(), self.probes(), self.stats, routers=routers,
                              access=AccessPolicy(admin_token=self.admin_token, open_reads=s.open_reads),

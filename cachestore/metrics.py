@@ -60,6 +60,11 @@ class CacheCollector(Collector):
         queues.add_metric(["write_behind"], s.queues.write_behind)
         queues.add_metric(["eviction_orders"], s.queues.eviction_orders)
         yield queues
+        restarts = CounterMetricFamily("prefixcache_child_restarts", "restarts of the servers the daemon started",
+                                       labels=["child"])  # fmt: skip
+        for child, count in s.child_restarts.items():
+            restarts.add_metric([child], count)
+        yield restarts
         yield CounterMetricFamily("prefixcache_promoted_chunks", "chunks promoted from NVMe to DRAM", value=s.promoted)
         yield CounterMetricFamily("prefixcache_persisted_chunks", "chunks the write-behind persisted",
                                   value=s.write_behind.persisted)  # fmt: skip

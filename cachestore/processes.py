@@ -180,7 +180,13 @@ class ManagedProcess:
             time.sleep(0.1)
 
     def alive(self) -> bool:
+        """Whether the server runs; asking reaps it if it has exited (no zombie stays behind)."""
         return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        """How the last started server exited (``-N``: killed by signal N); None while it runs or before a start."""
+        return self._proc.returncode if self._proc is not None else None
 
     def stop(self, grace_s: float = 10.0) -> None:
         if self._proc is None or self._proc.poll() is not None:

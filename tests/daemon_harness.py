@@ -166,6 +166,22 @@ def niceness(pid: int) -> dict[str, int | str]:
     return {**threads, "session": autogroup.read_text().split()[-1] if autogroup.exists() else "none"}
 
 
+def servers_of(daemon: Daemon) -> dict[str, int]:
+    """The daemon's child processes by command name (``/proc/<pid>/task/*/children``): its servers."""
+    assert daemon.proc is not None
+    pids = [pid for task in Path(f"/proc/{daemon.proc.pid}/task").iterdir()
+            for pid in (task / "children").read_text().split()]  # fmt: skip
+    return {Path(f"/proc/{pid}/comm").read_text().strip(): int(pid) for pid in pids}
+
+
+def is_zombie(pid: int) -> bool:
+    """Whether process ``pid`` has exited and its parent has not reaped it (False once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] == "Z"
+    except FileNotFoundError:
+        return False
+
+
 def damage_dram_copy(dram: MooncakeTier, key: bytes, max_bytes: int = 8 << 20) -> None:
     """Flip the last byte of chunk ``key``'s DRAM copy (an object of at most ``max_bytes``), in the pool,
     under its own name: what a bad DIMM or a stray write would leave for the next reader."""

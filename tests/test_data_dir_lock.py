@@ -1,0 +1,80 @@
+"""One daemon per data dir, and a data dir that cannot be one: refused at once, in one line, changing nothing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cachestore.client import CacheClient
+from cachestore.data_dir_lock import DataDirLock
+from cachestore.processes import free_port_block
+from indexer.errors import ConfigError
+from tests.daemon_harness import fetch_payloads, make_spec, publish_prompt, servers_of, wait_persisted
+
+
+def serve(data_dir: Path, port: int) -> subprocess.CompletedProcess:
+    """Run ``prefixcache serve`` to completion (it should refuse at once), with a wide terminal."""
+    argv = [sys.executable, "-m", "cachestore", "serve", "--data-dir", str(data_dir), "--port", str(port),
+            "--dram-bytes", "128MiB", "--nvme-bytes", "512MiB"]  # fmt: skip
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+
+
+def test_a_second_lock_of_a_data_dir_names_the_holder_and_succeeds_once_it_is_released(tmp_path):
+    first, second = DataDirLock(tmp_path / "data"), DataDirLock(tmp_path / "data")
+    first.acquire(8600)
+    with pytest.raises(ConfigError, match=rf"in use by another prefixcache daemon \(pid {os.getpid()}, port 8600\)"):
+        second.acquire(8700)
+    first.release()
+    second.acquire(8700)
+    assert '"port": 8700' in (tmp_path / "data" / "daemon.lock").read_text()
+    second.release()
+
+
+def test_a_second_daemon_on_the_same_data_dir_is_refused_and_the_first_keeps_serving(daemon):
+    servers = servers_of(daemon)
+    refused = serve(daemon.data_dir, free_port_block(7))
+    assert refused.returncode == 2
+    message = " ".join(refused.stderr.split())
+    assert f"is in use by another prefixcache daemon (pid {daemon.proc.pid}, port {daemon.port})" in message
+    assert "Traceback" not in refused.stderr
+    assert servers_of(daemon) == servers  # it started nothing (its own redis-server would share our AOF)
+    client = CacheClient.connect(daemon.url, make_spec(), arena_bytes=64 << 20)
+    try:
+        keys, payloads = publish_prompt(client, list(range(64 * 3)))
+        wait_persisted(client, keys)
+        assert fetch_payloads(client, keys) == payloads
+    finally:
+        client.close()
+    assert httpx.get(daemon.url + "/v1/health").status_code == 200
+
+
+AS_ROOT_WRITES_ANYWHERE = pytest.mark.skipif(os.geteuid() == 0, reason="root may write into any directory")
+
+
+def a_file(tmp: Path) -> Path:
+    (tmp / "file").write_text("")
+    return tmp / "file"
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (a_file, "is not a directory"),
+        (lambda tmp: a_file(tmp) / "data", "Not a directory"),
+        pytest.param(lambda tmp: tmp / "ro" / "data", "Permission denied", marks=AS_ROOT_WRITES_ANYWHERE),
+    ],
+    ids=["a-file", "under-a-file", "unwritable"],
+)
+def test_a_data_dir_that_cannot_be_one_is_a_one_line_error(tmp_path, make, message):
+    (tmp_path / "ro").mkdir(mode=0o500)
+    data_dir = make(tmp_path)
+    refused = serve(data_dir, free_port_block(7))
+    assert refused.returncode == 2
+    errors = [line for line in refused.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and f"{data_dir}" in errors[0] and message in errors[0], refused.stderr
+    assert "Traceback" not in refused.stderr
