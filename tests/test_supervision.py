@@ -38,7 +38,7 @@ def connect(daemon: Daemon) -> CacheClient:
 def restarts(daemon: Daemon) -> dict[str, int] | None:
     """``/v1/stats``' restart counts (None while the daemon cannot say: its index is down)."""
     try:
-        answer = httpx.get(daemon.url + "/v1/stats", timeout=5)
+        answer = httpx.get(daemon.url + "/v1/stats", headers=daemon.headers, timeout=5)
     except httpx.TransportError:
         return None
     return answer.json()["child_restarts"] if answer.status_code == 200 else None
@@ -110,7 +110,7 @@ def test_a_killed_server_is_restarted_and_persisted_chunks_still_hit(daemon, ser
               f"({traffic.failures} of {traffic.rounds} client rounds failed meanwhile)")  # fmt: skip
         assert hits >= 0.99 * len(keys)
         assert restarts(daemon) == {"redis-server": 0, "mooncake_master": 0, "mooncake_client": 0, server: 1}
-        metrics = httpx.get(daemon.url + "/metrics").text
+        metrics = httpx.get(daemon.url + "/metrics", headers=daemon.headers).text
         assert f'prefixcache_child_restarts_total{{child="{server}"}} 1.0' in metrics
         log = " ".join(daemon.log_path.read_text().split())  # rich wraps its lines
         assert f"{server} was killed by SIGKILL" in log and f"{server} restarted" in log
