@@ -20,6 +20,7 @@ from cachestore.client import CacheClient, fetch_config, index_url
 from cachestore.codec import ChunkMeta, encode, read_meta
 from cachestore.dram import MooncakeTier, split_offset
 from cachestore.extents import locate
+from cachestore.nvme import Extent
 from cachestore.processes import free_port_block
 from cachestore.secrets_store import read_secret, secrets_dir
 from cachestore.warmup.plan import storable_tokens
@@ -211,9 +212,8 @@ def damage_dram_copies(daemon: Daemon, keys: list[bytes],
         dram.close()
 
 
-def damage_nvme_copy(daemon: Daemon, key: bytes) -> None:
-    """Flip the last byte of chunk ``key``'s copy in ``daemon``'s NVMe tier, in its segment file (where the
-    daemon itself says it lies): a disk that returns bad data for the next reader."""
+def nvme_extent(daemon: Daemon, key: bytes) -> Extent:
+    """Where ``daemon``'s NVMe tier holds chunk ``key``, as the daemon itself answers a client."""
     config = fetch_config(daemon.url)
     client = redis.Redis.from_url(index_url(config))
     try:
@@ -221,6 +221,13 @@ def damage_nvme_copy(daemon: Daemon, key: bytes) -> None:
     finally:
         client.close()
     assert extent is not None, f"chunk {key.hex()} is not on {config.node}'s NVMe tier"
+    return extent
+
+
+def damage_nvme_copy(daemon: Daemon, key: bytes) -> None:
+    """Flip the last byte of chunk ``key``'s copy in ``daemon``'s NVMe tier, in its segment file (where the
+    daemon itself says it lies): a disk that returns bad data for the next reader."""
+    extent = nvme_extent(daemon, key)
     with open(extent.path, "r+b") as segment:
         segment.seek(extent.offset + extent.length - 1)
         last = segment.read(1)[0]
@@ -257,13 +264,7 @@ def forge_dram_copy(dram: MooncakeTier, key: bytes, max_bytes: int = 8 << 20) ->
 def forge_nvme_copy(daemon: Daemon, key: bytes) -> bytes:
     """Replace chunk ``key``'s object in ``daemon``'s NVMe segment file with ``forged``, where the daemon says it
     lies; returns the forgery."""
-    config = fetch_config(daemon.url)
-    client = redis.Redis.from_url(config.redis_url)
-    try:
-        (extent,) = locate(client, config.key_prefix + ":", config.node, [key], timeout_s=5)
-    finally:
-        client.close()
-    assert extent is not None, f"chunk {key.hex()} is not on {config.node}'s NVMe tier"
+    extent = nvme_extent(daemon, key)
     with open(extent.path, "r+b") as segment:
         segment.seek(extent.offset)
         fake = forged(segment.read(extent.length))
