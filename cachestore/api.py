@@ -12,7 +12,7 @@ from cachestore.admin_api import install_error_handlers
 from cachestore.admin_models import TierUse
 from cachestore.auth import AccessPolicy, install_access_policy, require_reader
 from indexer.index import Tier
-from indexer.redis_index import redact_url
+from indexer.redis_clients import redact_url
 
 
 class ComponentHealth(BaseModel):

@@ -38,7 +38,8 @@ from indexer.errors import ConfigError, IndexUnavailableError
 from indexer.index import ChunkRecord, Location, NamespaceCheck, PrefixMatch, attach_namespace
 from indexer.keys import PrefixHasher, PrefixQuery
 from indexer.namespace import NamespaceSpec, tenant_id
-from indexer.redis_index import RedisIndex, with_password
+from indexer.redis_clients import redis_client, with_password
+from indexer.redis_index import RedisIndex
 
 log = logging.getLogger("prefixcache.client")
 #: How long a new chunk is shielded from the master's eviction: far longer than the write-behind
@@ -109,7 +110,7 @@ class CacheClient:
         self.stats = ClientStats()
         redis_url = with_password(config.redis_url, redis_password) if redis_password else config.redis_url
         self.index = RedisIndex(redis_url, key_prefix=config.key_prefix)
-        self._redis = redis.Redis.from_url(self.index.url, socket_timeout=promote_timeout_s + 1)
+        self._redis = redis_client(self.index.url, socket_timeout_s=promote_timeout_s + 1)
         self._prefix = config.key_prefix + ":"
         self.recorder = ClientStatsRecorder(self._redis, self._prefix, config.node)  # the daemon reports these
         self._promote_timeout_s = promote_timeout_s

@@ -45,7 +45,8 @@ from indexer.chunking import ChunkGeometry
 from indexer.errors import ConfigError, IndexUnavailableError, validation_problems
 from indexer.index import PrefixIndex
 from indexer.keys import PrefixHasher, extend_all
-from indexer.redis_index import RedisIndex, with_password
+from indexer.redis_clients import with_password
+from indexer.redis_index import RedisIndex
 
 log = logging.getLogger("prefixcache.proxy")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")

@@ -7,6 +7,7 @@ from pathlib import Path
 import redis
 
 from cachestore.processes import ManagedProcess, find_executable, free_port
+from indexer.redis_clients import redis_client
 
 
 class EmbeddedRedis(ManagedProcess):
@@ -41,6 +42,6 @@ class EmbeddedRedis(ManagedProcess):
 
     def _answers(self) -> bool:
         try:
-            return bool(redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.2).ping())
+            return bool(redis_client(self.url, connect_timeout_s=0.2).ping())
         except redis.exceptions.RedisError:
             return False

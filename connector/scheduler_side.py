@@ -28,8 +28,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis
-
 from cachestore.client import fetch_config
 from cachestore.client_stats import ClientStatsRecorder
 from cachestore.request_params import request_cache_params
@@ -59,7 +57,8 @@ from indexer.errors import IndexUnavailableError
 from indexer.index import PrefixMatch, attach_namespace
 from indexer.keys import PrefixHasher, extend_all
 from indexer.leases import Leases
-from indexer.redis_index import RedisIndex, with_password
+from indexer.redis_clients import redis_client, with_password
+from indexer.redis_index import RedisIndex
 from indexer.tokens import TOKEN_BYTES
 
 log = logging.getLogger("prefixcache.connector")
@@ -127,8 +126,7 @@ class SchedulerSide:
         self.index = RedisIndex(redis_url, key_prefix=client_config.key_prefix)
         self.lookups = BatchedLookups(self.index)  # the requests vLLM adds together are looked up together
         # a second connection, with short timeouts, for leases and statistics
-        bookkeeping = redis.Redis.from_url(self.index.url, socket_timeout=LEASE_TIMEOUT_S,
-                                          socket_connect_timeout=LEASE_TIMEOUT_S)  # fmt: skip
+        bookkeeping = redis_client(self.index.url, socket_timeout_s=LEASE_TIMEOUT_S, connect_timeout_s=LEASE_TIMEOUT_S)
         self.leases = Leases(bookkeeping, client_config.key_prefix)
         # what this engine took from the cache, for the daemon's /v1/stats and /metrics
         self.stats = ClientStatsRecorder(bookkeeping, client_config.key_prefix + ":", client_config.node)

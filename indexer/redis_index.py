@@ -12,7 +12,6 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from importlib import resources
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -35,21 +34,9 @@ from indexer.index import (
 )
 from indexer.keys import KEY_BYTES, PrefixQuery
 from indexer.namespace import NamespaceSpec
+from indexer.redis_clients import CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_S, redact_url, redis_client
 
-_SCHEMES = ("redis", "rediss", "unix")
 _NO_PROBE = bytes(KEY_BYTES)  # sent where the prompt has no probe; an all-zero digest is never a key
-
-
-def with_password(url: str, password: str) -> str:
-    """The URL with its password set to ``password`` (the user name and the rest kept)."""
-    parts = urlsplit(url)
-    netloc = f"{parts.username or ''}:{password}@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
-def redact_url(url: str) -> str:
-    """The URL with any password replaced, for messages and logs."""
-    return url if urlsplit(url).password is None else with_password(url, "***")
 
 
 def _load_script(client: redis.Redis, name: str, with_common: bool = True) -> redis.commands.core.Script:
@@ -73,24 +60,16 @@ class RedisIndex:
         url: str,
         *,
         key_prefix: str = "pc",
-        socket_timeout_s: float = 2.0,
-        connect_timeout_s: float = 1.0,
+        socket_timeout_s: float = SOCKET_TIMEOUT_S,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
         max_candidates: int = MAX_BUCKET_CANDIDATES,
     ) -> None:
-        scheme = urlsplit(url).scheme
-        if scheme not in _SCHEMES:
-            raise ConfigError(f"redis URL must start with redis://, rediss:// or unix://, got {redact_url(url)!r}")
         if not key_prefix or any(c in key_prefix for c in " {}"):
             raise ConfigError(f"key_prefix must be non-empty without spaces or braces, got {key_prefix!r}")
         self.url = url
         self._prefix = key_prefix + ":"
         self._max_candidates = max_candidates
-        try:
-            self._redis = redis.Redis.from_url(
-                url, socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s
-            )
-        except ValueError as exc:
-            raise ConfigError(f"invalid redis URL {redact_url(url)!r}: {exc}") from exc
+        self._redis = redis_client(url, socket_timeout_s=socket_timeout_s, connect_timeout_s=connect_timeout_s)
         self._lookup = _load_script(self._redis, "lookup", with_common=False)  # its first line is a shebang
         self._page = _load_script(self._redis, "page", with_common=False)
         self._touch = _load_script(self._redis, "touch", with_common=False)

@@ -10,7 +10,8 @@ from cachestore.redis_server import EmbeddedRedis
 from indexer.chunking import ChunkGeometry
 from indexer.errors import ConfigError, IndexUnavailableError
 from indexer.keys import prompt_query
-from indexer.redis_index import RedisIndex, redact_url
+from indexer.redis_clients import redact_url
+from indexer.redis_index import RedisIndex
 from tests.test_index import publish
 
 

@@ -37,7 +37,8 @@ from indexer.fingerprint import fingerprint_model
 from indexer.index import ChunkEntry
 from indexer.keys import PrefixHasher, extend_all
 from indexer.namespace import NamespaceSpec, tenant_id
-from indexer.redis_index import RedisIndex, with_password
+from indexer.redis_clients import with_password
+from indexer.redis_index import RedisIndex
 
 SETTLE_TIMEOUT_S = 30.0
 SETTLE_POLL_S = 0.05
