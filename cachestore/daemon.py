@@ -236,10 +236,10 @@ class NodeDaemon:
 
     def _protected(self, keys: Sequence[bytes]) -> list[bool]:
         """Chunks capacity pressure must not move: pinned by an operator, or leased to a scheduler."""
-        now = time.time()
         try:
+            now = self.index.clock_s()  # pins are deadlines in the index's clock
             pinned = [e is not None and e.pinned(now) for e in self.index.get(keys)]
-            return [p or leased for p, leased in zip(pinned, self.leases.held(keys, now), strict=True)]
+            return [p or leased for p, leased in zip(pinned, self.leases.held(keys), strict=True)]
         except IndexUnavailableError:
             return [True] * len(keys)  # cannot tell: move nothing rather than a protected chunk
 

@@ -8,7 +8,6 @@ an unreachable Redis surfaces as ``IndexUnavailableError`` quickly, which caller
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from importlib import resources
@@ -17,7 +16,7 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from indexer.access_log import AccessLog, Updates
+from indexer.access_log import AccessLog, Hits
 from indexer.errors import ConfigError, IndexUnavailableError
 from indexer.index import (
     MAX_BUCKET_CANDIDATES,
@@ -39,16 +38,13 @@ from indexer.redis_clients import CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_S, redact_ur
 _NO_PROBE = bytes(KEY_BYTES)  # sent where the prompt has no probe; an all-zero digest is never a key
 
 
-def _load_script(client: redis.Redis, name: str, with_common: bool = True) -> redis.commands.core.Script:
+def load_script(client: redis.Redis, name: str, with_common: bool = True) -> redis.commands.core.Script:
+    """The script ``indexer/lua/<name>.lua`` (after ``common.lua``'s shared functions, ``with_common``)."""
     lua = resources.files("indexer") / "lua"
     source = lua.joinpath(f"{name}.lua").read_text()
     if with_common:
         source = lua.joinpath("common.lua").read_text() + "\n" + source
     return client.register_script(source)
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 class RedisIndex:
@@ -70,15 +66,15 @@ class RedisIndex:
         self._prefix = key_prefix + ":"
         self._max_candidates = max_candidates
         self._redis = redis_client(url, socket_timeout_s=socket_timeout_s, connect_timeout_s=connect_timeout_s)
-        self._lookup = _load_script(self._redis, "lookup", with_common=False)  # its first line is a shebang
-        self._page = _load_script(self._redis, "page", with_common=False)
-        self._touch = _load_script(self._redis, "touch", with_common=False)
+        self._lookup = load_script(self._redis, "lookup", with_common=False)  # its first line is a shebang
+        self._page = load_script(self._redis, "page", with_common=False)
+        self._touch = load_script(self._redis, "touch", with_common=False)
         self._access = AccessLog(self._apply_access)
         self._feed_groups: dict[tuple[str, str, str], str] = {}
-        self._register = _load_script(self._redis, "register")
-        self._locations = _load_script(self._redis, "locations")
-        self._remove = _load_script(self._redis, "remove")
-        self._pin = _load_script(self._redis, "pin")
+        self._register = load_script(self._redis, "register")
+        self._locations = load_script(self._redis, "locations")
+        self._remove = load_script(self._redis, "remove")
+        self._pin = load_script(self._redis, "pin")
 
     @contextmanager
     def _reachable(self) -> Iterator[None]:
@@ -90,6 +86,11 @@ class RedisIndex:
     def ping(self) -> None:
         with self._reachable():
             self._redis.ping()
+
+    def clock_s(self) -> float:
+        with self._reachable():
+            seconds, microseconds = self._redis.time()
+        return seconds + microseconds / 1e6
 
     def register_namespace(self, spec: NamespaceSpec) -> NamespaceCheck:
         with self._reachable():
@@ -135,9 +136,8 @@ class RedisIndex:
         """Apply pending last-access/hit updates now (they are otherwise applied in the background)."""
         self._access.flush()
 
-    def _apply_access(self, updates: Updates) -> None:
-        now_ms, hits = updates
-        args: list[object] = [self._prefix, now_ms]
+    def _apply_access(self, hits: Hits) -> None:
+        args: list[object] = [self._prefix]
         for hex_key, count in hits.items():
             args += [hex_key, count]
         self._touch(args=args)
@@ -145,7 +145,7 @@ class RedisIndex:
     def register(self, records: Sequence[ChunkRecord]) -> None:
         if not records:
             return
-        args: list[object] = [self._prefix, _now_ms()]
+        args: list[object] = [self._prefix]
         for r in records:
             args += [
                 r.key.hex(), r.parent.hex(), r.root.hex(), r.namespace.hex(), r.tenant,
@@ -172,7 +172,7 @@ class RedisIndex:
         if not keys:
             return []
         with self._reachable():
-            reply = self._locations(args=[self._prefix, _now_ms(), op, str(location), *(k.hex() for k in keys)])
+            reply = self._locations(args=[self._prefix, op, str(location), *(k.hex() for k in keys)])
         return [bytes.fromhex(k.decode()) for k in reply]
 
     def remove(self, keys: Sequence[bytes]) -> int:

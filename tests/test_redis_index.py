@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import redis
 
@@ -9,6 +11,7 @@ from cachestore.processes import free_port
 from cachestore.redis_server import EmbeddedRedis
 from indexer.chunking import ChunkGeometry
 from indexer.errors import ConfigError, IndexUnavailableError
+from indexer.index import Location
 from indexer.keys import prompt_query
 from indexer.redis_clients import redact_url
 from indexer.redis_index import RedisIndex
@@ -91,3 +94,21 @@ def test_unacknowledged_feed_events_are_delivered_again_after_a_restart(redis_in
         assert restarted.read_feed("node-a", "persist", "daemon") == []
     finally:
         restarted.close()
+
+
+def test_times_written_are_redis_clock_not_the_clients(redis_index, spec, geometry, monkeypatch):
+    """A client whose clock runs an hour ahead writes creation, last-access and location times in Redis's
+    clock, so other nodes' ages and LRU order are not thrown off by it."""
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3600)
+    keys = publish(redis_index, spec, list(range(128)))
+    redis_index.add_location(keys, Location("nvme", "n1"))
+    redis_index.lookup(prompt_query(spec.root(), geometry, list(range(128))))
+    redis_index.flush_access()
+    redis_now = redis_index.clock_s()
+    assert abs(redis_now - real()) < 5
+    entry = redis_index.get(keys[:1])[0]
+    assert abs(entry.created_s - redis_now) < 5 and abs(entry.last_access_s - redis_now) < 5
+    assert entry.hits == 1
+    added = redis.Redis.from_url(redis_index.url).hget(f"{redis_index._prefix}e:{keys[0].hex()}", "l:nvme@n1")
+    assert abs(int(added) / 1000 - redis_now) < 5
