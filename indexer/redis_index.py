@@ -34,6 +34,7 @@ from indexer.index import (
 from indexer.keys import KEY_BYTES, PrefixQuery
 from indexer.namespace import NamespaceSpec
 from indexer.redis_clients import CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_S, redact_url, redis_client
+from indexer.unreadable import UnreadableRecords
 
 _NO_PROBE = bytes(KEY_BYTES)  # sent where the prompt has no probe; an all-zero digest is never a key
 
@@ -70,6 +71,7 @@ class RedisIndex:
         self._page = load_script(self._redis, "page", with_common=False)
         self._touch = load_script(self._redis, "touch", with_common=False)
         self._access = AccessLog(self._apply_access)
+        self._unreadable = UnreadableRecords()
         self._feed_groups: dict[tuple[str, str, str], str] = {}
         self._register = load_script(self._redis, "register")
         self._locations = load_script(self._redis, "locations")
@@ -101,9 +103,16 @@ class RedisIndex:
         return check
 
     def namespaces(self) -> list[NamespaceSpec]:
+        """The registered namespaces this version can read (others: ``indexer/unreadable.py``)."""
         with self._reachable():
-            raw = self._redis.hvals(self._prefix + "ns")
-        return [NamespaceSpec.model_validate_json(text) for text in raw]
+            raw = self._redis.hgetall(self._prefix + "ns")
+        specs = []
+        for digest, text in raw.items():
+            try:
+                specs.append(NamespaceSpec.model_validate_json(text))
+            except ValueError as exc:  # pydantic's ValidationError is one
+                self._unreadable.skip("namespace", digest.decode(errors="replace"), exc)
+        return specs
 
     def lookup(self, query: PrefixQuery, *, touch: bool = True) -> PrefixMatch:
         return self.lookup_many([query], touch=touch)[0]
@@ -160,7 +169,7 @@ class RedisIndex:
             for key in keys:
                 pipe.hgetall(self._prefix + "e:" + key.hex())
             raw = pipe.execute()
-        return [_entry(key, fields) if fields else None for key, fields in zip(keys, raw, strict=True)]
+        return [self._entry(key.hex(), fields) if fields else None for key, fields in zip(keys, raw, strict=True)]
 
     def add_location(self, keys: Sequence[bytes], location: Location) -> list[bytes]:
         return self._change_locations("add", keys, location)
@@ -233,8 +242,8 @@ class RedisIndex:
                 for name in names:
                     pipe.hgetall(name)
                 for name, fields in zip(names, pipe.execute(), strict=True):
-                    if fields:
-                        yield _entry(bytes.fromhex(name[skip:].decode()), fields)
+                    if fields and (entry := self._entry(name[skip:], fields)) is not None:
+                        yield entry
                 if cursor == 0:
                     return
 
@@ -244,18 +253,22 @@ class RedisIndex:
         entries = []
         for i in range(0, len(reply), 2):
             fields = dict(zip(reply[i + 1][::2], reply[i + 1][1::2], strict=True))
-            if fields:  # removed between the range and its read, inside the script: never, but cheap to skip
-                entries.append(_entry(bytes.fromhex(reply[i].decode()), fields))
+            # empty: removed between the range and its read, inside the script: never, but cheap to skip
+            if fields and (entry := self._entry(reply[i], fields)) is not None:
+                entries.append(entry)
         return entries
 
     def usage(self) -> dict[bytes, NamespaceUsage]:
         with self._reachable():
             raw = self._redis.hgetall(self._prefix + "u")
-        counts: dict[str, dict[str, int]] = {}
+        counts: dict[bytes, dict[str, int]] = {}
         for name, value in raw.items():
-            namespace, _, field = name.decode().partition(":")
-            counts.setdefault(namespace, {})[field] = int(value)
-        return {bytes.fromhex(ns): usage_of(fields) for ns, fields in counts.items() if fields.get("chunks", 0) > 0}
+            namespace, _, field = name.decode(errors="replace").partition(":")
+            try:
+                counts.setdefault(bytes.fromhex(namespace), {})[field] = int(value)
+            except ValueError as exc:
+                self._unreadable.skip("usage counter", name.decode(errors="replace"), exc)
+        return {ns: usage_of(fields) for ns, fields in counts.items() if fields.get("chunks", 0) > 0}
 
     def feed_backlog(self, node: str, group: str) -> int:
         stream = self._prefix + "f:" + node
@@ -274,6 +287,15 @@ class RedisIndex:
         with self._reachable():
             for name in self._redis.scan_iter(match=self._prefix + "*", count=1000):
                 self._redis.unlink(name)
+
+    def _entry(self, hex_key: bytes | str, fields: dict[bytes, bytes]) -> ChunkEntry | None:
+        """The entry named ``hex_key`` from its hash; None if this version cannot read it."""
+        name = hex_key.decode(errors="replace") if isinstance(hex_key, bytes) else hex_key
+        try:
+            return _entry(bytes.fromhex(name), fields)
+        except (KeyError, ValueError) as exc:
+            self._unreadable.skip("entry", name, exc)
+            return None
 
     def close(self) -> None:
         try:

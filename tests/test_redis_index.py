@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -11,7 +12,7 @@ from cachestore.processes import free_port
 from cachestore.redis_server import EmbeddedRedis
 from indexer.chunking import ChunkGeometry
 from indexer.errors import ConfigError, IndexUnavailableError
-from indexer.index import Location
+from indexer.index import Location, attach_namespace
 from indexer.keys import prompt_query
 from indexer.redis_clients import redact_url
 from indexer.redis_index import RedisIndex
@@ -112,3 +113,20 @@ def test_times_written_are_redis_clock_not_the_clients(redis_index, spec, geomet
     assert entry.hits == 1
     added = redis.Redis.from_url(redis_index.url).hget(f"{redis_index._prefix}e:{keys[0].hex()}", "l:nvme@n1")
     assert abs(int(added) / 1000 - redis_now) < 5
+
+
+def test_records_another_version_wrote_are_skipped_and_logged_once(redis_index, spec, caplog):
+    """Namespace descriptions and entries this version cannot read are left out: the namespace is not listed,
+    the entry misses, and each is logged the first time only; the client's own namespace still attaches."""
+    raw = redis.Redis.from_url(redis_index.url)
+    raw.hset(f"{redis_index._prefix}ns", mapping={"ab" * 16: '{"future": {"field": 1}}', "cd" * 16: "{not json"})
+    keys = publish(redis_index, spec, list(range(128)))
+    raw.hset(f"{redis_index._prefix}e:{keys[1].hex()}", "ntok", "sixty-four")
+    with caplog.at_level(logging.WARNING, logger="prefixcache.index"):
+        assert attach_namespace(redis_index, spec).known is False
+        assert [s.digest for s in redis_index.namespaces()] == [spec.digest]
+        assert [e is not None for e in redis_index.get(keys)] == [True, False]
+        assert [e.key for e in redis_index.scan()] == [keys[0]]
+        assert [e.key for e in redis_index.page(None, 10)] == [keys[0]]
+    skipped = [r.getMessage() for r in caplog.records if "cannot read" in r.getMessage()]
+    assert len(skipped) == 3  # two namespaces, one entry: once each
