@@ -8,7 +8,6 @@ request says ``force``; eviction itself (tiers, then index) belongs to ``Evictor
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -135,7 +134,7 @@ class CacheAdmin:
         while len(found) < limit and examined < PAGE_SCAN_LIMIT:
             page = self.index.page(after, BATCH)
             if not page:
-                return ChunkPage(chunks=[chunk_view(e) for e in found], next_cursor=None)
+                return ChunkPage(chunks=[chunk_view(e, keep.now_s) for e in found], next_cursor=None)
             for entry in page:
                 examined += 1
                 after = entry.key
@@ -143,16 +142,16 @@ class CacheAdmin:
                     found.append(entry)
                     if len(found) == limit:
                         break
-        return ChunkPage(chunks=[chunk_view(e) for e in found], next_cursor=after.hex() if after else None)
+        return ChunkPage(chunks=[chunk_view(e, keep.now_s) for e in found], next_cursor=after.hex() if after else None)
 
     def chunk(self, key: str) -> Chunk:
-        return chunk_view(self._entry(key))
+        return chunk_view(self._entry(key), self.index.clock_s())
 
     # ---- eviction ---------------------------------------------------------------------------------
 
     def delete_chunk(self, key: str, force: bool) -> EvictResult:
         entry = self._entry(key)
-        if entry.pinned() and not force:
+        if entry.pinned(self.index.clock_s()) and not force:
             raise ConflictError(f"chunk {key} is pinned; unpin it or pass force=true")
         return self._evict_all([[entry]], force=True, dry_run=False)
 
@@ -177,7 +176,7 @@ class CacheAdmin:
                    dry_run: bool) -> EvictResult:  # fmt: skip
         result = EvictResult(dry_run=dry_run, chunks=0, bytes=0, pinned_skipped=0, kept_elsewhere=0, failed=0,
                              sample_keys=[])  # fmt: skip
-        now = time.time()
+        now = self.index.clock_s()  # pins are deadlines in the index's clock
         for batch in batches:
             victims = [e for e in batch if force or not e.pinned(now)]
             result.pinned_skipped += len(batch) - len(victims)
@@ -195,7 +194,7 @@ class CacheAdmin:
     # ---- pins -------------------------------------------------------------------------------------
 
     def pin(self, request: PinRequest, pin: bool) -> PinResult:
-        until = (round(time.time() + request.ttl_s, 3) if request.ttl_s else math.inf) if pin else 0.0  # ms: as stored
+        until = (round(self.index.clock_s() + request.ttl_s, 3) if request.ttl_s else math.inf) if pin else 0.0  # ms
         if request.keys is not None:
             keys = [bytes.fromhex(k) for k in dict.fromkeys(request.keys)]
         else:
@@ -226,15 +225,16 @@ class CacheAdmin:
         if selector.model is not None:
             of_model = {s.digest for s in self.index.namespaces() if s.model == selector.model}
             namespaces = of_model if namespaces is None else namespaces & of_model
-        return EntryFilter(selector, frozenset(namespaces) if namespaces is not None else None, time.time())
+        return EntryFilter(selector, frozenset(namespaces) if namespaces is not None else None, self.index.clock_s())
 
 
 def _tiers(entry: ChunkEntry) -> list[Tier]:
     return sorted({loc.tier for loc in entry.locations})
 
 
-def chunk_view(e: ChunkEntry) -> Chunk:
-    pinned = e.pinned()
+def chunk_view(e: ChunkEntry, now_s: float) -> Chunk:
+    """An entry as the API shows it; ``now_s``: the index's clock, which pins are deadlines in."""
+    pinned = e.pinned(now_s)
     return Chunk(
         key=e.key.hex(), namespace=e.namespace.hex(), tenant=e.tenant, parent=e.parent.hex(), tokens=e.num_tokens,
         bytes=e.size_bytes, locations=sorted(str(loc) for loc in e.locations), tiers=_tiers(e), created_s=e.created_s,

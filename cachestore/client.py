@@ -39,7 +39,8 @@ from indexer.errors import ConfigError, IndexUnavailableError
 from indexer.index import ChunkRecord, Location, NamespaceCheck, PrefixMatch, attach_namespace
 from indexer.keys import PrefixHasher, PrefixQuery
 from indexer.namespace import NamespaceSpec, tenant_id
-from indexer.redis_index import RedisIndex, with_password
+from indexer.redis_clients import redis_client, with_password
+from indexer.redis_index import RedisIndex
 
 log = logging.getLogger("prefixcache.client")
 #: How long a new chunk is shielded from the master's eviction: far longer than the write-behind
@@ -126,7 +127,7 @@ class CacheClient:
         self.location = Location("dram", config.node)
         self.stats = ClientStats()
         self.index = RedisIndex(index_url(config, redis_password), key_prefix=config.key_prefix)
-        self._redis = redis.Redis.from_url(self.index.url, socket_timeout=promote_timeout_s + 1)
+        self._redis = redis_client(self.index.url, socket_timeout_s=promote_timeout_s + 1)
         self._prefix = config.key_prefix + ":"
         self.recorder = ClientStatsRecorder(self._redis, self._prefix, config.node)  # the daemon reports these
         self._promote_timeout_s = promote_timeout_s

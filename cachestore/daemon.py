@@ -72,6 +72,7 @@ from cachestore.write_behind import WriteBehind
 from indexer.errors import IndexUnavailableError
 from indexer.index import Location
 from indexer.leases import Leases
+from indexer.redis_clients import WAITING_SOCKET_TIMEOUT_S, redis_client
 from indexer.redis_index import RedisIndex
 
 log = logging.getLogger("prefixcache.daemon")
@@ -155,7 +156,7 @@ class NodeDaemon:
             log.info("daemon and its servers bound to CPUs %s", s.cpus)
         self._load_mac_key()
         self._start_index()
-        self.leases = Leases(redis.Redis.from_url(self.index.url), s.key_prefix)
+        self.leases = Leases(redis_client(self.index.url), s.key_prefix)
         self._start_mooncake()
         self.nvme = NvmeStore(s.nvme_path, s.nvme_bytes, segment_bytes=NVME_SEGMENT_BYTES,
                               is_pinned=self._protected, on_evict=self._evicted)  # fmt: skip
@@ -164,9 +165,9 @@ class NodeDaemon:
         reconcile(self.index, self.nvme, s.node, dram_is_new=True)
         self.write_behind = WriteBehind(self.index, self.dram, self.nvme, s.node, hold_s=s.write_behind_hold_s,
                                         mac_key=self.mac_key)  # fmt: skip
-        self.promoter = Promoter(redis.Redis.from_url(self.index.url), s.key_prefix + ":", self.index, self.dram,
+        self.promoter = Promoter(self._waiting_redis(), s.key_prefix + ":", self.index, self.dram,
                                  self.nvme, s.node, mac_key=self.mac_key)  # fmt: skip
-        self.extents = ExtentServer(redis.Redis.from_url(self.index.url), s.key_prefix + ":", self.nvme, s.node)
+        self.extents = ExtentServer(self._waiting_redis(), s.key_prefix + ":", self.nvme, s.node)
         self.demoter = Demoter(self.index, self.dram, self.write_behind, s.node, self._protected,
                                s.dram_high_watermark, s.dram_low_watermark)  # fmt: skip
         self.write_behind.on_persisted = self.demoter.poke
@@ -177,9 +178,9 @@ class NodeDaemon:
                                                  s.kv_events_topic, block_size=s.chunk_tokens))  # fmt: skip
             log.info("publishing KV events on %s", s.kv_events_endpoint)
         self.evictor = Evictor(self.index, self.dram, self.nvme, s.node,
-                               EvictionOrders(redis.Redis.from_url(self.index.url), s.key_prefix + ":"))  # fmt: skip
+                               EvictionOrders(self._waiting_redis(), s.key_prefix + ":"))  # fmt: skip
         # after reconcile: orders queued while this node was down remove copies the index still names
-        self.orders = orders = OrderServer(redis.Redis.from_url(self.index.url), s.key_prefix + ":", s.node, self.index,
+        self.orders = orders = OrderServer(self._waiting_redis(), s.key_prefix + ":", s.node, self.index,
                              lambda entries: self.evictor.evict_here(entries).removed)  # fmt: skip
         self._start_service(orders)
         self.admin = CacheAdmin(self.index, self.evictor)
@@ -245,6 +246,10 @@ class NodeDaemon:
     def redis_password_file(self) -> Path:
         return (secrets_dir(self.settings.data_dir) / REDIS_PASSWORD_FILE).absolute()
 
+    def _waiting_redis(self) -> redis.Redis:
+        """A connection of the index's Redis for a service that waits on queues (``BLPOP``)."""
+        return redis_client(self.index.url, socket_timeout_s=WAITING_SOCKET_TIMEOUT_S)
+
     def _start_mooncake(self) -> None:
         s = self.settings
         logs = s.data_dir / "logs"
@@ -308,10 +313,10 @@ class NodeDaemon:
 
     def _protected(self, keys: Sequence[bytes]) -> list[bool]:
         """Chunks capacity pressure must not move: pinned by an operator, or leased to a scheduler."""
-        now = time.time()
         try:
+            now = self.index.clock_s()  # pins are deadlines in the index's clock
             pinned = [e is not None and e.pinned(now) for e in self.index.get(keys)]
-            return [p or leased for p, leased in zip(pinned, self.leases.held(keys, now), strict=True)]
+            return [p or leased for p, leased in zip(pinned, self.leases.held(keys), strict=True)]
         except IndexUnavailableError:
             return [True] * len(keys)  # cannot tell: move nothing rather than a protected chunk
 

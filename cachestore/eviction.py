@@ -53,7 +53,8 @@ class Evictor:
             return outcome
         # Only a forced eviction passes pinned chunks. Their pins go now, as their copies here did: holders
         # leave chunks pinned when they take an order, since a pin set after it was queued must hold.
-        forced = [e.key for e in outcome.kept_elsewhere if e.pinned()]
+        now = self.index.clock_s()  # pins are deadlines in the index's clock
+        forced = [e.key for e in outcome.kept_elsewhere if e.pinned(now)]
         if forced:
             self.index.set_pin(forced, 0.0)
         by_node: dict[str, list[bytes]] = {}

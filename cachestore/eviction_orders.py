@@ -86,5 +86,6 @@ class OrderServer(AnsweringServer):
 
     def answer(self, keys: list[bytes]) -> str:
         # a chunk pinned now was pinned after the order was queued (a forced eviction unpins first): it stays
-        entries = [entry for entry in self.index.get(keys) if entry is not None and not entry.pinned()]
+        now = self.index.clock_s()
+        entries = [entry for entry in self.index.get(keys) if entry is not None and not entry.pinned(now)]
         return str(len(list(self.evict_here(entries))))

@@ -29,6 +29,7 @@ import zmq
 from cachestore.background import BackgroundLoop
 from indexer.errors import ConfigError
 from indexer.index import FeedEvent
+from indexer.redis_clients import redis_client
 from indexer.redis_index import RedisIndex
 
 log = logging.getLogger("prefixcache.kv_events")
@@ -81,7 +82,7 @@ class KvEventPublisher(BackgroundLoop):
         super().__init__()
         self._redis_url, self._key_prefix = redis_url, key_prefix
         self.index = RedisIndex(redis_url, key_prefix=key_prefix)
-        self._redis = redis.Redis.from_url(redis_url, socket_timeout=2.0)
+        self._redis = redis_client(redis_url)
         self._prefix = key_prefix + ":"
         self.node = node
         self.block_size = block_size

@@ -16,7 +16,7 @@ import redis
 
 from cachestore.processes import ManagedProcess, find_executable, free_port
 from cachestore.secrets_store import PRIVATE_FILE_MODE, make_private_dir
-from indexer.redis_index import with_password
+from indexer.redis_clients import redis_client, with_password
 
 #: What the embedded server's clients (the daemon, connectors, warm-up jobs, the proxy) may run: everything
 #: but Redis 7's ``@dangerous`` commands (FLUSHALL, FLUSHDB, CONFIG, DEBUG, SHUTDOWN, MODULE, SAVE, BGSAVE,
@@ -96,8 +96,7 @@ class EmbeddedRedis(ManagedProcess):
 
     def _answers(self) -> bool:
         try:
-            client = redis.Redis(host=self.host, port=self.port, password=self.password, socket_connect_timeout=0.2)
-            with client:
+            with redis_client(self.url, connect_timeout_s=0.2) as client:
                 return bool(client.ping())
         except redis.exceptions.RedisError:
             return False

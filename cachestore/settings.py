@@ -21,7 +21,7 @@ from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource
 from cachestore.cpus import allowed_cpus, cpu_list, format_cpu_list
 from indexer.chunking import DEFAULT_CHUNK_TOKENS, MAX_CHUNK_TOKENS
 from indexer.errors import ConfigError
-from indexer.redis_index import redact_url
+from indexer.redis_clients import redact_url
 
 #: Size of one NVMe segment file: large sequential writes, and the unit compaction works in.
 NVME_SEGMENT_BYTES = 256 << 20

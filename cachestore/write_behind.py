@@ -128,7 +128,7 @@ class WriteBehind(BackgroundLoop):
             e for e in self.index.get(keys)
             if e is not None and self.dram_location in e.locations and self.nvme_location not in e.locations
         ]  # fmt: skip
-        wait = hold_left_s(max((e.created_s for e in entries), default=0.0), time.time(), self.hold_s)
+        wait = hold_left_s(max((e.created_s for e in entries), default=0.0), self.index.clock_s(), self.hold_s)
         if wait > 0 and self._stop.wait(wait):
             return None
         failed: set[bytes] = set()
@@ -176,7 +176,7 @@ class WriteBehind(BackgroundLoop):
             if gone:  # evicted while being copied: leave no NVMe bytes the index does not know of
                 self.nvme.delete(list(gone))
                 persisted = [e for e in persisted if e.key not in gone]
-        now = time.time()
+        now = self.index.clock_s()  # entries' times are the index's clock
         for entry in persisted:
             self.stats.note_delay(now - entry.created_s)
         self.stats.persisted += len(persisted)

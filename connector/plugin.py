@@ -15,6 +15,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from connector.attachment import Attachment
+from connector.detached_worker import DetachedWorker
 from connector.io_threads import io_cpus, numa_node_cpus, pinning, ranks_bound_by_vllm
 from connector.settings import (
     ConnectorSettings,
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     import torch
 
     from cachestore.client import CacheClient
+    from connector.worker_side import WorkerSide
     from indexer.namespace import NamespaceSpec
 
 log = logging.getLogger("prefixcache.connector")
@@ -43,9 +46,10 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         self._settings = ConnectorSettings.parse(transfer.kv_connector_extra_config)
         self._directions = Directions.of_role(transfer.kv_role)
         self._scheduler = None
-        self._worker = None
+        self._worker: WorkerSide | DetachedWorker | None = None  # detached until the worker's client attaches
         self._layer_index: dict[str, int] = {}  # the worker's attention layers, in its KV cache's order
-        self._cache_client: CacheClient | None = None
+        self._layers: list[torch.Tensor] = []  # their KV caches, for the worker side made once the client attaches
+        self._client_attachment: Attachment[CacheClient] | None = None
         self._io_thread_setup: Callable[[], None] | None = None  # binds the connector's threads (set with the client)
         if role == KVConnectorRole.SCHEDULER:
             from connector.scheduler_side import SchedulerSide
@@ -103,24 +107,43 @@ class PrefixCacheConnector(KVConnectorBase_V1):
 
     def get_mem_pool_context(self) -> AbstractContextManager | None:
         """On the CPU backend, vLLM allocates its KV cache inside this context: in the client's shared
-        memory, so that loads write chunks straight into the pages (connector/shared_kv.py)."""
+        memory, so that loads write chunks straight into the pages (connector/shared_kv.py).
+
+        A store that cannot be reached at start leaves the KV cache in ordinary memory for the engine's life:
+        once the client attaches, its loads copy through the arena, as for any cache outside shared memory.
+        Shared memory the client makes later could not hold a cache vLLM has already allocated."""
         if not self._settings.kv_in_shared_memory or not _on_cpu_backend():
+            return None
+        if (client := self._client()) is None:
+            log.warning("prefixcache: KV cache not placed in shared memory (no store yet); loads will copy "
+                        "through the arena")  # fmt: skip
             return None
         from connector.shared_kv import SharedKVAllocation
 
-        return SharedKVAllocation(self._client().shared_memory)
+        return SharedKVAllocation(client.shared_memory)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from connector.worker_side import WorkerSide
-
         group = self._kv_cache_config.kv_cache_groups[0]
         check_loads_supported(attention_backends(self._vllm_config, group.layer_names), self._directions)
         names = [name for name in group.layer_names if name in kv_caches]
         self._layer_index = {name: i for i, name in enumerate(names)}
-        layers = [kv_caches[name] for name in names]
-        client = self._client()
-        self._worker = WorkerSide(client, layers, group.kv_cache_spec.block_size,
-                                  directions=self._worker_directions(group.kv_cache_spec),
+        self._layers = [kv_caches[name] for name in names]
+        self._worker = DetachedWorker()
+        self._client()
+        self._adopt_client()
+
+    def _adopt_client(self) -> None:
+        """Once the worker's client has attached, make the worker side of it: between steps (nothing the detached
+        side was given is still to report), on vLLM's thread, which owns the device the pages are on."""
+        if not isinstance(self._worker, DetachedWorker) or not self._worker.idle:
+            return
+        client = self._client_attachment.value if self._client_attachment is not None else None
+        if client is None:
+            return
+        from connector.worker_side import WorkerSide
+
+        spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        self._worker = WorkerSide(client, self._layers, spec.block_size, directions=self._worker_directions(spec),
                                   io_thread_setup=self._io_thread_setup,
                                   check_threads=self._settings.check_threads)  # fmt: skip
 
@@ -133,44 +156,54 @@ class PrefixCacheConnector(KVConnectorBase_V1):
             return self._directions._replace(publishes=False)
         return self._directions
 
-    def _client(self) -> CacheClient:
-        """The worker's client, made at the first call: ``get_mem_pool_context`` needs it before the KV cache exists."""
-        if self._cache_client is None:
-            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+    def _client(self) -> CacheClient | None:
+        """The worker's client, or None while the store cannot be reached (tried again in the background:
+        connector/attachment.py). Asked for first by ``get_mem_pool_context``, before the KV cache exists."""
+        if self._client_attachment is None:
+            from cachestore.client import CacheClient
 
-            from cachestore.client import CacheClient, chunk_mac_key, fetch_config
-            from connector.settings import arena_mib, kv_bytes_per_token, namespace_for
+            self._client_attachment = Attachment(self._attach_client, CacheClient.close, "worker side")
+        return self._client_attachment.value
 
-            group = self._kv_cache_config.kv_cache_groups[0]
-            config = fetch_config(self._settings.service_url)
-            spec = namespace_for(self._vllm_config, group.kv_cache_spec, config.chunk_tokens,
-                                 tp_rank=get_tensor_model_parallel_rank(),
-                                 pp_rank=get_pp_group().rank_in_group)  # fmt: skip
-            cpus = io_cpus(self._settings.io_cpus, on_cpu_backend=_on_cpu_backend(), compute=os.sched_getaffinity(0),
-                           online=range(os.cpu_count() or 1), numa_nodes=numa_node_cpus(),
-                           other_ranks=ranks_bound_by_vllm(os.environ.get("VLLM_CPU_OMP_THREADS_BIND")))  # fmt: skip
-            log.info("prefixcache: connector threads on CPUs %s", "as the worker" if cpus is None else sorted(cpus))
-            self._io_thread_setup = pinning(cpus)
-            step_tokens = self._vllm_config.scheduler_config.max_num_batched_tokens
-            arena = arena_mib(self._settings.arena_mb, step_tokens, config.chunk_tokens, kv_bytes_per_token(group))
-            log.info("prefixcache: a %d MiB arena (arena_mb=%s)", arena, self._settings.arena_mb)
-            self._cache_client = CacheClient(config, spec, arena_bytes=arena << 20,
-                                             redis_password=self._settings.redis_password,
-                                             io_thread_setup=self._io_thread_setup,
-                                             mac_key=chunk_mac_key(config, self._settings.chunk_key_file))  # fmt: skip
-        return self._cache_client
+    def _attach_client(self) -> CacheClient:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        from cachestore.client import CacheClient, chunk_mac_key, fetch_config
+        from connector.settings import arena_mib, kv_bytes_per_token, namespace_for
+
+        group = self._kv_cache_config.kv_cache_groups[0]
+        config = fetch_config(self._settings.service_url)
+        spec = namespace_for(self._vllm_config, group.kv_cache_spec, config.chunk_tokens,
+                             tp_rank=get_tensor_model_parallel_rank(),
+                             pp_rank=get_pp_group().rank_in_group)  # fmt: skip
+        cpus = io_cpus(self._settings.io_cpus, on_cpu_backend=_on_cpu_backend(), compute=os.sched_getaffinity(0),
+                       online=range(os.cpu_count() or 1), numa_nodes=numa_node_cpus(),
+                       other_ranks=ranks_bound_by_vllm(os.environ.get("VLLM_CPU_OMP_THREADS_BIND")))  # fmt: skip
+        step_tokens = self._vllm_config.scheduler_config.max_num_batched_tokens
+        arena = arena_mib(self._settings.arena_mb, step_tokens, config.chunk_tokens, kv_bytes_per_token(group))
+        thread_setup = pinning(cpus)
+        client = CacheClient(config, spec, arena_bytes=arena << 20, redis_password=self._settings.redis_password,
+                             io_thread_setup=thread_setup,
+                             mac_key=chunk_mac_key(config, self._settings.chunk_key_file))  # fmt: skip
+        log.info("prefixcache: connector threads on CPUs %s", "as the worker" if cpus is None else sorted(cpus))
+        log.info("prefixcache: a %d MiB arena (arena_mb=%s)", arena, self._settings.arena_mb)
+        self._io_thread_setup = thread_setup
+        return client
 
     @property
     def worker_namespace(self) -> NamespaceSpec | None:
-        """The namespace this worker loads and publishes under (None before ``register_kv_caches``)."""
-        return self._worker.client.spec if self._worker is not None else None
+        """The namespace this worker loads and publishes under (None before the store has attached)."""
+        client = self._client_attachment.value if self._worker is not None and self._client_attachment else None
+        return client.spec if client is not None else None
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """vLLM's first hook of every step, about 1 ms before ``start_load_kv``: DRAM hits start here."""
+        self._adopt_client()
         if self._worker is not None and isinstance(kv_connector_metadata, _metadata_type()):
             self._worker.begin_step(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._adopt_client()
         if self._worker is not None:
             meta = self._get_connector_metadata()
             if isinstance(meta, _metadata_type()):
@@ -217,10 +250,10 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         return PrefixCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.close()
-        elif self._cache_client is not None:
-            self._cache_client.close()
+        if self._worker is not None and not isinstance(self._worker, DetachedWorker):
+            self._worker.close()  # and its client
+        elif self._client_attachment is not None:
+            self._client_attachment.close()
         if self._scheduler is not None:
             self._scheduler.close()
 

@@ -17,6 +17,7 @@ block, and what it computes is published again; a request whose asynchronous loa
 then computed. A request's LoRA adapter gives it a key space of its own, and its media key its chunks from the
 chunk where the first item begins (connector/request_identity.py); a prompt given as embeddings is neither
 looked up nor published. A request can turn loading or publishing off for itself (cachestore/request_params.py).
+Until the store is attached (connector/attachment.py), requests are neither looked up nor published.
 """
 
 from __future__ import annotations
@@ -28,11 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis
-
-from cachestore.client import fetch_config, index_url
-from cachestore.client_stats import ClientStatsRecorder
 from cachestore.request_params import request_cache_params
+from connector.attachment import Attachment
 from connector.load_policy import (
     check_load_mode,
     ends_media,
@@ -41,10 +39,8 @@ from connector.load_policy import (
     reads_nvme,
     sync_load_hazard,
 )
-from connector.lookups import BatchedLookups
 from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from connector.plans import (
-    Geometry,
     blocks_of,
     chunks_before_failure,
     chunks_to_publish,
@@ -53,17 +49,14 @@ from connector.plans import (
     tokens_by_tier,
 )
 from connector.request_identity import media_ends, media_marks, request_variant
-from connector.settings import ConnectorSettings, Directions, check_supported, kv_bytes_per_token, namespace_for
-from indexer.chunking import ChunkGeometry
+from connector.scheduler_store import LEASE_TIMEOUT_S, SchedulerStore
+from connector.settings import ConnectorSettings, Directions, check_supported, kv_bytes_per_token
 from indexer.errors import IndexUnavailableError
-from indexer.index import PrefixMatch, attach_namespace
+from indexer.index import PrefixMatch
 from indexer.keys import PrefixHasher, extend_all
-from indexer.leases import Leases
-from indexer.redis_index import RedisIndex
 from indexer.tokens import TOKEN_BYTES
 
 log = logging.getLogger("prefixcache.connector")
-LEASE_TIMEOUT_S = 1.0
 #: Loads a request may try. vLLM asks again about a request whose asynchronous load failed from its first block,
 #: and a chunk whose every copy is damaged would otherwise be planned, and fail, for ever.
 LOAD_ATTEMPTS = 2
@@ -116,19 +109,9 @@ class SchedulerSide:
         check_load_mode(settings.async_loads, self.media_hazard)
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self.block_tokens = spec.block_size
-        client_config = fetch_config(settings.service_url)
-        self.geometry = ChunkGeometry(client_config.chunk_tokens, block_tokens=self.block_tokens)
-        self.plan_geometry = Geometry(client_config.chunk_tokens, self.block_tokens)
-        first = namespace_for(vllm_config, spec, client_config.chunk_tokens, tp_rank=0, pp_rank=0)
-        self.namespaces = first.shards()
-        self.index = RedisIndex(index_url(client_config, settings.redis_password), key_prefix=client_config.key_prefix)
-        self.lookups = BatchedLookups(self.index)  # the requests vLLM adds together are looked up together
-        # a second connection, with short timeouts, for leases and statistics
-        bookkeeping = redis.Redis.from_url(self.index.url, socket_timeout=LEASE_TIMEOUT_S,
-                                          socket_connect_timeout=LEASE_TIMEOUT_S)  # fmt: skip
-        self.leases = Leases(bookkeeping, client_config.key_prefix)
-        # what this engine took from the cache, for the daemon's /v1/stats and /metrics
-        self.stats = ClientStatsRecorder(bookkeeping, client_config.key_prefix + ":", client_config.node)
+        # requests vLLM adds before the store is attached are computed, not looked up (connector/attachment.py)
+        self._attachment = Attachment(lambda: SchedulerStore.attach(vllm_config, spec, settings), SchedulerStore.close,
+                                      "scheduler side")  # fmt: skip
         self.load_enabled, self.publish_enabled = directions  # what the engine's kv_role allows
         self.min_hit_tokens = settings.min_hit_tokens
         self.async_loads, self.async_bytes = settings.async_loads, settings.async_load_mib << 20
@@ -146,11 +129,13 @@ class SchedulerSide:
         self._to_lease: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
         self._leaser = threading.Thread(target=self._lease_loop, name="prefixcache-lease", daemon=True)
         self._leaser.start()
-        try:
-            for namespace in self.namespaces:
-                attach_namespace(self.index, namespace, log)
-        except IndexUnavailableError as exc:
-            log.warning("prefixcache index unreachable (%s): requests recompute until it answers", exc)
+
+    @property
+    def store(self) -> SchedulerStore:
+        """The attached store: there for every request with key chains (made once it attached)."""
+        store = self._attachment.value
+        assert store is not None, "a request with key chains was made before the store attached"
+        return store
 
     # -- vLLM hooks ----------------------------------------------------------------------------------
 
@@ -160,7 +145,8 @@ class SchedulerSide:
         prefix cache holds a chunk of it."""
         state = self._state(request)
         if state.hashers and state.loads:
-            self.lookups.note(request.request_id, request.num_tokens, [hasher.query() for hasher in state.hashers])
+            queries = [hasher.query() for hasher in state.hashers]
+            self.store.lookups.note(request.request_id, request.num_tokens, queries)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         state = self._state(request)
@@ -174,14 +160,14 @@ class SchedulerSide:
         if state.failed_loads >= LOAD_ATTEMPTS:
             state.matches = None  # computed now, and published: none of what failed to load counts as stored
             return 0, False
-        if publish_only and num_computed_tokens < self.geometry.chunk_tokens:
+        if publish_only and num_computed_tokens < self.store.geometry.chunk_tokens:
             return 0, False
         looked_up = state.matched_for != request.num_tokens  # vLLM may ask again for the same request
         if looked_up:
             extend_all(state.hashers, request.all_token_ids[state.hashers[0].num_tokens : request.num_tokens])
             started = time.perf_counter()
             try:
-                state.matches, state.lookup_s = self.lookups.matches(
+                state.matches, state.lookup_s = self.store.lookups.matches(
                     request.request_id, request.num_tokens, lambda: [hasher.query() for hasher in state.hashers]
                 )
             except IndexUnavailableError as exc:
@@ -195,7 +181,8 @@ class SchedulerSide:
         external = min(state.matched_tokens, request.num_tokens - 1) - num_computed_tokens
         external = external if external >= self.min_hit_tokens else 0
         if looked_up:
-            self.stats.record_lookup(self.namespaces[0].digest, request.num_tokens, external, state.lookup_s)
+            self.store.stats.record_lookup(self.store.namespaces[0].digest, request.num_tokens, external,
+                                           state.lookup_s)  # fmt: skip
         end = num_computed_tokens + external
         sync_hazard = self.sync_load_hazard is not None or (
             self.media_hazard is not None and ends_media(state.media_ends, num_computed_tokens, end)
@@ -218,7 +205,7 @@ class SchedulerSide:
             state.stored_chunks, state.tail_done = max(state.stored_chunks, full), state.tail_done or tail
         if num_external_tokens > 0 and state.matches:
             end = state.local_tokens + num_external_tokens
-            state.load = [load_plan(match, state.blocks, state.local_tokens, end, self.plan_geometry)
+            state.load = [load_plan(match, state.blocks, state.local_tokens, end, self.store.plan_geometry)
                           for match in state.matches]  # fmt: skip
             self._to_lease.put([chunk.key for plan in state.load for chunk in plan])
             if state.load_async:
@@ -234,9 +221,11 @@ class SchedulerSide:
         return tokens_by_tier(state.matches, state.local_tokens, state.local_tokens + num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> PrefixCacheMetadata:
-        self.lookups.new_pass()
+        store = self._attachment.value
+        if store is not None:
+            store.lookups.new_pass()
         self._sync_bytes_in_pass = 0
-        meta = PrefixCacheMetadata(loads=[{} for _ in self.namespaces])
+        meta = PrefixCacheMetadata(loads=[{} for _ in store.namespaces] if store is not None else [{}])
         for req_id, state in self.requests.items():
             for shard, plan in enumerate(state.load):
                 meta.loads[shard][req_id] = plan
@@ -284,18 +273,19 @@ class SchedulerSide:
         preemption), it is looked up again: damaged DRAM copies are unlisted by then."""
         state.failed_loads += 1
         state.matched_for = -1
-        state.stored_chunks = min(state.stored_chunks, chunks_before_failure(state.blocks, failed, self.plan_geometry))
+        before = chunks_before_failure(state.blocks, failed, self.store.plan_geometry)
+        state.stored_chunks = min(state.stored_chunks, before)
         state.tail_done = False
 
     def request_finished(self, request: Any) -> None:
-        self.requests.pop(request.request_id, None)
-        self.lookups.forget(request.request_id)
+        if self.requests.pop(request.request_id, None) is not None and (store := self._attachment.value) is not None:
+            store.lookups.forget(request.request_id)
         self._running.discard(request.request_id)
 
     def close(self) -> None:
         self._to_lease.put(None)
         self._leaser.join(timeout=LEASE_TIMEOUT_S * 2)
-        self.stats.close()
+        self._attachment.close()
 
     def _lease_loop(self) -> None:
         """Lease each load plan's chunks, in the order they were promised; the worker loads them a step
@@ -303,7 +293,7 @@ class SchedulerSide:
         from NVMe or recomputed."""
         while (keys := self._to_lease.get()) is not None:
             try:
-                self.leases.grant(keys)
+                self.store.leases.grant(keys)
             except IndexUnavailableError as exc:
                 log.debug("chunks not leased (%s); a chunk moved meanwhile is recomputed", exc)
 
@@ -314,11 +304,12 @@ class SchedulerSide:
         if state is None:
             salt = getattr(request, "cache_salt", None)
             variant = request_variant(request)
-            if variant is None:
+            store = self._attachment.value
+            if variant is None or store is None:  # not cacheable, or no store to cache it in
                 state = RequestState(hashers=[], prompt=b"", tenant_salt=salt)
             else:
-                media = media_marks(request, self.geometry.chunk_tokens)
-                hashers = [PrefixHasher(ns.root(salt, variant), self.geometry, media) for ns in self.namespaces]
+                media = media_marks(request, store.geometry.chunk_tokens)
+                hashers = [PrefixHasher(ns.root(salt, variant), store.geometry, media) for ns in store.namespaces]
                 extend_all(hashers, request.prompt_token_ids)
                 state = RequestState(hashers=hashers, prompt=hashers[0].packed(), tenant_salt=salt, variant=variant,
                                      media_ends=media_ends(request))  # fmt: skip
@@ -336,16 +327,16 @@ class SchedulerSide:
             return
         done = computed + so.num_scheduled_tokens.get(req_id, 0)
         ranges, state.tail_done = chunks_to_publish(state.stored_chunks, done, state.prompt_tokens, state.tail_done,
-                                                    self.plan_geometry)  # fmt: skip
+                                                    self.store.plan_geometry)  # fmt: skip
         for start, end in ranges:
-            chunk = start // self.geometry.chunk_tokens
+            chunk = start // self.store.geometry.chunk_tokens
             parents = [hasher.parent(chunk) for hasher in state.hashers]
             meta.saves.append(SaveChunk(request=req_id, parents=parents,
                                         tokens=state.prompt[start * TOKEN_BYTES : end * TOKEN_BYTES],
-                                        blocks=state.blocks[self.plan_geometry.blocks(start, end)],
+                                        blocks=state.blocks[self.store.plan_geometry.blocks(start, end)],
                                         tenant_salt=state.tenant_salt, variant=state.variant))  # fmt: skip
             state.stored_chunks = max(
-                state.stored_chunks, chunk + 1 if end - start == self.geometry.chunk_tokens else 0
+                state.stored_chunks, chunk + 1 if end - start == self.store.geometry.chunk_tokens else 0
             )
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import Counter, deque
 from collections.abc import Callable
 
@@ -22,8 +21,8 @@ from indexer.periodic import PeriodicFlusher
 
 log = logging.getLogger("prefixcache.index")
 
-#: What the apply callback receives: (unix ms of the latest hit, {hex key: hits}).
-Updates = tuple[int, dict[str, int]]
+#: What the apply callback receives: {hex key: hits}. The index stamps the last access with its own clock.
+Hits = dict[str, int]
 
 
 class AccessLog(PeriodicFlusher):
@@ -31,7 +30,7 @@ class AccessLog(PeriodicFlusher):
 
     def __init__(
         self,
-        apply: Callable[[Updates], None],
+        apply: Callable[[Hits], None],
         interval_s: float = 0.05,
         max_pending: int = 100_000,
         keys_per_call: int = 64,
@@ -39,24 +38,22 @@ class AccessLog(PeriodicFlusher):
         super().__init__(interval_s)
         self._apply = apply
         self._keys_per_call = keys_per_call
-        self._pending: deque[tuple[int, str]] = deque(maxlen=max_pending)
+        self._pending: deque[str] = deque(maxlen=max_pending)
         self._lock = threading.Lock()  # one apply at a time, so flush() returns after its records land
 
     def record(self, hex_keys: str) -> None:
         """Note one lookup's hits (its hit keys as concatenated 32-char hex)."""
         if not hex_keys or self.closed:
             return
-        self._pending.append((int(time.time() * 1000), hex_keys))
+        self._pending.append(hex_keys)
         self._started()
 
     def flush(self) -> None:
         """Apply everything recorded so far, now (tests, shutdown)."""
         with self._lock:
-            latest, lookups = 0, Counter[str]()
+            lookups = Counter[str]()
             while self._pending:
-                now_ms, hex_keys = self._pending.popleft()
-                latest = max(latest, now_ms)
-                lookups[hex_keys] += 1
+                lookups[self._pending.popleft()] += 1
             hits = Counter[str]()
             for hex_keys, count in lookups.items():
                 for i in range(0, len(hex_keys), 32):
@@ -64,7 +61,7 @@ class AccessLog(PeriodicFlusher):
             items = list(hits.items())
             for start in range(0, len(items), self._keys_per_call):
                 try:
-                    self._apply((latest, dict(items[start : start + self._keys_per_call])))
+                    self._apply(dict(items[start : start + self._keys_per_call]))
                 except Exception as exc:  # noqa: BLE001 - statistics must never break lookups
                     log.debug("dropped access updates of %d chunks: %s", len(items) - start, exc)
                     return

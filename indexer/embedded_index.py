@@ -54,6 +54,10 @@ class EmbeddedIndex:
     def ping(self) -> None:
         """Always reachable."""
 
+    def clock_s(self) -> float:
+        """One process: its own clock."""
+        return time.time()
+
     def register_namespace(self, spec: NamespaceSpec) -> NamespaceCheck:
         with self._lock:
             check = check_namespace(spec, self._namespaces.values())

@@ -17,7 +17,6 @@ Two backends implement ``PrefixIndex``: ``RedisIndex`` (production, shared by ev
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
@@ -121,8 +120,9 @@ class ChunkEntry(ChunkIdentity):
     hits: int
     pinned_until_s: float = 0.0  # 0: not pinned; math.inf: until unpinned
 
-    def pinned(self, now_s: float | None = None) -> bool:
-        return self.pinned_until_s > (time.time() if now_s is None else now_s)
+    def pinned(self, now_s: float) -> bool:
+        """Whether the pin holds at ``now_s``, the index's clock (``PrefixIndex.clock_s``)."""
+        return self.pinned_until_s > now_s
 
 
 @dataclass(frozen=True)
@@ -219,6 +219,10 @@ class PrefixIndex(Protocol):
 
     def ping(self) -> None:
         """Raise IndexUnavailableError unless the backend answers."""
+
+    def clock_s(self) -> float:
+        """The index's clock, Unix seconds: what entries' times (created, last access), pins and leases are
+        written in, so every node compares them against it rather than against its own clock."""
 
     def register_namespace(self, spec: NamespaceSpec) -> NamespaceCheck: ...
 

@@ -9,16 +9,18 @@ other.
 
 One sorted set per key prefix (``<prefix>:lease``) maps chunk key to expiry (Unix seconds). Expired
 members are dropped whenever a lease is granted, so the set stays as small as the leases in flight.
+Expiries are set and compared by Redis's clock (``lease.lua``, and ``TIME`` beside the read), never by a
+client's: a scheduler whose clock runs ahead would otherwise drop other engines' leases as expired.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import redis
 
 from indexer.errors import IndexUnavailableError
+from indexer.redis_index import load_script
 
 #: Long enough to cover the step between the promise and the load many times over, short enough
 #: that a crashed engine's leases do not hold capacity for long.
@@ -29,27 +31,25 @@ class Leases:
     def __init__(self, client: redis.Redis, key_prefix: str) -> None:
         self._redis = client
         self._key = f"{key_prefix}:lease"
+        self._grant = load_script(client, "lease", with_common=False)
 
-    def grant(self, keys: Sequence[bytes], ttl_s: float = DEFAULT_LEASE_S, now: float | None = None) -> None:
+    def grant(self, keys: Sequence[bytes], ttl_s: float = DEFAULT_LEASE_S) -> None:
         """Hold ``keys`` for ``ttl_s`` seconds (a longer lease already held is kept)."""
         if not keys:
             return
-        now = time.time() if now is None else now
         try:
-            with self._redis.pipeline(transaction=False) as pipe:
-                pipe.zremrangebyscore(self._key, "-inf", now)
-                pipe.zadd(self._key, dict.fromkeys(keys, now + ttl_s), gt=True)
-                pipe.execute()
+            self._grant(keys=[self._key], args=[ttl_s, *keys])
         except redis.RedisError as exc:
             raise IndexUnavailableError(f"cannot lease chunks: {exc}") from exc
 
-    def held(self, keys: Sequence[bytes], now: float | None = None) -> list[bool]:
+    def held(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is under an unexpired lease."""
         if not keys:
             return []
-        now = time.time() if now is None else now
         try:
-            expiries = self._redis.zmscore(self._key, list(keys))
+            with self._redis.pipeline(transaction=True) as pipe:
+                (seconds, microseconds), expiries = pipe.time().zmscore(self._key, list(keys)).execute()
         except redis.RedisError as exc:
             raise IndexUnavailableError(f"cannot read leases: {exc}") from exc
+        now = seconds + microseconds / 1e6
         return [expiry is not None and expiry > now for expiry in expiries]

@@ -8,17 +8,15 @@ an unreachable Redis surfaces as ``IndexUnavailableError`` quickly, which caller
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from importlib import resources
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from indexer.access_log import AccessLog, Updates
+from indexer.access_log import AccessLog, Hits
 from indexer.errors import ConfigError, IndexUnavailableError
 from indexer.index import (
     MAX_BUCKET_CANDIDATES,
@@ -35,16 +33,10 @@ from indexer.index import (
 )
 from indexer.keys import KEY_BYTES, PrefixQuery
 from indexer.namespace import NamespaceSpec
+from indexer.redis_clients import CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_S, redact_url, redis_client
+from indexer.unreadable import UnreadableRecords
 
-_SCHEMES = ("redis", "rediss", "unix")
 _NO_PROBE = bytes(KEY_BYTES)  # sent where the prompt has no probe; an all-zero digest is never a key
-
-
-def with_password(url: str, password: str) -> str:
-    """The URL with its password set to ``password`` (the user name and the rest kept)."""
-    parts = urlsplit(url)
-    netloc = f"{parts.username or ''}:{password}@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def _refuses_writes(error: redis.exceptions.ResponseError) -> bool:
@@ -55,21 +47,13 @@ def _refuses_writes(error: redis.exceptions.ResponseError) -> bool:
     ).startswith("MISCONF")
 
 
-def redact_url(url: str) -> str:
-    """The URL with any password replaced, for messages and logs."""
-    return url if urlsplit(url).password is None else with_password(url, "***")
-
-
-def _load_script(client: redis.Redis, name: str, with_common: bool = True) -> redis.commands.core.Script:
+def load_script(client: redis.Redis, name: str, with_common: bool = True) -> redis.commands.core.Script:
+    """The script ``indexer/lua/<name>.lua`` (after ``common.lua``'s shared functions, ``with_common``)."""
     lua = resources.files("indexer") / "lua"
     source = lua.joinpath(f"{name}.lua").read_text()
     if with_common:
         source = lua.joinpath("common.lua").read_text() + "\n" + source
     return client.register_script(source)
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 class RedisIndex:
@@ -81,33 +65,26 @@ class RedisIndex:
         url: str,
         *,
         key_prefix: str = "pc",
-        socket_timeout_s: float = 2.0,
-        connect_timeout_s: float = 1.0,
+        socket_timeout_s: float = SOCKET_TIMEOUT_S,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
         max_candidates: int = MAX_BUCKET_CANDIDATES,
     ) -> None:
-        scheme = urlsplit(url).scheme
-        if scheme not in _SCHEMES:
-            raise ConfigError(f"redis URL must start with redis://, rediss:// or unix://, got {redact_url(url)!r}")
         if not key_prefix or any(c in key_prefix for c in " {}"):
             raise ConfigError(f"key_prefix must be non-empty without spaces or braces, got {key_prefix!r}")
         self.url = url
         self._prefix = key_prefix + ":"
         self._max_candidates = max_candidates
-        try:
-            self._redis = redis.Redis.from_url(
-                url, socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s
-            )
-        except ValueError as exc:
-            raise ConfigError(f"invalid redis URL {redact_url(url)!r}: {exc}") from exc
-        self._lookup = _load_script(self._redis, "lookup", with_common=False)  # its first line is a shebang
-        self._page = _load_script(self._redis, "page", with_common=False)
-        self._touch = _load_script(self._redis, "touch", with_common=False)
+        self._redis = redis_client(url, socket_timeout_s=socket_timeout_s, connect_timeout_s=connect_timeout_s)
+        self._lookup = load_script(self._redis, "lookup", with_common=False)  # its first line is a shebang
+        self._page = load_script(self._redis, "page", with_common=False)
+        self._touch = load_script(self._redis, "touch", with_common=False)
         self._access = AccessLog(self._apply_access)
+        self._unreadable = UnreadableRecords()
         self._feed_groups: dict[tuple[str, str, str], str] = {}
-        self._register = _load_script(self._redis, "register")
-        self._locations = _load_script(self._redis, "locations")
-        self._remove = _load_script(self._redis, "remove")
-        self._pin = _load_script(self._redis, "pin")
+        self._register = load_script(self._redis, "register")
+        self._locations = load_script(self._redis, "locations")
+        self._remove = load_script(self._redis, "remove")
+        self._pin = load_script(self._redis, "pin")
 
     @contextmanager
     def _reachable(self) -> Iterator[None]:
@@ -124,6 +101,11 @@ class RedisIndex:
         with self._reachable():
             self._redis.ping()
 
+    def clock_s(self) -> float:
+        with self._reachable():
+            seconds, microseconds = self._redis.time()
+        return seconds + microseconds / 1e6
+
     def register_namespace(self, spec: NamespaceSpec) -> NamespaceCheck:
         with self._reachable():
             registered = self.namespaces()
@@ -133,9 +115,16 @@ class RedisIndex:
         return check
 
     def namespaces(self) -> list[NamespaceSpec]:
+        """The registered namespaces this version can read (others: ``indexer/unreadable.py``)."""
         with self._reachable():
-            raw = self._redis.hvals(self._prefix + "ns")
-        return [NamespaceSpec.model_validate_json(text) for text in raw]
+            raw = self._redis.hgetall(self._prefix + "ns")
+        specs = []
+        for digest, text in raw.items():
+            try:
+                specs.append(NamespaceSpec.model_validate_json(text))
+            except ValueError as exc:  # pydantic's ValidationError is one
+                self._unreadable.skip("namespace", digest.decode(errors="replace"), exc)
+        return specs
 
     def lookup(self, query: PrefixQuery, *, touch: bool = True) -> PrefixMatch:
         return self.lookup_many([query], touch=touch)[0]
@@ -168,9 +157,8 @@ class RedisIndex:
         """Apply pending last-access/hit updates now (they are otherwise applied in the background)."""
         self._access.flush()
 
-    def _apply_access(self, updates: Updates) -> None:
-        now_ms, hits = updates
-        args: list[object] = [self._prefix, now_ms]
+    def _apply_access(self, hits: Hits) -> None:
+        args: list[object] = [self._prefix]
         for hex_key, count in hits.items():
             args += [hex_key, count]
         self._touch(args=args)
@@ -178,7 +166,7 @@ class RedisIndex:
     def register(self, records: Sequence[ChunkRecord]) -> None:
         if not records:
             return
-        args: list[object] = [self._prefix, _now_ms()]
+        args: list[object] = [self._prefix]
         for r in records:
             args += [
                 r.key.hex(), r.parent.hex(), r.root.hex(), r.namespace.hex(), r.tenant,
@@ -193,7 +181,7 @@ class RedisIndex:
             for key in keys:
                 pipe.hgetall(self._prefix + "e:" + key.hex())
             raw = pipe.execute()
-        return [_entry(key, fields) if fields else None for key, fields in zip(keys, raw, strict=True)]
+        return [self._entry(key.hex(), fields) if fields else None for key, fields in zip(keys, raw, strict=True)]
 
     def add_location(self, keys: Sequence[bytes], location: Location) -> list[bytes]:
         return self._change_locations("add", keys, location)
@@ -205,7 +193,7 @@ class RedisIndex:
         if not keys:
             return []
         with self._reachable():
-            reply = self._locations(args=[self._prefix, _now_ms(), op, str(location), *(k.hex() for k in keys)])
+            reply = self._locations(args=[self._prefix, op, str(location), *(k.hex() for k in keys)])
         return [bytes.fromhex(k.decode()) for k in reply]
 
     def remove(self, keys: Sequence[bytes]) -> int:
@@ -271,8 +259,8 @@ class RedisIndex:
                 for name in names:
                     pipe.hgetall(name)
                 for name, fields in zip(names, pipe.execute(), strict=True):
-                    if fields:
-                        yield _entry(bytes.fromhex(name[skip:].decode()), fields)
+                    if fields and (entry := self._entry(name[skip:], fields)) is not None:
+                        yield entry
                 if cursor == 0:
                     return
 
@@ -282,18 +270,22 @@ class RedisIndex:
         entries = []
         for i in range(0, len(reply), 2):
             fields = dict(zip(reply[i + 1][::2], reply[i + 1][1::2], strict=True))
-            if fields:  # removed between the range and its read, inside the script: never, but cheap to skip
-                entries.append(_entry(bytes.fromhex(reply[i].decode()), fields))
+            # empty: removed between the range and its read, inside the script: never, but cheap to skip
+            if fields and (entry := self._entry(reply[i], fields)) is not None:
+                entries.append(entry)
         return entries
 
     def usage(self) -> dict[bytes, NamespaceUsage]:
         with self._reachable():
             raw = self._redis.hgetall(self._prefix + "u")
-        counts: dict[str, dict[str, int]] = {}
+        counts: dict[bytes, dict[str, int]] = {}
         for name, value in raw.items():
-            namespace, _, field = name.decode().partition(":")
-            counts.setdefault(namespace, {})[field] = int(value)
-        return {bytes.fromhex(ns): usage_of(fields) for ns, fields in counts.items() if fields.get("chunks", 0) > 0}
+            namespace, _, field = name.decode(errors="replace").partition(":")
+            try:
+                counts.setdefault(bytes.fromhex(namespace), {})[field] = int(value)
+            except ValueError as exc:
+                self._unreadable.skip("usage counter", name.decode(errors="replace"), exc)
+        return {ns: usage_of(fields) for ns, fields in counts.items() if fields.get("chunks", 0) > 0}
 
     def feed_backlog(self, node: str, group: str) -> int:
         stream = self._prefix + "f:" + node
@@ -312,6 +304,15 @@ class RedisIndex:
         with self._reachable():
             for name in self._redis.scan_iter(match=self._prefix + "*", count=1000):
                 self._redis.unlink(name)
+
+    def _entry(self, hex_key: bytes | str, fields: dict[bytes, bytes]) -> ChunkEntry | None:
+        """The entry named ``hex_key`` from its hash; None if this version cannot read it."""
+        name = hex_key.decode(errors="replace") if isinstance(hex_key, bytes) else hex_key
+        try:
+            return _entry(bytes.fromhex(name), fields)
+        except (KeyError, ValueError) as exc:
+            self._unreadable.skip("entry", name, exc)
+            return None
 
     def close(self) -> None:
         try:

@@ -4,12 +4,15 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
+import redis
 
+from cachestore.client import CacheClient, fetch_config
 from tests.admin_stack import TOKEN, api, client, daemon  # noqa: F401 - fixtures
-from tests.daemon_harness import fetch_payloads, publish_prompt, wait_persisted
+from tests.daemon_harness import fetch_payloads, make_spec, publish_prompt, wait_persisted
 
 CHUNK = 64  # make_spec()'s chunk size
 
@@ -163,3 +166,26 @@ def test_bad_bodies_get_clear_4xx_answers(api, client):
     assert no_tokenizer.status_code == 422 and "send token_ids" in no_tokenizer.json()["detail"]
     assert api.post("/v1/pin", json={"keys": ["00" * 16], "ttl_s": -1}).status_code == 422
     assert api.post("/v1/lookup", content=b"{not json").status_code == 422
+
+
+def test_namespaces_another_version_wrote_are_skipped_not_an_error(api, client, daemon):
+    """A rolling upgrade: namespace records of a shape this version does not know, or damaged ones, are left out
+    of the listing and of a client's attach, and the usage counters of such a namespace too."""
+    config = fetch_config(daemon.url)
+    raw = redis.Redis.from_url(config.redis_url)
+    records = {"ab" * 16: json.dumps({"future": {"shape": 2}, "model": "test-model"}), "cd" * 16: "{not json"}
+    try:
+        raw.hset(f"{config.key_prefix}:ns", mapping=records)
+        raw.hset(f"{config.key_prefix}:u", mapping={"zz-not-hex:chunks": 3, f"{'ab' * 16}:chunks": "many"})
+        response = api.get("/v1/namespaces")
+        assert response.status_code == 200
+        assert [info["spec"]["model"] for info in response.json()] == ["test-model"]
+        other = CacheClient.connect(daemon.url, make_spec(chunk_tokens=32), arena_bytes=16 << 20)
+        try:
+            assert other.namespace_check is not None and not other.namespace_check.known
+        finally:
+            other.close()
+        assert api.get("/v1/stats").status_code == 200
+    finally:
+        raw.hdel(f"{config.key_prefix}:ns", *records)
+        raw.hdel(f"{config.key_prefix}:u", "zz-not-hex:chunks", f"{'ab' * 16}:chunks")

@@ -188,7 +188,7 @@ def test_entry_metadata_round_trips(index, spec):
     entry = index.get([tail])[0]
     assert entry.parent == key and entry.root == spec.root("t1") and entry.namespace == spec.digest
     assert entry.num_tokens == 36 and entry.size_bytes == 1000 and entry.locations == {DRAM}
-    assert entry.tenant == "" and not entry.pinned()
+    assert entry.tenant == "" and not entry.pinned(index.clock_s())
     assert index.get([b"\x00" * 16]) == [None]
 
 
@@ -216,12 +216,12 @@ def test_remove_and_children(index, spec, geometry):
 def test_pin_until_and_unpin(index, spec):
     keys = publish(index, spec, list(range(128)))
     assert index.set_pin(keys + [b"\x03" * 16], math.inf) == 2
-    assert all(e.pinned() for e in index.get(keys))
-    index.set_pin(keys[:1], time.time() + 0.05)
+    assert all(e.pinned(index.clock_s()) for e in index.get(keys))
+    index.set_pin(keys[:1], index.clock_s() + 0.05)
     first = index.get(keys[:1])[0]
-    assert first.pinned() and not first.pinned(time.time() + 1)
+    assert first.pinned(index.clock_s()) and not first.pinned(index.clock_s() + 1)
     index.set_pin(keys, 0)
-    assert not any(e.pinned() for e in index.get(keys))
+    assert not any(e.pinned(index.clock_s()) for e in index.get(keys))
 
 
 def test_scan_lists_every_entry(index, spec):

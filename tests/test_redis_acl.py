@@ -19,7 +19,8 @@ import tests.test_leases as lease_tests
 from cachestore.client import CacheClient
 from cachestore.processes import ManagedProcess, find_executable, free_port
 from cachestore.redis_server import INDEX_USER_COMMANDS, index_user_acl
-from indexer.redis_index import RedisIndex, with_password
+from indexer.redis_clients import with_password
+from indexer.redis_index import RedisIndex
 from tests.daemon_harness import Daemon, fetch_payloads, make_spec, publish_prompt, wait_persisted
 from tests.test_deploy_files import DEPLOY
 from tests.test_redis_index import (  # noqa: F401 - collected here too, with this module's fixtures

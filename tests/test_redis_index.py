@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import time
+
 import pytest
 import redis
 
@@ -9,8 +12,10 @@ from cachestore.processes import free_port
 from cachestore.redis_server import EmbeddedRedis
 from indexer.chunking import ChunkGeometry
 from indexer.errors import ConfigError, IndexUnavailableError
+from indexer.index import Location, attach_namespace
 from indexer.keys import prompt_query
-from indexer.redis_index import RedisIndex, redact_url
+from indexer.redis_clients import redact_url
+from indexer.redis_index import RedisIndex
 from tests.test_index import publish
 
 
@@ -91,3 +96,38 @@ def test_unacknowledged_feed_events_are_delivered_again_after_a_restart(redis_in
         assert restarted.read_feed("node-a", "persist", "daemon") == []
     finally:
         restarted.close()
+
+
+def test_times_written_are_redis_clock_not_the_clients(redis_index, spec, geometry, monkeypatch):
+    """A client whose clock runs an hour ahead writes creation, last-access and location times in Redis's
+    clock, so other nodes' ages and LRU order are not thrown off by it."""
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3600)
+    keys = publish(redis_index, spec, list(range(128)))
+    redis_index.add_location(keys, Location("nvme", "n1"))
+    redis_index.lookup(prompt_query(spec.root(), geometry, list(range(128))))
+    redis_index.flush_access()
+    redis_now = redis_index.clock_s()
+    assert abs(redis_now - real()) < 5
+    entry = redis_index.get(keys[:1])[0]
+    assert abs(entry.created_s - redis_now) < 5 and abs(entry.last_access_s - redis_now) < 5
+    assert entry.hits == 1
+    added = redis.Redis.from_url(redis_index.url).hget(f"{redis_index._prefix}e:{keys[0].hex()}", "l:nvme@n1")
+    assert abs(int(added) / 1000 - redis_now) < 5
+
+
+def test_records_another_version_wrote_are_skipped_and_logged_once(redis_index, spec, caplog):
+    """Namespace descriptions and entries this version cannot read are left out: the namespace is not listed,
+    the entry misses, and each is logged the first time only; the client's own namespace still attaches."""
+    raw = redis.Redis.from_url(redis_index.url)
+    raw.hset(f"{redis_index._prefix}ns", mapping={"ab" * 16: '{"future": {"field": 1}}', "cd" * 16: "{not json"})
+    keys = publish(redis_index, spec, list(range(128)))
+    raw.hset(f"{redis_index._prefix}e:{keys[1].hex()}", "ntok", "sixty-four")
+    with caplog.at_level(logging.WARNING, logger="prefixcache.index"):
+        assert attach_namespace(redis_index, spec).known is False
+        assert [s.digest for s in redis_index.namespaces()] == [spec.digest]
+        assert [e is not None for e in redis_index.get(keys)] == [True, False]
+        assert [e.key for e in redis_index.scan()] == [keys[0]]
+        assert [e.key for e in redis_index.page(None, 10)] == [keys[0]]
+    skipped = [r.getMessage() for r in caplog.records if "cannot read" in r.getMessage()]
+    assert len(skipped) == 3  # two namespaces, one entry: once each

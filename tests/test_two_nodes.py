@@ -163,10 +163,11 @@ def test_a_returning_node_keeps_chunks_pinned_after_its_order_and_drops_those_a_
     result = evict(a, forced, force=True)
     assert (result["kept_elsewhere"], result["pending_nodes"]) == (len(forced), ["node-b"])
     with closing(connect(a)) as reader:
-        assert not any(e.pinned() for e in reader.index.get(forced)), "a forced eviction takes the pins with it"
+        now = reader.index.clock_s()
+        assert not any(e.pinned(now) for e in reader.index.get(forced)), "a forced eviction takes the pins with it"
         b.start()
         assert wait_for(lambda: reader.index.get(forced) == [None] * len(forced), timeout_s=30)
         assert wait_for(lambda: stats(b)["queues"]["eviction_orders"] == 0)
-        kept = reader.index.get(pinned_later)
-    assert all(e is not None and e.pinned() and e.locations == {ON_B} for e in kept)
+        kept, now = reader.index.get(pinned_later), reader.index.clock_s()
+    assert all(e is not None and e.pinned(now) and e.locations == {ON_B} for e in kept)
     assert nvme_chunks(b) == len(pinned_later)

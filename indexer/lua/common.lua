@@ -10,9 +10,18 @@
 --                        "<ns>:<tier>:chunks" and "<ns>:<tier>:bytes" count copies in a tier
 --   P f:<node>    STREAM change feed of the locations on <node>: entries {op=add|drop, tier, key}
 --                        (the node's daemon persists what lands in its DRAM; routers may subscribe)
+--   P lease       ZSET   chunk key -> lease expiry, Unix seconds (indexer/leases.py)
 -- All keys of one call live under one prefix on one Redis (standalone or replicated, not Cluster).
+-- Times written (ctime, atime, a location's ms) are Redis's own clock, never a client's: every node reads
+-- and compares them against one clock. Redis 7 replicates scripts by their effects, so TIME is allowed here.
 
 local FEED_MAXLEN = 1000000
+
+-- Redis's clock, in ms since the epoch, as a string (exact: no float on the way).
+local function now_ms()
+  local t = redis.call('TIME')
+  return t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
+end
 
 local function feed(P, op, location, key)
   local at = string.find(location, '@', 1, true)

@@ -1,8 +1,8 @@
 -- Register stored chunks atomically. A chunk already present keeps its entry and gains the location.
--- ARGV: P, now_ms, then per record: key parent root ns tenant ntok size location probe packed_tokens
+-- ARGV: P, then per record: key parent root ns tenant ntok size location probe packed_tokens
 local P = ARGV[1]
-local now = ARGV[2]
-for i = 3, #ARGV, 10 do
+local now = now_ms()
+for i = 2, #ARGV, 10 do
   local key, parent, probe = ARGV[i], ARGV[i + 1], ARGV[i + 8]
   local e = P .. 'e:' .. key
   if redis.call('EXISTS', e) == 0 then

@@ -42,6 +42,9 @@ SPEC.json::
                                             #   tests' reference engines, not the engines under test), computing
                                             #   on one OpenMP thread as vLLM's worker process does on a 2-core
                                             #   machine with one core reserved: bit for bit the same logprobs
+     "gate": {"before": 2, "dir": "/path"},  # optional; before prompt 2, write dir/reached, then wait (up to 10
+                                            #   minutes) until the test creates dir/open: the test changes the
+                                            #   world (starts a store) between prompts of one engine
      "beside": {"prompts": [[ids...], ...], "max_tokens": 96, "after_tokens": 16}}  # optional, see below
 
 The prompts go through one ``generate`` call each, in order, so a later prompt can hit chunks an earlier one
@@ -82,7 +85,7 @@ _KEYS = {"model", "prompts", "max_tokens", "prefix_caching", "kv_transfer_config
          "max_num_batched_tokens", "kv_cache_dtype", "logprobs", "tensor_parallel_size",
          "pipeline_parallel_size", "loras", "beside",
          "reset_prefix_cache_before", "together", "num_gpu_blocks", "max_num_seqs",
-         "max_model_len", "images", "dtype", "async_scheduling", "in_process", "prompt_logprobs"}  # fmt: skip
+         "max_model_len", "images", "dtype", "async_scheduling", "in_process", "prompt_logprobs", "gate"}  # fmt: skip
 
 
 class SpecError(ValueError):
@@ -154,8 +157,8 @@ def load_spec(path: Path) -> dict:
             raise SpecError(f"spec.{name} must be true or false, got {spec[name]!r}")
     if spec.get("in_process") and (spec.get("kv_transfer_config") is not None or ranks_of(spec) != 1):
         raise SpecError("spec.in_process is for one rank without a connector")
-    if spec.get("together") and (resets or spec.get("loras")):
-        raise SpecError("spec.together runs prompts in groups, a call each: it takes no resets or loras")
+    if spec.get("together") and (resets or spec.get("loras") or spec.get("gate")):
+        raise SpecError("spec.together runs prompts in groups, a call each: it takes no resets, loras or gate")
     return spec
 
 
@@ -250,10 +253,12 @@ def run(spec: dict) -> tuple[dict, object]:
     }
     beside = spec.get("beside")
     resets = set(spec.get("reset_prefix_cache_before", ()))
+    gate = spec.get("gate")
     if groups := groups_of(spec):
         runs = _generate_together(llm, inputs, params, groups, beside)
     else:  # lazily: each prompt runs (after its reset) only when the loop below reaches it
-        runs = (_generate_alone(llm, i, prompt, sampling_params, adapters.get(lora), beside, i in resets)
+        runs = (_generate_alone(llm, i, prompt, sampling_params, adapters.get(lora), beside, i in resets,
+                                gate if gate is not None and gate["before"] == i else None)
                 for i, (prompt, lora, sampling_params) in enumerate(zip(inputs, loras, params,
                                                                         strict=True)))  # fmt: skip
     for result, beside_token_s, wall_s in runs:
@@ -335,10 +340,12 @@ def _generate_together(llm, inputs: list[dict], params: list, groups: list[int],
         yield from ((result, beside_token_s, wall_s) for result in results)
 
 
-def _generate_alone(llm, i: int, prompt: dict, params, lora, beside: dict | None, reset: bool
+def _generate_alone(llm, i: int, prompt: dict, params, lora, beside: dict | None, reset: bool, gate: dict | None
                     ) -> tuple[object, list[float] | None, float]:  # fmt: skip
-    """Prompt ``i`` in a call of its own (beside decode ``i`` of ``beside``, if given); its output, the decode's
-    token times, and the call's wall time."""
+    """Prompt ``i`` in a call of its own (beside decode ``i`` of ``beside``, if given; once ``gate`` opens, if
+    given); its output, the decode's token times, and the call's wall time."""
+    if gate is not None:
+        _wait_at_gate(Path(gate["dir"]))
     if reset and not llm.reset_prefix_cache():
         raise RuntimeError(f"vLLM refused to reset its prefix cache before prompt {i}")
     t0 = time.perf_counter()
@@ -348,6 +355,16 @@ def _generate_alone(llm, i: int, prompt: dict, params, lora, beside: dict | None
     else:
         (result,), beside_token_s = _beside_a_decode(llm, [prompt], [params], beside, i)
     return result, beside_token_s, time.perf_counter() - t0
+
+
+def _wait_at_gate(directory: Path, timeout_s: float = 600) -> None:
+    """Say the engine has reached the gate, then wait until the test opens it."""
+    (directory / "reached").touch()
+    deadline = time.monotonic() + timeout_s
+    while not (directory / "open").exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the gate in {directory} never opened")
+        time.sleep(0.1)
 
 
 def _beside_a_decode(llm, prompts: list[dict], params: list, beside: dict, i: int) -> tuple[list, list[float]]:

@@ -11,9 +11,11 @@ import math
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -418,6 +420,54 @@ def test_requests_complete_when_redis_is_down(run_vllm, tiny_model, tmp_path, re
     assert out["outputs"][0]["num_cached_tokens"] == 0
     ok, reason = same_greedy_output(reference["outputs"][0], out["outputs"][0])
     assert ok, reason
+
+
+def test_an_engine_started_before_its_store_serves_then_hits_once_the_store_is_up(run_vllm, tiny_model, tmp_path,
+                                                                                 reference):  # fmt: skip
+    """No daemon at all when the engine starts (``GET /v1/config`` refused): one warning per side, and P1 and P2
+    are computed. The daemon then starts at the gate; once both sides have attached in the background, P1 is
+    published and its repeat hits, answering as without any cache. No request fails meanwhile."""
+    d = Daemon(tmp_path / "data", dram="256MiB", nvme="1GiB")  # not started: its ports refuse
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    started: list[BaseException | None] = []
+
+    def start_the_store_at_the_gate() -> None:
+        try:
+            assert wait_for(lambda: (gate / "reached").exists(), timeout_s=600)
+            d.start()
+            # the scheduler side has attached once it registered its namespace; the worker side retries on the
+            # same schedule (at most 8 s apart), and attaching to Mooncake takes it a few seconds more
+            assert wait_for(lambda: httpx.get(d.url + "/v1/namespaces").json() != [], timeout_s=30)
+            time.sleep(20)
+            started.append(None)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test, after the engine is done
+            started.append(exc)
+        finally:
+            (gate / "open").touch()
+
+    starter = threading.Thread(target=start_the_store_at_the_gate)
+    starter.start()
+    try:
+        spec = {"model": str(tiny_model), "prompts": [P1, P2, P1, P1], "max_tokens": 16,
+                "kv_transfer_config": connector_config(d), "gate": {"before": 2, "dir": str(gate)}}  # fmt: skip
+        out = run_vllm(spec)
+    finally:
+        (gate / "open").touch()
+        starter.join()
+        d.stop()
+    assert started == [None], started
+    outputs = out["outputs"]
+    failed = [i for i, o in enumerate(outputs) if o["finish_reason"] != "length" or len(o["token_ids"]) != 16]
+    print(f"requests failed while the store was down or attaching: {len(failed)} of {len(outputs)}")
+    assert failed == []
+    assert [o["num_cached_tokens"] for o in outputs[:3]] == [0, 0, 0]
+    assert outputs[3]["num_cached_tokens"] > 0
+    for run, expected in ((0, P1), (1, P2), (3, P1)):
+        ok, reason = same_greedy_output(reference["outputs"][PROMPTS.index(expected)], outputs[run])
+        assert ok, reason
+    log = Path(out["log_path"]).read_text(errors="replace")
+    assert log.count("cannot attach to the store") == 2, "one warning per side"
 
 
 def bound_two_to_a_core(spec: dict) -> dict[str, str]:

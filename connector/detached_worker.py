@@ -1,0 +1,53 @@
+"""The connector's worker side while the store is not attached (connector/attachment.py).
+
+It loads and publishes nothing. The scheduler side attaches on its own, so it may plan loads before this
+worker has a client: each such load is reported failed, whole (its blocks as load errors, an asynchronous
+one over in the same step), and vLLM computes those blocks instead of reading pages nobody wrote.
+Everything is reported in the step that planned it, so that between steps this side holds nothing and the
+connector can swap in the real worker side once the store is attached.
+"""
+
+from __future__ import annotations
+
+from connector.metadata import PrefixCacheMetadata
+from connector.transfer_stats import TransferCounts
+
+
+class DetachedWorker:
+    def __init__(self) -> None:
+        self.transfers = TransferCounts()
+        self._errors: set[int] = set()
+        self._finished: set[str] = set()
+
+    @property
+    def idle(self) -> bool:
+        """Nothing planned is still to report: the worker side may take over from here."""
+        return not self._errors and not self._finished
+
+    def begin_step(self, meta: PrefixCacheMetadata) -> None:
+        """Nothing starts early: nothing loads."""
+
+    def start_load(self, meta: PrefixCacheMetadata) -> None:
+        """Fail every load of the step. Every shard loads the same blocks, so the first shard's plans name them."""
+        for request, chunks in (meta.loads[0] if meta.loads else {}).items():
+            self._errors.update(block for chunk in chunks for block in chunk.blocks)
+            if request in meta.load_async:
+                self._finished.add(request)
+
+    def wait_for_layer(self, layer: int) -> None:
+        """No load is in flight."""
+
+    def save(self, meta: PrefixCacheMetadata) -> None:
+        """Nothing is published."""
+
+    def finished_async_loads(self) -> set[str]:
+        finished, self._finished = self._finished, set()
+        return finished
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        self.transfers.add(load_failed_blocks=len(errors))
+        return errors
+
+    def close(self) -> None:
+        """Holds nothing."""
