@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from cachestore.client import CacheClient
 from cachestore.dram import MooncakeTier
 from cachestore.mooncake_servers import LocalMooncake
 from cachestore.redis_server import EmbeddedRedis
@@ -16,7 +17,7 @@ from indexer.embedded_index import EmbeddedIndex
 from indexer.index import PrefixIndex
 from indexer.namespace import NamespaceSpec
 from indexer.redis_index import RedisIndex
-from tests.daemon_harness import Daemon
+from tests.daemon_harness import Daemon, connect
 
 _prefixes = itertools.count()
 
@@ -44,6 +45,14 @@ def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeNode]
     node = MooncakeNode(tmp_path_factory.mktemp("mooncake"))
     yield node
     node.stop()
+
+
+@pytest.fixture
+def client(daemon: Daemon) -> Iterator[CacheClient]:
+    """A client of the ``daemon`` fixture's node, closed after the test."""
+    c = connect(daemon)
+    yield c
+    c.close()
 
 
 @pytest.fixture

@@ -112,6 +112,22 @@ class Daemon:
         self.stop(signal.SIGKILL)
 
 
+def run_cli(daemon: Daemon, *args: str, token: str | None = None) -> subprocess.CompletedProcess:
+    """``prefixcache ARGS`` against ``daemon``, with ``token`` as PREFIXCACHE_ADMIN_TOKEN (none: the CLI finds
+    its own)."""
+    env = {**os.environ, "COLUMNS": "200", "PREFIXCACHE_URL": daemon.url}
+    env.pop("PREFIXCACHE_ADMIN_TOKEN", None)
+    if token:
+        env["PREFIXCACHE_ADMIN_TOKEN"] = token
+    return subprocess.run([sys.executable, "-m", "cachestore", *args], env=env, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+
+
+def connect(daemon: Daemon, spec: NamespaceSpec | None = None) -> CacheClient:
+    """A client of ``daemon``'s node, as a connector attaches (a 64 MiB arena)."""
+    return CacheClient.connect(daemon.url, spec or make_spec(), arena_bytes=64 << 20)
+
+
 def make_chunk(
     client: CacheClient, parent: bytes, tokens: list[int], seed: int, bytes_per_token: int = 2048
 ) -> tuple[ChunkMeta, memoryview, bytes]:

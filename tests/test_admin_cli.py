@@ -4,21 +4,14 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 from tests.admin_stack import TOKEN, api, client, daemon  # noqa: F401 - fixtures
-from tests.daemon_harness import publish_prompt
+from tests.daemon_harness import publish_prompt, run_cli
 
 
 def cli(daemon, *args: str, token: str | None = TOKEN) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": "200", "PREFIXCACHE_URL": daemon.url}
-    env.pop("PREFIXCACHE_ADMIN_TOKEN", None)
-    if token:
-        env["PREFIXCACHE_ADMIN_TOKEN"] = token
-    return subprocess.run([sys.executable, "-m", "cachestore", *args], env=env, capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    return run_cli(daemon, *args, token=token)
 
 
 def test_inspect_pin_and_evict_from_the_command_line(daemon, client, api):

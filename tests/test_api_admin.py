@@ -10,7 +10,7 @@ import time
 import httpx
 import redis
 
-from cachestore.client import CacheClient, fetch_config
+from cachestore.client import CacheClient, fetch_config, index_url
 from tests.admin_stack import TOKEN, api, client, daemon  # noqa: F401 - fixtures
 from tests.daemon_harness import fetch_payloads, make_spec, publish_prompt, wait_persisted
 
@@ -172,7 +172,7 @@ def test_namespaces_another_version_wrote_are_skipped_not_an_error(api, client, 
     """A rolling upgrade: namespace records of a shape this version does not know, or damaged ones, are left out
     of the listing and of a client's attach, and the usage counters of such a namespace too."""
     config = fetch_config(daemon.url)
-    raw = redis.Redis.from_url(config.redis_url)
+    raw = redis.Redis.from_url(index_url(config))
     records = {"ab" * 16: json.dumps({"future": {"shape": 2}, "model": "test-model"}), "cd" * 16: "{not json"}
     try:
         raw.hset(f"{config.key_prefix}:ns", mapping=records)

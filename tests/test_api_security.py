@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import stat
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,9 +16,9 @@ import pytest
 
 from cachestore.auth import admin_token_path
 from cachestore.secrets_store import secrets_dir
-from tests.daemon_harness import Daemon, make_spec
+from tests.daemon_harness import Daemon, make_spec, run_cli
 
-OPEN = {("GET", "/v1/health"), ("GET", "/v1/config")}
+OPEN = {("GET", "/v1/health"), ("GET", "/v1/live"), ("GET", "/v1/config")}
 #: Read-only operations that are not GETs (a lookup takes its prompt as a body); every other non-GET changes state.
 READS_BY_POST = {("POST", "/v1/lookup")}
 OPERATOR_TOKEN = "operator-set-token-0123456789"
@@ -65,7 +62,7 @@ def call(daemon: Daemon, method: str, path: str, headers: dict[str, str] | None 
     return httpx.request(method, daemon.url + path, json=body, headers=headers, timeout=30)
 
 
-def test_every_call_but_health_and_config_needs_the_token_on_a_default_start(default):
+def test_every_call_but_the_probes_and_config_needs_the_token_on_a_default_start(default):
     tried = [op for op in operations(default) if op not in OPEN]
     mutating = [(m, p) for m, p in tried if m != "GET" and (m, p) not in READS_BY_POST]
     assert {("POST", "/v1/warmup"), ("POST", "/v1/evict"), ("DELETE", "/v1/chunks/" + "0" * 32)} <= set(mutating)
@@ -107,30 +104,21 @@ def test_the_generated_token_is_private_kept_across_restarts_and_never_logged(de
     assert f"admintokenin{path}" in log and token not in log
 
 
-def cli(daemon: Daemon, *args: str, token: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": "200", "PREFIXCACHE_URL": daemon.url}
-    env.pop("PREFIXCACHE_ADMIN_TOKEN", None)
-    if token:
-        env["PREFIXCACHE_ADMIN_TOKEN"] = token
-    return subprocess.run([sys.executable, "-m", "cachestore", *args], env=env, capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
-
-
 def test_the_cli_finds_the_generated_token_without_being_told(default):
-    stats = cli(default, "stats", "--json")
+    stats = run_cli(default, "stats", "--json")
     assert stats.returncode == 0, stats.stderr
     assert json.loads(stats.stdout)["node"] == "node-a"
-    assert "would evict 0 chunks" in cli(default, "evict", "--all", "--dry-run").stdout
+    assert "would evict 0 chunks" in run_cli(default, "evict", "--all", "--dry-run").stdout
 
 
 def test_the_cli_says_what_to_do_when_it_has_no_token(opened):
-    refused = cli(opened, "evict", "--all")
+    refused = run_cli(opened, "evict", "--all")
     assert refused.returncode == 2
     message = " ".join(refused.stderr.split())
     assert "operator-set admin token: pass --token or set PREFIXCACHE_ADMIN_TOKEN" in message
     assert len(refused.stderr.strip().splitlines()) == 1 and OPERATOR_TOKEN not in refused.stderr
-    assert cli(opened, "stats").returncode == 0  # open reads need none
-    assert "evicted 0 chunks" in cli(opened, "evict", "--all", token=OPERATOR_TOKEN).stdout
+    assert run_cli(opened, "stats").returncode == 0  # open reads need none
+    assert "evicted 0 chunks" in run_cli(opened, "evict", "--all", token=OPERATOR_TOKEN).stdout
 
 
 def test_foreign_host_names_are_refused_on_any_bind_address(default, opened):

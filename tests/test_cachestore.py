@@ -18,6 +18,7 @@ from indexer.keys import prompt_query
 from indexer.leases import Leases
 from tests.daemon_harness import (
     Daemon,
+    connect,
     damage_dram_copy,
     fetch_payloads,
     make_spec,
@@ -28,17 +29,6 @@ from tests.daemon_harness import (
 
 NVME = Location("nvme", "node-a")
 DRAM = Location("dram", "node-a")
-
-
-def connect(daemon: Daemon, spec=None) -> CacheClient:
-    return CacheClient.connect(daemon.url, spec or make_spec(), arena_bytes=64 << 20)
-
-
-@pytest.fixture
-def client(daemon):
-    c = connect(daemon)
-    yield c
-    c.close()
 
 
 def test_publish_lookup_fetch_round_trip(client):

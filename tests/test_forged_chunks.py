@@ -7,35 +7,22 @@ from __future__ import annotations
 import stat
 
 import httpx
-import pytest
 
-from cachestore.client import CacheClient
 from indexer.index import Location
 from tests.daemon_harness import (
     Daemon,
+    connect,
     corrupt_chunks,
     damage_dram_copies,
     fetch_payloads,
     forge_dram_copy,
     forge_nvme_copy,
-    make_spec,
     publish_prompt,
     wait_for,
     wait_persisted,
 )
 
 DRAM = Location("dram", "node-a")
-
-
-def connect(daemon: Daemon) -> CacheClient:
-    return CacheClient.connect(daemon.url, make_spec(), arena_bytes=64 << 20)
-
-
-@pytest.fixture
-def client(daemon):
-    c = connect(daemon)
-    yield c
-    c.close()
 
 
 def test_the_chunk_key_is_generated_private_and_named_by_path_never_by_value(daemon):

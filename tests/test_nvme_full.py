@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from cachestore.nvme import NvmeStore
-from tests.daemon_harness import Daemon, fetch_payloads, publish_prompt, wait_for, wait_persisted
-from tests.test_cachestore import NVME, connect
+from tests.daemon_harness import Daemon, connect, fetch_payloads, publish_prompt, wait_for, wait_persisted
+from tests.test_cachestore import NVME
 
 FS_BYTES = 120 << 20
 CHUNK_BYTES_PER_TOKEN = 16384  # 64 tokens: 1 MiB of KV per chunk

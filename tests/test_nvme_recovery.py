@@ -14,8 +14,8 @@ from cachestore.codec import ChunkMeta, encode
 from cachestore.nvme import NvmeStore
 from indexer.keys import chunk_key
 from indexer.tokens import pack_tokens
-from tests.daemon_harness import Daemon, fetch_payloads, make_spec, publish_prompt, wait_persisted
-from tests.test_cachestore import NVME, connect
+from tests.daemon_harness import Daemon, connect, fetch_payloads, make_spec, publish_prompt, wait_persisted
+from tests.test_cachestore import NVME
 
 SEGMENT = 256 << 10
 MAC_KEY = ChunkMacKey(os.urandom(32))

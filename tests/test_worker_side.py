@@ -323,37 +323,18 @@ def test_a_forged_dram_copy_read_in_place_is_a_load_error_counted_as_a_mac_failu
     assert equal(pages(loader, list(range(30, 38))), pages(publisher, list(range(8))))
 
 
+@pytest.mark.parametrize("damage", [damage_dram_copy, forge_dram_copy], ids=["flipped-byte", "forged"])
 @pytest.mark.parametrize("check_threads", [0, 4], ids=["checked-by-the-fetch", "checked-while-the-next-is-read"])
-def test_a_forged_dram_copy_loaded_through_slots_never_reaches_the_pages(daemon, publisher, check_threads):
-    """Through slots (every GPU load) a chunk is verified before any of it is placed: the forgery is refused, counted
-    as a MAC failure by the node, and NVMe serves the chunk in the same load."""
+def test_a_damaged_dram_copy_loaded_through_slots_is_read_from_nvme_in_the_same_load(daemon, publisher, check_threads,
+                                                                                     damage):  # fmt: skip
+    """A GPU's path: every chunk is verified before anything of it is placed (check threads: a GPU worker's
+    default), so a copy with a flipped byte, or forged (a valid header over zeros, signed with another key), never
+    reaches the pages; both fail the MAC."""
     loader = worker(daemon, shared=False, check_threads=check_threads)
     try:
         keys = publish(publisher, chunks=2)
         wait_persisted(loader.client, keys)
-        forge_dram_copy(loader.client.dram, keys[1])
-        plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(30 + 4 * i, 34 + 4 * i)))
-                      for i, key in enumerate(keys)]}  # fmt: skip
-        before = reported_client_use(daemon, loader.client)
-        assert load(loader, plan) == set()
-        assert loader.client.stats.mac_failures == 1 and loader.client.stats.read_from_disk == 1
-        after = reported_client_use(daemon, loader.client)
-        assert {name: after[name] - before[name] for name in ("corrupt_chunks", "mac_failures")} == {
-            "corrupt_chunks": 1, "mac_failures": 1}  # fmt: skip
-        assert loader.client.dram.contains([keys[1]]) == [False]
-        assert equal(pages(loader, list(range(30, 38))), pages(publisher, list(range(8))))
-    finally:
-        loader.close()
-
-
-@pytest.mark.parametrize("check_threads", [0, 4], ids=["checked-by-the-fetch", "checked-while-the-next-is-read"])
-def test_a_damaged_dram_copy_loaded_through_slots_is_read_from_nvme_in_the_same_load(daemon, publisher, check_threads):
-    # a GPU's path: every chunk is verified before anything of it is placed (check threads: a GPU worker's default)
-    loader = worker(daemon, shared=False, check_threads=check_threads)
-    try:
-        keys = publish(publisher, chunks=2)
-        wait_persisted(loader.client, keys)
-        damage_dram_copy(loader.client.dram, keys[1])
+        damage(loader.client.dram, keys[1])
         plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(30 + 4 * i, 34 + 4 * i)))
                       for i, key in enumerate(keys)]}  # fmt: skip
         before = reported_client_use(daemon, loader.client)
@@ -362,8 +343,8 @@ def test_a_damaged_dram_copy_loaded_through_slots_is_read_from_nvme_in_the_same_
         assert loader.client.stats.corrupt == 1 and loader.client.stats.read_from_disk == 1
         # the node's statistics count the damaged copy as corrupt, and each chunk fetched once, however it was checked
         after = reported_client_use(daemon, loader.client)
-        assert {name: after[name] - before[name] for name in ("corrupt_chunks", "fetched_chunks")} == {
-            "corrupt_chunks": 1, "fetched_chunks": 2}  # fmt: skip
+        assert {name: after[name] - before[name] for name in ("corrupt_chunks", "mac_failures", "fetched_chunks")} == {
+            "corrupt_chunks": 1, "mac_failures": 1, "fetched_chunks": 2}  # fmt: skip
         assert loader.client.dram.contains([keys[1]]) == [False]  # the damaged copy is gone
         assert equal(pages(loader, list(range(30, 38))), pages(publisher, list(range(8))))
     finally:
