@@ -442,10 +442,7 @@ class NodeDaemon:
         pool address (``mooncake_host``), the REST API on ``host`` and a configured KV-events endpoint
         (cachestore/listeners.py). Mooncake ignores some bind addresses (cachestore/bind_shim.py)."""
         s = self.settings
-        endpoints = [(s.host, s.port)]
-        if s.kv_events_endpoint and s.kv_events_endpoint.startswith("tcp://"):
-            host, _, port = s.kv_events_endpoint.removeprefix("tcp://").rpartition(":")
-            endpoints.append((host.strip("[]"), int(port)))
+        endpoints = [(s.host, s.port), *([s.kv_events_tcp_address] if s.kv_events_tcp_address else [])]
         check_listeners(os.getpid(), [s.mooncake_host], endpoints)
         log.info("every listener of this node is on loopback or %s", s.mooncake_host)
 

@@ -41,15 +41,16 @@ def reconcile(index: PrefixIndex, nvme: NvmeStore, node: str, dram_is_new: bool)
             stale_nvme.append(entry.key)
         if dram_is_new and dram_here in entry.locations:
             stale_dram.append(entry.key)
-    dropped_nvme = _drop(index, stale_nvme, nvme_here)
-    dropped_dram = _drop(index, stale_dram, dram_here)
+    dropped_nvme = drop_locations(index, stale_nvme, nvme_here)
+    dropped_dram = drop_locations(index, stale_dram, dram_here)
     rebuilt, unreadable = _rebuild(index, nvme, sorted(on_disk - known), nvme_here)
     report = ReconcileReport(len(on_disk), rebuilt, dropped_nvme, dropped_dram, unreadable)
     log.info("reconciled index with NVMe tier: %s", report)
     return report
 
 
-def _drop(index: PrefixIndex, keys: list[bytes], location: Location) -> int:
+def drop_locations(index: PrefixIndex, keys: list[bytes], location: Location) -> int:
+    """Drop ``location`` from every chunk of ``keys``, ``BATCH`` chunks a call; how many there were."""
     for start in range(0, len(keys), BATCH):
         index.drop_location(keys[start : start + BATCH], location)
     return len(keys)

@@ -193,6 +193,14 @@ class Settings(BaseSettings):
                                  f"tcp://0.0.0.0:{port} if every interface is meant)")  # fmt: skip
         return endpoint
 
+    @property
+    def kv_events_tcp_address(self) -> tuple[str, int] | None:
+        """(host, port) a ``tcp://`` KV-events endpoint binds (brackets of an IPv6 host taken off); None otherwise."""
+        if self.kv_events_endpoint is None or not self.kv_events_endpoint.startswith("tcp://"):
+            return None
+        host, _, port = self.kv_events_endpoint.removeprefix("tcp://").rpartition(":")
+        return host.strip("[]"), int(port)
+
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
         if self.dram_low_watermark >= self.dram_high_watermark:

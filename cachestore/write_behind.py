@@ -35,6 +35,7 @@ from cachestore.codec import ChunkError, RejectCounts, decode
 from cachestore.dram import MooncakeTier
 from cachestore.nvme import NvmeStore
 from cachestore.persist_failures import PersistFailureReason, PersistFailures
+from cachestore.reconcile import drop_locations
 from indexer.errors import IndexUnavailableError
 from indexer.index import ChunkEntry, FeedEvent, Location, PrefixIndex
 
@@ -102,14 +103,11 @@ class WriteBehind(BackgroundLoop):
         with self._resident_lock:
             return [key for key, _ in zip(self.resident, range(limit), strict=False)]
 
-    def forget_resident(self, batch: int = 256) -> int:
+    def forget_resident(self) -> int:
         """Drop the DRAM location of every chunk resident here: what a start's reconcile does, for a segment that
         lost its objects while the daemon ran (its owner or the master restarted). The feed's drop events then
         empty ``resident``; locations whose add events are still unread go when their copies are found missing."""
-        keys = self.resident_oldest(len(self.resident))
-        for start in range(0, len(keys), batch):
-            self.index.drop_location(keys[start : start + batch], self.dram_location)
-        return len(keys)
+        return drop_locations(self.index, self.resident_oldest(len(self.resident)), self.dram_location)
 
     def _track_residency(self, events: list[FeedEvent]) -> None:
         with self._resident_lock:
