@@ -39,9 +39,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from prefixcache.cachestore.host.cpus import format_cpu_list
+
 from benchmarks.common import print_table, wait_until_persisted, with_defaults, write_results
 from benchmarks.ttft import MAX_BATCHED_TOKENS, WARM_PROMPT
-from cachestore.cpus import format_cpu_list
 from tests.daemon_harness import Daemon, connector_config
 from tests.e2e.launch import run_engine
 from tests.e2e.tinymodel import (
@@ -96,15 +97,28 @@ class Runner:
         seed = ((shape.tokens * 1000 + shape.requests) * 1000 + round_) * 1000  # each part under 1000 (main)
         return [random_prompt(seed=seed + i, length=shape.tokens) for i in range(shape.requests)]
 
-    def engine(self, name: str, plan: list[tuple[Shape, int, str | None]], kv_transfer_config: dict | None = None,
-               prefix_caching: bool = False) -> None:  # fmt: skip
+    def engine(
+        self,
+        name: str,
+        plan: list[tuple[Shape, int, str | None]],
+        kv_transfer_config: dict | None = None,
+        prefix_caching: bool = False,
+    ) -> None:
         """One fresh engine process running the warm-up prompt alone, then each ``(shape, round, config)`` of
         ``plan`` as a burst in a call of its own, recorded as ``config`` (unless None)."""
         prompts = [WARM_PROMPT, *(p for shape, round_, _ in plan for p in self.prompts(shape, round_))]
-        spec = {"model": str(self.model), "dtype": ENGINE_DTYPE, "prompts": prompts, "max_tokens": 1,
-                "logprobs": 0, "prefix_caching": prefix_caching, "kv_transfer_config": kv_transfer_config,
-                "max_num_batched_tokens": MAX_BATCHED_TOKENS, "max_num_seqs": max(s.requests for s in self.shapes),
-                "together": [1, *(shape.requests for shape, _, _ in plan)]}  # fmt: skip
+        spec = {
+            "model": str(self.model),
+            "dtype": ENGINE_DTYPE,
+            "prompts": prompts,
+            "max_tokens": 1,
+            "logprobs": 0,
+            "prefix_caching": prefix_caching,
+            "kv_transfer_config": kv_transfer_config,
+            "max_num_batched_tokens": MAX_BATCHED_TOKENS,
+            "max_num_seqs": max(s.requests for s in self.shapes),
+            "together": [1, *(shape.requests for shape, _, _ in plan)],
+        }
         print(f"[burst] {name} ...", flush=True)
         t0 = time.perf_counter()
         result = run_engine(spec, self.workdir, name, timeout_s=3600)
@@ -113,10 +127,17 @@ class Runner:
         for shape, round_, config in plan:
             burst, outputs = outputs[: shape.requests], outputs[shape.requests :]
             if config is not None:
-                self.bursts.append(Burst(str(shape), config, round_, burst[0]["wall_s"],
-                                         statistics.median(out["ttft_s"] for out in burst),
-                                         min(out["num_cached_tokens"] for out in burst),
-                                         [out["token_ids"][0] for out in burst]))  # fmt: skip
+                self.bursts.append(
+                    Burst(
+                        str(shape),
+                        config,
+                        round_,
+                        burst[0]["wall_s"],
+                        statistics.median(out["ttft_s"] for out in burst),
+                        min(out["num_cached_tokens"] for out in burst),
+                        [out["token_ids"][0] for out in burst],
+                    )
+                )
 
     def every_round(self, config: str | None) -> list[tuple[Shape, int, str | None]]:
         return [(shape, round_, config) for round_ in range(self.rounds) for shape in self.shapes]
@@ -129,8 +150,9 @@ class Runner:
 def vllm_prefix_cache(run: Runner) -> None:
     """Cold bursts, then their repeats served by vLLM's own prefix cache: round 0's set of each shape throughout."""
     repeats = [(shape, 0, CEILING) for _ in range(run.rounds) for shape in run.shapes]
-    run.engine(CEILING, run.warm_ups(runs=2) + [(shape, 0, "cold") for shape in run.shapes] + repeats,
-               prefix_caching=True)  # fmt: skip
+    run.engine(
+        CEILING, run.warm_ups(runs=2) + [(shape, 0, "cold") for shape in run.shapes] + repeats, prefix_caching=True
+    )
 
 
 def prefixcache(run: Runner, server_cpus: frozenset[int] | None) -> None:
@@ -221,8 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bursts", default=DEFAULT_BURSTS, help="burst shapes, REQUESTSxTOKENS, comma-separated")
     parser.add_argument("--rounds", type=int, default=3, help="bursts per shape and row (the median is reported)")
-    parser.add_argument("--servers-on", choices=["reserved", "anywhere"], default="reserved",
-                        help="our daemon on the core vLLM reserves (the last), or anywhere")  # fmt: skip
+    parser.add_argument(
+        "--servers-on",
+        choices=["reserved", "anywhere"],
+        default="reserved",
+        help="our daemon on the core vLLM reserves (the last), or anywhere",
+    )
     args = parser.parse_args(argv)
     try:
         shapes = parse_shapes(args.bursts)
@@ -233,8 +259,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--bursts: {shape} needs 1-256 requests of 2-{MAX_BATCHED_TOKENS} tokens")
     most_blocks = KV_CACHE_BLOCKS * 7 // 8
     if sum(shape.blocks for shape in shapes) > most_blocks:
-        parser.error(f"--bursts: vLLM's own prefix cache must hold every shape's prompts at once: at most "
-                     f"{most_blocks} blocks of {BLOCK_TOKENS} tokens in all")  # fmt: skip
+        parser.error(
+            f"--bursts: vLLM's own prefix cache must hold every shape's prompts at once: at most "
+            f"{most_blocks} blocks of {BLOCK_TOKENS} tokens in all"
+        )
     if not 1 <= args.rounds <= 100:
         parser.error("--rounds must be 1-100")
     reserved = frozenset(sorted(os.sched_getaffinity(0))[-1:])  # VLLM_CPU_NUM_OF_RESERVED_CPU=1
@@ -245,9 +273,11 @@ def main(argv: list[str] | None = None) -> int:
         vllm_prefix_cache(run)
         prefixcache(run, server_cpus)
         payload = report(run.bursts, shapes)
-    path = write_results("burst", {"bursts": args.bursts, "rounds": args.rounds, "servers_on": args.servers_on,
-                                   "dtype": ENGINE_DTYPE, **payload},
-                         partial=not with_defaults(parser, args))  # fmt: skip
+    path = write_results(
+        "burst",
+        {"bursts": args.bursts, "rounds": args.rounds, "servers_on": args.servers_on, "dtype": ENGINE_DTYPE, **payload},
+        partial=not with_defaults(parser, args),
+    )
     print(f"[burst] wrote {path}")
     return 0
 

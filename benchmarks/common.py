@@ -13,10 +13,9 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from prefixcache.indexer.chunking import PROBE_TOKENS
 from rich.console import Console
 from rich.table import Table
-
-from indexer.chunking import PROBE_TOKENS
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -60,7 +59,9 @@ def wait_until_persisted(url: str, prompts: list[list[int]], timeout_s: float = 
     chunk = httpx.get(url + "/v1/config").json()["chunk_tokens"]
     # full chunks, plus the tail where it is long enough to be published (connector/plans.py)
     expected = sum(len(p) // chunk + (len(p) % chunk >= PROBE_TOKENS) for p in prompts)
-    from cachestore.admin_cli import Api  # the admin token as the CLI finds it (given, or the daemon's own file)
+    from prefixcache.cachestore.cli.admin import (
+        Api,  # the admin token as the CLI finds it (given, or the daemon's own file)
+    )
 
     headers = Api(url, os.environ.get("PREFIXCACHE_ADMIN_TOKEN")).headers
     deadline = time.monotonic() + timeout_s

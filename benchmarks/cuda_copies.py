@@ -34,11 +34,11 @@ import time
 from collections.abc import Callable
 
 import torch
+from prefixcache.cachestore.chunks.arena import address_of
+from prefixcache.connector.page_copies import CudaPageCopies
+from prefixcache.connector.pages import gather, page_rows, scatter
 
 from benchmarks.common import print_table, with_defaults, write_results
-from cachestore.arena import address_of
-from connector.page_copies import CudaPageCopies
-from connector.pages import gather, page_rows, scatter
 
 LAYERS, KV_HEADS, HEAD_SIZE, BLOCK_TOKENS, CHUNK_TOKENS = 32, 8, 128, 16, 256
 PROMPT_TOKENS = 4096
@@ -92,10 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     times: dict[tuple[str, str, str], tuple[list[float], list[float]]] = {}
     try:
-        times[("load", "one copy", "-")] = timed(lambda: device_copy.copy_(flat_host, non_blocking=True),
-                                                 torch.cuda.synchronize, args.repeats)  # fmt: skip
-        times[("publish", "one copy", "-")] = timed(lambda: flat_host.copy_(device_copy, non_blocking=True),
-                                                    torch.cuda.synchronize, args.repeats)  # fmt: skip
+        times[("load", "one copy", "-")] = timed(
+            lambda: device_copy.copy_(flat_host, non_blocking=True), torch.cuda.synchronize, args.repeats
+        )
+        times[("publish", "one copy", "-")] = timed(
+            lambda: flat_host.copy_(device_copy, non_blocking=True), torch.cuda.synchronize, args.repeats
+        )
         for name, blocks in layouts.items():
             chunks = [blocks[i : i + CHUNK_PAGES] for i in range(0, HIT_PAGES, CHUNK_PAGES)]
 
@@ -130,18 +132,48 @@ def main(argv: list[str] | None = None) -> int:
     for (direction, row, blocks), (total, queued) in times.items():
         ceiling = statistics.median(times[(direction, "one copy", "-")][0])
         median = statistics.median(total)
-        rows.append((direction, row, blocks, median * 1000, statistics.median(queued) * 1000,
-                     hit_bytes / median / 1e9, median / ceiling))  # fmt: skip
-        cases.append({"direction": direction, "copies": row, "blocks": blocks, "total_s": total,
-                      "queued_s": queued, "median_s": median, "gbps": hit_bytes / median / 1e9,
-                      "over_one_copy": median / ceiling})  # fmt: skip
+        rows.append(
+            (
+                direction,
+                row,
+                blocks,
+                median * 1000,
+                statistics.median(queued) * 1000,
+                hit_bytes / median / 1e9,
+                median / ceiling,
+            )
+        )
+        cases.append(
+            {
+                "direction": direction,
+                "copies": row,
+                "blocks": blocks,
+                "total_s": total,
+                "queued_s": queued,
+                "median_s": median,
+                "gbps": hit_bytes / median / 1e9,
+                "over_one_copy": median / ceiling,
+            }
+        )
     device = torch.cuda.get_device_name()
-    print_table(f"a {PROMPT_TOKENS}-token hit ({hit_bytes >> 20} MiB, {page_bytes >> 10} KiB pages) on {device}, "
-                f"medians of {args.repeats}",
-                ["direction", "copies", "blocks", "ms", "queue ms", "GB/s", "/ one copy"], rows)  # fmt: skip
-    write_results("cuda_copies", {"device": device, "hit_bytes": hit_bytes, "page_bytes": page_bytes,
-                                  "layers": LAYERS, "chunk_pages": CHUNK_PAGES, "cases": cases},
-                  partial=not with_defaults(parser, args))  # fmt: skip
+    print_table(
+        f"a {PROMPT_TOKENS}-token hit ({hit_bytes >> 20} MiB, {page_bytes >> 10} KiB pages) on {device}, "
+        f"medians of {args.repeats}",
+        ["direction", "copies", "blocks", "ms", "queue ms", "GB/s", "/ one copy"],
+        rows,
+    )
+    write_results(
+        "cuda_copies",
+        {
+            "device": device,
+            "hit_bytes": hit_bytes,
+            "page_bytes": page_bytes,
+            "layers": LAYERS,
+            "chunk_pages": CHUNK_PAGES,
+            "cases": cases,
+        },
+        partial=not with_defaults(parser, args),
+    )
     return 0
 
 

@@ -1,7 +1,7 @@
 """Reading chunks' DRAM copies, each two objects: in one Mooncake call where the reader knows the cut, in two
 where it learns it from the first part's header.
 
-A chunk's DRAM copy is its first layers, then the rest (cachestore/dram.py). A load through arena slots (every
+A chunk's DRAM copy is its first layers, then the rest (cachestore/tiers/dram.py). A load through arena slots (every
 GPU hit; on a CPU, a cache outside shared memory) reads a group at a time, one ``get_into`` per group: about
 8 MiB into a CPU's cache, 32 MiB into a GPU's (connector/page_copies.py). The connector knows its chunks'
 geometry and passes each cut (``split_at``), so a group is one call; a reader that does not (the daemon's
@@ -26,13 +26,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from prefixcache.cachestore.chunks.codec import ChunkMeta, encode, read_meta
+from prefixcache.cachestore.chunks.mac import ChunkMacKey
+from prefixcache.cachestore.tiers.dram import MooncakeTier, split_offset
+from prefixcache.indexer.tokens import pack_tokens
 
 from benchmarks.common import print_table, with_defaults, write_results
 from benchmarks.tiers import ROOT, warmed_tier
-from cachestore.chunk_mac import ChunkMacKey
-from cachestore.codec import ChunkMeta, encode, read_meta
-from cachestore.dram import MooncakeTier, split_offset
-from indexer.tokens import pack_tokens
 
 LAYERS = 8
 #: (group, chunk) sizes in MiB: a CPU's group of the tiny test Llama's 2 MiB chunks, a GPU's, and a GPU's group
@@ -42,13 +42,20 @@ WAYS = ("cut known", "cut from headers", "memcpy")
 SLOT_SLACK = 4096  # bytes a slot has past its object, as a load's slots do (rounded up for O_DIRECT reads)
 
 
-def chunks(tier: MooncakeTier, group_mib: int, chunk_mib: int
-           ) -> tuple[list[bytes], list[int | None], list[memoryview]]:  # fmt: skip
+def chunks(
+    tier: MooncakeTier, group_mib: int, chunk_mib: int
+) -> tuple[list[bytes], list[int | None], list[memoryview]]:
     """Put a group's chunks; their keys, their cuts and a slot for each (``SLOT_SLACK`` larger than the chunk)."""
     objects = []
     for _ in range(group_mib // chunk_mib):
-        meta = ChunkMeta(os.urandom(16), os.urandom(16), os.urandom(16), pack_tokens(list(range(256))), "uint8",
-                         (LAYERS, (chunk_mib << 20) // LAYERS))  # fmt: skip
+        meta = ChunkMeta(
+            os.urandom(16),
+            os.urandom(16),
+            os.urandom(16),
+            pack_tokens(list(range(256))),
+            "uint8",
+            (LAYERS, (chunk_mib << 20) // LAYERS),
+        )
         objects.append((meta.key, bytes(encode(meta, os.urandom(chunk_mib << 20), ChunkMacKey(os.urandom(32))))))
     assert all(tier.put(objects)), "DRAM put failed"
     cuts = [split_offset(read_meta(obj)) for _, obj in objects]
@@ -83,9 +90,14 @@ def measure(tier: MooncakeTier, group_mib: int, chunk_mib: int, rounds: int) -> 
         tier.arena.free(slot)
     median = {way: statistics.median(samples) for way, samples in times.items()}
     ratio = statistics.median(k / h for k, h in zip(times["cut known"], times["cut from headers"], strict=True))
-    return {"group_mib": group_mib, "chunk_mib": chunk_mib, **{f"{way} ms": median[way] * 1000 for way in WAYS},
-            "known / headers": ratio, "known / memcpy": median["cut known"] / median["memcpy"],
-            "samples_s": times}  # fmt: skip
+    return {
+        "group_mib": group_mib,
+        "chunk_mib": chunk_mib,
+        **{f"{way} ms": median[way] * 1000 for way in WAYS},
+        "known / headers": ratio,
+        "known / memcpy": median["cut known"] / median["memcpy"],
+        "samples_s": times,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,8 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     columns = ["group_mib", "chunk_mib", *(f"{way} ms" for way in WAYS), "known / headers", "known / memcpy"]
-    print_table(f"one group's get_into from DRAM, medians of {args.rounds}", columns,
-                [[case[c] for c in columns] for case in cases])  # fmt: skip
+    print_table(
+        f"one group's get_into from DRAM, medians of {args.rounds}",
+        columns,
+        [[case[c] for c in columns] for case in cases],
+    )
     path = write_results("dram_parts", {"rounds": args.rounds, "cases": cases}, partial=not with_defaults(parser, args))
     print(f"wrote {path}")
     return 0

@@ -25,16 +25,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import redis
+from prefixcache.cachestore.node.redis_server import EmbeddedRedis
+from prefixcache.connector.lookups import BatchedLookups
+from prefixcache.indexer.chunking import ChunkGeometry
+from prefixcache.indexer.index import ChunkRecord, Location
+from prefixcache.indexer.keys import PrefixHasher
+from prefixcache.indexer.namespace import NamespaceSpec
+from prefixcache.indexer.redis_index import RedisIndex
+from prefixcache.indexer.tokens import TOKEN_BYTES, pack_tokens
 
 from benchmarks.common import percentile_ms, print_table, write_results
-from cachestore.redis_server import EmbeddedRedis
-from connector.lookups import BatchedLookups
-from indexer.chunking import ChunkGeometry
-from indexer.index import ChunkRecord, Location
-from indexer.keys import PrefixHasher
-from indexer.namespace import NamespaceSpec
-from indexer.redis_index import RedisIndex
-from indexer.tokens import TOKEN_BYTES, pack_tokens
 
 CHUNK_TOKENS = 256
 PROMPTS = {4096: 2000, 32768: 1000, 131072: 300}  # tokens -> lookups timed
@@ -71,9 +71,13 @@ def publish(index: RedisIndex, spec: NamespaceSpec, tokens: list[int]) -> None:
     step = CHUNK_TOKENS * TOKEN_BYTES
     for start in range(0, len(packed), step):
         record = ChunkRecord.of(
-            parent=parent, packed_tokens=packed[start : start + step], root=spec.root(), namespace=spec.digest,
-            size_bytes=2 << 20, location=Location("dram", "bench"),
-        )  # fmt: skip
+            parent=parent,
+            packed_tokens=packed[start : start + step],
+            root=spec.root(),
+            namespace=spec.digest,
+            size_bytes=2 << 20,
+            location=Location("dram", "bench"),
+        )
         records.append(record)
         parent = record.key
     index.register(records)
@@ -128,15 +132,22 @@ def burst_case(index: RedisIndex, spec: NamespaceSpec, geometry: ChunkGeometry, 
 
 def burst_row(case: dict) -> list[object]:
     ratio = "{:.2f}".format
-    return [case["requests"], case["one_by_one_pass_ms"], case["batched_added_ms"], case["batched_pass_ms"],
-            case["batched_round_trips"], ratio(case["batched_pass_ms"] / case["one_by_one_pass_ms"]),
-            ratio(case["batched_total_ms"] / case["one_by_one_total_ms"])]  # fmt: skip
+    return [
+        case["requests"],
+        case["one_by_one_pass_ms"],
+        case["batched_added_ms"],
+        case["batched_pass_ms"],
+        case["batched_round_trips"],
+        ratio(case["batched_pass_ms"] / case["one_by_one_pass_ms"]),
+        ratio(case["batched_total_ms"] / case["one_by_one_total_ms"]),
+    ]
 
 
 def main() -> None:
     geometry = ChunkGeometry(CHUNK_TOKENS)
-    spec = NamespaceSpec(model="bench", model_fingerprint="b", kv_dtype="bfloat16", kv_layout="chunk-v1",
-                         chunk_tokens=CHUNK_TOKENS)  # fmt: skip
+    spec = NamespaceSpec(
+        model="bench", model_fingerprint="b", kv_dtype="bfloat16", kv_layout="chunk-v1", chunk_tokens=CHUNK_TOKENS
+    )
     rng = random.Random(0)
     cases, rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -195,10 +206,20 @@ def main() -> None:
                     }
                     cases.append(case)
                     rows.append(
-                        [tokens_n, hit, case["p50_ms"], case["p99_ms"], case["array_p50_ms"], case["array_p99_ms"],
-                         case["round_trips"], case["naive_p99_ms"], case["naive_round_trips"],
-                         f"{case['naive_p99_ms'] / case['p99_ms']:.1f}x", case["ping_p50_ms"]]
-                    )  # fmt: skip
+                        [
+                            tokens_n,
+                            hit,
+                            case["p50_ms"],
+                            case["p99_ms"],
+                            case["array_p50_ms"],
+                            case["array_p99_ms"],
+                            case["round_trips"],
+                            case["naive_p99_ms"],
+                            case["naive_round_trips"],
+                            f"{case['naive_p99_ms'] / case['p99_ms']:.1f}x",
+                            case["ping_p50_ms"],
+                        ]
+                    )
             index.flush()
             prompts = [[rng.randrange(32000) for _ in range(BURST_TOKENS)] for _ in range(max(BURSTS))]
             for prompt in prompts:
@@ -226,10 +247,17 @@ def main() -> None:
     )
     print_table(
         f"A burst of {BURST_TOKENS}-token requests, all cached: the scheduler thread's ms, medians of {BURST_ROUNDS}",
-        ["requests", "one by one: pass", "batched: as added", "batched: pass", "batched trips",
-         "pass ratio", "total ratio"],
+        [
+            "requests",
+            "one by one: pass",
+            "batched: as added",
+            "batched: pass",
+            "batched trips",
+            "pass ratio",
+            "total ratio",
+        ],
         [burst_row(burst) for burst in bursts],
-    )  # fmt: skip
+    )
     path = write_results("lookup", {"chunk_tokens": CHUNK_TOKENS, "cases": cases, "bursts": bursts})
     print(f"wrote {path}")
 

@@ -35,10 +35,10 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from prefixcache.cachestore.host.cpus import format_cpu_list
 
 from benchmarks.common import print_table, wait_until_persisted, with_defaults, write_results
 from benchmarks.ttft import MAX_BATCHED_TOKENS, MAX_REPEATS, WARM_PROMPT, sized_prompt
-from cachestore.cpus import format_cpu_list
 from tests.daemon_harness import Daemon, connector_config
 from tests.e2e.launch import run_engine
 from tests.e2e.tinymodel import (
@@ -52,17 +52,35 @@ from tests.e2e.tinymodel import (
 DECODE_TOKENS, SUBMIT_AFTER = 96, 16  # the running request's length, and when the hit arrives
 BURST_TOKENS = 1025
 # in this order: an nvme row restarts the daemon first, which leaves every chunk on NVMe alone
-ROWS = (("dram-sync", "never"), ("dram-async", "always"), ("burst-sync", "never"), ("burst-auto", "auto"),
-        ("nvme-sync", "never"), ("nvme-auto", "auto"))  # fmt: skip
+ROWS = (
+    ("dram-sync", "never"),
+    ("dram-async", "always"),
+    ("burst-sync", "never"),
+    ("burst-auto", "auto"),
+    ("nvme-sync", "never"),
+    ("nvme-auto", "auto"),
+)
 
 
-def engine_spec(model: Path, prompts: list[list[int]], daemon: Daemon, async_loads: str, decodes: bool,
-                groups: list[int] | None = None) -> dict:  # fmt: skip
+def engine_spec(
+    model: Path,
+    prompts: list[list[int]],
+    daemon: Daemon,
+    async_loads: str,
+    decodes: bool,
+    groups: list[int] | None = None,
+) -> dict:
     """An engine running ``prompts`` (in ``groups`` submitted at once, if given), each prompt or group beside a
     decode of its own if ``decodes``."""
-    spec = {"model": str(model), "dtype": ENGINE_DTYPE, "prompts": prompts, "max_tokens": 1, "logprobs": 0,
-            "max_num_batched_tokens": MAX_BATCHED_TOKENS,
-            "kv_transfer_config": connector_config(daemon, arena_mb="auto", async_loads=async_loads)}  # fmt: skip
+    spec = {
+        "model": str(model),
+        "dtype": ENGINE_DTYPE,
+        "prompts": prompts,
+        "max_tokens": 1,
+        "logprobs": 0,
+        "max_num_batched_tokens": MAX_BATCHED_TOKENS,
+        "kv_transfer_config": connector_config(daemon, arena_mb="auto", async_loads=async_loads),
+    }
     if groups is not None:
         spec.update(together=groups, max_num_seqs=max(groups) + 1)
     if decodes:
@@ -78,11 +96,14 @@ def measure(outs: list[dict]) -> dict:
     gaps = np.diff(arrivals)
     before = gaps[arrivals[1:] <= 0]
     after = gaps[arrivals[1:] > 0]
-    return {"ttft_ms": max(out["ttft_s"] for out in outs) * 1000,
-            "cached_tokens": min(out["num_cached_tokens"] for out in outs),
-            "decode_step_ms": float(np.median(before)) * 1000, "stall_ms": float(after.max()) * 1000,
-            "gaps_after_ms": [round(float(gap) * 1000, 1) for gap in after[:12]],
-            "first_tokens": [out["token_ids"][0] for out in outs]}  # fmt: skip
+    return {
+        "ttft_ms": max(out["ttft_s"] for out in outs) * 1000,
+        "cached_tokens": min(out["num_cached_tokens"] for out in outs),
+        "decode_step_ms": float(np.median(before)) * 1000,
+        "stall_ms": float(after.max()) * 1000,
+        "gaps_after_ms": [round(float(gap) * 1000, 1) for gap in after[:12]],
+        "first_tokens": [out["token_ids"][0] for out in outs],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
             print("[stall] producer ...", flush=True)
             bursts = burst if any(name.startswith("burst") for name, _ in rows) else []
             published = [WARM_PROMPT, warm_up, *prompts, *bursts]
-            run_engine(engine_spec(model, published, daemon, "auto", decodes=False), workdir, "producer",
-                       timeout_s=1800)  # fmt: skip
+            run_engine(
+                engine_spec(model, published, daemon, "auto", decodes=False), workdir, "producer", timeout_s=1800
+            )
             wait_until_persisted(daemon.url, published)
             for name, mode in rows:
                 if name.startswith("nvme"):
@@ -127,8 +149,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[stall] {name} ...", flush=True)
                 # each engine first hits its shape once, unmeasured (the burst once more: vLLM's prefix cache is off)
                 if name.startswith("burst"):
-                    spec = engine_spec(model, [WARM_PROMPT, *burst * (1 + args.repeats)], daemon, mode, decodes=True,
-                                       groups=[1, *[len(burst)] * (1 + args.repeats)])  # fmt: skip
+                    spec = engine_spec(
+                        model,
+                        [WARM_PROMPT, *burst * (1 + args.repeats)],
+                        daemon,
+                        mode,
+                        decodes=True,
+                        groups=[1, *[len(burst)] * (1 + args.repeats)],
+                    )
                     outs = run_engine(spec, workdir, name, timeout_s=1800)["outputs"][1 + len(burst) :]
                     results[name] = [measure(outs[i : i + len(burst)]) for i in range(0, len(outs), len(burst))]
                 else:
@@ -148,15 +176,31 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(results: dict[str, list[dict]], size: int, burst: int) -> dict:
-    medians = {name: {key: statistics.median(m[key] for m in hits) for key in ("ttft_ms", "decode_step_ms", "stall_ms")}
-               for name, hits in results.items()}  # fmt: skip
-    print_table(f"A {size}-token hit (burst rows: {burst} of {BURST_TOKENS} tokens at once) arriving while another "
-                "request decodes (medians, ms)",
-                ["row", "hit TTFT", "decode step", "decode stall", "stall / step", "cached tokens"],
-                [[name, m["ttft_ms"], m["decode_step_ms"], m["stall_ms"], m["stall_ms"] / m["decode_step_ms"],
-                  min(h["cached_tokens"] for h in results[name])] for name, m in medians.items()])  # fmt: skip
-    pairs = [(tier, mode) for tier, mode in (("dram", "async"), ("nvme", "auto"), ("burst", "auto"))
-             if f"{tier}-{mode}" in medians and f"{tier}-sync" in medians]  # fmt: skip
+    medians = {
+        name: {key: statistics.median(m[key] for m in hits) for key in ("ttft_ms", "decode_step_ms", "stall_ms")}
+        for name, hits in results.items()
+    }
+    print_table(
+        f"A {size}-token hit (burst rows: {burst} of {BURST_TOKENS} tokens at once) arriving while another "
+        "request decodes (medians, ms)",
+        ["row", "hit TTFT", "decode step", "decode stall", "stall / step", "cached tokens"],
+        [
+            [
+                name,
+                m["ttft_ms"],
+                m["decode_step_ms"],
+                m["stall_ms"],
+                m["stall_ms"] / m["decode_step_ms"],
+                min(h["cached_tokens"] for h in results[name]),
+            ]
+            for name, m in medians.items()
+        ],
+    )
+    pairs = [
+        (tier, mode)
+        for tier, mode in (("dram", "async"), ("nvme", "auto"), ("burst", "auto"))
+        if f"{tier}-{mode}" in medians and f"{tier}-sync" in medians
+    ]
     ratios = {
         f"{tier}: {what} async / sync": medians[f"{tier}-{mode}"][key] / medians[f"{tier}-sync"][key]
         for tier, mode in pairs
@@ -166,8 +210,10 @@ def report(results: dict[str, list[dict]], size: int, burst: int) -> dict:
         print(f"  {name}: {value:.2f}")
     # rows of one hit run the same prompts, and so do the burst rows
     first_tokens = {name: [h["first_tokens"] for h in hits] for name, hits in results.items()}
-    agree = all(len({str(tokens) for name, tokens in first_tokens.items() if name.startswith("burst") == bursts}) <= 1
-                for bursts in (False, True))  # fmt: skip
+    agree = all(
+        len({str(tokens) for name, tokens in first_tokens.items() if name.startswith("burst") == bursts}) <= 1
+        for bursts in (False, True)
+    )
     print(f"  first tokens identical across rows of the same prompts: {agree}")
     return {"rows": results, "medians": medians, "ratios": ratios, "first_tokens_agree": agree}
 

@@ -14,7 +14,7 @@ For 1 MiB and 8 MiB chunks:
   into the same slots (on this VM the destination buffers alone move raw reads between ~1.1 and ~2.4
   GB/s, so the anchor must not use others).
 * Verification: what every load computes over each chunk it reads, the MAC (keyed BLAKE3,
-  cachestore/chunk_mac.py), beside xxh3-64 (the unkeyed checksum it replaced) and memcpy, each over the
+  cachestore/chunks/mac.py), beside xxh3-64 (the unkeyed checksum it replaced) and memcpy, each over the
   chunks a DRAM get just filled, one chunk at a time on one thread, as a loader's check thread does.
 
 Each get call is paired with its anchor on the same number of bytes, the two run back to back in
@@ -37,12 +37,12 @@ from pathlib import Path
 
 import numpy as np
 import xxhash
+from prefixcache.cachestore.chunks.mac import KEY_BYTES, ChunkMacKey
+from prefixcache.cachestore.tiers.dram import MooncakeTier
+from prefixcache.cachestore.tiers.nvme import NvmeStore
 
 from benchmarks.common import print_table, write_results
-from cachestore.chunk_mac import KEY_BYTES, ChunkMacKey
-from cachestore.dram import MooncakeTier
-from cachestore.mooncake_servers import LocalMooncake
-from cachestore.nvme import NvmeStore
+from tests.mooncake_pool import LocalMooncakePool
 
 ROOT = Path(__file__).resolve().parent.parent / ".bench-tmp"
 CHUNK_SIZES = (1 << 20, 8 << 20)
@@ -105,10 +105,14 @@ def warm_segment(tier: MooncakeTier, slot: memoryview) -> None:
 def warmed_tier(work: Path, arena_bytes: int) -> Iterator[MooncakeTier]:
     """A DRAM tier attached to a segment owner of its own (``SEGMENT`` bytes, under ``work``), warmed as the
     daemon warms it (``warm_segment``); closed and stopped afterwards."""
-    pool = LocalMooncake(work / "mooncake", segment_bytes=SEGMENT)
+    pool = LocalMooncakePool(work / "mooncake", segment_bytes=SEGMENT)
     try:
-        tier = MooncakeTier(pool.owner.shm_address, arena_bytes=arena_bytes, preferred_segment=pool.owner.segment,
-                            metrics_url=pool.metrics_url)  # fmt: skip
+        tier = MooncakeTier(
+            pool.owner.shm_address,
+            arena_bytes=arena_bytes,
+            preferred_segment=pool.owner.segment,
+            metrics_url=pool.metrics_url,
+        )
         try:
             warm = tier.arena.alloc(8 << 20)
             warm_segment(tier, warm)
@@ -219,8 +223,11 @@ def measure(chunk: int, work: Path, tier: MooncakeTier, anchor: Path, src: np.nd
             slot[:] = src.data[i * chunk : (i + 1) * chunk]
         samples = []
         for _ in range(ROUNDS):
-            sample = {**dram_round(tier, sources, dests, src, dst), **verification_round(dests, src, dst),
-                      **nvme_round(store, sources, dests, anchor)}  # fmt: skip
+            sample = {
+                **dram_round(tier, sources, dests, src, dst),
+                **verification_round(dests, src, dst),
+                **nvme_round(store, sources, dests, anchor),
+            }
             sample["dram_get_over_memcpy"] = sample["dram_get_gbps"] / sample["memcpy_gbps"]
             sample["mac_over_memcpy"] = sample["mac_gbps"] / sample["mac_memcpy_gbps"]
             sample["mac_over_xxh3"] = sample["mac_gbps"] / sample["xxh3_gbps"]

@@ -56,13 +56,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from prefixcache.cachestore.host.cpus import format_cpu_list
+from prefixcache.cachestore.host.processes import ManagedProcess, free_port, port_open
+
 from benchmarks.common import bound_to, print_table, wait_until_persisted, with_defaults, write_results
-from cachestore.cpus import format_cpu_list
-from cachestore.mooncake_servers import LocalMooncake
-from cachestore.processes import ManagedProcess, free_port, port_open
 from tests.daemon_harness import Daemon, connector_config
 from tests.e2e.launch import EngineRunError, run_engine, vllm_env
 from tests.e2e.tinymodel import ENGINE_DTYPE, build_tiny_llama, random_prompt
+from tests.mooncake_pool import LocalMooncakePool
 
 DEFAULT_SIZES = (1025, 4097, 8065)
 WARM_PROMPT = random_prompt(seed=900_000, length=64)
@@ -110,8 +111,9 @@ class Case:
 class Runner:
     """Runs engines over the benchmark's prompts and records one Case per measured prompt."""
 
-    def __init__(self, model: Path, workdir: Path, sizes: list[int], repeats: int,
-                 server_cpus: frozenset[int] | None) -> None:  # fmt: skip
+    def __init__(
+        self, model: Path, workdir: Path, sizes: list[int], repeats: int, server_cpus: frozenset[int] | None
+    ) -> None:
         self.model = model
         self.root = workdir
         self.workdir = workdir  # this pass's: its engines' specs and logs, its servers' files
@@ -190,8 +192,9 @@ class Runner:
         # each repeat, recorded by what its cold run before it was
         self._record_by_params(outputs[1::2], params[0::2], AFTER_PUBLISHING, AFTER_BYPASSED)
 
-    def _record_by_params(self, outputs: list[dict], params: list[dict | None], published_as: str,
-                          bypassed_as: str) -> None:  # fmt: skip
+    def _record_by_params(
+        self, outputs: list[dict], params: list[dict | None], published_as: str, bypassed_as: str
+    ) -> None:
         """Record each output as ``published_as`` or ``bypassed_as``, by its ``kv_transfer_params`` in ``params``."""
         self._record(published_as, [out for out, param in zip(outputs, params, strict=True) if param is None])
         self._record(bypassed_as, [out for out, param in zip(outputs, params, strict=True) if param is BYPASS])
@@ -201,12 +204,24 @@ class Runner:
         ``runs`` times in a row (as the row runs each measured prompt)."""
         return [WARM_PROMPT, *(p for p in self.warm_ups for _ in range(runs))]
 
-    def _spec(self, unmeasured: list[list[int]], measured: list[list[int]], kv_transfer_config: dict | None,
-              prefix_caching: bool) -> dict:  # fmt: skip
+    def _spec(
+        self,
+        unmeasured: list[list[int]],
+        measured: list[list[int]],
+        kv_transfer_config: dict | None,
+        prefix_caching: bool,
+    ) -> dict:
         """An engine spec (tests/e2e/run_vllm.py) that runs ``unmeasured``, then ``measured``."""
-        return {"model": str(self.model), "dtype": ENGINE_DTYPE, "prompts": [*unmeasured, *measured], "max_tokens": 1,
-                "logprobs": 0, "prefix_caching": prefix_caching, "kv_transfer_config": kv_transfer_config,
-                "max_num_batched_tokens": MAX_BATCHED_TOKENS}  # fmt: skip
+        return {
+            "model": str(self.model),
+            "dtype": ENGINE_DTYPE,
+            "prompts": [*unmeasured, *measured],
+            "max_tokens": 1,
+            "logprobs": 0,
+            "prefix_caching": prefix_caching,
+            "kv_transfer_config": kv_transfer_config,
+            "max_num_batched_tokens": MAX_BATCHED_TOKENS,
+        }
 
     def _run(self, name: str, spec: dict, env: dict[str, str] | None, unmeasured: int) -> list[dict]:
         """Run one engine process; the outputs of the measured prompts (the first ``unmeasured`` left out)."""
@@ -220,8 +235,11 @@ class Runner:
         if config is not None:
             prompts = self.prompts * (len(outputs) // len(self.prompts))
             for prompt, out in zip(prompts, outputs, strict=True):
-                self.cases.append(Case(len(prompt), config, out["ttft_s"], out["num_cached_tokens"],
-                                       out["token_ids"][0], self.run_pass))  # fmt: skip
+                self.cases.append(
+                    Case(
+                        len(prompt), config, out["ttft_s"], out["num_cached_tokens"], out["token_ids"][0], self.run_pass
+                    )
+                )
 
     def cross_process(self, config: str, kv_transfer_config: dict, env: dict[str, str] | None = None) -> None:
         self.engine(f"{config}-producer", kv_transfer_config, env=env)
@@ -242,8 +260,11 @@ def vllm_prefix_cache(run: Runner) -> None:
 def example_connector(run: Runner) -> None:
     storage = run.workdir / "example-connector"
     storage.mkdir()
-    config = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-              "kv_connector_extra_config": {"shared_storage_path": str(storage)}}  # fmt: skip
+    config = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+    }
     run.cross_process("example-connector", config)
 
 
@@ -253,17 +274,26 @@ def mooncake_store(run: Runner) -> None:
     directory = run.workdir / "mooncake-store"
     directory.mkdir()
     with bound_to(run.server_cpus):
-        pool = LocalMooncake(directory, segment_bytes=2 << 30)
+        pool = LocalMooncakePool(directory, segment_bytes=2 << 30)
     try:
         config = directory / "mooncake.json"
-        config.write_text(json.dumps({
-            "metadata_server": pool.master.metadata_url, "master_server_address": pool.master.address,
-            "protocol": "tcp", "device_name": "", "mode": "standalone-store", "global_segment_size": 0,
-            "local_buffer_size": "1GB",
-        }))  # fmt: skip
+        config.write_text(
+            json.dumps(
+                {
+                    "metadata_server": pool.master.metadata_url,
+                    "master_server_address": pool.master.address,
+                    "protocol": "tcp",
+                    "device_name": "",
+                    "mode": "standalone-store",
+                    "global_segment_size": 0,
+                    "local_buffer_size": "1GB",
+                }
+            )
+        )
         env = {"MOONCAKE_CONFIG_PATH": str(config), "VLLM_HOST_IP": "127.0.0.1"}
-        run.cross_process("mooncake-store-connector", {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"},
-                          env)  # fmt: skip
+        run.cross_process(
+            "mooncake-store-connector", {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}, env
+        )
     finally:
         pool.stop()
 
@@ -276,17 +306,38 @@ def lmcache_mp(run: Runner) -> None:
     port, http_port = free_port(), free_port()
     server = ManagedProcess(
         "lmcache server",
-        [sys.executable, "-m", "lmcache.v1.multiprocess.http_server", "--host", "127.0.0.1", "--port", str(port),
-         "--http-port", str(http_port), "--l1-size-gb", "2", "--eviction-policy", "LRU", "--chunk-size", "256",
-         "--disable-observability", "--supported-transfer-mode", "auto"],
-        run.workdir / "lmcache-server.log", lambda: port_open("127.0.0.1", port), env=vllm_env(),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "lmcache.v1.multiprocess.http_server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--http-port",
+            str(http_port),
+            "--l1-size-gb",
+            "2",
+            "--eviction-policy",
+            "LRU",
+            "--chunk-size",
+            "256",
+            "--disable-observability",
+            "--supported-transfer-mode",
+            "auto",
+        ],
+        run.workdir / "lmcache-server.log",
+        lambda: port_open("127.0.0.1", port),
+        env=vllm_env(),
+    )
     with bound_to(run.server_cpus):
         server.start(timeout_s=120)
     try:
         extra = {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}
-        run.cross_process("lmcache-mp", {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-                                         "kv_connector_extra_config": extra})  # fmt: skip
+        run.cross_process(
+            "lmcache-mp",
+            {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra},
+        )
     finally:
         server.stop(grace_s=30)
 
@@ -304,8 +355,15 @@ def prefixcache(run: Runner) -> None:
         run.engine("prefixcache-consumer-dram", config, record_as="prefixcache-dram")
         # vLLM's own prefix cache on, as in production: each prompt's first run is a DRAM hit of ours and its
         # repeat a hit of vLLM's own, in the same engine a few milliseconds apart (the ratio drifts least)
-        run.engine("prefixcache-beside-vllm-prefix-cache", config, prefix_caching=True, twice=True,
-                   record_first_as=DRAM_BESIDE, record_as=CEILING_BESIDE, rounds=PAIRED_ROUNDS)  # fmt: skip
+        run.engine(
+            "prefixcache-beside-vllm-prefix-cache",
+            config,
+            prefix_caching=True,
+            twice=True,
+            record_first_as=DRAM_BESIDE,
+            record_as=CEILING_BESIDE,
+            rounds=PAIRED_ROUNDS,
+        )
         wait_until_persisted(daemon.url, [WARM_PROMPT, *run.warm_ups, *run.prompts])
         daemon.stop()
         daemon.start()  # the segment owner starts empty: every chunk now comes from the NVMe tier
@@ -333,10 +391,15 @@ def medians(cases: list[Case]) -> dict[tuple[str, int], Case]:
     for case in cases:
         groups.setdefault((case.config, case.tokens), []).append(case)
     return {
-        (config, size): Case(size, config, statistics.median(c.ttft_s for c in group),
-                             min(c.cached_tokens for c in group), group[0].first_token)
+        (config, size): Case(
+            size,
+            config,
+            statistics.median(c.ttft_s for c in group),
+            min(c.cached_tokens for c in group),
+            group[0].first_token,
+        )
         for (config, size), group in groups.items()
-    }  # fmt: skip
+    }
 
 
 def paired_ratio(cases: list[Case], a: str, b: str, size: int) -> float | None:
@@ -397,8 +460,11 @@ def first_tokens_differing_from_cold(cases: list[Case]) -> list[str]:
         if case.config not in FRESH_ROWS:
             by_config.setdefault(case.config, []).append(case)
     cold_tokens = [c.first_token for c in by_config.get("cold", [])]
-    return sorted(config for config, group in by_config.items()
-                  if len(group) == len(cold_tokens) and [c.first_token for c in group] != cold_tokens)  # fmt: skip
+    return sorted(
+        config
+        for config, group in by_config.items()
+        if len(group) == len(cold_tokens) and [c.first_token for c in group] != cold_tokens
+    )
 
 
 def report(cases: list[Case], sizes: list[int]) -> dict:
@@ -413,23 +479,41 @@ def report(cases: list[Case], sizes: list[int]) -> dict:
         rows.append(row)
     print_table("TTFT, median (ms / cached tokens of the least-cached prompt)", ["config", *map(str, sizes)], rows)
     found = ratios(table, cases, sizes)
-    print_table("ratios (this run)", ["ratio", *map(str, sizes)],
-                [[name, *(f"{v[s]:.2f}" if s in v else "-" for s in sizes)] for name, v in found.items()])  # fmt: skip
+    print_table(
+        "ratios (this run)",
+        ["ratio", *map(str, sizes)],
+        [[name, *(f"{v[s]:.2f}" if s in v else "-" for s in sizes)] for name, v in found.items()],
+    )
     by_pass = ratios_by_pass(cases, sizes)
     by_pass = by_pass if len(by_pass) > 1 else {}  # one pass: its ratios are the run's
     if by_pass:
-        print_table("ratios per pass (each pass's own engines)", ["ratio", "size", *(f"pass {p}" for p in by_pass)],
-                    [[name, str(size), *(f"{by_pass[p][name][size]:.2f}" if size in by_pass[p].get(name, {}) else "-"
-                                         for p in by_pass)]
-                     for name, values in found.items() for size in sizes if size in values])  # fmt: skip
+        print_table(
+            "ratios per pass (each pass's own engines)",
+            ["ratio", "size", *(f"pass {p}" for p in by_pass)],
+            [
+                [
+                    name,
+                    str(size),
+                    *(f"{by_pass[p][name][size]:.2f}" if size in by_pass[p].get(name, {}) else "-" for p in by_pass),
+                ]
+                for name, values in found.items()
+                for size in sizes
+                if size in values
+            ],
+        )
     mismatched = first_tokens_differing_from_cold(cases)
     if mismatched:
         print(f"[ttft] first token differs from cold in: {', '.join(mismatched)} (see tests/e2e/compare.py)")
-    return {"cases": [asdict(c) for c in cases], "medians": [asdict(c) for c in table.values()],
-            "ratios": {name: {str(s): v for s, v in values.items()} for name, values in found.items()},
-            "ratios_by_pass": {str(p): {name: {str(s): v for s, v in values.items()} for name, values in r.items()}
-                               for p, r in by_pass.items()},
-            "first_token_differs_from_cold": mismatched}  # fmt: skip
+    return {
+        "cases": [asdict(c) for c in cases],
+        "medians": [asdict(c) for c in table.values()],
+        "ratios": {name: {str(s): v for s, v in values.items()} for name, values in found.items()},
+        "ratios_by_pass": {
+            str(p): {name: {str(s): v for s, v in values.items()} for name, values in r.items()}
+            for p, r in by_pass.items()
+        },
+        "first_token_differs_from_cold": mismatched,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -437,10 +521,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="prompt lengths in tokens")
     parser.add_argument("--repeats", type=int, default=3, help="prompts per size (the median is reported)")
     parser.add_argument("--only", default=",".join(ROWS), help=f"rows to run, of: {', '.join(ROWS)}")
-    parser.add_argument("--passes", type=int, default=1,
-                        help="run every row this many times in turn, each pass in fresh engines")  # fmt: skip
-    parser.add_argument("--servers-on", choices=["reserved", "anywhere"], default="reserved",
-                        help="caches' servers on the core vLLM reserves (the last), or anywhere")  # fmt: skip
+    parser.add_argument(
+        "--passes", type=int, default=1, help="run every row this many times in turn, each pass in fresh engines"
+    )
+    parser.add_argument(
+        "--servers-on",
+        choices=["reserved", "anywhere"],
+        default="reserved",
+        help="caches' servers on the core vLLM reserves (the last), or anywhere",
+    )
     args = parser.parse_args(argv)
     try:
         sizes = [int(s) for s in args.sizes.split(",")]
@@ -459,8 +548,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ttft-") as tmp:
         workdir = Path(tmp)
         reserved = frozenset(sorted(os.sched_getaffinity(0))[-1:])  # VLLM_CPU_NUM_OF_RESERVED_CPU=1
-        run = Runner(build_tiny_llama(workdir / "model"), workdir, sizes, args.repeats,
-                     reserved if args.servers_on == "reserved" else None)  # fmt: skip
+        run = Runner(
+            build_tiny_llama(workdir / "model"),
+            workdir,
+            sizes,
+            args.repeats,
+            reserved if args.servers_on == "reserved" else None,
+        )
         failed = {}
         for run_pass in range(args.passes):
             run.start_pass(run_pass)
@@ -471,9 +565,18 @@ def main(argv: list[str] | None = None) -> int:
                     failed[f"{name} (pass {run_pass})"] = reason = str(exc).splitlines()[0]
                     print(f"[ttft] {name} failed in pass {run_pass}: {reason}")
         payload = {**report(run.cases, sizes), "failed_rows": failed}
-    path = write_results("ttft", {"sizes": sizes, "repeats": args.repeats, "passes": args.passes,
-                                   "servers_on": args.servers_on, "dtype": ENGINE_DTYPE, **payload},
-                         partial=not with_defaults(parser, args, apart_from=("passes",)))  # fmt: skip
+    path = write_results(
+        "ttft",
+        {
+            "sizes": sizes,
+            "repeats": args.repeats,
+            "passes": args.passes,
+            "servers_on": args.servers_on,
+            "dtype": ENGINE_DTYPE,
+            **payload,
+        },
+        partial=not with_defaults(parser, args, apart_from=("passes",)),
+    )
     print(f"[ttft] wrote {path}")
     return 0
 

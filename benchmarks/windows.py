@@ -26,13 +26,13 @@ import time
 from pathlib import Path
 
 import torch
+from prefixcache.cachestore.client.cache_client import CacheClient
+from prefixcache.connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
+from prefixcache.connector.worker_side import WorkerSide
+from prefixcache.indexer.keys import chunk_key
+from prefixcache.indexer.tokens import pack_tokens
 
 from benchmarks.common import print_table, with_defaults, write_results
-from cachestore.client import CacheClient
-from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
-from connector.worker_side import WorkerSide
-from indexer.keys import chunk_key
-from indexer.tokens import pack_tokens
 from tests.daemon_harness import Daemon, make_spec, wait_persisted
 
 LAYERS, PAGE_BYTES, BLOCK_TOKENS, CHUNK_TOKENS = 8, 128 << 10, 128, 256
@@ -90,8 +90,12 @@ def timed_load(loader: WorkerSide, plan: list[LoadChunk], in_dram: bool) -> floa
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="loads per row (the median is reported)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="where the KV cache lies (cuda: pages cross PCIe from pinned slots)")  # fmt: skip
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the KV cache lies (cuda: pages cross PCIe from pinned slots)",
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
@@ -131,10 +135,22 @@ def main(argv: list[str] | None = None) -> int:
         median = statistics.median(samples)
         windows = -(-hit_bytes // (arena << 20))
         rows.append((tier, f"{arena} MiB", windows, median * 1000, hit_bytes / median / 1e9, ratio))
-        cases.append({"tier": tier, "arena_mib": arena, "windows": windows, "load_s": samples,
-                      "median_s": median, "gbps": hit_bytes / median / 1e9, "over_one_window": ratio})  # fmt: skip
-    print_table(f"a {hit_bytes >> 20} MiB hit through arena slots into a {args.device} cache, medians of {args.rounds}",
-                ["tier", "arena", "windows (about)", "load ms", "GB/s", "/ one window"], rows)  # fmt: skip
+        cases.append(
+            {
+                "tier": tier,
+                "arena_mib": arena,
+                "windows": windows,
+                "load_s": samples,
+                "median_s": median,
+                "gbps": hit_bytes / median / 1e9,
+                "over_one_window": ratio,
+            }
+        )
+    print_table(
+        f"a {hit_bytes >> 20} MiB hit through arena slots into a {args.device} cache, medians of {args.rounds}",
+        ["tier", "arena", "windows (about)", "load ms", "GB/s", "/ one window"],
+        rows,
+    )
     name = "windows" if args.device == "cpu" else f"windows_{args.device}"
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     partial = not with_defaults(parser, args, apart_from=["device"])  # each device has a file of its own

@@ -1,3 +1,3 @@
-from cachestore.cli import app
+from prefixcache.cachestore.cli.app import app
 
 app(prog_name="prefixcache")

@@ -26,8 +26,9 @@ class Attachment(Generic[T]):
     """``attach()`` tried at once, then in the background until it succeeds; ``value`` is None until then.
     ``close`` releases what ``attach`` made, when the attachment is closed."""
 
-    def __init__(self, attach: Callable[[], T], close: Callable[[T], None], what: str,
-                 retry_s: tuple[float, float] = RETRY_S) -> None:  # fmt: skip
+    def __init__(
+        self, attach: Callable[[], T], close: Callable[[T], None], what: str, retry_s: tuple[float, float] = RETRY_S
+    ) -> None:
         self._attach, self._close, self._what, self._retry_s = attach, close, what, retry_s
         self._stop = threading.Event()
         self._lock = threading.Lock()  # an attach that succeeds while the attachment is closed is released
@@ -36,8 +37,12 @@ class Attachment(Generic[T]):
         try:
             self.value = attach()
         except Exception as exc:  # noqa: BLE001 - the engine must start: it serves without the cache meanwhile
-            log.warning("prefixcache: the %s cannot attach to the store (%s); running without the cache, "
-                        "retrying in the background", what, exc)  # fmt: skip
+            log.warning(
+                "prefixcache: the %s cannot attach to the store (%s); running without the cache, "
+                "retrying in the background",
+                what,
+                exc,
+            )
             self._thread = threading.Thread(target=self._retry, name="prefixcache-attach", daemon=True)
             self._thread.start()
 

@@ -9,8 +9,8 @@ connector can swap in the real worker side once the store is attached.
 
 from __future__ import annotations
 
-from connector.metadata import PrefixCacheMetadata
-from connector.transfer_stats import TransferCounts
+from prefixcache.connector.metadata import PrefixCacheMetadata
+from prefixcache.connector.transfer_stats import TransferCounts
 
 
 class DetachedWorker:

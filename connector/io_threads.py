@@ -20,9 +20,8 @@ from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
+from prefixcache.cachestore.host.cpus import cpu_list
 from pydantic import Field, NonNegativeInt
-
-from cachestore.cpus import cpu_list
 
 log = logging.getLogger("prefixcache.connector")
 
@@ -82,7 +81,11 @@ def pinning(cpus: frozenset[int] | None) -> Callable[[], None]:
         try:
             os.sched_setaffinity(0, cpus)
         except OSError as exc:
-            log.warning("cannot bind a connector thread to CPUs %s (%s); it stays on %s",
-                        sorted(cpus), exc, sorted(os.sched_getaffinity(0)))  # fmt: skip
+            log.warning(
+                "cannot bind a connector thread to CPUs %s (%s); it stays on %s",
+                sorted(cpus),
+                exc,
+                sorted(os.sched_getaffinity(0)),
+            )
 
     return pin

@@ -3,7 +3,7 @@
 Why: through arena slots, an NVMe-only hit read every chunk into a slot, verified it and copied it into its
 pages before the forward pass began, so the disk's time (64 MiB in ~30 ms at ~2 GB/s) and the forward
 pass's (~25 ms for an 8k-token prompt on this CPU) added up. Each object holds its payload layer by layer
-from a 4 KiB boundary (cachestore/codec.py), and the NVMe tier stores objects at 4 KiB
+from a 4 KiB boundary (cachestore/chunks/codec.py), and the NVMe tier stores objects at 4 KiB
 boundaries of its segment files, so one layer's pages of a chunk are one aligned range of its file: a single
 O_DIRECT ``preadv`` puts them into their pages (and the scratch for pages the load does not take). The reads
 go out layer by layer; vLLM's ``wait_for_layer_load``, which each attention layer calls before it reads its
@@ -27,9 +27,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
-from cachestore.codec import BodyCheck, ChunkError
-from cachestore.nvme import PAGE, Extent, open_for_reading, page_aligned, read_pieces
-from connector.metadata import LoadChunk
+from prefixcache.cachestore.chunks.codec import BodyCheck, ChunkError
+from prefixcache.cachestore.tiers.nvme import PAGE, Extent, open_for_reading, page_aligned, read_pieces
+from prefixcache.connector.metadata import LoadChunk
 
 log = logging.getLogger("prefixcache.connector")
 
@@ -72,12 +72,18 @@ class LayeredRead:
         self._fds: dict[str, int] = {}
         fds = [self._open(c.extent.path) for c in self.chunks]
         # stage i: layer i, stage 0 with the header and tokens before it. Per stage, per chunk: (fd, views, offset).
-        self._stages = [[(fd, [c.head, *c.layers[0]], c.extent.offset)
-                         for c, fd in zip(self.chunks, fds, strict=True)]]  # fmt: skip
+        self._stages = [[(fd, [c.head, *c.layers[0]], c.extent.offset) for c, fd in zip(self.chunks, fds, strict=True)]]
         for layer in range(1, len(self.chunks[0].layers) if self.chunks else 0):
-            self._stages.append([(fd, c.layers[layer], c.extent.offset + len(c.head)
-                                  + layer * sum(len(piece) for piece in c.layers[layer]))
-                                 for c, fd in zip(self.chunks, fds, strict=True)])  # fmt: skip
+            self._stages.append(
+                [
+                    (
+                        fd,
+                        c.layers[layer],
+                        c.extent.offset + len(c.head) + layer * sum(len(piece) for piece in c.layers[layer]),
+                    )
+                    for c, fd in zip(self.chunks, fds, strict=True)
+                ]
+            )
         self._read = [[False] * len(self.chunks) for _ in self._stages]  # whether each read got every byte
         self._left = [len(self.chunks)] * len(self._stages)
         self._landed = threading.Condition()

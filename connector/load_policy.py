@@ -42,8 +42,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Literal
 
-from indexer.errors import ConfigError
-from indexer.index import PrefixMatch
+from prefixcache.indexer.errors import ConfigError
+from prefixcache.indexer.index import PrefixMatch
 
 AsyncLoads = Literal["auto", "always", "never"]
 
@@ -52,15 +52,21 @@ def sync_load_hazard(*, async_scheduling: bool, pipeline_stages: int, v2_model_r
     """What a failed synchronous load would do to this vLLM, and how to allow synchronous loads; None if it
     recovers (every failed load is recomputed, and the answer is the same)."""
     if async_scheduling:
-        return ("a synchronous load that fails (a chunk damaged or gone) stops vLLM's engine core under its async "
-                "scheduling (vllm#45138); start vLLM with --no-async-scheduling to load synchronously")  # fmt: skip
+        return (
+            "a synchronous load that fails (a chunk damaged or gone) stops vLLM's engine core under its async "
+            "scheduling (vllm#45138); start vLLM with --no-async-scheduling to load synchronously"
+        )
     if pipeline_stages > 1:
-        return ("vLLM runs a step per pipeline stage at once, so a request's next step may be under way before its "
-                "synchronous load is found damaged, as under async scheduling (vllm#45138); only an engine with "
-                "pipeline_parallel_size=1 loads synchronously")  # fmt: skip
+        return (
+            "vLLM runs a step per pipeline stage at once, so a request's next step may be under way before its "
+            "synchronous load is found damaged, as under async scheduling (vllm#45138); only an engine with "
+            "pipeline_parallel_size=1 loads synchronously"
+        )
     if v2_model_runner:
-        return ("vLLM's V2 model runner recomputes a failed synchronous load from stale positions and answers "
-                "wrongly (vllm#49250); set VLLM_USE_V2_MODEL_RUNNER=0 to load synchronously")  # fmt: skip
+        return (
+            "vLLM's V2 model runner recomputes a failed synchronous load from stale positions and answers "
+            "wrongly (vllm#49250); set VLLM_USE_V2_MODEL_RUNNER=0 to load synchronously"
+        )
     return None
 
 
@@ -68,9 +74,11 @@ def media_load_hazard(multimodal: bool) -> str | None:
     """What a failed synchronous load of a prompt's media would do to this vLLM; None for a model without media."""
     if not multimodal:
         return None
-    return ("this model takes media, and a synchronous load that fails where a media item (an image...) ends inside "
-            "the hit stops vLLM's engine core: vLLM sent its worker no data for the item, which the recompute then "
-            "cannot encode")  # fmt: skip
+    return (
+        "this model takes media, and a synchronous load that fails where a media item (an image...) ends inside "
+        "the hit stops vLLM's engine core: vLLM sent its worker no data for the item, which the recompute then "
+        "cannot encode"
+    )
 
 
 def ends_media(media_ends: Iterable[int], start: int, end: int) -> bool:
@@ -87,8 +95,16 @@ def check_load_mode(mode: AsyncLoads, hazard: str | None) -> None:
         raise ConfigError(f"async_loads='never' cannot run here: {hazard}; or use 'auto' or 'always'")
 
 
-def load_asynchronously(mode: AsyncLoads, *, sync_hazard: bool, others_running: bool, load_in_flight: bool,
-                        reads_nvme: bool, step_bytes: int, async_bytes: int) -> bool:  # fmt: skip
+def load_asynchronously(
+    mode: AsyncLoads,
+    *,
+    sync_hazard: bool,
+    others_running: bool,
+    load_in_flight: bool,
+    reads_nvme: bool,
+    step_bytes: int,
+    async_bytes: int,
+) -> bool:
     """``auto``: always where a failed synchronous load would not recover (``sync_hazard``); otherwise when one
     is in flight, or when other requests are running and the hit reads NVMe or would bring the step's
     synchronous loads (``step_bytes``: the hits planned before it in the step, and its own) to ``async_bytes``:

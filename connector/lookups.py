@@ -20,8 +20,8 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 
-from indexer.index import PrefixIndex, PrefixMatch
-from indexer.keys import PrefixQuery
+from prefixcache.indexer.index import PrefixIndex, PrefixMatch
+from prefixcache.indexer.keys import PrefixQuery
 
 #: Requests looked up in one call at most: a Lua script holds Redis up while it runs (64 cached requests of 4k
 #: tokens, 16 chunks each, took ~4 ms in one call here, the client's parsing of the replies included).
@@ -47,8 +47,9 @@ class BatchedLookups:
         """A request vLLM has just added (``tokens`` long): look it up with the next lookup of this pass."""
         self._arrived[request_id] = (tokens, queries)
 
-    def matches(self, request_id: str, tokens: int, queries: Callable[[], Sequence[PrefixQuery]]
-                ) -> tuple[list[PrefixMatch], float]:  # fmt: skip
+    def matches(
+        self, request_id: str, tokens: int, queries: Callable[[], Sequence[PrefixQuery]]
+    ) -> tuple[list[PrefixMatch], float]:
         """The request's matches, one per query, and how long the index call that made them took: made by
         an earlier call of this pass if one looked it up at ``tokens``, else now, with the requests
         noted since the last pass. Raises ``IndexUnavailableError``; the requests it would have looked up

@@ -31,9 +31,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import torch
-
-from connector.pages import gather, scatter
-from connector.settings import Directions
+from prefixcache.connector.pages import gather, scatter
+from prefixcache.connector.settings import Directions
 
 log = logging.getLogger("prefixcache.connector")
 _CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context of the process
@@ -72,8 +71,9 @@ class PageCopies(Protocol):
 BOTH_WAYS = Directions(loads=True, publishes=True)
 
 
-def page_copies_for(pages: Sequence[torch.Tensor], host_memory: tuple[int, int], chunk_pages: int,
-                    directions: Directions = BOTH_WAYS) -> PageCopies:  # fmt: skip
+def page_copies_for(
+    pages: Sequence[torch.Tensor], host_memory: tuple[int, int], chunk_pages: int, directions: Directions = BOTH_WAYS
+) -> PageCopies:
     """The copies for this KV cache; ``host_memory`` (address, size) is the arena every slot lies in, a copy
     moves at most ``chunk_pages`` pages of each layer (one chunk), and only the ``directions`` the engine's
     role takes are made ready (on a GPU each direction holds device memory)."""
@@ -144,8 +144,13 @@ class CudaPageCopies:
     load_group_bytes = 32 << 20
     check_threads = 4
 
-    def __init__(self, pages: Sequence[torch.Tensor], host_memory: tuple[int, int], chunk_pages: int,
-                 directions: Directions = BOTH_WAYS) -> None:  # fmt: skip
+    def __init__(
+        self,
+        pages: Sequence[torch.Tensor],
+        host_memory: tuple[int, int],
+        chunk_pages: int,
+        directions: Directions = BOTH_WAYS,
+    ) -> None:
         self.device = pages[0].device
         word = _widest_word(pages)
         self._groups = layer_groups([layer.view(word) for layer in pages])  # kernels move words, not bytes
@@ -158,8 +163,11 @@ class CudaPageCopies:
         self._save_lanes = [_Lane(self.device, staging) for _ in range(2 if directions.publishes else 0)]
         self._load_lanes = [_Lane(self.device, staging) for _ in range(2 if directions.loads else 0)]
         lanes = len(self._save_lanes) + len(self._load_lanes)
-        log.info("prefixcache: %d MiB of device memory stage pages (%d layer groups)",
-                 lanes * staging >> 20, len(self._groups))  # fmt: skip
+        log.info(
+            "prefixcache: %d MiB of device memory stage pages (%d layer groups)",
+            lanes * staging >> 20,
+            len(self._groups),
+        )
         self._pinned = pin_host_memory(*host_memory)
         self._gathering = False  # gathers queued since the last step began
 
@@ -261,8 +269,9 @@ def layer_groups(rows: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor]]
             continue
         head = rows[first]
         step = (rows[first + 1].data_ptr() - head.data_ptr()) // head.element_size() if i - first > 1 else 0
-        groups.append((first, torch.as_strided(head, (i - first, *head.shape), (step, *head.stride()),
-                                               head.storage_offset())))  # fmt: skip
+        groups.append(
+            (first, torch.as_strided(head, (i - first, *head.shape), (step, *head.stride()), head.storage_offset()))
+        )
         first = i
     return groups
 
@@ -270,8 +279,11 @@ def layer_groups(rows: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor]]
 def _extends(rows: Sequence[torch.Tensor], first: int, i: int) -> bool:
     """Whether layer ``i`` continues the group that starts at layer ``first``."""
     head, layer = rows[first], rows[i]
-    if (layer.untyped_storage().data_ptr() != head.untyped_storage().data_ptr() or layer.shape != head.shape
-            or layer.stride() != head.stride()):  # fmt: skip
+    if (
+        layer.untyped_storage().data_ptr() != head.untyped_storage().data_ptr()
+        or layer.shape != head.shape
+        or layer.stride() != head.stride()
+    ):
         return False
     step = rows[first + 1].data_ptr() - head.data_ptr() if i > first + 1 else layer.data_ptr() - head.data_ptr()
     return step > 0 and step % head.element_size() == 0 and layer.data_ptr() - rows[i - 1].data_ptr() == step
@@ -297,8 +309,12 @@ def pin_host_memory(address: int, size: int) -> int | None:
     if error == _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
         log.info("prefixcache: the %d MiB arena is pinned already", size >> 20)
     else:
-        log.warning("prefixcache: cannot pin the %d MiB arena for CUDA copies (cudaError %d); copies run at "
-                    "pageable-memory speed", size >> 20, error)  # fmt: skip
+        log.warning(
+            "prefixcache: cannot pin the %d MiB arena for CUDA copies (cudaError %d); copies run at "
+            "pageable-memory speed",
+            size >> 20,
+            error,
+        )
     return None
 
 

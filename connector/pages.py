@@ -34,8 +34,12 @@ def page_rows(layer: torch.Tensor) -> torch.Tensor:
             "connector moves whole pages; set VLLM_KV_CACHE_LAYOUT to a layout whose blocks are compact (LBNHC)"
         )
     size = layer.element_size()
-    return torch.as_strided(layer.view(torch.uint8), (layer.shape[0], page.numel() * size),
-                            (layer.stride(0) * size, 1), layer.storage_offset() * size)  # fmt: skip
+    return torch.as_strided(
+        layer.view(torch.uint8),
+        (layer.shape[0], page.numel() * size),
+        (layer.stride(0) * size, 1),
+        layer.storage_offset() * size,
+    )
 
 
 def payload_view(buffer: memoryview, pages: Sequence[torch.Tensor], num_pages: int) -> torch.Tensor:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from connector.metadata import LoadChunk
-from indexer.chunking import PROBE_TOKENS
-from indexer.index import PrefixMatch
+from prefixcache.connector.metadata import LoadChunk
+from prefixcache.indexer.chunking import PROBE_TOKENS
+from prefixcache.indexer.index import PrefixMatch
 
 
 @dataclass(frozen=True)
@@ -36,9 +36,16 @@ def load_plan(match: PrefixMatch, blocks: list[int], start: int, end: int, g: Ge
         lo, hi = max(start, i * c), min(end, i * c + stored_tokens)
         if lo < hi:
             span = g.blocks(lo, hi)
-            plan.append(LoadChunk(key, stored_tokens, span.start - i * c // g.block_tokens, blocks[span],
-                                  in_dram=i not in nvme_only,
-                                  ends_mid_block=hi % g.block_tokens != 0))  # fmt: skip
+            plan.append(
+                LoadChunk(
+                    key,
+                    stored_tokens,
+                    span.start - i * c // g.block_tokens,
+                    blocks[span],
+                    in_dram=i not in nvme_only,
+                    ends_mid_block=hi % g.block_tokens != 0,
+                )
+            )
     return plan
 
 
@@ -61,8 +68,9 @@ def stored_prefix(matches: Sequence[PrefixMatch], tail_keys: Sequence[bytes | No
     tail (``tail_keys``, per rank) too. Neither is published again, whether the request loads it or vLLM's own
     prefix cache held it already."""
     full = min(len(match.keys) for match in matches)
-    tail = all(match.partial is not None and match.partial.key == key
-               for match, key in zip(matches, tail_keys, strict=True))  # fmt: skip
+    tail = all(
+        match.partial is not None and match.partial.key == key for match, key in zip(matches, tail_keys, strict=True)
+    )
     return full, tail
 
 

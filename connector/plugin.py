@@ -8,6 +8,17 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
+from prefixcache.connector.attachment import Attachment
+from prefixcache.connector.detached_worker import DetachedWorker
+from prefixcache.connector.io_threads import io_cpus, numa_node_cpus, pinning, ranks_bound_by_vllm
+from prefixcache.connector.settings import (
+    ConnectorSettings,
+    Directions,
+    attention_backends,
+    check_loads_supported,
+    engine_kv_replicas,
+)
+from prefixcache.connector.transfer_stats import PrefixCachePromMetrics, PrefixCacheTransferStats
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -15,24 +26,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from connector.attachment import Attachment
-from connector.detached_worker import DetachedWorker
-from connector.io_threads import io_cpus, numa_node_cpus, pinning, ranks_bound_by_vllm
-from connector.settings import (
-    ConnectorSettings,
-    Directions,
-    attention_backends,
-    check_loads_supported,
-    engine_kv_replicas,
-)
-from connector.transfer_stats import PrefixCachePromMetrics, PrefixCacheTransferStats
-
 if TYPE_CHECKING:
     import torch
-
-    from cachestore.client import CacheClient
-    from connector.worker_side import WorkerSide
-    from indexer.namespace import NamespaceSpec
+    from prefixcache.cachestore.client.cache_client import CacheClient
+    from prefixcache.connector.worker_side import WorkerSide
+    from prefixcache.indexer.namespace import NamespaceSpec
 
 log = logging.getLogger("prefixcache.connector")
 
@@ -52,13 +50,14 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         self._client_attachment: Attachment[CacheClient] | None = None
         self._io_thread_setup: Callable[[], None] | None = None  # binds the connector's threads (set with the client)
         if role == KVConnectorRole.SCHEDULER:
-            from connector.scheduler_side import SchedulerSide
+            from prefixcache.connector.scheduler_side import SchedulerSide
 
             if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
                 # A chunk that fails to load must be recomputed, not fail the request. vLLM reads this
                 # setting after constructing the connector.
-                log.warning("prefixcache: setting kv_load_failure_policy='recompute' (was %r)",
-                            transfer.kv_load_failure_policy)  # fmt: skip
+                log.warning(
+                    "prefixcache: setting kv_load_failure_policy='recompute' (was %r)", transfer.kv_load_failure_policy
+                )
                 transfer.kv_load_failure_policy = "recompute"
             self._scheduler = SchedulerSide(vllm_config, kv_cache_config, self._settings, self._directions)
 
@@ -85,8 +84,9 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         (Mooncake's pool, any node) is ``host``, NVMe ``disk``."""
         assert self._scheduler is not None
         dram, nvme = self._scheduler.tokens_by_tier(request, num_external_tokens)
-        return {source: tokens for source, tokens in ((CacheHitSource.HOST, dram), (CacheHitSource.DISK, nvme))
-                if tokens}  # fmt: skip
+        return {
+            source: tokens for source, tokens in ((CacheHitSource.HOST, dram), (CacheHitSource.DISK, nvme)) if tokens
+        }
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
@@ -115,10 +115,11 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         if not self._settings.kv_in_shared_memory or not _on_cpu_backend():
             return None
         if (client := self._client()) is None:
-            log.warning("prefixcache: KV cache not placed in shared memory (no store yet); loads will copy "
-                        "through the arena")  # fmt: skip
+            log.warning(
+                "prefixcache: KV cache not placed in shared memory (no store yet); loads will copy through the arena"
+            )
             return None
-        from connector.shared_kv import SharedKVAllocation
+        from prefixcache.connector.shared_kv import SharedKVAllocation
 
         return SharedKVAllocation(client.shared_memory)
 
@@ -140,12 +141,17 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         client = self._client_attachment.value if self._client_attachment is not None else None
         if client is None:
             return
-        from connector.worker_side import WorkerSide
+        from prefixcache.connector.worker_side import WorkerSide
 
         spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        self._worker = WorkerSide(client, self._layers, spec.block_size, directions=self._worker_directions(spec),
-                                  io_thread_setup=self._io_thread_setup,
-                                  check_threads=self._settings.check_threads)  # fmt: skip
+        self._worker = WorkerSide(
+            client,
+            self._layers,
+            spec.block_size,
+            directions=self._worker_directions(spec),
+            io_thread_setup=self._io_thread_setup,
+            check_threads=self._settings.check_threads,
+        )
 
     def _worker_directions(self, kv_cache_spec: Any) -> Directions:
         """The role's directions, except that of tensor-parallel ranks holding the same KV (``kv_replicas``) only
@@ -160,31 +166,44 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         """The worker's client, or None while the store cannot be reached (tried again in the background:
         connector/attachment.py). Asked for first by ``get_mem_pool_context``, before the KV cache exists."""
         if self._client_attachment is None:
-            from cachestore.client import CacheClient
+            from prefixcache.cachestore.client.cache_client import CacheClient
 
             self._client_attachment = Attachment(self._attach_client, CacheClient.close, "worker side")
         return self._client_attachment.value
 
     def _attach_client(self) -> CacheClient:
+        from prefixcache.cachestore.client.cache_client import CacheClient, chunk_mac_key, fetch_config
+        from prefixcache.connector.settings import arena_mib, kv_bytes_per_token, namespace_for
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
-
-        from cachestore.client import CacheClient, chunk_mac_key, fetch_config
-        from connector.settings import arena_mib, kv_bytes_per_token, namespace_for
 
         group = self._kv_cache_config.kv_cache_groups[0]
         config = fetch_config(self._settings.service_url)
-        spec = namespace_for(self._vllm_config, group.kv_cache_spec, config.chunk_tokens,
-                             tp_rank=get_tensor_model_parallel_rank(),
-                             pp_rank=get_pp_group().rank_in_group)  # fmt: skip
-        cpus = io_cpus(self._settings.io_cpus, on_cpu_backend=_on_cpu_backend(), compute=os.sched_getaffinity(0),
-                       online=range(os.cpu_count() or 1), numa_nodes=numa_node_cpus(),
-                       other_ranks=ranks_bound_by_vllm(os.environ.get("VLLM_CPU_OMP_THREADS_BIND")))  # fmt: skip
+        spec = namespace_for(
+            self._vllm_config,
+            group.kv_cache_spec,
+            config.chunk_tokens,
+            tp_rank=get_tensor_model_parallel_rank(),
+            pp_rank=get_pp_group().rank_in_group,
+        )
+        cpus = io_cpus(
+            self._settings.io_cpus,
+            on_cpu_backend=_on_cpu_backend(),
+            compute=os.sched_getaffinity(0),
+            online=range(os.cpu_count() or 1),
+            numa_nodes=numa_node_cpus(),
+            other_ranks=ranks_bound_by_vllm(os.environ.get("VLLM_CPU_OMP_THREADS_BIND")),
+        )
         step_tokens = self._vllm_config.scheduler_config.max_num_batched_tokens
         arena = arena_mib(self._settings.arena_mb, step_tokens, config.chunk_tokens, kv_bytes_per_token(group))
         thread_setup = pinning(cpus)
-        client = CacheClient(config, spec, arena_bytes=arena << 20, redis_password=self._settings.redis_password,
-                             io_thread_setup=thread_setup,
-                             mac_key=chunk_mac_key(config, self._settings.chunk_key_file))  # fmt: skip
+        client = CacheClient(
+            config,
+            spec,
+            arena_bytes=arena << 20,
+            redis_password=self._settings.redis_password,
+            io_thread_setup=thread_setup,
+            mac_key=chunk_mac_key(config, self._settings.chunk_key_file),
+        )
         log.info("prefixcache: connector threads on CPUs %s", "as the worker" if cpus is None else sorted(cpus))
         log.info("prefixcache: a %d MiB arena (arena_mb=%s)", arena, self._settings.arena_mb)
         self._io_thread_setup = thread_setup
@@ -245,8 +264,13 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         return PrefixCacheTransferStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> PrefixCachePromMetrics:  # fmt: skip
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> PrefixCachePromMetrics:
         return PrefixCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
@@ -265,6 +289,6 @@ def _on_cpu_backend() -> bool:
 
 
 def _metadata_type() -> type:
-    from connector.metadata import PrefixCacheMetadata
+    from prefixcache.connector.metadata import PrefixCacheMetadata
 
     return PrefixCacheMetadata

@@ -9,7 +9,7 @@ path; each item's identifier and position, in the blocks from the item's on).
   chunks live in a key space of their own. Since the cache outlives the engine, the adapter is named by
   a fingerprint of its files, not only by the name it was loaded under.
 - Media are marked in the chunk where each item begins (``media_marks``): that chunk is keyed under a
-  media parent (``indexer.keys.media_parent``), and every later chunk after it through the chain. The
+  media parent (``prefixcache.indexer.keys.media_parent``), and every later chunk after it through the chain. The
   chunks before the first item keep the keys of the same text without media, so a system prompt is
   shared by requests whatever images follow it, and nothing from an item's chunk on is shared by
   requests whose media differ.
@@ -24,7 +24,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from indexer.fingerprint import fingerprint_model
+from prefixcache.indexer.fingerprint import fingerprint_model
 
 
 def request_variant(request: Any, adapter_fingerprint: Callable[[str], str] = fingerprint_model) -> bytes | None:
@@ -36,8 +36,9 @@ def request_variant(request: Any, adapter_fingerprint: Callable[[str], str] = fi
     if lora is None:
         return b""
     path = str(lora.lora_path or "")
-    return json.dumps([["lora", lora.lora_name, path, adapter_fingerprint(path) if path else ""]],
-                      separators=(",", ":")).encode()  # fmt: skip
+    return json.dumps(
+        [["lora", lora.lora_name, path, adapter_fingerprint(path) if path else ""]], separators=(",", ":")
+    ).encode()
 
 
 def media_ends(request: Any) -> tuple[int, ...]:

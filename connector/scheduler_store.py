@@ -6,17 +6,17 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from cachestore.client import fetch_config, index_url
-from cachestore.client_stats import ClientStatsRecorder
-from connector.lookups import BatchedLookups
-from connector.plans import Geometry
-from connector.settings import ConnectorSettings, namespace_for
-from indexer.chunking import ChunkGeometry
-from indexer.index import attach_namespace
-from indexer.leases import Leases
-from indexer.namespace import NamespaceSpec
-from indexer.redis_clients import redis_client
-from indexer.redis_index import RedisIndex
+from prefixcache.cachestore.client.cache_client import fetch_config, index_url
+from prefixcache.cachestore.client.usage_stats import ClientStatsRecorder
+from prefixcache.connector.lookups import BatchedLookups
+from prefixcache.connector.plans import Geometry
+from prefixcache.connector.settings import ConnectorSettings, namespace_for
+from prefixcache.indexer.chunking import ChunkGeometry
+from prefixcache.indexer.index import attach_namespace
+from prefixcache.indexer.leases import Leases
+from prefixcache.indexer.namespace import NamespaceSpec
+from prefixcache.indexer.redis_clients import redis_client
+from prefixcache.indexer.redis_index import RedisIndex
 
 log = logging.getLogger("prefixcache.connector")
 #: Socket timeouts of the connection for leases and statistics, which run off the scheduler's thread.
@@ -50,10 +50,15 @@ class SchedulerStore:
             raise
         # a second connection, with short timeouts, for leases and statistics
         bookkeeping = redis_client(index.url, socket_timeout_s=LEASE_TIMEOUT_S, connect_timeout_s=LEASE_TIMEOUT_S)
-        return cls(geometry=ChunkGeometry(config.chunk_tokens, block_tokens=block_tokens),
-                   plan_geometry=Geometry(config.chunk_tokens, block_tokens), namespaces=namespaces, index=index,
-                   lookups=BatchedLookups(index), leases=Leases(bookkeeping, config.key_prefix),
-                   stats=ClientStatsRecorder(bookkeeping, config.key_prefix + ":", config.node))  # fmt: skip
+        return cls(
+            geometry=ChunkGeometry(config.chunk_tokens, block_tokens=block_tokens),
+            plan_geometry=Geometry(config.chunk_tokens, block_tokens),
+            namespaces=namespaces,
+            index=index,
+            lookups=BatchedLookups(index),
+            leases=Leases(bookkeeping, config.key_prefix),
+            stats=ClientStatsRecorder(bookkeeping, config.key_prefix + ":", config.node),
+        )
 
     def close(self) -> None:
         self.stats.close()

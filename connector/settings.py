@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Annotated, Any, Literal, NamedTuple
 
+from prefixcache.connector.io_threads import IoCpus
+from prefixcache.indexer.errors import ConfigError, validation_problems
+from prefixcache.indexer.namespace import NamespaceSpec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from connector.io_threads import IoCpus
-from indexer.errors import ConfigError, validation_problems
-from indexer.namespace import NamespaceSpec
 
 
 class ConnectorSettings(BaseModel):
@@ -19,28 +18,47 @@ class ConnectorSettings(BaseModel):
 
     service_url: str = Field(description="the node daemon, e.g. http://127.0.0.1:8600")
     arena_mb: Annotated[int, Field(ge=16, le=1 << 20)] | Literal["auto"] = Field(
-        default="auto", description="registered buffer for loads and publishes, in MiB; auto sizes it for two "
-        "steps of publishes (arena_mib)")  # fmt: skip
+        default="auto",
+        description="registered buffer for loads and publishes, in MiB; auto sizes it for two "
+        "steps of publishes (arena_mib)",
+    )
     min_hit_tokens: int = Field(default=16, ge=1, description="smaller external hits are not worth a load")
     redis_password: str | None = Field(
-        default=None, description="if the index needs one (never logged); unset: the embedded index's, read from "
-        "the file the daemon names (GET /v1/config secret_files.redis_password)"
-    )  # fmt: skip
-    chunk_key_file: str | None = Field(default=None, description="the cluster's chunk-signing key file, where this "
-                                       "host's path differs from the one the daemon names in /v1/config")  # fmt: skip
-    io_cpus: IoCpus = Field(default="auto", description="cores for the connector's threads: auto, inherit or CPU ids "
-                            "(connector/io_threads.py)")  # fmt: skip
+        default=None,
+        description="if the index needs one (never logged); unset: the embedded index's, read from "
+        "the file the daemon names (GET /v1/config secret_files.redis_password)",
+    )
+    chunk_key_file: str | None = Field(
+        default=None,
+        description="the cluster's chunk-signing key file, where this "
+        "host's path differs from the one the daemon names in /v1/config",
+    )
+    io_cpus: IoCpus = Field(
+        default="auto",
+        description="cores for the connector's threads: auto, inherit or CPU ids (connector/io_threads.py)",
+    )
     async_loads: Literal["auto", "always", "never"] = Field(
-        default="auto", description="load hits while vLLM runs other requests' steps (connector/load_policy.py): "
-        "auto does so for hits that read NVMe or are large, when other requests are running")  # fmt: skip
-    async_load_mib: int = Field(default=64, ge=1, description="auto: a hit that brings the step's synchronous "
-                                "loads to this size (MiB per rank) loads asynchronously when other requests are "
-                                "running")  # fmt: skip
+        default="auto",
+        description="load hits while vLLM runs other requests' steps (connector/load_policy.py): "
+        "auto does so for hits that read NVMe or are large, when other requests are running",
+    )
+    async_load_mib: int = Field(
+        default=64,
+        ge=1,
+        description="auto: a hit that brings the step's synchronous "
+        "loads to this size (MiB per rank) loads asynchronously when other requests are "
+        "running",
+    )
     check_threads: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = Field(
-        default="auto", description="threads that verify chunks loaded through arena slots (every GPU load) while "
-        "the next are copied; 0: the fetch thread checks them; auto: 4 on a GPU worker, 0 on a CPU one")  # fmt: skip
-    kv_in_shared_memory: bool = Field(default=True, description="CPU backend: vLLM's KV cache in shared memory, so "
-                                      "loads write straight into its pages (connector/shared_kv.py)")  # fmt: skip
+        default="auto",
+        description="threads that verify chunks loaded through arena slots (every GPU load) while "
+        "the next are copied; 0: the fetch thread checks them; auto: 4 on a GPU worker, 0 on a CPU one",
+    )
+    kv_in_shared_memory: bool = Field(
+        default=True,
+        description="CPU backend: vLLM's KV cache in shared memory, so "
+        "loads write straight into its pages (connector/shared_kv.py)",
+    )
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -105,24 +123,30 @@ def check_supported(kv_cache_config: Any, parallel_config: Any) -> None:
     groups = len(kv_cache_config.kv_cache_groups)
     if groups != 1:
         # vLLM turns its hybrid KV cache manager off for connectors without SupportsHMA, unless told not to.
-        raise ConfigError(f"PrefixCacheConnector maps one KV cache group and this engine has {groups}: run without "
-                          "--no-disable-hybrid-kv-cache-manager (models that need it, such as hybrid SSM models, "
-                          "are not supported)")  # fmt: skip
+        raise ConfigError(
+            f"PrefixCacheConnector maps one KV cache group and this engine has {groups}: run without "
+            "--no-disable-hybrid-kv-cache-manager (models that need it, such as hybrid SSM models, "
+            "are not supported)"
+        )
     kind = type(kv_cache_config.kv_cache_groups[0].kv_cache_spec).__name__
     if kind not in MAPPED_KV_CACHE_SPECS:
         # Measured with a sliding-window-only model (window 512, prompts of 1100 tokens): loads wrote chunks
         # into the null block that stands in for the freed ones, and the answers changed.
-        raise ConfigError(f"PrefixCacheConnector maps KV caches that keep a block for every token of a request "
-                          f"(full attention or MLA), and this engine's is a {kind}: vLLM frees the blocks that "
-                          "fall outside a sliding or local attention window and gives them to other requests, so "
-                          "models whose every attention layer has such a window are not supported")  # fmt: skip
+        raise ConfigError(
+            f"PrefixCacheConnector maps KV caches that keep a block for every token of a request "
+            f"(full attention or MLA), and this engine's is a {kind}: vLLM frees the blocks that "
+            "fall outside a sliding or local attention window and gives them to other requests, so "
+            "models whose every attention layer has such a window are not supported"
+        )
     for setting in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(parallel_config, setting, 1) > 1:
             # Context parallelism deals a block's tokens out across ranks, so no rank's page holds the
             # block_size consecutive tokens that a chunk's pages are keyed by.
-            raise ConfigError(f"PrefixCacheConnector does not support context parallelism: {setting} is "
-                              f"{getattr(parallel_config, setting)}, and each rank's pages would hold only some "
-                              "of a block's tokens; run with it at 1")  # fmt: skip
+            raise ConfigError(
+                f"PrefixCacheConnector does not support context parallelism: {setting} is "
+                f"{getattr(parallel_config, setting)}, and each rank's pages would hold only some "
+                "of a block's tokens; run with it at 1"
+            )
 
 
 #: Attention backends whose steps over cached KV give other answers than a full prefill of the same prompt, with
@@ -140,8 +164,10 @@ def check_loads_supported(attention_backends: Iterable[str], directions: Directi
     if not directions.loads:
         return
     for name in sorted(set(attention_backends) & CANNOT_LOAD_INTO.keys()):
-        raise ConfigError(f"PrefixCacheConnector cannot load KV on the {name} attention backend: "
-                          f"{CANNOT_LOAD_INTO[name]}; use kv_role kv_producer on it, to publish only")  # fmt: skip
+        raise ConfigError(
+            f"PrefixCacheConnector cannot load KV on the {name} attention backend: "
+            f"{CANNOT_LOAD_INTO[name]}; use kv_role kv_producer on it, to publish only"
+        )
 
 
 def attention_backends(vllm_config: Any, layer_names: Iterable[str]) -> set[str]:
@@ -186,17 +212,23 @@ def namespace_for(
     and vLLM's cache layout.
     """
     import torch
+    from prefixcache.indexer.fingerprint import fingerprint_model
     from vllm.platforms import current_platform
-
-    from indexer.fingerprint import fingerprint_model
 
     model_config = vllm_config.model_config
     replicas = engine_kv_replicas(vllm_config, kv_cache_spec)
     isa = torch.backends.cpu.get_cpu_capability() if current_platform.is_cpu() else current_platform.device_name
-    layout = ":".join([
-        "vllm-pages-v1", current_platform.device_type, isa, str(vllm_config.cache_config.kv_cache_layout or "default"),
-        f"bs{kv_cache_spec.block_size}", f"h{kv_cache_spec.num_kv_heads}", f"d{kv_cache_spec.head_size}",
-    ])  # fmt: skip
+    layout = ":".join(
+        [
+            "vllm-pages-v1",
+            current_platform.device_type,
+            isa,
+            str(vllm_config.cache_config.kv_cache_layout or "default"),
+            f"bs{kv_cache_spec.block_size}",
+            f"h{kv_cache_spec.num_kv_heads}",
+            f"d{kv_cache_spec.head_size}",
+        ]
+    )
     return NamespaceSpec(
         model=str(model_config.served_model_name or model_config.model),
         model_fingerprint=fingerprint_model(str(model_config.model)),

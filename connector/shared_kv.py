@@ -34,11 +34,9 @@ class SharedKVAllocation(TorchFunctionMode):
             try:
                 self.allocated = self._allocate(size)
             except Exception as exc:  # noqa: BLE001 - the engine must start; loads copy through the arena instead
-                log.warning("prefixcache: KV cache not placed in shared memory (%s); loads copy through the arena",
-                            exc)  # fmt: skip
+                log.warning("prefixcache: KV cache not placed in shared memory (%s); loads copy through the arena", exc)
                 return func(*args, **kwargs)
-            log.info("prefixcache: KV cache (%d MiB) in shared memory: loads write straight into its pages",
-                     size >> 20)  # fmt: skip
+            log.info("prefixcache: KV cache (%d MiB) in shared memory: loads write straight into its pages", size >> 20)
             return torch.frombuffer(self.allocated, dtype=torch.int8)
         return func(*args, **kwargs)
 

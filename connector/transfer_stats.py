@@ -88,8 +88,13 @@ class PrefixCacheTransferStats(KVConnectorStats):
 class PrefixCachePromMetrics(KVConnectorPromMetrics):
     """One counter per ``COUNTS`` entry, ``vllm:prefixcache_<name>_total``, labelled per engine as vLLM's are."""
 
-    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {
             name: self._counter_cls(name=f"vllm:prefixcache_{name}", documentation=doc, labelnames=labelnames)

@@ -31,20 +31,19 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-
-from cachestore.arena import ArenaFullError, address_of
-from cachestore.client import CacheClient, Fetched
-from cachestore.codec import ChunkMeta, payload_offset
-from cachestore.dram import first_part_rows, split_at
-from cachestore.nvme import PAGE, read_size
-from cachestore.runs import runs_of_about
-from connector.layered_reads import LayeredChunk, LayeredRead
-from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
-from connector.page_copies import BOTH_WAYS, page_copies_for
-from connector.pages import block_runs, page_rows, payload_bytes, payload_view
-from connector.settings import Directions
-from connector.transfer_stats import TransferCounts
-from indexer.namespace import tenant_id
+from prefixcache.cachestore.chunks.arena import ArenaFullError, address_of
+from prefixcache.cachestore.chunks.codec import ChunkMeta, payload_offset
+from prefixcache.cachestore.chunks.runs import runs_of_about
+from prefixcache.cachestore.client.cache_client import CacheClient, Fetched
+from prefixcache.cachestore.tiers.dram import first_part_rows, split_at
+from prefixcache.cachestore.tiers.nvme import PAGE, read_size
+from prefixcache.connector.layered_reads import LayeredChunk, LayeredRead
+from prefixcache.connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
+from prefixcache.connector.page_copies import BOTH_WAYS, page_copies_for
+from prefixcache.connector.pages import block_runs, page_rows, payload_bytes, payload_view
+from prefixcache.connector.settings import Directions
+from prefixcache.connector.transfer_stats import TransferCounts
+from prefixcache.indexer.namespace import tenant_id
 
 log = logging.getLogger("prefixcache.connector")
 _BACKGROUND_QUEUE = 64
@@ -98,9 +97,15 @@ class _ReadInPlace:
 
 
 class WorkerSide:
-    def __init__(self, client: CacheClient, layers: Sequence[torch.Tensor], block_tokens: int,
-                 directions: Directions = BOTH_WAYS, io_thread_setup: Callable[[], None] | None = None,
-                 check_threads: int | Literal["auto"] = "auto") -> None:  # fmt: skip
+    def __init__(
+        self,
+        client: CacheClient,
+        layers: Sequence[torch.Tensor],
+        block_tokens: int,
+        directions: Directions = BOTH_WAYS,
+        io_thread_setup: Callable[[], None] | None = None,
+        check_threads: int | Literal["auto"] = "auto",
+    ) -> None:
         """``directions``: which ways the engine's role moves KV; ``io_thread_setup`` runs first in each thread
         this side starts (see connector/io_threads.py); ``check_threads`` verify chunks loaded through slots (0: the
         fetch thread does; ``"auto"``: as many as the cache's page copies ask for, connector/page_copies.py)."""
@@ -129,39 +134,49 @@ class WorkerSide:
         self._background_thread.start()
         # Stores into DRAM of what this step's load read from NVMe, started after the forward pass.
         self._after_forward: list[_Store] = []
-        self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixcache-fetch",
-                                           initializer=self._io_thread_setup)  # fmt: skip
+        self._fetcher = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="prefixcache-fetch", initializer=self._io_thread_setup
+        )
         # This step's loads (by request) until they are finished, then the requests whose loads failed.
         self._loads: dict[str, list[LoadChunk]] = {}
         self._failed_requests: set[str] = set()
-        self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixcache-verify",
-                                            initializer=self._io_thread_setup)  # fmt: skip
+        self._verifier = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="prefixcache-verify", initializer=self._io_thread_setup
+        )
         self._verification: Future[None] | None = None
         # begin_load's reads: a thread on the worker's own core (it only waits for the segment owner; on the
         # reserved core it waited up to 1 ms behind vLLM's busy-polling engine core to be scheduled)
         self._early_reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixcache-early")
         self._begun: tuple[PrefixCacheMetadata, Future[_ReadInPlace]] | None = None  # begin_load's read
         # Asynchronous loads, in the order vLLM scheduled them: their requests, and the blocks that failed.
-        self._async_loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixcache-async-load",
-                                                initializer=self._io_thread_setup)  # fmt: skip
+        self._async_loader = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="prefixcache-async-load", initializer=self._io_thread_setup
+        )
         self._async_loads: list[tuple[set[str], Future[set[int]]]] = []
         self._async_begun: PrefixCacheMetadata | None = None  # the step whose asynchronous loads begin_load started
         self._warned: set[str] = set()  # what the arena's size costs is logged once per kind
         self.pages = [page_rows(layer) for layer in self.layers]  # each layer as (blocks, page bytes)
-        self._copies = page_copies_for(self.pages, client.arena_memory, self._pages(client.spec.chunk_tokens),
-                                       directions)  # fmt: skip
+        self._copies = page_copies_for(
+            self.pages, client.arena_memory, self._pages(client.spec.chunk_tokens), directions
+        )
         self._page_bytes = self.pages[0].shape[1]
         if check_threads == "auto":
             check_threads = self._copies.check_threads
-        self._checks = ThreadPoolExecutor(max_workers=check_threads, thread_name_prefix="prefixcache-check",
-                                          initializer=self._io_thread_setup) if check_threads else None  # fmt: skip
+        self._checks = (
+            ThreadPoolExecutor(
+                max_workers=check_threads, thread_name_prefix="prefixcache-check", initializer=self._io_thread_setup
+            )
+            if check_threads
+            else None
+        )
         self._layer_starts: list[int] = []  # where each layer's block 0 lies in self._kv
         self._kv = self._pages_in_shared_memory()
         # NVMe-only chunks go straight into their pages, layer by layer (connector/layered_reads.py), where the
         # pages lie in shared memory at 4 KiB boundaries, until a step shows vLLM does not wait for its layers
         self._reads_layered = self._pages_aligned_for_disk()
-        self._layer_readers = ThreadPoolExecutor(max_workers=_LAYER_READERS, thread_name_prefix="prefixcache-disk",
-                                                 initializer=self._io_thread_setup)  # fmt: skip
+        self._layer_readers = ThreadPoolExecutor(
+            max_workers=_LAYER_READERS, thread_name_prefix="prefixcache-disk", initializer=self._io_thread_setup
+        )
         self._layered_now: LayeredRead | None = None  # this step's synchronous one, which vLLM waits for by layer
         # DRAM hits: the layers of each chunk's first DRAM part, in before the forward pass; the rest are copied
         # while it computes those, until a step shows vLLM does not wait for its layers
@@ -298,8 +313,9 @@ class WorkerSide:
         self.loaded_async += len(over)
         return over
 
-    def _load(self, chunks: list[LoadChunk], errors: set[int], begun: _ReadInPlace | None = None,
-              asynchronous: bool = False) -> tuple[_Store | None, _ReadInPlace | None]:  # fmt: skip
+    def _load(
+        self, chunks: list[LoadChunk], errors: set[int], begun: _ReadInPlace | None = None, asynchronous: bool = False
+    ) -> tuple[_Store | None, _ReadInPlace | None]:
         """Load ``chunks``, all but verifying those read in place (``begun``: what of them is read already;
         ``asynchronous``: no forward pass reads or writes their blocks before they are verified).
         Blocks of chunks that fail go to ``errors``. Returns the job that stores the chunks read from NVMe
@@ -322,8 +338,9 @@ class WorkerSide:
         ``behind_forward``: the step's forward pass runs while the chunks read in place are verified."""
         started = time.perf_counter()
         layered, elsewhere = self._read_layered([chunk for chunk in chunks if not chunk.in_dram])
-        placed, in_dram_elsewhere = self._in_place([chunk for chunk in chunks if chunk.in_dram],
-                                                   hold_blocks_vllm_writes=behind_forward)  # fmt: skip
+        placed, in_dram_elsewhere = self._in_place(
+            [chunk for chunk in chunks if chunk.in_dram], hold_blocks_vllm_writes=behind_forward
+        )
         elsewhere = in_dram_elsewhere + elsewhere
         verified = 0
         later: list[_InPlace] = []
@@ -340,8 +357,11 @@ class WorkerSide:
                 later = placed
         slots = self._slots(elsewhere)
         # chunks DRAM holds but the arena had no room for are fetched from DRAM: only the others are read ahead
-        if ahead := [(chunk.key, slot) for chunk, slot in zip(elsewhere, slots or [], strict=False)
-                     if chunk not in in_dram_elsewhere]:  # fmt: skip
+        if ahead := [
+            (chunk.key, slot)
+            for chunk, slot in zip(elsewhere, slots or [], strict=False)
+            if chunk not in in_dram_elsewhere
+        ]:
             self.client.read_ahead(ahead)
         read = _ReadInPlace(placed, elsewhere, slots, started, layered, verified, later)
         if later:  # on this thread when begin_load started the read, so it follows at once
@@ -349,7 +369,7 @@ class WorkerSide:
         return read
 
     def _cut(self, item: _InPlace) -> tuple[list[memoryview], list[memoryview]]:
-        """Where a chunk read in place goes, as the pieces of its two DRAM parts (cachestore/dram.py): its
+        """Where a chunk read in place goes, as the pieces of its two DRAM parts (cachestore/tiers/dram.py): its
         header and tokens and its first layers' pages, then its later layers' (none: a copy not cut)."""
         if not self._first_layers:
             return [item.head, *item.pieces], []
@@ -384,8 +404,9 @@ class WorkerSide:
         the forward pass computes the first layers. Returns which arrived; never raises (the others are load
         errors, as damaged chunks are: their KV would be another's)."""
         try:
-            return self.client.fetch_scattered([item.chunk.key for item in items],
-                                               [self._cut(item)[1] for item in items], [True] * len(items))  # fmt: skip
+            return self.client.fetch_scattered(
+                [item.chunk.key for item in items], [self._cut(item)[1] for item in items], [True] * len(items)
+            )
         except Exception:  # noqa: BLE001 - a failed load is recomputed; the request must not fail
             log.exception("reading the later layers of %d chunks into their pages failed", len(items))
             return [False] * len(items)
@@ -465,12 +486,16 @@ class WorkerSide:
         if later is not None and not self._later_waited:
             self._distrust_later_copy(later)
         errors = self.load_errors
-        self._failed_requests.update(request for request, chunks in self._loads.items()
-                                     if any(errors.intersection(chunk.blocks) for chunk in chunks))  # fmt: skip
+        self._failed_requests.update(
+            request
+            for request, chunks in self._loads.items()
+            if any(errors.intersection(chunk.blocks) for chunk in chunks)
+        )
         self._loads = {}
 
-    def _in_place(self, chunks: list[LoadChunk], hold_blocks_vllm_writes: bool = False
-                  ) -> tuple[list[_InPlace], list[LoadChunk]]:  # fmt: skip
+    def _in_place(
+        self, chunks: list[LoadChunk], hold_blocks_vllm_writes: bool = False
+    ) -> tuple[list[_InPlace], list[LoadChunk]]:
         """An arena slot per chunk for its header, tokens and the pages it does not load; chunks the
         arena has no room for come second, to go through slots (where they will likely be recomputed).
         ``hold_blocks_vllm_writes``: a chunk whose last block vLLM writes this step (while the forward pass
@@ -503,8 +528,10 @@ class WorkerSide:
             if before:
                 item.pieces.append(scratch[: before * page])
                 scratch = scratch[before * page :]
-            item.pieces.extend(self._kv[start + block * page : start + (block + n) * page]  # type: ignore[index]
-                               for block, n in runs)  # fmt: skip
+            item.pieces.extend(
+                self._kv[start + block * page : start + (block + n) * page]  # type: ignore[index]
+                for block, n in runs
+            )
             if hold_last:
                 held, scratch = scratch[:page], scratch[page:]
                 last = start + chunk.blocks[-1] * page
@@ -531,8 +558,12 @@ class WorkerSide:
         """Whether each chunk read in place is intact where it landed (its damaged DRAM copy is deleted); counts
         the intact ones as loaded. Never raises: if verifying fails, every chunk counts as failed (recomputed)."""
         try:
-            intact = self.client.verify_scattered([item.chunk.key for item in items], [item.head for item in items],
-                                                  [item.pieces for item in items], started)  # fmt: skip
+            intact = self.client.verify_scattered(
+                [item.chunk.key for item in items],
+                [item.head for item in items],
+                [item.pieces for item in items],
+                started,
+            )
         except Exception:  # noqa: BLE001 - a failed load is recomputed; the request must not fail
             log.exception("verifying %d chunks failed; recomputing them", len(items))
             intact = [False] * len(items)
@@ -576,8 +607,11 @@ class WorkerSide:
             return None
         # After the forward pass, from the pages: vLLM wrote none of them this step (no chunk whose last block
         # it writes is read this way); should it reuse one before the put is over, that copy fails its check.
-        store = functools.partial(self.client.store_scattered, [c.chunk.key for c in good],
-                                  [[c.head, *itertools.chain.from_iterable(c.layers)] for c in good])  # fmt: skip
+        store = functools.partial(
+            self.client.store_scattered,
+            [c.chunk.key for c in good],
+            [[c.head, *itertools.chain.from_iterable(c.layers)] for c in good],
+        )
         return store, [c.slot for c in good]
 
     def _distrust_later_copy(self, read: _ReadInPlace) -> None:
@@ -587,8 +621,10 @@ class WorkerSide:
         self.load_errors.update(block for item in read.later for block in item.chunk.blocks)
         if self._later_layers_behind:
             self._later_layers_behind = False
-            log.warning("vLLM did not wait for the layers of a DRAM hit copied behind the forward pass: recomputing "
-                        "it, and copying every layer before the forward pass from now on")  # fmt: skip
+            log.warning(
+                "vLLM did not wait for the layers of a DRAM hit copied behind the forward pass: recomputing "
+                "it, and copying every layer before the forward pass from now on"
+            )
 
     def _distrust(self, read: LayeredRead) -> None:
         """A step read chunks layer by layer, but vLLM did not wait for every layer: an attention layer may have
@@ -596,8 +632,12 @@ class WorkerSide:
         self.load_errors.update(block for c in read.chunks for block in c.chunk.blocks)
         if self._reads_layered:
             self._reads_layered = False
-            log.warning("vLLM waited for %d of %d layers of a load read from NVMe layer by layer: recomputing it, "
-                        "and reading NVMe hits whole from now on", len(read.waited), len(self.layers))  # fmt: skip
+            log.warning(
+                "vLLM waited for %d of %d layers of a load read from NVMe layer by layer: recomputing it, "
+                "and reading NVMe hits whole from now on",
+                len(read.waited),
+                len(self.layers),
+            )
 
     def _count_loaded(self, chunks: list[LoadChunk], in_place: bool = False) -> None:
         """Count chunks that arrived intact in their pages."""
@@ -627,8 +667,9 @@ class WorkerSide:
             self.client.release(item.slot)
         return [item.chunk for item in items]
 
-    def _load_through_slots(self, chunks: list[LoadChunk], errors: set[int], slots: list[memoryview] | None = None
-                            ) -> _Store | None:  # fmt: skip
+    def _load_through_slots(
+        self, chunks: list[LoadChunk], errors: set[int], slots: list[memoryview] | None = None
+    ) -> _Store | None:
         """Fetch chunks into arena slots and place them, in windows of as many chunks as the arena has room
         for: a hit larger than the arena still loads whole (a GPU hit of an 8B model's 8k-token prompt is
         1 GiB), in the slots each window gives back. Blocks of chunks that fail go to ``errors``.
@@ -659,8 +700,7 @@ class WorkerSide:
             slots = None
         return stores
 
-    def _load_window(self, chunks: list[LoadChunk], slots: list[memoryview], errors: set[int]
-                     ) -> _Store | None:  # fmt: skip
+    def _load_window(self, chunks: list[LoadChunk], slots: list[memoryview], errors: set[int]) -> _Store | None:
         """Load chunks that all have slots, in groups, placing one group while the next is read. On a GPU
         worker the check threads verify a group's chunks while the segment owner (another process) copies
         the next group into the arena; elsewhere the fetch thread verifies each group after the owner's copy.
@@ -696,8 +736,9 @@ class WorkerSide:
             if damaged:
                 again = self._fetch([upcoming[at] for at in damaged], [], cuts, check_later=False)
                 read_from_disk.update(again.from_disk)
-                self._place([(chunks[at], self._checked(got)) for at, got in zip(damaged, again.payloads, strict=True)],
-                            errors)  # fmt: skip
+                self._place(
+                    [(chunks[at], self._checked(got)) for at, got in zip(damaged, again.payloads, strict=True)], errors
+                )
         finally:
             if pending is not None and pending.exception() is None:  # the fetch in flight must finish first
                 checking += [got for got in pending.result().payloads if isinstance(got, Future)]
@@ -743,8 +784,13 @@ class WorkerSide:
             pass  # the rest load in a later window (_load_through_slots)
         return slots
 
-    def _fetch(self, group: list[tuple[bytes, memoryview]], upcoming: list[tuple[bytes, memoryview]],
-               cuts: dict[bytes, int | None], check_later: bool = True) -> _Fetched:  # fmt: skip
+    def _fetch(
+        self,
+        group: list[tuple[bytes, memoryview]],
+        upcoming: list[tuple[bytes, memoryview]],
+        cuts: dict[bytes, int | None],
+        check_later: bool = True,
+    ) -> _Fetched:
         """Fetch one group into its slots, each chunk's two DRAM parts in one call (``cuts``: where each is cut),
         its DRAM copies checked on the check threads (``check_later``, where this side has them) or before
         this returns; runs on the fetch thread."""
@@ -753,8 +799,9 @@ class WorkerSide:
         at = [cuts[key] for key in keys]
         try:
             if check_later and self._checks is not None:
-                fetched.payloads = self.client.fetch_checking_later(keys, slots, upcoming=upcoming, checks=self._checks,
-                                                                    cuts=at)  # fmt: skip
+                fetched.payloads = self.client.fetch_checking_later(
+                    keys, slots, upcoming=upcoming, checks=self._checks, cuts=at
+                )
             else:
                 fetched.payloads = list(self.client.fetch(keys, slots, upcoming=upcoming, cuts=at))
         except Exception:  # noqa: BLE001 - a failed load is recomputed; the request must not fail
@@ -812,12 +859,14 @@ class WorkerSide:
     def _stage(self, chunk: SaveChunk) -> tuple[ChunkMeta, memoryview] | None:
         pages = len(chunk.blocks)
         meta = ChunkMeta(
-            namespace=self.client.spec.digest, root=self.client.spec.root(chunk.tenant_salt, chunk.variant),
+            namespace=self.client.spec.digest,
+            root=self.client.spec.root(chunk.tenant_salt, chunk.variant),
             parent=chunk.parents[self.shard],
-            tokens=chunk.tokens, dtype=str(self.layers[0].dtype).removeprefix("torch."),
+            tokens=chunk.tokens,
+            dtype=str(self.layers[0].dtype).removeprefix("torch."),
             shape=(len(self.layers), pages, *self.layers[0].shape[1:]),
             tenant=int(tenant_id(chunk.tenant_salt) or "0", 16),
-        )  # fmt: skip
+        )
         try:
             slot = self.client.stage(meta)
         except ArenaFullError:
@@ -835,15 +884,22 @@ class WorkerSide:
             stored = self.client.publish(batch, tenant_salt=salt)
         finally:
             published = [meta for (meta, _), ok in zip(batch, stored, strict=True) if ok]
-            self.transfers.add(published_chunks=len(published), unpublished_chunks=len(batch) - len(published),
-                               published_bytes=sum(meta.payload_bytes for meta in published))  # fmt: skip
+            self.transfers.add(
+                published_chunks=len(published),
+                unpublished_chunks=len(batch) - len(published),
+                published_bytes=sum(meta.payload_bytes for meta in published),
+            )
             self.published_chunks += len(published)
 
     # -- background ----------------------------------------------------------------------------------
 
-    def _in_background(self, job: Callable[[], object], slots: list[memoryview],
-                       copied: Callable[[], None] = lambda: None, dropped: Callable[[], None] = lambda: None
-                       ) -> None:  # fmt: skip
+    def _in_background(
+        self,
+        job: Callable[[], object],
+        slots: list[memoryview],
+        copied: Callable[[], None] = lambda: None,
+        dropped: Callable[[], None] = lambda: None,
+    ) -> None:
         """Run ``job`` on the background thread, then release ``slots``; if it has fallen behind, drop the job
         (and call ``dropped``). ``copied`` waits for copies into the slots still in flight: nothing reads or
         reuses them before."""
@@ -896,5 +952,6 @@ class WorkerSide:
 
     def _dram_cut(self, stored_tokens: int) -> int | None:
         """Where the DRAM copy of a chunk of ``stored_tokens`` tokens is cut (one payload row per layer)."""
-        return split_at(payload_offset(stored_tokens), len(self.layers),
-                        payload_bytes(self.pages, self._pages(stored_tokens)))  # fmt: skip
+        return split_at(
+            payload_offset(stored_tokens), len(self.layers), payload_bytes(self.pages, self._pages(stored_tokens))
+        )

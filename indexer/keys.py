@@ -26,10 +26,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
-
-from indexer.chunking import PROBE_TOKENS, ChunkGeometry
-from indexer.errors import InvalidTokensError
-from indexer.tokens import TOKEN_BYTES, TokenIds, token_array
+from prefixcache.indexer.chunking import PROBE_TOKENS, ChunkGeometry
+from prefixcache.indexer.errors import InvalidTokensError
+from prefixcache.indexer.tokens import TOKEN_BYTES, TokenIds, token_array
 
 KEY_BYTES = 16
 _digest = xxhash.xxh3_128_digest
@@ -175,8 +174,9 @@ def extend_all(hashers: Sequence[PrefixHasher], tokens: TokenIds) -> None:
         hasher.extend(packed)
 
 
-def prompt_query(root: bytes, geometry: ChunkGeometry, tokens: TokenIds,
-                 media: Mapping[int, bytes] | None = None) -> PrefixQuery:  # fmt: skip
+def prompt_query(
+    root: bytes, geometry: ChunkGeometry, tokens: TokenIds, media: Mapping[int, bytes] | None = None
+) -> PrefixQuery:
     """One-shot helper: the lookup query of a whole prompt."""
     return PrefixHasher(root, geometry, media).extend(tokens).query()
 

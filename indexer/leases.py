@@ -18,9 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import redis
-
-from indexer.errors import IndexUnavailableError
-from indexer.redis_index import load_script
+from prefixcache.indexer.errors import IndexUnavailableError
+from prefixcache.indexer.redis_index import load_script
 
 #: Long enough to cover the step between the promise and the load many times over, short enough
 #: that a crashed engine's leases do not hold capacity for long.

@@ -56,8 +56,11 @@ class NamespaceSpec(BaseModel):
         in a namespace of its own. Stages of equal ``pp_size`` hold the same layers whenever their payloads
         are the same size (vLLM splits the layers into contiguous runs), and an object of another size is
         refused when it is read: a different split costs hits, never correctness."""
-        return [self.model_copy(update={"pp_rank": stage, "tp_rank": rank})
-                for stage in range(self.pp_size) for rank in range(self.tp_size)]  # fmt: skip
+        return [
+            self.model_copy(update={"pp_rank": stage, "tp_rank": rank})
+            for stage in range(self.pp_size)
+            for rank in range(self.tp_size)
+        ]
 
     def root(self, tenant_salt: str | None = None, variant: bytes = b"") -> bytes:
         """The parent digest of a prompt's first chunk.

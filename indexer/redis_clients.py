@@ -11,8 +11,7 @@ from __future__ import annotations
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
-
-from indexer.errors import ConfigError
+from prefixcache.indexer.errors import ConfigError
 
 #: How long a command may wait for its reply: a lookup or registration answers in milliseconds.
 SOCKET_TIMEOUT_S = 2.0
@@ -25,8 +24,9 @@ WAITING_SOCKET_TIMEOUT_S = 10.0
 _SCHEMES = ("redis", "rediss", "unix")
 
 
-def redis_client(url: str, *, socket_timeout_s: float = SOCKET_TIMEOUT_S,
-                 connect_timeout_s: float = CONNECT_TIMEOUT_S) -> redis.Redis:  # fmt: skip
+def redis_client(
+    url: str, *, socket_timeout_s: float = SOCKET_TIMEOUT_S, connect_timeout_s: float = CONNECT_TIMEOUT_S
+) -> redis.Redis:
     """A client of the Redis at ``url`` (``redis://``, ``rediss://`` or ``unix://``); it connects at its first
     command. Raises ``ConfigError`` for a URL that names no Redis."""
     if urlsplit(url).scheme not in _SCHEMES:

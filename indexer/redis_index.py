@@ -13,12 +13,9 @@ from contextlib import contextmanager
 from importlib import resources
 
 import redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
-from indexer.access_log import AccessLog, Hits
-from indexer.errors import ConfigError, IndexUnavailableError
-from indexer.index import (
+from prefixcache.indexer.access_log import AccessLog, Hits
+from prefixcache.indexer.errors import ConfigError, IndexUnavailableError
+from prefixcache.indexer.index import (
     MAX_BUCKET_CANDIDATES,
     ChunkEntry,
     ChunkRecord,
@@ -31,10 +28,12 @@ from indexer.index import (
     check_namespace,
     usage_of,
 )
-from indexer.keys import KEY_BYTES, PrefixQuery
-from indexer.namespace import NamespaceSpec
-from indexer.redis_clients import CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_S, redact_url, redis_client
-from indexer.unreadable import UnreadableRecords
+from prefixcache.indexer.keys import KEY_BYTES, PrefixQuery
+from prefixcache.indexer.namespace import NamespaceSpec
+from prefixcache.indexer.redis_clients import CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_S, redact_url, redis_client
+from prefixcache.indexer.unreadable import UnreadableRecords
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 _NO_PROBE = bytes(KEY_BYTES)  # sent where the prompt has no probe; an all-zero digest is never a key
 
@@ -49,7 +48,7 @@ def _refuses_writes(error: redis.exceptions.ResponseError) -> bool:
 
 def load_script(client: redis.Redis, name: str, with_common: bool = True) -> redis.commands.core.Script:
     """The script ``indexer/lua/<name>.lua`` (after ``common.lua``'s shared functions, ``with_common``)."""
-    lua = resources.files("indexer") / "lua"
+    lua = resources.files("prefixcache.indexer") / "lua"
     source = lua.joinpath(f"{name}.lua").read_text()
     if with_common:
         source = lua.joinpath("common.lua").read_text() + "\n" + source
@@ -147,11 +146,13 @@ class RedisIndex:
     def _match(self, query: PrefixQuery, reply: list) -> PrefixMatch:
         hits = int(reply[0])
         without_dram = frozenset(i for i, flag in enumerate(reply[1]) if flag == ord("0"))
-        candidates = [(bytes.fromhex(reply[i].decode()), reply[i + 1], reply[i + 2] != b"0")
-                      for i in range(2, len(reply), 3)]  # fmt: skip
+        candidates = [
+            (bytes.fromhex(reply[i].decode()), reply[i + 1], reply[i + 2] != b"0") for i in range(2, len(reply), 3)
+        ]
         partial = best_partial(query, hits, candidates) if candidates else None
-        return PrefixMatch(keys=list(query.keys[:hits]), chunk_tokens=query.chunk_tokens, partial=partial,
-                           without_dram=without_dram)  # fmt: skip
+        return PrefixMatch(
+            keys=list(query.keys[:hits]), chunk_tokens=query.chunk_tokens, partial=partial, without_dram=without_dram
+        )
 
     def flush_access(self) -> None:
         """Apply pending last-access/hit updates now (they are otherwise applied in the background)."""
@@ -169,9 +170,17 @@ class RedisIndex:
         args: list[object] = [self._prefix]
         for r in records:
             args += [
-                r.key.hex(), r.parent.hex(), r.root.hex(), r.namespace.hex(), r.tenant,
-                r.num_tokens, r.size_bytes, str(r.location), r.probe.hex() if r.probe else "", r.packed_tokens,
-            ]  # fmt: skip
+                r.key.hex(),
+                r.parent.hex(),
+                r.root.hex(),
+                r.namespace.hex(),
+                r.tenant,
+                r.num_tokens,
+                r.size_bytes,
+                str(r.location),
+                r.probe.hex() if r.probe else "",
+                r.packed_tokens,
+            ]
         with self._reachable():
             self._register(args=args)
 

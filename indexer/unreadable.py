@@ -29,5 +29,9 @@ class UnreadableRecords:
             log.debug("skipped unreadable %s %s: %s", kind, name, problem)
             return
         self._logged.add(seen)
-        log.warning("skipping %s %s: this version cannot read it (written by another version, or damaged): %s",
-                    kind, name, problem)  # fmt: skip
+        log.warning(
+            "skipping %s %s: this version cannot read it (written by another version, or damaged): %s",
+            kind,
+            name,
+            problem,
+        )

@@ -7,17 +7,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prefixcache.cachestore.client.cache_client import CacheClient
+from prefixcache.cachestore.node.redis_server import EmbeddedRedis
+from prefixcache.cachestore.tiers.dram import MooncakeTier
+from prefixcache.indexer.chunking import ChunkGeometry
+from prefixcache.indexer.index import PrefixIndex
+from prefixcache.indexer.namespace import NamespaceSpec
+from prefixcache.indexer.redis_index import RedisIndex
 
-from cachestore.client import CacheClient
-from cachestore.dram import MooncakeTier
-from cachestore.mooncake_servers import LocalMooncake
-from cachestore.redis_server import EmbeddedRedis
-from indexer.chunking import ChunkGeometry
-from indexer.embedded_index import EmbeddedIndex
-from indexer.index import PrefixIndex
-from indexer.namespace import NamespaceSpec
-from indexer.redis_index import RedisIndex
 from tests.daemon_harness import Daemon, connect
+from tests.in_memory_index import InMemoryIndex
+from tests.mooncake_pool import LocalMooncakePool
 
 _prefixes = itertools.count()
 
@@ -30,14 +30,17 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
     server.stop()
 
 
-class MooncakeNode(LocalMooncake):
+class MooncakeNode(LocalMooncakePool):
     """A master and this node's segment owner, as the daemon runs them, plus tiers attached to them."""
 
     def tier(self, arena_bytes: int = 64 << 20, **options) -> MooncakeTier:
         return MooncakeTier(
-            self.owner.shm_address, arena_bytes=arena_bytes, preferred_segment=self.owner.segment,
-            metrics_url=self.metrics_url, **options,
-        )  # fmt: skip
+            self.owner.shm_address,
+            arena_bytes=arena_bytes,
+            preferred_segment=self.owner.segment,
+            metrics_url=self.metrics_url,
+            **options,
+        )
 
 
 @pytest.fixture(scope="session")
@@ -84,7 +87,7 @@ def redis_index(redis_server: EmbeddedRedis) -> Iterator[RedisIndex]:
 def index(request: pytest.FixtureRequest) -> PrefixIndex:
     """Each index test runs against both backends: they must behave the same."""
     if request.param == "embedded":
-        return EmbeddedIndex()
+        return InMemoryIndex()
     return request.getfixturevalue("redis_index")
 
 

@@ -13,31 +13,52 @@ from typing import Any
 
 import httpx
 import redis
-
-from cachestore.auth import admin_token_path
-from cachestore.chunk_mac import ChunkMacKey
-from cachestore.client import CacheClient, fetch_config, index_url
-from cachestore.codec import ChunkMeta, encode, read_meta
-from cachestore.dram import MooncakeTier, split_offset
-from cachestore.extents import locate
-from cachestore.nvme import Extent
-from cachestore.processes import free_port_block
-from cachestore.secrets_store import read_secret, secrets_dir
-from cachestore.warmup.plan import storable_tokens
-from indexer.chunking import ChunkGeometry
-from indexer.keys import PrefixHasher, chunk_key
-from indexer.namespace import NamespaceSpec
-from indexer.tokens import pack_tokens
+from prefixcache.cachestore.api.auth import admin_token_path
+from prefixcache.cachestore.chunks.codec import ChunkMeta, encode, read_meta
+from prefixcache.cachestore.chunks.mac import ChunkMacKey
+from prefixcache.cachestore.client.cache_client import CacheClient, fetch_config, index_url
+from prefixcache.cachestore.host.processes import free_port_block
+from prefixcache.cachestore.host.secret_files import read_secret, secrets_dir
+from prefixcache.cachestore.tiers.dram import MooncakeTier, split_offset
+from prefixcache.cachestore.tiers.nvme import Extent
+from prefixcache.cachestore.tiers.nvme_extents import locate
+from prefixcache.cachestore.warmup.plan import storable_tokens
+from prefixcache.indexer.chunking import ChunkGeometry
+from prefixcache.indexer.keys import PrefixHasher, chunk_key
+from prefixcache.indexer.namespace import NamespaceSpec
+from prefixcache.indexer.tokens import pack_tokens
 
 
 class Daemon:
-    def __init__(self, data_dir: Path, *extra: str, dram: str = "256MiB", nvme: str = "512MiB", node: str = "node-a",
-                 env: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        data_dir: Path,
+        *extra: str,
+        dram: str = "256MiB",
+        nvme: str = "512MiB",
+        node: str = "node-a",
+        env: dict[str, str] | None = None,
+    ) -> None:
         """``env``: variables set for the daemon on top of this process's."""
         self.data_dir = data_dir
         self.port = free_port_block(7)
-        self.args = [sys.executable, "-m", "cachestore", "serve", "--data-dir", str(data_dir), "--port", str(self.port),
-                     "--dram-bytes", dram, "--nvme-bytes", nvme, "--node", node, *extra]  # fmt: skip
+        self.args = [
+            sys.executable,
+            "-m",
+            "prefixcache.cachestore",
+            "serve",
+            "--data-dir",
+            str(data_dir),
+            "--port",
+            str(self.port),
+            "--dram-bytes",
+            dram,
+            "--nvme-bytes",
+            nvme,
+            "--node",
+            node,
+            *extra,
+        ]
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.index_password: str | None = None  # what its clients pass as redis_password, where they need one
@@ -47,10 +68,19 @@ class Daemon:
         and Mooncake master (ports ``PORT+1``, ``+4``, ``+5``, ``+6``, as ``serve`` derives them)."""
         host = "127.0.0.1"
         password = self.redis_password()
-        joined = Daemon(data_dir, "--redis-url", f"redis://:{password}@{host}:{self.port + 1}/0",
-                        "--mooncake-master", f"{host}:{self.port + 4}", "--chunk-key-file", str(self.chunk_key_file),
-                        "--mooncake-metadata-url", f"http://{host}:{self.port + 5}/metadata", node=node,
-                        env={"PREFIXCACHE_MOONCAKE_METRICS_URL": f"http://{host}:{self.port + 6}/metrics"})  # fmt: skip
+        joined = Daemon(
+            data_dir,
+            "--redis-url",
+            f"redis://:{password}@{host}:{self.port + 1}/0",
+            "--mooncake-master",
+            f"{host}:{self.port + 4}",
+            "--chunk-key-file",
+            str(self.chunk_key_file),
+            "--mooncake-metadata-url",
+            f"http://{host}:{self.port + 5}/metadata",
+            node=node,
+            env={"PREFIXCACHE_MOONCAKE_METRICS_URL": f"http://{host}:{self.port + 6}/metrics"},
+        )
         joined.index_password = password  # its clients are given it: the index is not its own, it names no file
         return joined
 
@@ -119,8 +149,9 @@ def run_cli(daemon: Daemon, *args: str, token: str | None = None) -> subprocess.
     env.pop("PREFIXCACHE_ADMIN_TOKEN", None)
     if token:
         env["PREFIXCACHE_ADMIN_TOKEN"] = token
-    return subprocess.run([sys.executable, "-m", "cachestore", *args], env=env, capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "prefixcache.cachestore", *args], env=env, capture_output=True, text=True, timeout=60
+    )
 
 
 def connect(daemon: Daemon, spec: NamespaceSpec | None = None) -> CacheClient:
@@ -132,8 +163,14 @@ def make_chunk(
     client: CacheClient, parent: bytes, tokens: list[int], seed: int, bytes_per_token: int = 2048
 ) -> tuple[ChunkMeta, memoryview, bytes]:
     """A chunk of ``tokens`` after ``parent`` with a random payload, staged in an arena slot."""
-    meta = ChunkMeta(namespace=client.spec.digest, root=client.spec.root(), parent=parent, tokens=pack_tokens(tokens),
-                     dtype="uint8", shape=(len(tokens), bytes_per_token))  # fmt: skip
+    meta = ChunkMeta(
+        namespace=client.spec.digest,
+        root=client.spec.root(),
+        parent=parent,
+        tokens=pack_tokens(tokens),
+        dtype="uint8",
+        shape=(len(tokens), bytes_per_token),
+    )
     payload = bytes([seed % 256]) * 16 + os.urandom(meta.payload_bytes - 16)
     slot = client.stage(meta)
     slot[meta.payload_offset : meta.encoded_size] = payload
@@ -172,8 +209,9 @@ def fetch_payloads(client: CacheClient, keys: list[bytes], store_disk_reads: boo
 
 
 def make_spec(chunk_tokens: int = 64) -> NamespaceSpec:
-    return NamespaceSpec(model="test-model", model_fingerprint="fp", kv_dtype="uint8", kv_layout="test-v1",
-                         chunk_tokens=chunk_tokens)  # fmt: skip
+    return NamespaceSpec(
+        model="test-model", model_fingerprint="fp", kv_dtype="uint8", kv_layout="test-v1", chunk_tokens=chunk_tokens
+    )
 
 
 def niceness(pid: int) -> dict[str, int | str]:
@@ -186,8 +224,11 @@ def niceness(pid: int) -> dict[str, int | str]:
 def servers_of(daemon: Daemon) -> dict[str, int]:
     """The daemon's child processes by command name (``/proc/<pid>/task/*/children``): its servers."""
     assert daemon.proc is not None
-    pids = [pid for task in Path(f"/proc/{daemon.proc.pid}/task").iterdir()
-            for pid in (task / "children").read_text().split()]  # fmt: skip
+    pids = [
+        pid
+        for task in Path(f"/proc/{daemon.proc.pid}/task").iterdir()
+        for pid in (task / "children").read_text().split()
+    ]
     return {Path(f"/proc/{pid}/comm").read_text().strip(): int(pid) for pid in pids}
 
 
@@ -215,8 +256,9 @@ def damage_dram_copy(dram: MooncakeTier, key: bytes, max_bytes: int = 8 << 20) -
         dram.arena.free(slot)
 
 
-def damage_dram_copies(daemon: Daemon, keys: list[bytes],
-                       damage: Callable[[MooncakeTier, bytes], object] = damage_dram_copy) -> None:  # fmt: skip
+def damage_dram_copies(
+    daemon: Daemon, keys: list[bytes], damage: Callable[[MooncakeTier, bytes], object] = damage_dram_copy
+) -> None:
     """``damage`` (``damage_dram_copy``, or ``forge_dram_copy``) each of ``keys`` in ``daemon``'s pool, through a
     client of the test's own."""
     config = fetch_config(daemon.url)

@@ -9,8 +9,8 @@ import time
 
 import httpx
 import redis
+from prefixcache.cachestore.client.cache_client import CacheClient, fetch_config, index_url
 
-from cachestore.client import CacheClient, fetch_config, index_url
 from tests.admin_stack import TOKEN, api, client, daemon  # noqa: F401 - fixtures
 from tests.daemon_harness import fetch_payloads, make_spec, publish_prompt, wait_persisted
 
@@ -34,8 +34,14 @@ def test_without_the_token_only_health_and_config_answer(daemon):
     with httpx.Client(base_url=daemon.url) as anonymous:
         assert anonymous.get("/v1/health").status_code == 200
         assert TOKEN not in anonymous.get("/v1/config").text  # it names secret files (admin_token), never values
-        calls = [("GET", "/v1/stats"), ("GET", "/v1/chunks"), ("GET", "/metrics"), ("POST", "/v1/evict"),
-                 ("POST", "/v1/pin"), ("DELETE", "/v1/chunks/" + "0" * 32)]  # fmt: skip
+        calls = [
+            ("GET", "/v1/stats"),
+            ("GET", "/v1/chunks"),
+            ("GET", "/metrics"),
+            ("POST", "/v1/evict"),
+            ("POST", "/v1/pin"),
+            ("DELETE", "/v1/chunks/" + "0" * 32),
+        ]
         for method, path in calls:
             response = anonymous.request(method, path, json={"all": True})
             assert response.status_code == 401, path
@@ -128,7 +134,7 @@ def test_a_pin_with_a_ttl_expires(api, client):
 
 
 def test_stats_and_metrics_count_what_clients_did(api, client, daemon):
-    from indexer.keys import prompt_query
+    from prefixcache.indexer.keys import prompt_query
 
     tokens = list(range(CHUNK * 2))
     keys, _ = publish_prompt(client, tokens, seed=7)

@@ -24,8 +24,9 @@ def test_no_request_makes_the_daemon_fail(daemon):
     for operation in checked:
 
         @given(case=operation.as_strategy())
-        @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, database=None,
-                  suppress_health_check=list(HealthCheck))  # fmt: skip
+        @settings(
+            max_examples=EXAMPLES_PER_OPERATION, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+        )
         def no_server_error(case):
             case.call_and_validate(headers=AUTH, checks=[not_a_server_error], timeout=RESPONSE_TIMEOUT_S)
 

@@ -13,18 +13,22 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prefixcache.cachestore.api.auth import admin_token_path
+from prefixcache.cachestore.host.secret_files import secrets_dir
 
-from cachestore.auth import admin_token_path
-from cachestore.secrets_store import secrets_dir
 from tests.daemon_harness import Daemon, make_spec, run_cli
 
 OPEN = {("GET", "/v1/health"), ("GET", "/v1/live"), ("GET", "/v1/config")}
 #: Read-only operations that are not GETs (a lookup takes its prompt as a body); every other non-GET changes state.
 READS_BY_POST = {("POST", "/v1/lookup")}
 OPERATOR_TOKEN = "operator-set-token-0123456789"
-BODIES = {"/v1/evict": {"all": True, "force": True}, "/v1/pin": {"keys": ["0" * 32]}, "/v1/unpin": {"keys": ["0" * 32]},
-          "/v1/warmup": {"corpus": "/etc/passwd", "model": "/", "engine_options": ["--trust-remote-code"]},
-          "/v1/lookup": {"namespace": "0" * 32, "token_ids": [1]}}  # fmt: skip
+BODIES = {
+    "/v1/evict": {"all": True, "force": True},
+    "/v1/pin": {"keys": ["0" * 32]},
+    "/v1/unpin": {"keys": ["0" * 32]},
+    "/v1/warmup": {"corpus": "/etc/passwd", "model": "/", "engine_options": ["--trust-remote-code"]},
+    "/v1/lookup": {"namespace": "0" * 32, "token_ids": [1]},
+}
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +42,17 @@ def default(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
 @pytest.fixture(scope="module")
 def opened(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """Open reads, an operator's token, every address, one more Host name, a 1 MiB body limit."""
-    options = ["--open-reads", "--admin-token", OPERATOR_TOKEN, "--host", "0.0.0.0", "--allowed-host",
-               "cache.example.internal", "--max-body-bytes", "1MiB"]  # fmt: skip
+    options = [
+        "--open-reads",
+        "--admin-token",
+        OPERATOR_TOKEN,
+        "--host",
+        "0.0.0.0",
+        "--allowed-host",
+        "cache.example.internal",
+        "--max-body-bytes",
+        "1MiB",
+    ]
     d = Daemon(tmp_path_factory.mktemp("opened") / "data", *options).start()
     yield d
     d.stop()
@@ -122,8 +135,10 @@ def test_the_cli_says_what_to_do_when_it_has_no_token(opened):
 
 
 def test_foreign_host_names_are_refused_on_any_bind_address(default, opened):
-    for daemon, allowed in ((default, ["localhost", "127.0.0.1", "node-a"]),
-                            (opened, ["localhost", "127.0.0.1", "node-a", "cache.example.internal"])):  # fmt: skip
+    for daemon, allowed in (
+        (default, ["localhost", "127.0.0.1", "node-a"]),
+        (opened, ["localhost", "127.0.0.1", "node-a", "cache.example.internal"]),
+    ):
         for host in allowed:
             assert httpx.get(daemon.url + "/v1/health", headers={"Host": f"{host}:{daemon.port}"}).status_code == 200
         for host in ("evil.example", f"evil.example:{daemon.port}", "0.0.0.0", "cache.example.internal.evil"):
@@ -162,8 +177,11 @@ def test_a_body_over_the_limit_gets_413_before_it_is_read(default, opened):
     status, body = raw_request(opened, ["Content-Type: application/json", "Transfer-Encoding: chunked"], [chunk] * 17)
     assert status == 413 and b"at most 1048576 bytes" in body
     fits = b'{"namespace": "' + b"0" * 32 + b'", "token_ids": [1]}'
-    status, _ = raw_request(opened, ["Content-Type: application/json", "Transfer-Encoding: chunked"],
-                            [b"%x\r\n%s\r\n0\r\n\r\n" % (len(fits), fits)])  # fmt: skip
+    status, _ = raw_request(
+        opened,
+        ["Content-Type: application/json", "Transfer-Encoding: chunked"],
+        [b"%x\r\n%s\r\n0\r\n\r\n" % (len(fits), fits)],
+    )
     assert status == 404  # read whole, on to the endpoint: no such namespace
 
 
@@ -178,8 +196,17 @@ def test_a_422_never_echoes_the_input_and_tiny_chunks_are_refused(default):
     assert [a.status_code for a in answers] == [422] * 3
     assert all("pasted-secret" not in a.text and len(a.text) < 2000 for a in answers), [a.text for a in answers]
     spec = {**make_spec(1).model_dump(), "chunk_tokens": 1}
-    tiny = httpx.post(default.url + "/v1/evict", json={"prefix": {"spec": spec, "token_ids": list(range(10_000))},
-                                                      "dry_run": True}, headers=default.headers)  # fmt: skip
+    tiny = httpx.post(
+        default.url + "/v1/evict",
+        json={"prefix": {"spec": spec, "token_ids": list(range(10_000))}, "dry_run": True},
+        headers=default.headers,
+    )
     assert tiny.status_code == 422 and "chunk_tokens must be at least 16" in tiny.text
-    assert httpx.post(default.url + "/v1/lookup", json={"spec": make_spec(16).model_dump(), "token_ids": [1] * 64},
-                      headers=default.headers).status_code == 200  # fmt: skip
+    assert (
+        httpx.post(
+            default.url + "/v1/lookup",
+            json={"spec": make_spec(16).model_dump(), "token_ids": [1] * 64},
+            headers=default.headers,
+        ).status_code
+        == 200
+    )

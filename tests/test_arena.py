@@ -1,8 +1,7 @@
 import mmap
 
 import pytest
-
-from cachestore.arena import ALIGN, Arena, ArenaFullError, address_of
+from prefixcache.cachestore.chunks.arena import ALIGN, Arena, ArenaFullError, address_of
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Finding and resetting this process's connections to the segment owner (cachestore/attachment.py).
+"""Finding and resetting this process's connections to the segment owner (cachestore/tiers/mooncake_attachment.py).
 
 Whether a dropped process is taken back is tested end to end in tests/test_worker_side.py."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 
-from cachestore.attachment import _remote_endpoint, connections_to, shut_down
+from prefixcache.cachestore.tiers.mooncake_attachment import _remote_endpoint, connections_to, shut_down
 
 
 def test_proc_net_tcp_addresses_are_read_as_the_kernel_writes_them():
@@ -19,8 +19,10 @@ def test_proc_net_tcp_addresses_are_read_as_the_kernel_writes_them():
 def test_only_established_connections_to_the_owner_are_found_and_shut_down():
     with socket.create_server(("127.0.0.1", 0)) as owner, socket.create_server(("127.0.0.1", 0)) as other:
         port = owner.getsockname()[1]
-        with socket.create_connection(("127.0.0.1", port)) as ours, \
-                socket.create_connection(("127.0.0.1", other.getsockname()[1])) as unrelated:  # fmt: skip
+        with (
+            socket.create_connection(("127.0.0.1", port)) as ours,
+            socket.create_connection(("127.0.0.1", other.getsockname()[1])) as unrelated,
+        ):
             accepted, _ = owner.accept()
             with accepted:
                 found = connections_to(f"127.0.0.1:{port}")

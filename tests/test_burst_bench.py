@@ -21,8 +21,11 @@ def test_ratios_compare_medians_over_rounds_and_first_tokens_are_checked_against
     def bursts(config: str, walls: list[float], first: list[int], shape: str = "2x100") -> list[Burst]:
         return [Burst(shape, config, r, w, w / 2, 99, first) for r, w in enumerate(walls)]
 
-    run = (bursts("cold", [4.0], [7, 8]) + bursts(CEILING, [0.10, 0.30, 0.20], [7, 8])
-           + bursts("prefixcache-dram", [0.26, 0.22, 0.90], [7, 9]))  # fmt: skip
+    run = (
+        bursts("cold", [4.0], [7, 8])
+        + bursts(CEILING, [0.10, 0.30, 0.20], [7, 8])
+        + bursts("prefixcache-dram", [0.26, 0.22, 0.90], [7, 9])
+    )
     found = report(run, [Shape(2, 100)])
     assert found["ratios"]["prefixcache-dram / vllm-prefix-cache"]["2x100"] == pytest.approx(0.26 / 0.20)
     assert found["ratios"]["vllm-prefix-cache / cold"]["2x100"] == pytest.approx(0.20 / 4.0)
@@ -33,8 +36,12 @@ def test_ratios_compare_medians_over_rounds_and_first_tokens_are_checked_against
 def test_warm_up_bursts_are_sets_of_their_own_recorded_at_most_once(tmp_path):
     run = Runner(tmp_path, tmp_path, [Shape(2, 50), Shape(1, 80)], rounds=3)
     plan = run.warm_ups(runs=2, config="first")
-    assert [(str(shape), config) for shape, _, config in plan] == [("2x50", "first"), ("2x50", None),
-                                                                   ("1x80", "first"), ("1x80", None)]  # fmt: skip
+    assert [(str(shape), config) for shape, _, config in plan] == [
+        ("2x50", "first"),
+        ("2x50", None),
+        ("1x80", "first"),
+        ("1x80", None),
+    ]
     measured = {tuple(p) for shape, round_, _ in run.every_round(None) for p in run.prompts(shape, round_)}
     warm = {tuple(p) for shape, round_, _ in plan for p in run.prompts(shape, round_)}
     assert len(warm) == 3 and not warm & measured  # nothing measured was computed by a warm-up

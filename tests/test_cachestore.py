@@ -9,13 +9,13 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+from prefixcache.cachestore.chunks.codec import read_meta
+from prefixcache.cachestore.client.cache_client import CacheClient, fetch_config
+from prefixcache.cachestore.services.write_behind import hold_left_s
+from prefixcache.indexer.index import Location
+from prefixcache.indexer.keys import prompt_query
+from prefixcache.indexer.leases import Leases
 
-from cachestore.client import CacheClient, fetch_config
-from cachestore.codec import read_meta
-from cachestore.write_behind import hold_left_s
-from indexer.index import Location
-from indexer.keys import prompt_query
-from indexer.leases import Leases
 from tests.daemon_harness import (
     Daemon,
     connect,
@@ -83,8 +83,9 @@ def test_kill_9_and_restart_keeps_persisted_chunks(daemon, client):
         restarted.close()
 
 
-def fetch_in_groups(client: CacheClient, keys: list[bytes], group: int,
-                    store_disk_reads: bool = False) -> list[bytes | None]:  # fmt: skip
+def fetch_in_groups(
+    client: CacheClient, keys: list[bytes], group: int, store_disk_reads: bool = False
+) -> list[bytes | None]:
     """Fetch as the connector does: a few chunks per call, each call naming the chunks still to come, and
     (``store_disk_reads``) the chunks read from NVMe stored into DRAM once all are loaded."""
     slots = [client.slot(4 << 20) for _ in keys]

@@ -4,9 +4,7 @@ import struct
 import numpy as np
 import pytest
 import xxhash
-
-from cachestore.chunk_mac import ChunkMacKey
-from cachestore.codec import (
+from prefixcache.cachestore.chunks.codec import (
     HEADER_BYTES,
     PAYLOAD_ALIGN,
     BodyCheck,
@@ -18,9 +16,10 @@ from cachestore.codec import (
     read_meta,
     write_header,
 )
-from indexer.errors import ConfigError
-from indexer.keys import chunk_key
-from indexer.tokens import pack_tokens
+from prefixcache.cachestore.chunks.mac import ChunkMacKey
+from prefixcache.indexer.errors import ConfigError
+from prefixcache.indexer.keys import chunk_key
+from prefixcache.indexer.tokens import pack_tokens
 
 NS, ROOT, PARENT = b"n" * 16, b"r" * 16, b"p" * 16
 MAC_KEY = ChunkMacKey(bytes(range(32)))
@@ -30,8 +29,15 @@ KEY = chunk_key(PARENT, TOKENS)
 
 
 def meta(**change) -> ChunkMeta:
-    fields = {"namespace": NS, "root": ROOT, "parent": PARENT, "tokens": TOKENS, "dtype": "bfloat16",
-              "shape": (8, 2, 64, 4, 64), "tenant": 7}  # fmt: skip
+    fields = {
+        "namespace": NS,
+        "root": ROOT,
+        "parent": PARENT,
+        "tokens": TOKENS,
+        "dtype": "bfloat16",
+        "shape": (8, 2, 64, 4, 64),
+        "tenant": 7,
+    }
     return ChunkMeta(**{**fields, **change})
 
 

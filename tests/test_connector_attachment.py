@@ -7,9 +7,10 @@ import logging
 import threading
 import time
 
-from connector.attachment import Attachment
-from connector.detached_worker import DetachedWorker
-from connector.metadata import LoadChunk, PrefixCacheMetadata
+from prefixcache.connector.attachment import Attachment
+from prefixcache.connector.detached_worker import DetachedWorker
+from prefixcache.connector.metadata import LoadChunk, PrefixCacheMetadata
+
 from tests.daemon_harness import wait_for
 
 
@@ -58,8 +59,10 @@ def test_closing_stops_the_retries():
 
 def test_the_detached_worker_fails_each_planned_load_within_its_step():
     worker = DetachedWorker()
-    meta = PrefixCacheMetadata(loads=[{"sync": [LoadChunk(b"k" * 16, 64, 0, [1, 2])],
-                                       "async": [LoadChunk(b"j" * 16, 64, 0, [3])]}], load_async={"async"})  # fmt: skip
+    meta = PrefixCacheMetadata(
+        loads=[{"sync": [LoadChunk(b"k" * 16, 64, 0, [1, 2])], "async": [LoadChunk(b"j" * 16, 64, 0, [3])]}],
+        load_async={"async"},
+    )
     worker.begin_step(meta)
     worker.start_load(meta)
     worker.save(meta)

@@ -4,9 +4,7 @@ import dataclasses
 from types import SimpleNamespace
 
 import pytest
-from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
-
-from connector.load_policy import (
+from prefixcache.connector.load_policy import (
     check_load_mode,
     ends_media,
     load_asynchronously,
@@ -14,7 +12,7 @@ from connector.load_policy import (
     reads_nvme,
     sync_load_hazard,
 )
-from connector.plans import (
+from prefixcache.connector.plans import (
     Geometry,
     chunks_before_failure,
     chunks_to_publish,
@@ -22,9 +20,10 @@ from connector.plans import (
     stored_prefix,
     tokens_by_tier,
 )
-from connector.scheduler_side import blocks_vllm_writes_first
-from indexer.errors import ConfigError
-from indexer.index import PartialHit, PrefixMatch
+from prefixcache.connector.scheduler_side import blocks_vllm_writes_first
+from prefixcache.indexer.errors import ConfigError
+from prefixcache.indexer.index import PartialHit, PrefixMatch
+from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 
 G = Geometry(chunk_tokens=256, block_tokens=128)
 BLOCKS = list(range(100, 120))  # the request's blocks, in token order
@@ -38,8 +37,11 @@ def match(full: int, partial_tokens: int = 0, stored: int = 0) -> PrefixMatch:
 def test_full_chunks_then_the_pages_of_a_partial_tail():
     plan = load_plan(match(3, partial_tokens=231, stored=232), BLOCKS, 0, 999, G)  # L-1 of a 1000-token prompt
     assert [(c.key[:1], c.first_page, c.blocks) for c in plan] == [
-        (b"\x00", 0, [100, 101]), (b"\x01", 0, [102, 103]), (b"\x02", 0, [104, 105]), (b"p", 0, [106, 107]),
-    ]  # fmt: skip
+        (b"\x00", 0, [100, 101]),
+        (b"\x01", 0, [102, 103]),
+        (b"\x02", 0, [104, 105]),
+        (b"p", 0, [106, 107]),
+    ]
     assert plan[-1].stored_tokens == 232
 
 
@@ -67,8 +69,10 @@ def test_the_chunk_whose_load_ends_inside_a_block_is_marked_so():
 def test_what_vllm_holds_locally_is_not_loaded_again():
     plan = load_plan(match(4), BLOCKS, 384, 1000, G)  # the local prefix cache holds 3 blocks
     assert [(c.key[:1], c.first_page, c.blocks) for c in plan] == [
-        (b"\x01", 1, [103]), (b"\x02", 0, [104, 105]), (b"\x03", 0, [106, 107]),
-    ]  # fmt: skip
+        (b"\x01", 1, [103]),
+        (b"\x02", 0, [104, 105]),
+        (b"\x03", 0, [106, 107]),
+    ]
 
 
 def test_full_chunks_are_published_as_soon_as_computed_and_the_tail_once_the_prompt_is():
@@ -108,11 +112,18 @@ def test_blocks_vllm_zeroes_or_copies_into_are_written_before_a_load_may_start()
 
 
 def test_an_idle_engine_loads_synchronously_and_a_busy_one_asynchronously_when_the_hit_is_slow():
-    def decide(mode="auto", sync_hazard=False, others_running=True, load_in_flight=False, reads_nvme=False,
-               step_bytes=1 << 20):  # fmt: skip
-        return load_asynchronously(mode, sync_hazard=sync_hazard, others_running=others_running,
-                                   load_in_flight=load_in_flight, reads_nvme=reads_nvme, step_bytes=step_bytes,
-                                   async_bytes=64 << 20)  # fmt: skip
+    def decide(
+        mode="auto", sync_hazard=False, others_running=True, load_in_flight=False, reads_nvme=False, step_bytes=1 << 20
+    ):
+        return load_asynchronously(
+            mode,
+            sync_hazard=sync_hazard,
+            others_running=others_running,
+            load_in_flight=load_in_flight,
+            reads_nvme=reads_nvme,
+            step_bytes=step_bytes,
+            async_bytes=64 << 20,
+        )
 
     assert not decide(others_running=False, reads_nvme=True, step_bytes=1 << 30)  # nobody waits on it
     assert not decide()  # a small DRAM hit: a few milliseconds of the step

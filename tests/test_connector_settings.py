@@ -9,11 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from cachestore.cpus import cpu_list
-from cachestore.request_params import NO_CACHE, RequestCacheParams, request_cache_params
-from connector.io_threads import io_cpus, numa_node_cpus, pinning, ranks_bound_by_vllm
-from connector.settings import (
+from prefixcache.cachestore.client.request_params import NO_CACHE, RequestCacheParams, request_cache_params
+from prefixcache.cachestore.host.cpus import cpu_list
+from prefixcache.connector.io_threads import io_cpus, numa_node_cpus, pinning, ranks_bound_by_vllm
+from prefixcache.connector.settings import (
     ConnectorSettings,
     Directions,
     arena_mib,
@@ -22,7 +21,7 @@ from connector.settings import (
     kv_bytes_per_token,
     kv_replicas,
 )
-from indexer.errors import ConfigError
+from prefixcache.indexer.errors import ConfigError
 
 
 def test_defaults_need_only_the_service_url():
@@ -97,8 +96,10 @@ def test_an_automatic_arena_holds_two_steps_of_publishes_within_its_bounds():
 
 
 def test_kv_bytes_per_token_count_every_layer_of_the_group():
-    group = SimpleNamespace(kv_cache_spec=SimpleNamespace(page_size_bytes=131072, block_size=128),
-                            layer_names=[f"model.layers.{i}.self_attn" for i in range(8)])  # fmt: skip
+    group = SimpleNamespace(
+        kv_cache_spec=SimpleNamespace(page_size_bytes=131072, block_size=128),
+        layer_names=[f"model.layers.{i}.self_attn" for i in range(8)],
+    )
     assert kv_bytes_per_token(group) == 8192  # the tiny test Llama: 8 layers x 4 heads x 128 x bf16
 
 
@@ -192,8 +193,10 @@ def test_only_kv_caches_that_keep_every_tokens_block_are_mapped():
     full ones, it keeps them all (a FullAttentionSpec with a window)."""
     check_supported(kv_cache_config(1, "MLAAttentionSpec"), parallel_config())
     check_supported(kv_cache_config(1, sliding_window=512), parallel_config())
-    for spec, fields in (("SlidingWindowSpec", {"sliding_window": 512}),
-                         ("ChunkedLocalAttentionSpec", {"attention_chunk_size": 512})):  # fmt: skip
+    for spec, fields in (
+        ("SlidingWindowSpec", {"sliding_window": 512}),
+        ("ChunkedLocalAttentionSpec", {"attention_chunk_size": 512}),
+    ):
         with pytest.raises(ConfigError, match=f"this engine's is a {spec}: vLLM frees the blocks"):
             check_supported(kv_cache_config(1, spec, **fields), parallel_config())
 
@@ -207,8 +210,9 @@ def test_an_engine_may_not_load_on_an_attention_backend_whose_answers_a_hit_woul
 
 
 def test_tensor_parallel_ranks_hold_the_same_kv_under_latent_attention_or_with_fewer_kv_heads_than_ranks():
-    mla, full = (kv_cache_config(1, spec).kv_cache_groups[0].kv_cache_spec
-                 for spec in ("MLAAttentionSpec", "FullAttentionSpec"))  # fmt: skip
+    mla, full = (
+        kv_cache_config(1, spec).kv_cache_groups[0].kv_cache_spec for spec in ("MLAAttentionSpec", "FullAttentionSpec")
+    )
     assert kv_replicas(mla, tp_size=4, total_kv_heads=1) == 4  # MLA: every rank
     assert kv_replicas(full, tp_size=8, total_kv_heads=4) == 2  # vLLM gives each head to two ranks
     assert kv_replicas(full, tp_size=2, total_kv_heads=1) == 2

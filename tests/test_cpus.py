@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from cachestore.cpus import cpu_list, format_cpu_list
+from prefixcache.cachestore.host.cpus import cpu_list, format_cpu_list
 
 
 def test_ids_and_ranges_round_trip():

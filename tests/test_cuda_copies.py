@@ -10,10 +10,9 @@ import random
 
 import pytest
 import torch
-
-from cachestore.arena import address_of
-from cachestore.client import CacheClient
-from connector.page_copies import (
+from prefixcache.cachestore.chunks.arena import address_of
+from prefixcache.cachestore.client.cache_client import CacheClient
+from prefixcache.connector.page_copies import (
     CudaPageCopies,
     HostPageCopies,
     layer_groups,
@@ -21,9 +20,10 @@ from connector.page_copies import (
     pin_host_memory,
     unpin_host_memory,
 )
-from connector.pages import page_rows
-from connector.settings import Directions
-from connector.worker_side import WorkerSide
+from prefixcache.connector.pages import page_rows
+from prefixcache.connector.settings import Directions
+from prefixcache.connector.worker_side import WorkerSide
+
 from tests.daemon_harness import make_spec
 from tests.test_worker_side import (
     BLOCK_TOKENS,

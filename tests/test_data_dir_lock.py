@@ -9,18 +9,30 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prefixcache.cachestore.client.cache_client import CacheClient
+from prefixcache.cachestore.host.processes import free_port_block
+from prefixcache.cachestore.node.data_dir_lock import DataDirLock
+from prefixcache.indexer.errors import ConfigError
 
-from cachestore.client import CacheClient
-from cachestore.data_dir_lock import DataDirLock
-from cachestore.processes import free_port_block
-from indexer.errors import ConfigError
 from tests.daemon_harness import fetch_payloads, make_spec, publish_prompt, servers_of, wait_persisted
 
 
 def serve(data_dir: Path, port: int) -> subprocess.CompletedProcess:
     """Run ``prefixcache serve`` to completion (it should refuse at once), with a wide terminal."""
-    argv = [sys.executable, "-m", "cachestore", "serve", "--data-dir", str(data_dir), "--port", str(port),
-            "--dram-bytes", "128MiB", "--nvme-bytes", "512MiB"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "prefixcache.cachestore",
+        "serve",
+        "--data-dir",
+        str(data_dir),
+        "--port",
+        str(port),
+        "--dram-bytes",
+        "128MiB",
+        "--nvme-bytes",
+        "512MiB",
+    ]
     return subprocess.run(argv, capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
 
 

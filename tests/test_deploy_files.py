@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from cachestore.settings import Settings
+from prefixcache.cachestore.node.settings import Settings
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 COMPOSE = DEPLOY / "docker-compose.yml"

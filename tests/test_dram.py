@@ -8,11 +8,11 @@ import time
 
 import numpy as np
 import pytest
+from prefixcache.cachestore.chunks.codec import ChunkMeta, encode, payload_offset, read_meta
+from prefixcache.cachestore.chunks.mac import ChunkMacKey
+from prefixcache.cachestore.tiers.dram import first_part_rows, split_at, split_offset, split_pieces
+from prefixcache.indexer.tokens import pack_tokens
 
-from cachestore.chunk_mac import ChunkMacKey
-from cachestore.codec import ChunkMeta, encode, payload_offset, read_meta
-from cachestore.dram import first_part_rows, split_at, split_offset, split_pieces
-from indexer.tokens import pack_tokens
 from tests.daemon_harness import CallCounter
 
 
@@ -119,8 +119,9 @@ def test_shared_memory_is_handed_out_zeroed_after_the_owner_wrote_every_page(tie
 
 def chunk_object(layers: int, layer_bytes: int = 3 * 4096 + 8) -> tuple[bytes, bytes]:
     """A chunk's stored form, its payload ``layers`` rows (the connector's layers) of random bytes: (key, object)."""
-    meta = ChunkMeta(os.urandom(16), os.urandom(16), os.urandom(16), pack_tokens(list(range(40))), "uint8",
-                     (layers, layer_bytes))  # fmt: skip
+    meta = ChunkMeta(
+        os.urandom(16), os.urandom(16), os.urandom(16), pack_tokens(list(range(40))), "uint8", (layers, layer_bytes)
+    )
     return meta.key, bytes(encode(meta, os.urandom(layers * layer_bytes), ChunkMacKey(os.urandom(32))))
 
 

@@ -1,6 +1,6 @@
 import json
 
-from indexer.fingerprint import SAMPLE_BYTES, fingerprint_model
+from prefixcache.indexer.fingerprint import SAMPLE_BYTES, fingerprint_model
 
 
 def make_model(directory, weights: bytes, config: dict):

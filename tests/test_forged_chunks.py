@@ -7,8 +7,8 @@ from __future__ import annotations
 import stat
 
 import httpx
+from prefixcache.indexer.index import Location
 
-from indexer.index import Location
 from tests.daemon_harness import (
     Daemon,
     connect,

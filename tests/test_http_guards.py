@@ -1,4 +1,4 @@
-"""What every request passes before an endpoint sees it (``cachestore/http_guards.py``), on the API's own app
+"""What every request passes before an endpoint sees it (``cachestore/api/http_guards.py``), on the API's own app
 (``create_app``, in process), and the rules for warm-up children (``cachestore/warmup/policy.py``) as pure logic."""
 
 from __future__ import annotations
@@ -9,25 +9,32 @@ from pathlib import Path
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
+from prefixcache.cachestore.api.app import ClientConfig, MooncakeConfig, create_app
+from prefixcache.cachestore.api.auth import AccessPolicy
+from prefixcache.cachestore.api.http_guards import install_http_guards, trusted_hosts
+from prefixcache.cachestore.node.settings import Settings
+from prefixcache.cachestore.warmup.corpus import read_corpus
+from prefixcache.cachestore.warmup.policy import check_engine_options, is_secret_variable, scrubbed_environment
 
-from cachestore.api import ClientConfig, MooncakeConfig, create_app
-from cachestore.auth import AccessPolicy
-from cachestore.http_guards import install_http_guards, trusted_hosts
-from cachestore.settings import Settings
-from cachestore.warmup.corpus import read_corpus
-from cachestore.warmup.policy import check_engine_options, is_secret_variable, scrubbed_environment
-
-MOONCAKE = MooncakeConfig(master="m:1", metadata_url="http://m", protocol="tcp", device_names="", shm_address="s:1",
-                          segment="g:1")  # fmt: skip
-CONFIG = ClientConfig(node="node-a", redis_url="redis://127.0.0.1:1/0", redis_password_required=False, key_prefix="pc",
-                      chunk_tokens=256, mooncake=MOONCAKE)  # fmt: skip
+MOONCAKE = MooncakeConfig(
+    master="m:1", metadata_url="http://m", protocol="tcp", device_names="", shm_address="s:1", segment="g:1"
+)
+CONFIG = ClientConfig(
+    node="node-a",
+    redis_url="redis://127.0.0.1:1/0",
+    redis_password_required=False,
+    key_prefix="pc",
+    chunk_tokens=256,
+    mooncake=MOONCAKE,
+)
 
 
 def app(**options) -> TestClient:
     """The API with its health and config endpoints (no stack behind it); ``/v1/lookup`` is there as no endpoint:
     the guards answer before routing."""
-    return TestClient(create_app(CONFIG, {}, lambda: None, access=AccessPolicy(), **options),
-                      base_url="http://127.0.0.1")  # fmt: skip
+    return TestClient(
+        create_app(CONFIG, {}, lambda: None, access=AccessPolicy(), **options), base_url="http://127.0.0.1"
+    )
 
 
 def test_only_known_host_names_are_answered():
@@ -79,31 +86,55 @@ def test_settings_for_hosts_bodies_and_warm_up(tmp_path, monkeypatch):
     s = Settings(data_dir=tmp_path)
     assert s.allowed_hosts == ["cache.example", "10.0.0.7"] and s.warmup_roots == [tmp_path.resolve()] * 2
     assert s.max_body_bytes == 16 << 20 and not s.warmup_allow_trust_remote_code and s.admin_token is None
-    for bad in ({"allowed_hosts": ["evil/path"]}, {"warmup_roots": ["relative"]},
-                {"warmup_roots": [str(tmp_path / "missing")]}, {"max_body_bytes": 10}):  # fmt: skip
+    for bad in (
+        {"allowed_hosts": ["evil/path"]},
+        {"warmup_roots": ["relative"]},
+        {"warmup_roots": [str(tmp_path / "missing")]},
+        {"max_body_bytes": 10},
+    ):
         with pytest.raises(ValueError):
             Settings(data_dir=tmp_path, **bad)
 
 
 def test_the_childs_environment_carries_no_secret():
     daemon_env = {
-        "PATH": "/usr/bin", "HOME": "/root", "VLLM_CPU_KVCACHE_SPACE": "4", "PREFIXCACHE_DATA_DIR": "/data",
-        "PREFIXCACHE_ADMIN_TOKEN": "t0ken", "PREFIXCACHE_REDIS_PASSWORD": "pw", "PREFIXCACHE_REDIS_URL": "redis://:pw@x",
-        "PREFIXCACHE_CHUNK_SIGNING_KEY": "k", "PREFIXCACHE_ADMIN_TOKEN_FILE": "/s", "prefixcache_some_secret": "s",
-        "PREFIXCACHE_WEBHOOK_PASSWORD": "p", "PREFIXCACHE_NODE": "node-a",
-    }  # fmt: skip
+        "PATH": "/usr/bin",
+        "HOME": "/root",
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "PREFIXCACHE_DATA_DIR": "/data",
+        "PREFIXCACHE_ADMIN_TOKEN": "t0ken",
+        "PREFIXCACHE_REDIS_PASSWORD": "pw",
+        "PREFIXCACHE_REDIS_URL": "redis://:pw@x",
+        "PREFIXCACHE_CHUNK_SIGNING_KEY": "k",
+        "PREFIXCACHE_ADMIN_TOKEN_FILE": "/s",
+        "prefixcache_some_secret": "s",
+        "PREFIXCACHE_WEBHOOK_PASSWORD": "p",
+        "PREFIXCACHE_NODE": "node-a",
+    }
     child = scrubbed_environment(daemon_env)
-    assert child == {"PATH": "/usr/bin", "HOME": "/root", "VLLM_CPU_KVCACHE_SPACE": "4",
-                     "PREFIXCACHE_DATA_DIR": "/data", "PREFIXCACHE_NODE": "node-a"}  # fmt: skip
+    assert child == {
+        "PATH": "/usr/bin",
+        "HOME": "/root",
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "PREFIXCACHE_DATA_DIR": "/data",
+        "PREFIXCACHE_NODE": "node-a",
+    }
     assert not any(is_secret_variable(name) for name in child)
     assert not {"pw", "t0ken", "k", "s", "p"} & set(child.values())
 
 
 def test_engine_option_values_are_checked():
     check_engine_options(["--dtype=half", "--max-model-len", "32k", "--max-num-batched-tokens", "8192"])
-    bad_values = [["--dtype", "int3"], ["--block-size", "0"], ["--gpu-memory-utilization", "2"], ["--seed", "-1"],
-                  ["--served-model-name", "a b"], ["--enforce-eager=yes"], ["--max-model-len"],
-                  ["--tokenizer-mode", "custom"]]  # fmt: skip
+    bad_values = [
+        ["--dtype", "int3"],
+        ["--block-size", "0"],
+        ["--gpu-memory-utilization", "2"],
+        ["--seed", "-1"],
+        ["--served-model-name", "a b"],
+        ["--enforce-eager=yes"],
+        ["--max-model-len"],
+        ["--tokenizer-mode", "custom"],
+    ]
     for bad in bad_values:
         with pytest.raises(ValueError):
             check_engine_options(bad)

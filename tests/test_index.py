@@ -6,19 +6,19 @@ import math
 import time
 
 import pytest
-
-from indexer.errors import InvalidTokensError
-from indexer.index import ChunkRecord, Location, PrefixIndex, attach_namespace
-from indexer.keys import media_parent, prompt_query
-from indexer.namespace import NamespaceSpec
-from indexer.tokens import TOKEN_BYTES, pack_tokens
+from prefixcache.indexer.errors import InvalidTokensError
+from prefixcache.indexer.index import ChunkRecord, Location, PrefixIndex, attach_namespace
+from prefixcache.indexer.keys import media_parent, prompt_query
+from prefixcache.indexer.namespace import NamespaceSpec
+from prefixcache.indexer.tokens import TOKEN_BYTES, pack_tokens
 
 DRAM = Location("dram", "node-a")
 NVME = Location("nvme", "node-a")
 
 
-def publish(index: PrefixIndex, spec: NamespaceSpec, tokens: list[int], location: Location = DRAM, tenant=None,
-            media=None):  # fmt: skip
+def publish(
+    index: PrefixIndex, spec: NamespaceSpec, tokens: list[int], location: Location = DRAM, tenant=None, media=None
+):
     """Register every chunk of a prompt (full chunks and the partial tail) the way a producer does."""
     root = spec.root(tenant)
     packed = pack_tokens(tokens)
@@ -26,9 +26,13 @@ def publish(index: PrefixIndex, spec: NamespaceSpec, tokens: list[int], location
     records, parent = [], root
     for start in range(0, len(packed), step):
         record = ChunkRecord.of(
-            parent=media_parent(parent, (media or {}).get(start // step)), packed_tokens=packed[start : start + step],
-            root=root, namespace=spec.digest, size_bytes=1000, location=location,
-        )  # fmt: skip
+            parent=media_parent(parent, (media or {}).get(start // step)),
+            packed_tokens=packed[start : start + step],
+            root=root,
+            namespace=spec.digest,
+            size_bytes=1000,
+            location=location,
+        )
         records.append(record)
         parent = record.key
     index.register(records)
@@ -280,9 +284,11 @@ def test_the_change_feed_reports_every_location_added_and_dropped(index, spec):
     index.drop_location(keys[:1], DRAM)
     index.remove(keys)
     assert feed_ops(index) == [
-        ("add", "nvme@node-a", keys[0]), ("drop", "dram@node-a", keys[0]),
-        ("drop", "nvme@node-a", keys[0]), ("drop", "dram@node-a", keys[1]),
-    ]  # fmt: skip
+        ("add", "nvme@node-a", keys[0]),
+        ("drop", "dram@node-a", keys[0]),
+        ("drop", "nvme@node-a", keys[0]),
+        ("drop", "dram@node-a", keys[1]),
+    ]
     assert feed_ops(index, node="node-b") == []
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from indexer.index import Location, Usage, subtree
-from indexer.keys import prompt_query
+from prefixcache.indexer.index import Location, Usage, subtree
+from prefixcache.indexer.keys import prompt_query
+
 from tests.test_index import DRAM, NVME, lookup, publish
 
 

@@ -8,17 +8,21 @@ import sys
 
 import pytest
 import xxhash
-
-from indexer.chunking import PROBE_TOKENS, ChunkGeometry
-from indexer.errors import ConfigError, InvalidTokensError
-from indexer.keys import PrefixHasher, chunk_key, extend_all, media_parent, probe_of, prompt_query
-from indexer.namespace import NamespaceSpec, tenant_id
-from indexer.tokens import pack_tokens
+from prefixcache.indexer.chunking import PROBE_TOKENS, ChunkGeometry
+from prefixcache.indexer.errors import ConfigError, InvalidTokensError
+from prefixcache.indexer.keys import PrefixHasher, chunk_key, extend_all, media_parent, probe_of, prompt_query
+from prefixcache.indexer.namespace import NamespaceSpec, tenant_id
+from prefixcache.indexer.tokens import pack_tokens
 
 GOLDEN_SPEC = NamespaceSpec(
-    model="golden/model", model_fingerprint="0123456789abcdef", kv_dtype="bfloat16", kv_layout="chunk-v1",
-    chunk_tokens=16, tp_rank=1, tp_size=2,
-)  # fmt: skip
+    model="golden/model",
+    model_fingerprint="0123456789abcdef",
+    kv_dtype="bfloat16",
+    kv_layout="chunk-v1",
+    chunk_tokens=16,
+    tp_rank=1,
+    tp_size=2,
+)
 GOLDEN_TOKENS = list(range(40))
 
 
@@ -101,9 +105,18 @@ def test_tenant_salt_separates_key_spaces_and_is_never_exposed():
 
 @pytest.mark.parametrize(
     "change",
-    [{"model": "other"}, {"model_fingerprint": "beef"}, {"kv_dtype": "float16"}, {"kv_layout": "chunk-v2"},
-     {"chunk_tokens": 32}, {"tp_rank": 0}, {"tp_size": 4}, {"pp_rank": 1}, {"pp_size": 2}],
-)  # fmt: skip
+    [
+        {"model": "other"},
+        {"model_fingerprint": "beef"},
+        {"kv_dtype": "float16"},
+        {"kv_layout": "chunk-v2"},
+        {"chunk_tokens": 32},
+        {"tp_rank": 0},
+        {"tp_size": 4},
+        {"pp_rank": 1},
+        {"pp_size": 2},
+    ],
+)
 def test_every_field_changes_the_namespace(change):
     assert GOLDEN_SPEC.model_copy(update=change).digest != GOLDEN_SPEC.digest
 
@@ -119,9 +132,9 @@ def test_each_rank_of_a_parallel_engine_has_a_namespace_of_its_own_in_shard_orde
 
 _CHILD = """
 import json, sys
-from indexer.chunking import ChunkGeometry
-from indexer.keys import PrefixHasher
-from indexer.namespace import NamespaceSpec
+from prefixcache.indexer.chunking import ChunkGeometry
+from prefixcache.indexer.keys import PrefixHasher
+from prefixcache.indexer.namespace import NamespaceSpec
 spec = NamespaceSpec.model_validate_json(sys.argv[1])
 h = PrefixHasher(spec.root("t"), ChunkGeometry(16)).extend(list(range(40)))
 print(json.dumps([k.hex() for k in h.keys] + [h.tail_key().hex(), spec.digest.hex()]))
@@ -134,8 +147,12 @@ def test_keys_are_identical_across_processes_and_hash_seeds(repo_root):
         env = {**os.environ, "PYTHONHASHSEED": seed}
         out = subprocess.run(
             [sys.executable, "-c", _CHILD, GOLDEN_SPEC.model_dump_json()],
-            env=env, cwd=repo_root, capture_output=True, text=True, check=True,
-        )  # fmt: skip
+            env=env,
+            cwd=repo_root,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         outputs.add(out.stdout.strip())
     assert len(outputs) == 1
     here = PrefixHasher(GOLDEN_SPEC.root("t"), ChunkGeometry(16)).extend(list(range(40)))
@@ -149,9 +166,13 @@ def test_empty_prompt_is_rejected():
 
 @pytest.mark.parametrize(
     ("chunk", "block", "message"),
-    [(100, 16, "not a multiple of the engine's KV block size 16; choose e.g. 96"), (0, None, "1..65536"),
-     (256, 0, "positive integer"), (1.5, None, "integer")],
-)  # fmt: skip
+    [
+        (100, 16, "not a multiple of the engine's KV block size 16; choose e.g. 96"),
+        (0, None, "1..65536"),
+        (256, 0, "positive integer"),
+        (1.5, None, "integer"),
+    ],
+)
 def test_bad_chunk_geometry_is_rejected(chunk, block, message):
     with pytest.raises(ConfigError, match=message):
         ChunkGeometry(chunk, block)

@@ -11,11 +11,11 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 import zmq
+from prefixcache.cachestore.client.cache_client import CacheClient
+from prefixcache.cachestore.host.processes import free_port
+from prefixcache.cachestore.node.settings import Settings
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
-from cachestore.client import CacheClient
-from cachestore.processes import free_port
-from cachestore.settings import Settings
 from tests.daemon_harness import Daemon, make_spec, publish_prompt
 
 CHUNK = 64
@@ -64,8 +64,9 @@ def _identity(event: object) -> tuple:
 @pytest.fixture(scope="module")
 def node(tmp_path_factory) -> Iterator[tuple[Daemon, Subscriber, CacheClient]]:
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    daemon = Daemon(tmp_path_factory.mktemp("events") / "data", "--chunk-tokens", str(CHUNK),
-                    "--kv-events-endpoint", endpoint)  # fmt: skip
+    daemon = Daemon(
+        tmp_path_factory.mktemp("events") / "data", "--chunk-tokens", str(CHUNK), "--kv-events-endpoint", endpoint
+    )
     subscriber = Subscriber(endpoint)
     daemon.start()
     client = CacheClient.connect(daemon.url, make_spec(chunk_tokens=CHUNK), arena_bytes=64 << 20)
@@ -108,9 +109,21 @@ def test_a_flushed_index_is_announced_as_all_blocks_cleared(node):
 
 def test_a_malformed_endpoint_stops_serve_with_a_clear_error(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "cachestore", "serve", "--data-dir", str(tmp_path), "--kv-events-endpoint", "5557"],
-        capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "prefixcache.cachestore",
+            "serve",
+            "--data-dir",
+            str(tmp_path),
+            "--kv-events-endpoint",
+            "5557",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     assert result.returncode == 2
     assert "invalid setting kv_events_endpoint: must look like tcp://HOST:PORT" in result.stderr
 
@@ -119,9 +132,21 @@ def test_every_interface_must_be_asked_for_by_its_address(tmp_path):
     """The events carry every chunk's token ids: ``tcp://*`` (what vLLM's examples use) is refused, naming the
     addresses to give instead; ``0.0.0.0`` is taken as meant."""
     result = subprocess.run(
-        [sys.executable, "-m", "cachestore", "serve", "--data-dir", str(tmp_path), "--kv-events-endpoint",
-         "tcp://*:5557"], capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "prefixcache.cachestore",
+            "serve",
+            "--data-dir",
+            str(tmp_path),
+            "--kv-events-endpoint",
+            "tcp://*:5557",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     assert result.returncode == 2
     assert "tcp://*:5557 would publish every cached chunk's token ids on every interface" in result.stderr
     assert "tcp://127.0.0.1:5557" in result.stderr and "tcp://0.0.0.0:5557" in result.stderr

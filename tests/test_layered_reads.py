@@ -8,14 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from cachestore.chunk_mac import ChunkMacKey
-from cachestore.codec import BodyCheck, ChunkError, ChunkMeta, encode
-from cachestore.nvme import PAGE, Extent
-from connector.layered_reads import LayeredChunk, LayeredRead
-from connector.metadata import LoadChunk
-from indexer.keys import chunk_key
-from indexer.tokens import pack_tokens
+from prefixcache.cachestore.chunks.codec import BodyCheck, ChunkError, ChunkMeta, encode
+from prefixcache.cachestore.chunks.mac import ChunkMacKey
+from prefixcache.cachestore.tiers.nvme import PAGE, Extent
+from prefixcache.connector.layered_reads import LayeredChunk, LayeredRead
+from prefixcache.connector.metadata import LoadChunk
+from prefixcache.indexer.keys import chunk_key
+from prefixcache.indexer.tokens import pack_tokens
 
 NS, ROOT = b"n" * 16, b"r" * 16
 LAYERS, TOKENS = 4, 64
@@ -29,8 +28,15 @@ def body_check(key: bytes, head: memoryview) -> BodyCheck:
 
 
 def chunk_meta(i: int) -> ChunkMeta:
-    return ChunkMeta(namespace=NS, root=ROOT, parent=bytes([i]) * 16, tokens=pack_tokens(range(i, i + TOKENS)),
-                     dtype="float32", shape=SHAPE, tenant=0)  # fmt: skip
+    return ChunkMeta(
+        namespace=NS,
+        root=ROOT,
+        parent=bytes([i]) * 16,
+        tokens=pack_tokens(range(i, i + TOKENS)),
+        dtype="float32",
+        shape=SHAPE,
+        tenant=0,
+    )
 
 
 @pytest.fixture
@@ -55,13 +61,22 @@ def layered_chunks(path: Path, objects: list[bytes], padded: int) -> list[Layere
     pages = memoryview(mmap.mmap(-1, len(objects) * LAYERS * 2 * PAGE_BYTES))
     chunks = []
     for i, obj in enumerate(objects):
-        layers = [[pages[((i * LAYERS + layer) * 2 + p) * PAGE_BYTES :][:PAGE_BYTES] for p in range(2)]
-                  for layer in range(LAYERS)]  # fmt: skip
+        layers = [
+            [pages[((i * LAYERS + layer) * 2 + p) * PAGE_BYTES :][:PAGE_BYTES] for p in range(2)]
+            for layer in range(LAYERS)
+        ]
         key = chunk_meta(i).key
         assert key == chunk_key(bytes([i]) * 16, pack_tokens(range(i, i + TOKENS)))
         view = heads[i * head : (i + 1) * head]
-        chunks.append(LayeredChunk(LoadChunk(key, TOKENS, 0, [i], in_dram=False), view, view, layers,
-                                   Extent(str(path), i * padded, len(obj))))  # fmt: skip
+        chunks.append(
+            LayeredChunk(
+                LoadChunk(key, TOKENS, 0, [i], in_dram=False),
+                view,
+                view,
+                layers,
+                Extent(str(path), i * padded, len(obj)),
+            )
+        )
     return chunks
 
 

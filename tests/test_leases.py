@@ -7,11 +7,10 @@ import time
 
 import pytest
 import redis
-
-from cachestore.processes import free_port
-from indexer.errors import IndexUnavailableError
-from indexer.leases import Leases
-from indexer.redis_clients import redis_client
+from prefixcache.cachestore.host.processes import free_port
+from prefixcache.indexer.errors import IndexUnavailableError
+from prefixcache.indexer.leases import Leases
+from prefixcache.indexer.redis_clients import redis_client
 
 _prefixes = itertools.count()
 A, B, C = b"a" * 16, b"b" * 16, b"c" * 16

@@ -12,10 +12,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prefixcache.cachestore.host.listeners import (
+    ExposedListenerError,
+    Listener,
+    check_listeners,
+    too_wide,
+    tree_listeners,
+)
+from prefixcache.cachestore.host.processes import free_port_block
+from prefixcache.cachestore.tiers.bind_shim import bind_env
 
-from cachestore.bind_shim import bind_env
-from cachestore.listeners import ExposedListenerError, Listener, check_listeners, too_wide, tree_listeners
-from cachestore.processes import free_port_block
 from tests.daemon_harness import Daemon
 
 #: A child that binds ADDRESS (port 0), listens, prints its port and waits for stdin to close.
@@ -36,8 +42,13 @@ class Child:
     """A process of this test's tree listening on ``address``, until the test ends."""
 
     def __init__(self, address: str, env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", LISTENER, address], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", LISTENER, address],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
         assert self.proc.stdout is not None
         self.port = int(self.proc.stdout.readline())
 
@@ -182,10 +193,24 @@ def test_a_node_with_a_wide_listener_refuses_to_serve(tmp_path: Path) -> None:
         s.listen()
         s.set_inheritable(True)
         print(s.getsockname()[1], flush=True)
-        os.execv(sys.executable, [sys.executable, "-m", "cachestore", *sys.argv[1:]])
+        os.execv(sys.executable, [sys.executable, "-m", "prefixcache.cachestore", *sys.argv[1:]])
     """)
-    argv = [sys.executable, "-c", wrapper, "serve", "--data-dir", str(tmp_path / "data"), "--port", str(port),
-            "--dram-bytes", "64MiB", "--nvme-bytes", "512MiB", "--node", "node-wide"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-c",
+        wrapper,
+        "serve",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--port",
+        str(port),
+        "--dram-bytes",
+        "64MiB",
+        "--nvme-bytes",
+        "512MiB",
+        "--node",
+        "node-wide",
+    ]
     started = time.monotonic()
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "500"})
     wide_port = int(done.stdout.splitlines()[0])
@@ -202,8 +227,18 @@ def test_a_node_with_a_wide_listener_refuses_to_serve(tmp_path: Path) -> None:
 
 
 def test_the_shim_runs_a_command_bound_to_an_address() -> None:
-    """``python -m cachestore.bind_shim run ADDRESS COMMAND``: how a container runs an external master."""
+    """``python -m prefixcache.cachestore.tiers.bind_shim run ADDRESS COMMAND``: how a container runs an external
+    master."""
     code = "import socket; s = socket.socket(); s.bind(('0.0.0.0', 0)); print(s.getsockname()[0])"
-    argv = [sys.executable, "-m", "cachestore.bind_shim", "run", "127.0.0.1", sys.executable, "-c", code]
+    argv = [
+        sys.executable,
+        "-m",
+        "prefixcache.cachestore.tiers.bind_shim",
+        "run",
+        "127.0.0.1",
+        sys.executable,
+        "-c",
+        code,
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "127.0.0.1", done.stderr

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from prefixcache.cachestore.host.processes import free_port
+from prefixcache.connector.lookups import BatchedLookups
+from prefixcache.indexer.errors import IndexUnavailableError
+from prefixcache.indexer.keys import prompt_query
+from prefixcache.indexer.redis_index import RedisIndex
 
 from benchmarks.lookup import RoundTripCounter
-from cachestore.processes import free_port
-from connector.lookups import BatchedLookups
-from indexer.errors import IndexUnavailableError
-from indexer.keys import prompt_query
-from indexer.redis_index import RedisIndex
 from tests.test_index import publish
 
 
@@ -21,8 +21,7 @@ def queries(spec, geometry, tokens):
     return [prompt_query(spec.root(), geometry, tokens)]
 
 
-def test_requests_added_together_are_looked_up_in_one_round_trip_each_with_its_own_match(redis_index, spec,
-                                                                                        geometry):  # fmt: skip
+def test_requests_added_together_are_looked_up_in_one_round_trip_each_with_its_own_match(redis_index, spec, geometry):
     cached = {seed: 64 * seed for seed in (1, 2, 3)}  # request seed -> tokens the index holds of it
     for seed, tokens in cached.items():
         publish(redis_index, spec, prompt(seed)[:tokens])
@@ -31,8 +30,10 @@ def test_requests_added_together_are_looked_up_in_one_round_trip_each_with_its_o
     for seed in cached:
         lookups.note(f"r{seed}", len(prompt(seed)), queries(spec, geometry, prompt(seed)))
     with RoundTripCounter() as trips:
-        found = {seed: lookups.matches(f"r{seed}", len(prompt(seed)), lambda: pytest.fail("noted already"))
-                 for seed in cached}  # fmt: skip
+        found = {
+            seed: lookups.matches(f"r{seed}", len(prompt(seed)), lambda: pytest.fail("noted already"))
+            for seed in cached
+        }
     assert trips.count == 1
     assert {seed: matches[0].matched_tokens for seed, (matches, _) in found.items()} == cached
     assert all(seconds > 0 for _, seconds in found.values())

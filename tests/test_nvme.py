@@ -12,9 +12,8 @@ import threading
 from pathlib import Path
 
 import pytest
-
-from cachestore.nvme import PAGE, NvmeStore
-from indexer.errors import ConfigError
+from prefixcache.cachestore.tiers.nvme import PAGE, NvmeStore
+from prefixcache.indexer.errors import ConfigError
 
 SIZES = [1, 4095, 4096, 4097, (1 << 20) + 3]
 
@@ -70,7 +69,7 @@ def test_objects_survive_sigkill_right_after_put(tmp_path: Path) -> None:
 import os, sys
 from pathlib import Path
 sys.path.insert(0, {str(Path(__file__).parent)!r})
-from cachestore.nvme import NvmeStore
+from prefixcache.cachestore.tiers.nvme import NvmeStore
 from test_nvme import SIZES, key, payload
 store = NvmeStore(Path({str(tmp_path)!r}), 16 << 20, segment_bytes=4 << 20)
 assert store.put([(key(i), payload(i, size)) for i, size in enumerate(SIZES)]) == [True] * len(SIZES)

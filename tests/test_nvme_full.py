@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prefixcache.cachestore.tiers.nvme import NvmeStore
 
-from cachestore.nvme import NvmeStore
 from tests.daemon_harness import Daemon, connect, fetch_payloads, publish_prompt, wait_for, wait_persisted
 from tests.test_cachestore import NVME
 
@@ -29,8 +29,10 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
     with image.open("wb") as f:
         f.truncate(FS_BYTES)
     made = subprocess.run(["mkfs.ext4", "-q", str(image)], capture_output=True)
-    if made.returncode or subprocess.run(["mount", "-o", "loop", str(image), str(mount)],
-                                         capture_output=True).returncode:  # fmt: skip
+    if (
+        made.returncode
+        or subprocess.run(["mount", "-o", "loop", str(image), str(mount)], capture_output=True).returncode
+    ):
         pytest.skip("cannot make and loop-mount a small ext4 filesystem here (needs root and mkfs.ext4)")
     try:
         yield mount

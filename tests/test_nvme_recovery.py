@@ -8,12 +8,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from prefixcache.cachestore.chunks.codec import ChunkMeta, encode
+from prefixcache.cachestore.chunks.mac import ChunkMacKey
+from prefixcache.cachestore.tiers.nvme import NvmeStore
+from prefixcache.indexer.keys import chunk_key
+from prefixcache.indexer.tokens import pack_tokens
 
-from cachestore.chunk_mac import ChunkMacKey
-from cachestore.codec import ChunkMeta, encode
-from cachestore.nvme import NvmeStore
-from indexer.keys import chunk_key
-from indexer.tokens import pack_tokens
 from tests.daemon_harness import Daemon, connect, fetch_payloads, make_spec, publish_prompt, wait_persisted
 from tests.test_cachestore import NVME
 
@@ -25,8 +25,14 @@ def chunk_objects(count: int, payload_bytes: int = 50_000, first: int = 0) -> di
     """``count`` signed chunk objects of one chain (tokens from ``first`` on), by key."""
     parent, objects = bytes(16), {}
     for i in range(first, first + count):
-        meta = ChunkMeta(namespace=bytes(16), root=bytes(16), parent=parent, tokens=pack_tokens([i, i + 1]),
-                         dtype="uint8", shape=(payload_bytes,))  # fmt: skip
+        meta = ChunkMeta(
+            namespace=bytes(16),
+            root=bytes(16),
+            parent=parent,
+            tokens=pack_tokens([i, i + 1]),
+            dtype="uint8",
+            shape=(payload_bytes,),
+        )
         objects[meta.key] = bytes(encode(meta, os.urandom(payload_bytes), MAC_KEY))
         parent = chunk_key(parent, meta.tokens)
     return objects

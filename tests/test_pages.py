@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from connector.pages import block_runs, gather, page_rows, payload_bytes, payload_view, scatter
+from prefixcache.connector.pages import block_runs, gather, page_rows, payload_bytes, payload_view, scatter
 
 
 def _layers(n_layers: int = 3, blocks: int = 12) -> list[torch.Tensor]:

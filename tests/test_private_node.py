@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+from prefixcache.cachestore.client.cache_client import CacheClient, fetch_config
+from prefixcache.cachestore.host.secret_files import secrets_dir
 
-from cachestore.client import CacheClient, fetch_config
-from cachestore.secrets_store import secrets_dir
 from tests.daemon_harness import Daemon, fetch_payloads, make_spec, publish_prompt, wait_persisted
 
 
@@ -29,8 +29,9 @@ def redis_cli(daemon: Daemon, *command: str, password: str | None = None) -> str
     env = {k: v for k, v in os.environ.items() if k != "REDISCLI_AUTH"}
     if password is not None:
         env["REDISCLI_AUTH"] = password  # as -a would, without the warning (or the password in ps)
-    result = subprocess.run(["redis-cli", "-p", str(daemon.port + 1), *command], capture_output=True, text=True,
-                            timeout=10, env=env)  # fmt: skip
+    result = subprocess.run(
+        ["redis-cli", "-p", str(daemon.port + 1), *command], capture_output=True, text=True, timeout=10, env=env
+    )
     return result.stdout + result.stderr
 
 
@@ -47,9 +48,19 @@ def test_the_embedded_index_answers_nobody_without_the_password(node):
 
 def test_with_the_password_what_could_wipe_or_reconfigure_the_index_is_refused(node):
     password = password_of(node)
-    for command in (["CONFIG", "GET", "*"], ["CONFIG", "SET", "appendonly", "no"], ["FLUSHALL"], ["FLUSHDB"],
-                    ["SHUTDOWN", "NOSAVE"], ["MODULE", "LIST"], ["BGSAVE"], ["ACL", "SETUSER", "default", "+@all"],
-                    ["REPLICAOF", "127.0.0.1", "1"], ["MONITOR"], ["KEYS", "*"]):  # fmt: skip
+    for command in (
+        ["CONFIG", "GET", "*"],
+        ["CONFIG", "SET", "appendonly", "no"],
+        ["FLUSHALL"],
+        ["FLUSHDB"],
+        ["SHUTDOWN", "NOSAVE"],
+        ["MODULE", "LIST"],
+        ["BGSAVE"],
+        ["ACL", "SETUSER", "default", "+@all"],
+        ["REPLICAOF", "127.0.0.1", "1"],
+        ["MONITOR"],
+        ["KEYS", "*"],
+    ):
         assert "NOPERM" in redis_cli(node, *command, password=password), command
     assert httpx.get(node.url + "/v1/health").json()["status"] == "ready"  # SHUTDOWN did not
 
@@ -60,8 +71,11 @@ def test_the_config_names_the_password_file_and_never_the_password(node):
     assert config["redis_password_required"] is True
     assert config["secret_files"]["redis_password"] == str(secrets_dir(node.data_dir) / "redis-password")
     assert password not in str(config) and password not in node.log_path.read_text()
-    redis_argv = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in os.listdir("/proc") if pid.isdigit()
-                  and Path(f"/proc/{pid}/comm").exists() and b"redis-server" in _comm(pid)]  # fmt: skip
+    redis_argv = [
+        Path(f"/proc/{pid}/cmdline").read_bytes()
+        for pid in os.listdir("/proc")
+        if pid.isdigit() and Path(f"/proc/{pid}/comm").exists() and b"redis-server" in _comm(pid)
+    ]
     assert redis_argv and not any(password.encode() in argv for argv in redis_argv)  # not in ps
 
 
@@ -121,9 +135,16 @@ def test_every_file_the_daemon_writes_is_its_users_alone(tmp_path):
         daemon.stop()
     assert stat.S_IMODE(data.stat().st_mode) == 0o700
     written = {str(p.relative_to(data)) for p in data.rglob("*")}
-    assert {"redis/appendonlydir/appendonly.aof.1.incr.aof", "redis/redis.conf", "redis/redis.log",
-            "secrets/redis-password", "nvme/manifest/CURRENT", "nvme/segments/00000001.seg",
-            "logs/mooncake_master.log", "logs/mooncake_client.log"} <= written  # fmt: skip
+    assert {
+        "redis/appendonlydir/appendonly.aof.1.incr.aof",
+        "redis/redis.conf",
+        "redis/redis.log",
+        "secrets/redis-password",
+        "nvme/manifest/CURRENT",
+        "nvme/segments/00000001.seg",
+        "logs/mooncake_master.log",
+        "logs/mooncake_client.log",
+    } <= written
     assert _not_private(data) == []
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import socket
 import sys
 
-from cachestore.processes import ManagedProcess, _ephemeral_ports, free_port_block
+from prefixcache.cachestore.host.processes import ManagedProcess, _ephemeral_ports, free_port_block
+
 from tests.daemon_harness import niceness
 
 
@@ -29,8 +30,9 @@ def test_a_server_started_with_a_nice_runs_at_it_in_every_thread_and_its_session
     """Raising a nice needs no privilege, so this runs anywhere; the daemon lowers its segment owner's
     (tests/test_serve.py)."""
     two_threads = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)"
-    server = ManagedProcess("sleeper", [sys.executable, "-c", two_threads], tmp_path / "sleeper.log",
-                            ready=lambda: True, nice=7)  # fmt: skip
+    server = ManagedProcess(
+        "sleeper", [sys.executable, "-c", two_threads], tmp_path / "sleeper.log", ready=lambda: True, nice=7
+    )
     server.start()
     try:
         assert server.pid is not None

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from cachestore.promotion import _Request
-from cachestore.runs import runs_of_about
+from prefixcache.cachestore.chunks.runs import runs_of_about
+from prefixcache.cachestore.services.promotion import _Request
 
 A, B, C, D = (bytes([i]) * 16 for i in range(1, 5))
 

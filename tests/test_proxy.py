@@ -13,17 +13,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-
-from cachestore.processes import free_port
-from cachestore.proxy import CachedPrefix, ProxySettings, create_app
-from cachestore.proxy_routing import (
+from prefixcache.cachestore.host.processes import free_port
+from prefixcache.cachestore.proxy.routing import (
     InstancePool,
     prefill_body,
     prompt_token_ids,
     publishable_tokens,
     tokenize_body,
 )
-from indexer.errors import ConfigError
+from prefixcache.cachestore.proxy.server import CachedPrefix, ProxySettings, create_app
+from prefixcache.indexer.errors import ConfigError
+
 from tests.test_index import publish
 
 
@@ -49,10 +49,26 @@ def test_round_robin_rotates_and_tries_a_failed_instance_last_until_its_cooldown
 
 
 def test_a_prefill_request_asks_for_one_token_without_streaming_and_keeps_the_rest():
-    body = {"model": "m", "prompt": [1, 2], "max_tokens": 64, "stream": True, "stream_options": {"x": 1},
-            "min_tokens": 8, "n": 4, "temperature": 0.0, "cache_salt": "t"}  # fmt: skip
-    assert prefill_body(body) == {"model": "m", "prompt": [1, 2], "max_tokens": 1, "stream": False, "n": 1,
-                                  "temperature": 0.0, "cache_salt": "t"}  # fmt: skip
+    body = {
+        "model": "m",
+        "prompt": [1, 2],
+        "max_tokens": 64,
+        "stream": True,
+        "stream_options": {"x": 1},
+        "min_tokens": 8,
+        "n": 4,
+        "temperature": 0.0,
+        "cache_salt": "t",
+    }
+    assert prefill_body(body) == {
+        "model": "m",
+        "prompt": [1, 2],
+        "max_tokens": 1,
+        "stream": False,
+        "n": 1,
+        "temperature": 0.0,
+        "cache_salt": "t",
+    }
     assert body["max_tokens"] == 64  # the decode instance gets the original
     chat = prefill_body({"messages": [], "max_completion_tokens": 100})
     assert chat["max_completion_tokens"] == 1 and chat["max_tokens"] == 1
@@ -78,8 +94,11 @@ def test_text_and_chat_prompts_are_tokenized_by_the_engine_batches_are_not():
     assert tokenize_body("/v1/completions", {"model": "m", "prompt": "hi"}) == {"model": "m", "prompt": "hi"}
     messages = [{"role": "user", "content": "hi"}]
     chat = {"model": "m", "messages": messages, "temperature": 1, "add_generation_prompt": True}
-    assert tokenize_body("/v1/chat/completions", chat) == {"model": "m", "messages": messages,
-                                                           "add_generation_prompt": True}  # fmt: skip
+    assert tokenize_body("/v1/chat/completions", chat) == {
+        "model": "m",
+        "messages": messages,
+        "add_generation_prompt": True,
+    }
     assert tokenize_body("/v1/completions", {"prompt": ["a", "b"]}) is None
 
 
@@ -122,8 +141,15 @@ async def test_with_no_instance_reachable_the_client_gets_an_openai_style_502(no
         error = response.json()["error"]
         assert error["code"] == 502 and "no decode instance answered" in error["message"]
         stats = (await client.get("/proxy/stats")).json()
-        assert stats == {"requests": 1, "prefilled": 0, "prefill_skipped": 0, "prefill_failed": 1, "decode_failed": 1,
-                         "publish_wait_expired": 0, "not_through_the_store": 0}  # fmt: skip
+        assert stats == {
+            "requests": 1,
+            "prefilled": 0,
+            "prefill_skipped": 0,
+            "prefill_failed": 1,
+            "decode_failed": 1,
+            "publish_wait_expired": 0,
+            "not_through_the_store": 0,
+        }
         health = (await client.get("/health")).json()
         assert health["prefill_down"] == nothing_listening.prefill
         assert sorted(health["decode_down"]) == sorted(nothing_listening.decode)
@@ -132,8 +158,9 @@ async def test_with_no_instance_reachable_the_client_gets_an_openai_style_502(no
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("opt_out", [{"publish": False}, {"load": False}])
-async def test_a_request_that_turns_the_store_off_for_itself_goes_to_a_decode_instance_directly(nothing_listening,
-                                                                                               opt_out):  # fmt: skip
+async def test_a_request_that_turns_the_store_off_for_itself_goes_to_a_decode_instance_directly(
+    nothing_listening, opt_out
+):
     app = create_app(nothing_listening)
     body = {"model": "m", "prompt": [1, 2, 3], "kv_transfer_params": {"prefixcache": opt_out}}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
@@ -187,8 +214,15 @@ async def test_with_no_prefill_instance_answering_nothing_waits_for_chunks_it_ne
     """Cache-aware routing waits for a prefill's chunks to reach the index, but only after a prefill ran: with
     every prefill instance down the decode instance is asked at once, not ``publish_wait_s`` later."""
     urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
-    settings = ProxySettings.parse({"prefill": urls[:1], "decode": urls[1:], "routing": "cache-aware",
-                                    "service_url": daemon.url, "publish_wait_s": 60})  # fmt: skip
+    settings = ProxySettings.parse(
+        {
+            "prefill": urls[:1],
+            "decode": urls[1:],
+            "routing": "cache-aware",
+            "service_url": daemon.url,
+            "publish_wait_s": 60,
+        }
+    )
     app = create_app(settings)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
         response = await client.post("/v1/completions", json={"model": "m", "prompt": list(range(300))})
@@ -253,8 +287,11 @@ async def test_the_clients_authorization_reaches_the_prefill_and_the_decode_inst
         assert (await client.post("/v1/completions", json={"model": "m", "prompt": [1]})).status_code == 200
     await app.state.proxy.close()
     assert prefill.seen == [("/v1/completions", "Bearer vllm-api-key"), ("/v1/completions", None)]
-    assert decode.seen == [("/v1/completions", "Bearer vllm-api-key"), ("/v1/models", "Bearer vllm-api-key"),
-                           ("/v1/completions", None)]  # fmt: skip
+    assert decode.seen == [
+        ("/v1/completions", "Bearer vllm-api-key"),
+        ("/v1/models", "Bearer vllm-api-key"),
+        ("/v1/completions", None),
+    ]
 
 
 @pytest.mark.anyio
@@ -264,8 +301,12 @@ async def test_with_a_proxy_token_a_request_without_it_is_a_401_that_reaches_no_
     app = create_app(ProxySettings.parse({"prefill": [prefill.url], "decode": [decode.url], "auth_token": token}))
     body = {"model": "m", "prompt": [1, 2, 3]}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
-        for headers in ({}, {"Authorization": "Bearer wrong-token-0123456789ab"}, {"Authorization": token},
-                        {"Authorization": f"Basic {token}"}):  # fmt: skip
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong-token-0123456789ab"},
+            {"Authorization": token},
+            {"Authorization": f"Basic {token}"},
+        ):
             response = await client.post("/v1/completions", json=body, headers=headers)
             assert response.status_code == 401, headers
             assert response.headers["www-authenticate"] == "Bearer"

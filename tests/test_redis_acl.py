@@ -12,15 +12,15 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+from prefixcache.cachestore.client.cache_client import CacheClient
+from prefixcache.cachestore.host.processes import ManagedProcess, find_executable, free_port
+from prefixcache.cachestore.node.redis_server import INDEX_USER_COMMANDS, index_user_acl
+from prefixcache.indexer.redis_clients import with_password
+from prefixcache.indexer.redis_index import RedisIndex
 
 import tests.test_index as index_tests
 import tests.test_index_admin as index_admin_tests
 import tests.test_leases as lease_tests
-from cachestore.client import CacheClient
-from cachestore.processes import ManagedProcess, find_executable, free_port
-from cachestore.redis_server import INDEX_USER_COMMANDS, index_user_acl
-from indexer.redis_clients import with_password
-from indexer.redis_index import RedisIndex
 from tests.daemon_harness import Daemon, fetch_payloads, make_spec, publish_prompt, wait_persisted
 from tests.test_deploy_files import DEPLOY
 from tests.test_redis_index import (  # noqa: F401 - collected here too, with this module's fixtures
@@ -32,8 +32,14 @@ USER = "prefixcache"
 ADMIN_TOKEN = "acl-test-admin-token-0123456789"
 
 # The index suites again, in this module: their ``index`` / ``redis_server`` fixtures are this module's (below).
-globals().update({name: test for module in (index_tests, index_admin_tests, lease_tests)
-                  for name, test in vars(module).items() if name.startswith("test_")})  # fmt: skip
+globals().update(
+    {
+        name: test
+        for module in (index_tests, index_admin_tests, lease_tests)
+        for name, test in vars(module).items()
+        if name.startswith("test_")
+    }
+)
 leases = lease_tests.leases
 
 
@@ -45,13 +51,28 @@ class AclRedis(ManagedProcess):
         self.port = free_port()
         self.password, self.admin_password = secrets.token_hex(16), secrets.token_hex(16)
         conf = directory / "redis.conf"
-        conf.write_text("\n".join([
-            "bind 127.0.0.1", f"port {self.port}", f'dir "{directory}"', 'save ""', "appendonly no",
-            "user default off", index_user_acl(USER, self.password, key_prefix),
-            f"user admin on >{self.admin_password} ~* &* +@all",
-        ]) + "\n")  # fmt: skip
-        super().__init__("redis-server", [find_executable("redis-server"), str(conf)], directory / "redis.log",
-                         self._answers, listens_on=[("127.0.0.1", self.port)])  # fmt: skip
+        conf.write_text(
+            "\n".join(
+                [
+                    "bind 127.0.0.1",
+                    f"port {self.port}",
+                    f'dir "{directory}"',
+                    'save ""',
+                    "appendonly no",
+                    "user default off",
+                    index_user_acl(USER, self.password, key_prefix),
+                    f"user admin on >{self.admin_password} ~* &* +@all",
+                ]
+            )
+            + "\n"
+        )
+        super().__init__(
+            "redis-server",
+            [find_executable("redis-server"), str(conf)],
+            directory / "redis.log",
+            self._answers,
+            listens_on=[("127.0.0.1", self.port)],
+        )
 
     @property
     def url(self) -> str:
@@ -114,8 +135,15 @@ def test_a_daemon_runs_on_the_guides_user(tmp_path):
     """Everything a node does with its index, with the exact line of the guide (key prefix ``pc``)."""
     server = AclRedis(tmp_path, key_prefix="pc")
     server.start()
-    daemon = Daemon(tmp_path / "data", "--redis-url", server.url, "--admin-token", ADMIN_TOKEN, "--kv-events-endpoint",
-                    f"tcp://127.0.0.1:{free_port()}")  # fmt: skip
+    daemon = Daemon(
+        tmp_path / "data",
+        "--redis-url",
+        server.url,
+        "--admin-token",
+        ADMIN_TOKEN,
+        "--kv-events-endpoint",
+        f"tcp://127.0.0.1:{free_port()}",
+    )
     client = None
     try:
         daemon.start()

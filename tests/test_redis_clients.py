@@ -1,9 +1,8 @@
 """Redis connections carry the timeouts they are made with, whatever redis-py's defaults."""
 
 import pytest
-
-from indexer.errors import ConfigError
-from indexer.redis_clients import CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_S, redis_client
+from prefixcache.indexer.errors import ConfigError
+from prefixcache.indexer.redis_clients import CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_S, redis_client
 
 
 def test_a_client_carries_explicit_socket_and_connect_timeouts():

@@ -7,15 +7,15 @@ import time
 
 import pytest
 import redis
+from prefixcache.cachestore.host.processes import free_port
+from prefixcache.cachestore.node.redis_server import EmbeddedRedis
+from prefixcache.indexer.chunking import ChunkGeometry
+from prefixcache.indexer.errors import ConfigError, IndexUnavailableError
+from prefixcache.indexer.index import Location, attach_namespace
+from prefixcache.indexer.keys import prompt_query
+from prefixcache.indexer.redis_clients import redact_url
+from prefixcache.indexer.redis_index import RedisIndex
 
-from cachestore.processes import free_port
-from cachestore.redis_server import EmbeddedRedis
-from indexer.chunking import ChunkGeometry
-from indexer.errors import ConfigError, IndexUnavailableError
-from indexer.index import Location, attach_namespace
-from indexer.keys import prompt_query
-from indexer.redis_clients import redact_url
-from indexer.redis_index import RedisIndex
 from tests.test_index import publish
 
 

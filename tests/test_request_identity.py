@@ -6,21 +6,23 @@ import os
 from pathlib import Path
 from types import SimpleNamespace
 
-from connector.request_identity import media_marks, request_variant
-from indexer.namespace import NamespaceSpec
+from prefixcache.connector.request_identity import media_marks, request_variant
+from prefixcache.indexer.namespace import NamespaceSpec
 
 SPEC = NamespaceSpec(model="m", model_fingerprint="f", kv_dtype="bfloat16", kv_layout="l", chunk_tokens=256)
 
 
 def request(**fields) -> SimpleNamespace:
     """The fields of vLLM's ``Request`` that decide a variant."""
-    return SimpleNamespace(**{"prompt_token_ids": [1, 2, 3], "prompt_embeds": None, "lora_request": None,
-                              "mm_features": [], **fields})  # fmt: skip
+    return SimpleNamespace(
+        **{"prompt_token_ids": [1, 2, 3], "prompt_embeds": None, "lora_request": None, "mm_features": [], **fields}
+    )
 
 
 def image(identifier: str, offset: int, length: int = 64) -> SimpleNamespace:
-    return SimpleNamespace(modality="image", identifier=identifier,
-                           mm_position=SimpleNamespace(offset=offset, length=length))  # fmt: skip
+    return SimpleNamespace(
+        modality="image", identifier=identifier, mm_position=SimpleNamespace(offset=offset, length=length)
+    )
 
 
 def adapter(directory: Path, weights: bytes, alpha: int = 16) -> Path:

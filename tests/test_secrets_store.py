@@ -5,9 +5,8 @@ from __future__ import annotations
 import stat
 
 import pytest
-
-from cachestore.secrets_store import load_or_create_secret, make_private_dir, read_secret
-from indexer.errors import ConfigError
+from prefixcache.cachestore.host.secret_files import load_or_create_secret, make_private_dir, read_secret
+from prefixcache.indexer.errors import ConfigError
 
 
 def mode(path) -> int:

@@ -13,12 +13,18 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prefixcache.cachestore.host.processes import (
+    ManagedProcess,
+    ServerStartError,
+    free_port,
+    free_port_block,
+    port_open,
+)
+from prefixcache.cachestore.warmup.jobs import WarmupJobs
 
-from cachestore.processes import ManagedProcess, ServerStartError, free_port, free_port_block, port_open
-from cachestore.warmup.jobs import WarmupJobs
 from tests.daemon_harness import niceness
 
-CLI = [sys.executable, "-m", "cachestore"]
+CLI = [sys.executable, "-m", "prefixcache.cachestore"]
 
 
 _started: list[subprocess.Popen] = []
@@ -38,10 +44,23 @@ def _stop_leftover_daemons():
 def start_serve(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, int]:
     port = free_port_block(7)
     proc = subprocess.Popen(
-        [*CLI, "serve", "--data-dir", str(tmp_path / "data"), "--port", str(port), "--dram-bytes", "128MiB",
-         "--nvme-bytes", "512MiB", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            *CLI,
+            "serve",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--port",
+            str(port),
+            "--dram-bytes",
+            "128MiB",
+            "--nvme-bytes",
+            "512MiB",
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     _started.append(proc)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -108,7 +127,8 @@ def test_cpus_binds_the_daemon_and_every_server_it_starts(tmp_path):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a nice below 0 needs CAP_SYS_NICE")
 def test_the_segment_owner_runs_before_the_daemons_other_servers(tmp_path):
-    """It copies every DRAM hit into vLLM's pages on a core vLLM's engine core busy-polls (cachestore/priority.py)."""
+    """It copies every DRAM hit into vLLM's pages on a core vLLM's engine core busy-polls
+    (cachestore/tiers/owner_priority.py)."""
     proc, port = start_serve(tmp_path)
     by_name = {Path(f"/proc/{pid}/comm").read_text().strip(): niceness(pid) for pid in children_of(port)}
     assert set(by_name) == {"redis-server", "mooncake_master", "mooncake_client"}
@@ -189,9 +209,13 @@ def test_unreachable_redis_url_fails_fast_with_exit_2(tmp_path):
 
 
 def _http_server(tmp_path: Path, port: int) -> ManagedProcess:
-    return ManagedProcess("http.server", [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
-                          tmp_path / "http.log", lambda: port_open("127.0.0.1", port),
-                          listens_on=[("127.0.0.1", port)])  # fmt: skip
+    return ManagedProcess(
+        "http.server",
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        tmp_path / "http.log",
+        lambda: port_open("127.0.0.1", port),
+        listens_on=[("127.0.0.1", port)],
+    )
 
 
 def _listener(port: int) -> socket.socket:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import logging
 
 import torch
-
-from connector.shared_kv import SharedKVAllocation
+from prefixcache.connector.shared_kv import SharedKVAllocation
 
 
 def test_the_kv_buffer_comes_from_the_allocator_zeroed_and_only_once():

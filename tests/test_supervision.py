@@ -10,8 +10,8 @@ import time
 
 import httpx
 import pytest
+from prefixcache.cachestore.client.cache_client import CacheClient
 
-from cachestore.client import CacheClient
 from tests.daemon_harness import (
     Daemon,
     fetch_payloads,
@@ -106,8 +106,10 @@ def test_a_killed_server_is_restarted_and_persisted_chunks_still_hit(daemon, ser
         traffic.stop()
         fetched = [got for start in range(0, len(keys), 8) for got in fetch_payloads(client, keys[start : start + 8])]
         hits = sum(got == want for got, want in zip(fetched, payloads, strict=True))
-        print(f"{server}: {hits}/{len(keys)} persisted chunks hit after the restart "
-              f"({traffic.failures} of {traffic.rounds} client rounds failed meanwhile)")  # fmt: skip
+        print(
+            f"{server}: {hits}/{len(keys)} persisted chunks hit after the restart "
+            f"({traffic.failures} of {traffic.rounds} client rounds failed meanwhile)"
+        )
         assert hits >= 0.99 * len(keys)
         assert restarts(daemon) == {"redis-server": 0, "mooncake_master": 0, "mooncake_client": 0, server: 1}
         metrics = httpx.get(daemon.url + "/metrics", headers=daemon.headers).text

@@ -2,9 +2,8 @@ from array import array
 
 import numpy as np
 import pytest
-
-from indexer.errors import InvalidTokensError
-from indexer.tokens import pack_tokens, unpack_tokens
+from prefixcache.indexer.errors import InvalidTokensError
+from prefixcache.indexer.tokens import pack_tokens, unpack_tokens
 
 
 @pytest.mark.parametrize(

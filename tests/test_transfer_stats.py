@@ -5,9 +5,8 @@ import functools
 from types import SimpleNamespace
 
 import pytest
+from prefixcache.connector.transfer_stats import PrefixCachePromMetrics, PrefixCacheTransferStats, TransferCounts
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-from connector.transfer_stats import PrefixCachePromMetrics, PrefixCacheTransferStats, TransferCounts
 
 
 def test_counts_are_taken_once_and_nothing_is_sent_when_nothing_moved():
@@ -25,8 +24,14 @@ def test_ranks_are_summed_and_logged_in_gib():
     rank0 = PrefixCacheTransferStats(data={"loaded_chunks": 16, "loaded_bytes": 1 << 30})
     rank1 = PrefixCacheTransferStats(data={"loaded_chunks": 16, "loaded_bytes": 1 << 30, "published_chunks": 1})
     both = rank0.aggregate(rank1)
-    assert both.reduce() == {"loaded_chunks": 32, "loaded_GiB": 2.0, "load_failed_blocks": 0, "published_chunks": 1,
-                             "published_GiB": 0.0, "unpublished_chunks": 0}  # fmt: skip
+    assert both.reduce() == {
+        "loaded_chunks": 32,
+        "loaded_GiB": 2.0,
+        "load_failed_blocks": 0,
+        "published_chunks": 1,
+        "published_GiB": 0.0,
+        "unpublished_chunks": 0,
+    }
     assert not both.is_empty()
     both.reset()
     assert both.is_empty()

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prefixcache.cachestore.chunks.codec import payload_offset
+from prefixcache.cachestore.client.cache_client import CacheClient
+from prefixcache.cachestore.tiers.dram import first_part_rows, split_pieces
+from prefixcache.indexer.index import Location
 
-from cachestore.client import CacheClient
-from cachestore.codec import payload_offset
-from cachestore.dram import first_part_rows, split_pieces
-from indexer.index import Location
 from tests.daemon_harness import Daemon, fetch_payloads, make_spec, publish_prompt, wait_for, wait_persisted
 
 ON_B = Location("nvme", "node-b")
@@ -83,9 +83,11 @@ def test_a_node_reads_another_nodes_dram_copies_into_slots_and_straight_into_its
         heads = [reader.slot(payload_offset(64)) for _ in keys]
         ends = list(itertools.accumulate(len(p) for p in payloads))
         parts = [pages[end - len(p) : end] for p, end in zip(payloads, ends, strict=True)]
-        # each chunk's DRAM copy in its two parts (cachestore/dram.py): payload rows are tokens here, 64 a chunk
-        cut = [split_pieces([head, part], payload_offset(64) + first_part_rows(64) * (len(part) // 64))
-               for head, part in zip(heads, parts, strict=True)]  # fmt: skip
+        # each chunk's DRAM copy in its two parts (cachestore/tiers/dram.py): payload rows are tokens here, 64 a chunk
+        cut = [
+            split_pieces([head, part], payload_offset(64) + first_part_rows(64) * (len(part) // 64))
+            for head, part in zip(heads, parts, strict=True)
+        ]
         firsts, seconds = [c[0] for c in cut], [c[1] for c in cut]
         assert reader.fetch_scattered(keys * 2, firsts + seconds, [False] * 4 + [True] * 4) == [True] * 8
         assert reader.verify_scattered(keys, heads, [[part] for part in parts], time.perf_counter()) == [True] * 4
@@ -140,7 +142,7 @@ def test_a_node_that_was_down_takes_its_eviction_order_when_it_returns(cluster):
         again = evict(a, keys)
         assert again["pending_nodes"] == ["node-b"]
         assert waits_run_out(a) == 1, "a node that did not answer is waited for again"
-        cli = [sys.executable, "-m", "cachestore", "evict", "--url", a.url, *(k.hex() for k in keys)]
+        cli = [sys.executable, "-m", "prefixcache.cachestore", "evict", "--url", a.url, *(k.hex() for k in keys)]
         told = subprocess.run(cli, capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
         assert "kept on other nodes: 3" in told.stdout and "not confirmed yet by node-b" in told.stdout, told.stdout
         b.start()

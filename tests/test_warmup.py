@@ -7,15 +7,14 @@ import multiprocessing
 from pathlib import Path
 
 import pytest
-
-from cachestore.warmup import plan
-from cachestore.warmup.corpus import CorpusError, ModelLimits, check_against_model, read_corpus
-from cachestore.warmup.state import JobBusyError, StateFile, job_id
-from indexer.chunking import ChunkGeometry
-from indexer.errors import ConfigError
-from indexer.index import PartialHit, PrefixMatch
-from indexer.keys import PrefixHasher
-from indexer.namespace import NamespaceSpec
+from prefixcache.cachestore.warmup import plan
+from prefixcache.cachestore.warmup.corpus import CorpusError, ModelLimits, check_against_model, read_corpus
+from prefixcache.cachestore.warmup.state import JobBusyError, StateFile, job_id
+from prefixcache.indexer.chunking import ChunkGeometry
+from prefixcache.indexer.errors import ConfigError
+from prefixcache.indexer.index import PartialHit, PrefixMatch
+from prefixcache.indexer.keys import PrefixHasher
+from prefixcache.indexer.namespace import NamespaceSpec
 
 
 def write_lines(path: Path, *lines: object) -> Path:
@@ -27,8 +26,12 @@ def write_lines(path: Path, *lines: object) -> Path:
 
 
 def test_jsonl_prompts_with_ids_tenants_and_defaults(tmp_path: Path) -> None:
-    corpus = read_corpus(write_lines(tmp_path / "c.jsonl", {"prompt": "hello", "id": "greet"}, "",
-                                     {"token_ids": [5, 6, 7], "tenant": "acme"}), default_tenant="base")  # fmt: skip
+    corpus = read_corpus(
+        write_lines(
+            tmp_path / "c.jsonl", {"prompt": "hello", "id": "greet"}, "", {"token_ids": [5, 6, 7], "tenant": "acme"}
+        ),
+        default_tenant="base",
+    )
     assert corpus.problems == []
     first, second = corpus.prompts
     assert (first.key, first.text, first.token_ids, first.tenant) == ("greet", "hello", None, "base")
@@ -91,10 +94,16 @@ def test_a_corpus_that_cannot_be_read_is_an_error(tmp_path: Path) -> None:
 
 
 def test_model_checks_tokenize_text_and_reject_what_the_engine_would(tmp_path: Path) -> None:
-    corpus = read_corpus(write_lines(
-        tmp_path / "c.jsonl", {"prompt": "w " * 20}, {"token_ids": list(range(10))}, {"token_ids": list(range(40))},
-        {"token_ids": [3] * 20 + [999]}, {"prompt": "ok " * 30},
-    ))  # fmt: skip
+    corpus = read_corpus(
+        write_lines(
+            tmp_path / "c.jsonl",
+            {"prompt": "w " * 20},
+            {"token_ids": list(range(10))},
+            {"token_ids": list(range(40))},
+            {"token_ids": [3] * 20 + [999]},
+            {"prompt": "ok " * 30},
+        )
+    )
 
     def encode(text: str) -> list[int]:
         return [7] * len(text.split())
@@ -206,12 +215,16 @@ def test_batches_split_in_order() -> None:
 
 
 def test_engine_options_are_vllm_serve_options_and_the_connector_is_always_the_warmups(tmp_path: Path) -> None:
-    from cachestore.warmup.engine import ConnectorOptions, engine_args
+    from prefixcache.cachestore.warmup.engine import ConnectorOptions, engine_args
 
     connector = ConnectorOptions("http://127.0.0.1:8600", arena_mb=64)
     args = engine_args(str(tmp_path), None, ["--dtype", "bfloat16", "--max_model_len", "4096"], connector)
-    assert (args.model, args.dtype, args.max_model_len, args.enable_prefix_caching) == (str(tmp_path), "bfloat16",
-                                                                                         4096, True)  # fmt: skip
+    assert (args.model, args.dtype, args.max_model_len, args.enable_prefix_caching) == (
+        str(tmp_path),
+        "bfloat16",
+        4096,
+        True,
+    )
     assert args.kv_transfer_config.kv_role == "kv_producer"
     assert args.kv_transfer_config.kv_connector_extra_config == {"service_url": "http://127.0.0.1:8600", "arena_mb": 64}
     assert not engine_args(str(tmp_path), None, ["--no-enable-prefix-caching"], connector).enable_prefix_caching
@@ -226,10 +239,11 @@ def test_engine_options_are_vllm_serve_options_and_the_connector_is_always_the_w
 
 
 def test_the_workers_namespaces_must_be_every_shard_of_one_engine_as_often_as_each_other() -> None:
-    from cachestore.warmup.engine import engine_shards
+    from prefixcache.cachestore.warmup.engine import engine_shards
 
-    engine = NamespaceSpec(model="m", model_fingerprint="f", kv_dtype="bfloat16", kv_layout="l", chunk_tokens=256,
-                           tp_size=2, pp_size=2)  # fmt: skip
+    engine = NamespaceSpec(
+        model="m", model_fingerprint="f", kv_dtype="bfloat16", kv_layout="l", chunk_tokens=256, tp_size=2, pp_size=2
+    )
     shards = engine.shards()
     answers = [spec.model_dump_json() for spec in shards]
     assert engine_shards(answers[::-1]) == shards  # workers answer in any order

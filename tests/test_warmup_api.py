@@ -11,14 +11,13 @@ from pathlib import Path
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from prefixcache.cachestore.api.admin_routes import install_error_handlers
+from prefixcache.cachestore.api.auth import AccessPolicy, install_access_policy
+from prefixcache.cachestore.api.warmup_routes import warmup_router
+from prefixcache.cachestore.host.processes import free_port
+from prefixcache.cachestore.warmup.jobs import WarmupJobs, WarmupRequest, local_url
+from prefixcache.cachestore.warmup.policy import WarmupPolicy, WarmupRefusedError
 from pydantic import SecretStr
-
-from cachestore.admin_api import install_error_handlers
-from cachestore.auth import AccessPolicy, install_access_policy
-from cachestore.processes import free_port
-from cachestore.warmup.api import warmup_router
-from cachestore.warmup.jobs import WarmupJobs, WarmupRequest, local_url
-from cachestore.warmup.policy import WarmupPolicy, WarmupRefusedError
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -33,8 +32,9 @@ def root(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def jobs(tmp_path: Path, root: Path) -> Iterator[WarmupJobs]:
-    manager = WarmupJobs(tmp_path / "jobs", local_url("0.0.0.0", free_port()), tmp_path / "state",
-                         policy=WarmupPolicy((root,)))  # nobody listens  # fmt: skip
+    manager = WarmupJobs(
+        tmp_path / "jobs", local_url("0.0.0.0", free_port()), tmp_path / "state", policy=WarmupPolicy((root,))
+    )  # nobody listens
     manager.start()
     yield manager
     manager.stop()
@@ -120,12 +120,22 @@ def test_submitting_and_cancelling_need_the_admin_token(jobs, corpus, model) -> 
     assert api.get(f"/v1/warmup/{job['id']}").status_code == 200
 
 
-@pytest.mark.parametrize("option", [
-    ["--trust-remote-code"], ["--worker-cls", "evil.Worker"], ["--scheduler-cls", "evil.Scheduler"],
-    ["--logits-processors", "evil.Processor"], ["--hf-overrides", '{"architectures": ["Evil"]}'],
-    ["--worker_cls=evil.Worker"], ["--config", "/etc/evil.yaml"], ["--dtype", "--trust-remote-code"],
-    ["-O3"], ["positional"],
-], ids=lambda option: option[0])  # fmt: skip
+@pytest.mark.parametrize(
+    "option",
+    [
+        ["--trust-remote-code"],
+        ["--worker-cls", "evil.Worker"],
+        ["--scheduler-cls", "evil.Scheduler"],
+        ["--logits-processors", "evil.Processor"],
+        ["--hf-overrides", '{"architectures": ["Evil"]}'],
+        ["--worker_cls=evil.Worker"],
+        ["--config", "/etc/evil.yaml"],
+        ["--dtype", "--trust-remote-code"],
+        ["-O3"],
+        ["positional"],
+    ],
+    ids=lambda option: option[0],
+)
 def test_engine_options_outside_the_allowlist_are_refused(jobs, corpus, model, option) -> None:
     answer = client(jobs).post("/v1/warmup", json={"corpus": str(corpus), "model": model, "engine_options": option})
     assert answer.status_code == 400, answer.text
@@ -134,8 +144,12 @@ def test_engine_options_outside_the_allowlist_are_refused(jobs, corpus, model, o
 
 
 def test_trust_remote_code_passes_only_when_the_daemon_allows_it(tmp_path, root, corpus, model) -> None:
-    allowing = WarmupJobs(tmp_path / "jobs", "http://127.0.0.1:1", tmp_path / "state",
-                          policy=WarmupPolicy((root,), allow_trust_remote_code=True))  # fmt: skip
+    allowing = WarmupJobs(
+        tmp_path / "jobs",
+        "http://127.0.0.1:1",
+        tmp_path / "state",
+        policy=WarmupPolicy((root,), allow_trust_remote_code=True),
+    )
     request = WarmupRequest(corpus=str(corpus), model=model, engine_options=["--trust-remote-code", "--dtype", "half"])
     assert allowing.admit(request).engine_options == request.engine_options
     with pytest.raises(WarmupRefusedError, match="--warmup-allow-trust-remote-code"):
@@ -143,9 +157,25 @@ def test_trust_remote_code_passes_only_when_the_daemon_allows_it(tmp_path, root,
 
 
 def test_allowed_engine_options_pass_as_given(jobs, corpus, model) -> None:
-    options = ["--dtype", "bfloat16", "--max-model-len", "8192", "--enforce-eager", "--max-num-seqs", "4",
-               "--kv-cache-dtype=fp8", "-tp", "2", "--gpu-memory-utilization", "0.5", "--no-enable-prefix-caching",
-               "--block_size", "16", "--seed", "7"]  # fmt: skip
+    options = [
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "8192",
+        "--enforce-eager",
+        "--max-num-seqs",
+        "4",
+        "--kv-cache-dtype=fp8",
+        "-tp",
+        "2",
+        "--gpu-memory-utilization",
+        "0.5",
+        "--no-enable-prefix-caching",
+        "--block_size",
+        "16",
+        "--seed",
+        "7",
+    ]
     answer = client(jobs).post("/v1/warmup", json={"corpus": str(corpus), "model": model, "engine_options": options})
     assert answer.status_code == 202 and answer.json()["request"]["engine_options"] == options
 
@@ -199,21 +229,30 @@ def test_local_url_reaches_a_wildcard_bind_on_loopback() -> None:
     assert local_url("::1", 8600) == "http://[::1]:8600"
 
 
-def test_a_job_gets_the_index_password_on_stdin_and_none_of_the_daemons_secrets(tmp_path, root, corpus, model,
-                                                                                monkeypatch) -> None:  # fmt: skip
+def test_a_job_gets_the_index_password_on_stdin_and_none_of_the_daemons_secrets(
+    tmp_path, root, corpus, model, monkeypatch
+) -> None:
     """The job's command is replaced by a script that records what it was given."""
     dump = tmp_path / "dump"
     fake = tmp_path / "python"
     fake.write_text(f'#!/bin/sh\nenv > {dump}.env\necho "$@" > {dump}.argv\ncat > {dump}.stdin\n')
     fake.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(fake))
-    secrets = {"PREFIXCACHE_ADMIN_TOKEN": "admin-secret-0123456789", "PREFIXCACHE_REDIS_PASSWORD": "env-password",
-               "PREFIXCACHE_REDIS_URL": "redis://:url-password@127.0.0.1:1/0",
-               "PREFIXCACHE_CHUNK_KEY": "k3y-value"}  # fmt: skip
+    secrets = {
+        "PREFIXCACHE_ADMIN_TOKEN": "admin-secret-0123456789",
+        "PREFIXCACHE_REDIS_PASSWORD": "env-password",
+        "PREFIXCACHE_REDIS_URL": "redis://:url-password@127.0.0.1:1/0",
+        "PREFIXCACHE_CHUNK_KEY": "k3y-value",
+    }
     for name, value in secrets.items():
         monkeypatch.setenv(name, value)
-    jobs = WarmupJobs(tmp_path / "jobs", "http://127.0.0.1:1", tmp_path / "state", policy=WarmupPolicy((root,)),
-                      redis_password="index-password")  # fmt: skip
+    jobs = WarmupJobs(
+        tmp_path / "jobs",
+        "http://127.0.0.1:1",
+        tmp_path / "state",
+        policy=WarmupPolicy((root,)),
+        redis_password="index-password",
+    )
     jobs.start()
     try:
         api = client(jobs)

@@ -17,14 +17,14 @@ from typing import Literal
 import httpx
 import pytest
 import torch
+from prefixcache.cachestore.client.cache_client import CacheClient
+from prefixcache.cachestore.tiers.dram import first_part_rows
+from prefixcache.connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
+from prefixcache.connector.worker_side import WorkerSide
+from prefixcache.indexer.index import Location
+from prefixcache.indexer.keys import chunk_key
+from prefixcache.indexer.tokens import pack_tokens
 
-from cachestore.client import CacheClient
-from cachestore.dram import first_part_rows
-from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
-from connector.worker_side import WorkerSide
-from indexer.index import Location
-from indexer.keys import chunk_key
-from indexer.tokens import pack_tokens
 from tests.daemon_harness import (
     CallCounter,
     Daemon,
@@ -50,8 +50,9 @@ def kv_cache(memory: memoryview | None = None) -> list[torch.Tensor]:
     return list(flat.view(LAYERS, BLOCKS, PAGE_BYTES))
 
 
-def worker(daemon: Daemon, shared: bool, arena_bytes: int = 16 << 20,
-           check_threads: int | Literal["auto"] = "auto") -> WorkerSide:  # fmt: skip
+def worker(
+    daemon: Daemon, shared: bool, arena_bytes: int = 16 << 20, check_threads: int | Literal["auto"] = "auto"
+) -> WorkerSide:
     client = CacheClient.connect(daemon.url, make_spec(CHUNK_TOKENS), arena_bytes=arena_bytes)
     layers = kv_cache(client.shared_memory(LAYERS * BLOCKS * PAGE_BYTES) if shared else None)
     return WorkerSide(client, layers, BLOCK_TOKENS, check_threads=check_threads)
@@ -130,15 +131,20 @@ def equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 def partial_pages_plan(keys: list[bytes]) -> list[LoadChunk]:
     """Chunk 0 whole; chunk 1 from its second page (vLLM holds the first); chunk 2 without its last page."""
-    return [LoadChunk(keys[0], CHUNK_TOKENS, 0, [40, 41, 42, 43]), LoadChunk(keys[1], CHUNK_TOKENS, 1, [20, 22, 23]),
-            LoadChunk(keys[2], CHUNK_TOKENS, 0, [50, 51, 52])]  # fmt: skip
+    return [
+        LoadChunk(keys[0], CHUNK_TOKENS, 0, [40, 41, 42, 43]),
+        LoadChunk(keys[1], CHUNK_TOKENS, 1, [20, 22, 23]),
+        LoadChunk(keys[2], CHUNK_TOKENS, 0, [50, 51, 52]),
+    ]
 
 
 def loaded_partial_pages(loader: WorkerSide, publisher: WorkerSide) -> bool:
     """Whether ``partial_pages_plan`` put the publisher's pages into the loader's blocks."""
-    return (equal(pages(loader, [40, 41, 42, 43]), pages(publisher, [0, 1, 2, 3]))
-            and equal(pages(loader, [20, 22, 23]), pages(publisher, [5, 6, 7]))
-            and equal(pages(loader, [50, 51, 52]), pages(publisher, [8, 9, 10])))  # fmt: skip
+    return (
+        equal(pages(loader, [40, 41, 42, 43]), pages(publisher, [0, 1, 2, 3]))
+        and equal(pages(loader, [20, 22, 23]), pages(publisher, [5, 6, 7]))
+        and equal(pages(loader, [50, 51, 52]), pages(publisher, [8, 9, 10]))
+    )
 
 
 def test_a_cache_in_shared_memory_is_loaded_in_place_page_for_page(publisher, loader):
@@ -159,8 +165,14 @@ def test_a_cache_in_shared_memory_is_loaded_in_place_page_for_page(publisher, lo
 @pytest.mark.parametrize("ends_mid_block", [False, True], ids=["on-a-block-boundary", "inside-its-last-block"])
 def test_a_load_begun_at_the_steps_first_hook_is_finished_by_start_load(publisher, loader, ends_mid_block):
     keys = publish(publisher, chunks=2)
-    plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(10 + 4 * i, 14 + 4 * i)),
-                            ends_mid_block=ends_mid_block and i == 1) for i, key in enumerate(keys)]}  # fmt: skip
+    plan = {
+        "r": [
+            LoadChunk(
+                key, CHUNK_TOKENS, 0, list(range(10 + 4 * i, 14 + 4 * i)), ends_mid_block=ends_mid_block and i == 1
+            )
+            for i, key in enumerate(keys)
+        ]
+    }
     meta = PrefixCacheMetadata(loads=[plan], load_early=True)
     loader.begin_load(meta)
     loader.start_load(meta)
@@ -243,8 +255,11 @@ def test_a_damaged_dram_copy_read_in_place_is_a_load_error_and_the_next_load_rea
     plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(30 + 4 * i, 34 + 4 * i))) for i, key in enumerate(keys)]}
     assert load(loader, plan) == {34, 35, 36, 37}  # vLLM recomputes these and drops the step's output
     assert loader.loaded_chunks == loader.loaded_in_place == 1 and loader.client.stats.corrupt == 1
-    assert loader.transfers.take().data == {"loaded_chunks": 1, "loaded_bytes": PAGES * LAYERS * PAGE_BYTES,
-                                            "load_failed_blocks": 4}  # fmt: skip
+    assert loader.transfers.take().data == {
+        "loaded_chunks": 1,
+        "loaded_bytes": PAGES * LAYERS * PAGE_BYTES,
+        "load_failed_blocks": 4,
+    }
     assert loader.client.dram.contains([keys[1]]) == [False]  # the damaged copy is gone
     assert load(loader, plan) == set()
     assert loader.client.stats.read_from_disk == 1
@@ -252,8 +267,8 @@ def test_a_damaged_dram_copy_read_in_place_is_a_load_error_and_the_next_load_rea
 
 
 def test_a_dram_hits_later_layers_are_copied_while_the_forward_pass_computes_its_first(publisher, loader, monkeypatch):
-    """Each chunk's DRAM copy is its first layers and the rest (cachestore/dram.py): the step starts once the first
-    are in, and the first attention layer of the rest waits for them."""
+    """Each chunk's DRAM copy is its first layers and the rest (cachestore/tiers/dram.py): the step starts once
+    the first     are in, and the first attention layer of the rest waits for them."""
     keys = publish(publisher, chunks=2)
     copying = threading.Event()
     copy_later_layers = loader._copy_later_layers
@@ -264,8 +279,11 @@ def test_a_dram_hits_later_layers_are_copied_while_the_forward_pass_computes_its
 
     monkeypatch.setattr(loader, "_copy_later_layers", held_back)
     blocks = list(range(20, 28))
-    loader.start_load(PrefixCacheMetadata(loads=[{"r": [LoadChunk(key, CHUNK_TOKENS, 0, blocks[4 * i : 4 * i + 4])
-                                                        for i, key in enumerate(keys)]}]))  # fmt: skip
+    loader.start_load(
+        PrefixCacheMetadata(
+            loads=[{"r": [LoadChunk(key, CHUNK_TOKENS, 0, blocks[4 * i : 4 * i + 4]) for i, key in enumerate(keys)]}]
+        )
+    )
     published = pages(publisher, list(range(8)))
     first = first_part_rows(LAYERS)
     assert equal(pages(loader, blocks)[:first], published[:first])  # in when start_load_kv returns
@@ -325,8 +343,9 @@ def test_a_forged_dram_copy_read_in_place_is_a_load_error_counted_as_a_mac_failu
 
 @pytest.mark.parametrize("damage", [damage_dram_copy, forge_dram_copy], ids=["flipped-byte", "forged"])
 @pytest.mark.parametrize("check_threads", [0, 4], ids=["checked-by-the-fetch", "checked-while-the-next-is-read"])
-def test_a_damaged_dram_copy_loaded_through_slots_is_read_from_nvme_in_the_same_load(daemon, publisher, check_threads,
-                                                                                     damage):  # fmt: skip
+def test_a_damaged_dram_copy_loaded_through_slots_is_read_from_nvme_in_the_same_load(
+    daemon, publisher, check_threads, damage
+):
     """A GPU's path: every chunk is verified before anything of it is placed (check threads: a GPU worker's
     default), so a copy with a flipped byte, or forged (a valid header over zeros, signed with another key), never
     reaches the pages; both fail the MAC."""
@@ -335,8 +354,9 @@ def test_a_damaged_dram_copy_loaded_through_slots_is_read_from_nvme_in_the_same_
         keys = publish(publisher, chunks=2)
         wait_persisted(loader.client, keys)
         damage(loader.client.dram, keys[1])
-        plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(30 + 4 * i, 34 + 4 * i)))
-                      for i, key in enumerate(keys)]}  # fmt: skip
+        plan = {
+            "r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(30 + 4 * i, 34 + 4 * i))) for i, key in enumerate(keys)]
+        }
         before = reported_client_use(daemon, loader.client)
         assert load(loader, plan) == set()
         assert loader.loaded_chunks == 2 and loader.loaded_in_place == 0
@@ -344,7 +364,10 @@ def test_a_damaged_dram_copy_loaded_through_slots_is_read_from_nvme_in_the_same_
         # the node's statistics count the damaged copy as corrupt, and each chunk fetched once, however it was checked
         after = reported_client_use(daemon, loader.client)
         assert {name: after[name] - before[name] for name in ("corrupt_chunks", "mac_failures", "fetched_chunks")} == {
-            "corrupt_chunks": 1, "mac_failures": 1, "fetched_chunks": 2}  # fmt: skip
+            "corrupt_chunks": 1,
+            "mac_failures": 1,
+            "fetched_chunks": 2,
+        }
         assert loader.client.dram.contains([keys[1]]) == [False]  # the damaged copy is gone
         assert equal(pages(loader, list(range(30, 38))), pages(publisher, list(range(8))))
     finally:
@@ -355,9 +378,16 @@ def test_a_request_whose_load_failed_publishes_nothing_that_step(daemon, publish
     keys = publish(publisher, chunks=1)
     damage_dram_copy(loader.client.dram, keys[0])
     loader.start_load(PrefixCacheMetadata(loads=[{"bad": [LoadChunk(keys[0], CHUNK_TOKENS, 0, [0, 1, 2, 3])]}]))
-    fresh = [SaveChunk(request, [loader.client.spec.root()], pack_tokens(range(7000 + i, 7000 + i + CHUNK_TOKENS)),
-                       [8 + 4 * i + p for p in range(PAGES)], None)
-             for i, request in enumerate(["bad", "good"])]  # fmt: skip
+    fresh = [
+        SaveChunk(
+            request,
+            [loader.client.spec.root()],
+            pack_tokens(range(7000 + i, 7000 + i + CHUNK_TOKENS)),
+            [8 + 4 * i + p for p in range(PAGES)],
+            None,
+        )
+        for i, request in enumerate(["bad", "good"])
+    ]
     loader.save(PrefixCacheMetadata(saves=fresh))
     assert loader.take_load_errors() == {0, 1, 2, 3}
     deadline = time.monotonic() + 10
@@ -376,8 +406,13 @@ def test_chunks_missing_from_dram_load_through_slots_from_nvme(daemon, publisher
     assert publisher.client.dram.delete(keys[1:]) == 2  # the first chunk is read in place, the rest come from disk
     loader = worker(daemon, shared=True)
     try:
-        assert load(loader, {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(4 * i, 4 * i + 4)))
-                                   for i, key in enumerate(keys)]}) == set()  # fmt: skip
+        assert (
+            load(
+                loader,
+                {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(4 * i, 4 * i + 4))) for i, key in enumerate(keys)]},
+            )
+            == set()
+        )
         assert loader.loaded_chunks == 3 and loader.client.stats.read_from_disk == 2
         assert equal(pages(loader, list(range(12))), pages(publisher, list(range(12))))
     finally:
@@ -391,8 +426,12 @@ def test_chunks_missing_from_dram_are_read_from_nvme_from_the_steps_first_hook(d
     loader = worker(daemon, shared=True)
     try:
         # the lookup says which chunks DRAM lacks: the first is read from disk at once, the second found missing
-        plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(20 + 4 * i, 24 + 4 * i)), in_dram=i > 0)
-                      for i, key in enumerate(keys)]}  # fmt: skip
+        plan = {
+            "r": [
+                LoadChunk(key, CHUNK_TOKENS, 0, list(range(20 + 4 * i, 24 + 4 * i)), in_dram=i > 0)
+                for i, key in enumerate(keys)
+            ]
+        }
         meta = PrefixCacheMetadata(loads=[plan], load_early=True)
         loader.begin_load(meta)
         loader.start_load(meta)
@@ -422,9 +461,18 @@ def locations(client: CacheClient, key: bytes) -> list[Location]:
 
 def from_nvme(keys: list[bytes], first_block: int, first_page: int = 0) -> dict[str, list[LoadChunk]]:
     """A request's plan for chunks the lookup found on NVMe alone, into consecutive blocks from ``first_block``."""
-    return {"r": [LoadChunk(key, CHUNK_TOKENS, first_page,
-                            list(range(first_block + i * PAGES, first_block + (i + 1) * PAGES))[first_page:],
-                            in_dram=False) for i, key in enumerate(keys)]}  # fmt: skip
+    return {
+        "r": [
+            LoadChunk(
+                key,
+                CHUNK_TOKENS,
+                first_page,
+                list(range(first_block + i * PAGES, first_block + (i + 1) * PAGES))[first_page:],
+                in_dram=False,
+            )
+            for i, key in enumerate(keys)
+        ]
+    }
 
 
 def test_chunks_on_nvme_alone_are_read_into_their_pages_layer_by_layer_then_stored_back_into_dram(publisher, loader):
@@ -557,8 +605,12 @@ def test_a_load_from_nvme_larger_than_the_arena_loads_whole_and_its_last_window_
     assert publisher.client.dram.delete(keys) == 8
     small = worker(daemon, shared=False, arena_bytes=THREE_SLOTS)  # in shared memory, they are read layer by layer
     try:
-        plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(4 * i, 4 * i + 4)), in_dram=False)
-                      for i, key in enumerate(keys)]}  # fmt: skip
+        plan = {
+            "r": [
+                LoadChunk(key, CHUNK_TOKENS, 0, list(range(4 * i, 4 * i + 4)), in_dram=False)
+                for i, key in enumerate(keys)
+            ]
+        }
         assert load(small, plan) == set()
         assert small.loaded_chunks == 8 and small.client.stats.read_from_disk == 8
         assert equal(pages(small, list(range(32))), pages(publisher, list(range(32))))
@@ -597,8 +649,13 @@ def test_a_step_publishing_more_than_the_arena_holds_publishes_what_fits_and_say
 
 def worker_process_across(daemon: Daemon, break_attachment: Callable[[subprocess.Popen], None]) -> dict:
     """Run tests/worker_process.py against ``daemon``, breaking its attachment once it is ready; its report."""
-    child = subprocess.Popen([sys.executable, "-m", "tests.worker_process", daemon.url], cwd=REPO, text=True,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tests.worker_process", daemon.url],
+        cwd=REPO,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     try:
         assert child.stdout.readline().strip() == "ready"
         break_attachment(child)
@@ -654,9 +711,12 @@ def finished_async(w: WorkerSide, timeout_s: float = 10) -> set[str]:
 
 def test_an_asynchronous_load_is_reported_over_once_its_pages_are_in_beside_a_synchronous_one(publisher, loader):
     keys = publish(publisher, chunks=3)
-    loads = {"now": [LoadChunk(keys[0], CHUNK_TOKENS, 0, [0, 1, 2, 3])],
-             "later": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(4 * i, 4 * i + 4))) for i, key in enumerate(keys)
-                       if i > 0]}  # fmt: skip
+    loads = {
+        "now": [LoadChunk(keys[0], CHUNK_TOKENS, 0, [0, 1, 2, 3])],
+        "later": [
+            LoadChunk(key, CHUNK_TOKENS, 0, list(range(4 * i, 4 * i + 4))) for i, key in enumerate(keys) if i > 0
+        ],
+    }
     loader.start_load(PrefixCacheMetadata(loads=[loads], load_async={"later"}))
     forward_pass(loader)
     assert loader.take_load_errors() == set()
@@ -683,8 +743,12 @@ def test_an_asynchronous_load_from_nvme_puts_what_it_read_back_into_dram(daemon,
     assert publisher.client.dram.delete(keys) == 2
     loader = worker(daemon, shared=True)
     try:
-        plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(8 + 4 * i, 12 + 4 * i)), in_dram=False)
-                      for i, key in enumerate(keys)]}  # fmt: skip
+        plan = {
+            "r": [
+                LoadChunk(key, CHUNK_TOKENS, 0, list(range(8 + 4 * i, 12 + 4 * i)), in_dram=False)
+                for i, key in enumerate(keys)
+            ]
+        }
         loader.start_load(PrefixCacheMetadata(loads=[plan], load_async={"r"}))
         assert finished_async(loader) == {"r"}
         assert loader.take_load_errors() == set() and loader.client.stats.read_from_disk == 2

@@ -16,12 +16,12 @@ import sys
 import time
 
 import torch
+from prefixcache.cachestore.client.cache_client import CacheClient
+from prefixcache.connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
+from prefixcache.connector.worker_side import WorkerSide
+from prefixcache.indexer.keys import chunk_key
+from prefixcache.indexer.tokens import pack_tokens
 
-from cachestore.client import CacheClient
-from connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
-from connector.worker_side import WorkerSide
-from indexer.keys import chunk_key
-from indexer.tokens import pack_tokens
 from tests.daemon_harness import make_spec, wait_persisted
 
 LAYERS, BLOCKS, BLOCK_TOKENS, PAGE_BYTES, CHUNK_TOKENS = 2, 32, 16, 4096, 64

@@ -23,10 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
+from prefixcache.indexer.chunking import PROBE_TOKENS
+from prefixcache.indexer.errors import ConfigError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
-from indexer.chunking import PROBE_TOKENS
-from indexer.errors import ConfigError
 
 MAX_TOKEN_ID = (1 << 32) - 1
 

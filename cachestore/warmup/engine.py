@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from cachestore.warmup.corpus import ModelLimits
-from indexer.errors import ConfigError
-from indexer.namespace import NamespaceSpec
+from prefixcache.cachestore.warmup.corpus import ModelLimits
+from prefixcache.indexer.errors import ConfigError
+from prefixcache.indexer.namespace import NamespaceSpec
 
-WORKER_EXTENSION = "cachestore.warmup.worker_extension.PrefixCacheWorkerExtension"
+WORKER_EXTENSION = "prefixcache.cachestore.warmup.worker_extension.PrefixCacheWorkerExtension"
 #: Engine options the warm-up sets itself: the model through its own flags, the connector always.
 _OWN_OPTIONS = {
     "model": "pass the model with --model",
@@ -42,8 +42,12 @@ class ConnectorOptions:
             extra["arena_mb"] = self.arena_mb
         if self.redis_password:
             extra["redis_password"] = self.redis_password
-        return {"kv_connector": "PrefixCacheConnector", "kv_connector_module_path": "connector",
-                "kv_role": "kv_producer", "kv_connector_extra_config": extra}  # fmt: skip
+        return {
+            "kv_connector": "PrefixCacheConnector",
+            "kv_connector_module_path": "prefixcache.connector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": extra,
+        }
 
 
 def engine_args(model: str, tokenizer: str | None, options: Sequence[str], connector: ConnectorOptions) -> Any:
@@ -80,8 +84,10 @@ def engine_shards(answers: Sequence[str]) -> list[NamespaceSpec]:
     reported = Counter(NamespaceSpec.model_validate_json(a) for a in answers)
     specs = sorted(reported, key=lambda spec: spec.shard)
     if not specs or specs != specs[0].shards() or len(set(reported.values())) != 1:
-        raise ConfigError(f"workers report namespaces of shards {sorted(spec.shard for spec in reported.elements())}: "
-                          "expected every pipeline stage and tensor-parallel rank, as often as each other")  # fmt: skip
+        raise ConfigError(
+            f"workers report namespaces of shards {sorted(spec.shard for spec in reported.elements())}: "
+            "expected every pipeline stage and tensor-parallel rank, as often as each other"
+        )
     return specs
 
 

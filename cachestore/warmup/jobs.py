@@ -25,13 +25,11 @@ import time
 from pathlib import Path
 from typing import Literal, TypeVar
 
+from prefixcache.cachestore.host.processes import _die_with_parent
+from prefixcache.cachestore.warmup.policy import TENANT_ENV, WarmupPolicy, scrubbed_environment
+from prefixcache.cachestore.warmup.progress import Snapshot
+from prefixcache.cachestore.warmup.report import Report
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-
-from cachestore.processes import _die_with_parent
-from cachestore.warmup.command import TENANT_ENV
-from cachestore.warmup.policy import WarmupPolicy, scrubbed_environment
-from cachestore.warmup.progress import Snapshot
-from cachestore.warmup.report import Report
 
 CANCEL_GRACE_S = 60.0
 LOG_TAIL_LINES = 30
@@ -45,8 +43,11 @@ class WarmupRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    corpus: str = Field(min_length=1, max_length=4096, description="absolute path, in a warm-up root, of a JSONL "
-                        "file or a folder of text files")  # fmt: skip
+    corpus: str = Field(
+        min_length=1,
+        max_length=4096,
+        description="absolute path, in a warm-up root, of a JSONL file or a folder of text files",
+    )
     model: str = Field(min_length=1, max_length=4096, description="absolute path of the model in a warm-up root")
     tokenizer: str | None = Field(default=None, min_length=1, max_length=4096, description="as model")
     tenant: str | None = Field(default=None, min_length=1, description="cache_salt of lines without their own")
@@ -103,9 +104,15 @@ class _Job:
 
 
 class WarmupJobs:
-    def __init__(self, directory: Path, service_url: str, state_dir: Path,
-                 engine_cpus: frozenset[int] | None = None, policy: WarmupPolicy | None = None,
-                 redis_password: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        directory: Path,
+        service_url: str,
+        state_dir: Path,
+        engine_cpus: frozenset[int] | None = None,
+        policy: WarmupPolicy | None = None,
+        redis_password: str | None = None,
+    ) -> None:
         """``engine_cpus``: the CPUs a job's engine runs on (None: the daemon's own); ``policy``: what jobs may run
         (None: nothing, no warm-up roots); ``redis_password``: the index's, handed to each child on its stdin."""
         self.directory = directory
@@ -200,10 +207,26 @@ class WarmupJobs:
 
     def _spawn(self, job: _Job) -> subprocess.Popen[bytes]:
         r = job.request
-        argv = [sys.executable, "-m", "cachestore", "warmup", r.corpus, "--model", r.model,
-                "--service-url", self.service_url, "--state-dir", str(self.state_dir),
-                "--batch-size", str(r.batch_size), "--on-error", r.on_error,
-                "--json", "--progress-file", str(job.progress_path)]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "prefixcache.cachestore",
+            "warmup",
+            r.corpus,
+            "--model",
+            r.model,
+            "--service-url",
+            self.service_url,
+            "--state-dir",
+            str(self.state_dir),
+            "--batch-size",
+            str(r.batch_size),
+            "--on-error",
+            r.on_error,
+            "--json",
+            "--progress-file",
+            str(job.progress_path),
+        ]
         if self._redis_password:
             argv.append("--redis-password-stdin")
         for flag, value in (("--tokenizer", r.tokenizer), ("--max-prompts", r.max_prompts), ("--arena-mb", r.arena_mb)):
@@ -214,8 +237,15 @@ class WarmupJobs:
             env[TENANT_ENV] = r.tenant
         stdin = subprocess.PIPE if self._redis_password else subprocess.DEVNULL
         with open(job.report_path, "wb") as out, open(job.log_path, "ab") as log:
-            proc = subprocess.Popen([*argv, "--", *r.engine_options], stdout=out, stderr=log, stdin=stdin,
-                                    env=env, start_new_session=True, preexec_fn=self._child_setup)  # fmt: skip
+            proc = subprocess.Popen(
+                [*argv, "--", *r.engine_options],
+                stdout=out,
+                stderr=log,
+                stdin=stdin,
+                env=env,
+                start_new_session=True,
+                preexec_fn=self._child_setup,
+            )
         if proc.stdin is not None:  # a line, far below a pipe's buffer: never blocks
             with contextlib.suppress(BrokenPipeError):
                 proc.stdin.write(self._redis_password.encode() + b"\n")
@@ -234,10 +264,17 @@ class WarmupJobs:
     def _view(self, job: _Job) -> WarmupJob:
         shown = job.request.model_copy(update={"tenant": "***" if job.request.tenant else None})
         return WarmupJob(
-            id=job.id, status=job.status, request=shown, submitted_s=job.submitted_s, started_s=job.started_s,
-            finished_s=job.finished_s, exit_code=job.exit_code, progress=_read(job.progress_path, Snapshot),
-            report=_read(job.report_path, Report) if job.finished_s else None, error=job.error,
-        )  # fmt: skip
+            id=job.id,
+            status=job.status,
+            request=shown,
+            submitted_s=job.submitted_s,
+            started_s=job.started_s,
+            finished_s=job.finished_s,
+            exit_code=job.exit_code,
+            progress=_read(job.progress_path, Snapshot),
+            report=_read(job.report_path, Report) if job.finished_s else None,
+            error=job.error,
+        )
 
 
 def local_url(host: str, port: int) -> str:

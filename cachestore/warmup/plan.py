@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeVar
 
-from indexer.chunking import PROBE_TOKENS
-from indexer.index import PrefixMatch
+from prefixcache.indexer.chunking import PROBE_TOKENS
+from prefixcache.indexer.index import PrefixMatch
 
 T = TypeVar("T")
 

@@ -28,7 +28,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from indexer.errors import ConfigError
+from prefixcache.indexer.errors import ConfigError
+
+#: The daemon hands a job's tenant salt over in the environment, never in argv (visible to every user).
+TENANT_ENV = "PREFIXCACHE_WARMUP_TENANT"
 
 
 class WarmupRefusedError(ConfigError):
@@ -127,11 +130,15 @@ def check_engine_options(options: Sequence[str], allow_trust_remote_code: bool =
         elif name in ENGINE_OPTIONS:
             check = ENGINE_OPTIONS[name]
         elif name == TRUST_REMOTE_CODE:
-            raise WarmupRefusedError("engine option --trust-remote-code runs the model's own code: the daemon must "
-                                     "be started with --warmup-allow-trust-remote-code to accept it")  # fmt: skip
+            raise WarmupRefusedError(
+                "engine option --trust-remote-code runs the model's own code: the daemon must "
+                "be started with --warmup-allow-trust-remote-code to accept it"
+            )
         else:
-            raise WarmupRefusedError(f"engine option {_shown(token.partition('=')[0])} is not allowed in daemon "
-                                     f"warm-up jobs (allowed: {_ALLOWED}, and their --no- forms)")  # fmt: skip
+            raise WarmupRefusedError(
+                f"engine option {_shown(token.partition('=')[0])} is not allowed in daemon "
+                f"warm-up jobs (allowed: {_ALLOWED}, and their --no- forms)"
+            )
         if check is None:
             if joined:
                 raise WarmupRefusedError(f"engine option --{name} takes no value")
@@ -161,10 +168,13 @@ class WarmupPolicy:
         """``value`` as an absolute path with symlinks resolved, if it names an existing file or folder inside a
         root; else refused, with one message for missing and outside alike."""
         if not self.roots:
-            raise WarmupRefusedError("this daemon accepts no warm-up jobs by path: start it with --warmup-root "
-                                     "FOLDER (PREFIXCACHE_WARMUP_ROOTS), where models and corpora lie")  # fmt: skip
-        refused = WarmupRefusedError(f"{field} must be an absolute path to an existing file or folder inside the "
-                                     "daemon's warm-up roots")  # fmt: skip
+            raise WarmupRefusedError(
+                "this daemon accepts no warm-up jobs by path: start it with --warmup-root "
+                "FOLDER (PREFIXCACHE_WARMUP_ROOTS), where models and corpora lie"
+            )
+        refused = WarmupRefusedError(
+            f"{field} must be an absolute path to an existing file or folder inside the daemon's warm-up roots"
+        )
         path = Path(value)
         if not path.is_absolute() or "\0" in value:
             raise refused

@@ -61,20 +61,32 @@ class ProgressReporter:
         self._task = None
         if console is not None:
             self._bar = Progress(
-                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts"),
-                TextColumn("{task.fields[detail]}"), TimeElapsedColumn(), TextColumn("ETA {task.fields[eta]}"),
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("prompts"),
+                TextColumn("{task.fields[detail]}"),
+                TimeElapsedColumn(),
+                TextColumn("ETA {task.fields[eta]}"),
                 console=console,
-            )  # fmt: skip
+            )
             self._task = self._bar.add_task("warm-up", total=None, detail="", eta="-")
             self._bar.start()
 
     def update(self, phase: Phase, counters: Counters, eta_s: float | None = None) -> None:
         if self._bar is not None and self._task is not None:
-            detail = (f"{counters.tokens_computed:,} tok computed, {counters.tokens_skipped:,} skipped (cached), "
-                      f"{counters.chunks_added} chunks / {_mib(counters.bytes_added)} stored")  # fmt: skip
-            self._bar.update(self._task, description=phase, total=counters.prompts_total or None,
-                             completed=counters.prompts_done, detail=detail,
-                             eta="-" if eta_s is None else f"{eta_s:.0f}s")  # fmt: skip
+            detail = (
+                f"{counters.tokens_computed:,} tok computed, {counters.tokens_skipped:,} skipped (cached), "
+                f"{counters.chunks_added} chunks / {_mib(counters.bytes_added)} stored"
+            )
+            self._bar.update(
+                self._task,
+                description=phase,
+                total=counters.prompts_total or None,
+                completed=counters.prompts_done,
+                detail=detail,
+                eta="-" if eta_s is None else f"{eta_s:.0f}s",
+            )
         if self.path is not None:
             snapshot = Snapshot(phase=phase, counters=counters, elapsed_s=time.monotonic() - self.started, eta_s=eta_s)
             write_atomically(self.path, snapshot.model_dump_json())

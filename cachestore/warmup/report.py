@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
+from prefixcache.cachestore.warmup.progress import Counters
 from pydantic import BaseModel, computed_field
 from rich.table import Table
-
-from cachestore.warmup.progress import Counters
 
 #: finished: every prompt is done; nothing_to_do: it already was; stopped: --max-prompts reached;
 #: incomplete: some prompts' chunks never reached the index (rerun retries them); interrupted: SIGINT/SIGTERM
@@ -54,7 +53,7 @@ def table(report: Report) -> Table:
         (
             "time",
             f"{report.total_s:.1f} s (engine start {report.engine_start_s:.1f} s, compute {report.compute_s:.1f} s)",
-        ),  # fmt: skip
+        ),
     ]
     for name, value in rows:
         t.add_row(name, value)

@@ -21,23 +21,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from prefixcache.cachestore.api.app import ClientConfig
+from prefixcache.cachestore.client.cache_client import fetch_config, index_url
+from prefixcache.cachestore.node.settings import default_data_dir
+from prefixcache.cachestore.warmup import plan
+from prefixcache.cachestore.warmup.corpus import CorpusError, CorpusPrompt, Problem, check_against_model, read_corpus
+from prefixcache.cachestore.warmup.engine import ConnectorOptions, WarmupEngine, engine_args
+from prefixcache.cachestore.warmup.progress import Counters, Phase, ProgressReporter, eta
+from prefixcache.cachestore.warmup.report import Outcome, Report
+from prefixcache.cachestore.warmup.state import JobState, StateFile, job_id
+from prefixcache.indexer.chunking import PROBE_TOKENS, ChunkGeometry
+from prefixcache.indexer.fingerprint import fingerprint_model
+from prefixcache.indexer.index import ChunkEntry
+from prefixcache.indexer.keys import PrefixHasher, extend_all
+from prefixcache.indexer.namespace import NamespaceSpec, tenant_id
+from prefixcache.indexer.redis_index import RedisIndex
 from pydantic import BaseModel, ConfigDict, Field
-
-from cachestore.api import ClientConfig
-from cachestore.client import fetch_config, index_url
-from cachestore.settings import default_data_dir
-from cachestore.warmup import plan
-from cachestore.warmup.corpus import CorpusError, CorpusPrompt, Problem, check_against_model, read_corpus
-from cachestore.warmup.engine import ConnectorOptions, WarmupEngine, engine_args
-from cachestore.warmup.progress import Counters, Phase, ProgressReporter, eta
-from cachestore.warmup.report import Outcome, Report
-from cachestore.warmup.state import JobState, StateFile, job_id
-from indexer.chunking import PROBE_TOKENS, ChunkGeometry
-from indexer.fingerprint import fingerprint_model
-from indexer.index import ChunkEntry
-from indexer.keys import PrefixHasher, extend_all
-from indexer.namespace import NamespaceSpec, tenant_id
-from indexer.redis_index import RedisIndex
 
 SETTLE_TIMEOUT_S = 30.0
 SETTLE_POLL_S = 0.05
@@ -124,9 +123,15 @@ class WarmupRun:
     def _identity(self, corpus_digest: str, config: ClientConfig) -> dict[str, object]:
         """What decides the chunks a job stores; the tenant salt enters only as its non-reversible id."""
         o = self.o
-        return {"corpus": corpus_digest, "model": o.model, "fingerprint": fingerprint_model(o.model),
-                "tokenizer": o.tokenizer, "tenant": tenant_id(o.tenant), "engine": o.engine_options,
-                "index": [config.redis_url, config.key_prefix, config.chunk_tokens]}  # fmt: skip
+        return {
+            "corpus": corpus_digest,
+            "model": o.model,
+            "fingerprint": fingerprint_model(o.model),
+            "tokenizer": o.tokenizer,
+            "tenant": tenant_id(o.tenant),
+            "engine": o.engine_options,
+            "index": [config.redis_url, config.key_prefix, config.chunk_tokens],
+        }
 
     def _accept(self, problems: Sequence[Problem]) -> None:
         """Fail the job on bad input, or list it and go on, as ``on_error`` says."""
@@ -135,12 +140,20 @@ class WarmupRun:
         if self.o.on_error == "fail":
             shown = "\n  ".join(str(p) for p in problems[:SHOWN_PROBLEMS])
             more = f"\n  ... and {len(problems) - SHOWN_PROBLEMS} more" if len(problems) > SHOWN_PROBLEMS else ""
-            raise CorpusError(f"{len(problems)} bad corpus entries, nothing was computed "
-                              f"(--on-error skip leaves them out):\n  {shown}{more}")  # fmt: skip
+            raise CorpusError(
+                f"{len(problems)} bad corpus entries, nothing was computed "
+                f"(--on-error skip leaves them out):\n  {shown}{more}"
+            )
         self.problems.extend(problems)
 
-    def _warm(self, engine: WarmupEngine, config: ClientConfig, pending: list[CorpusPrompt], state: JobState,
-              state_file: StateFile) -> Outcome:  # fmt: skip
+    def _warm(
+        self,
+        engine: WarmupEngine,
+        config: ClientConfig,
+        pending: list[CorpusPrompt],
+        state: JobState,
+        state_file: StateFile,
+    ) -> Outcome:
         specs = engine.namespaces()
         state.namespace = specs[0].digest.hex()
         ready, problems = check_against_model(pending, engine.encode, engine.limits())
@@ -149,8 +162,10 @@ class WarmupRun:
             state.outcomes[problem.key or problem.where] = "invalid"
         self.counters.prompts_invalid += len(problems)
         state_file.save(state)
-        prompts = [_Prompt(r.prompt.key, r.token_ids, r.prompt.tenant,
-                           self._hashers(specs, r.prompt.tenant, r.token_ids)) for r in ready]  # fmt: skip
+        prompts = [
+            _Prompt(r.prompt.key, r.token_ids, r.prompt.tenant, self._hashers(specs, r.prompt.tenant, r.token_ids))
+            for r in ready
+        ]
         index = RedisIndex(index_url(config, self.o.redis_password), key_prefix=config.key_prefix)
         self.warming_started = time.monotonic()
         try:
@@ -159,8 +174,9 @@ class WarmupRun:
             self.warming_s = time.monotonic() - self.warming_started
             index.close()
 
-    def _run_waves(self, engine: WarmupEngine, index: RedisIndex, prompts: list[_Prompt], state: JobState,
-                   state_file: StateFile) -> Outcome:  # fmt: skip
+    def _run_waves(
+        self, engine: WarmupEngine, index: RedisIndex, prompts: list[_Prompt], state: JobState, state_file: StateFile
+    ) -> Outcome:
         budget = self.o.max_prompts
         for wave in plan.waves([p.hashers[0].keys for p in prompts]):
             todo = [p for p in (prompts[i] for i in wave) if not self._skip_if_cached(index, p, state)]
@@ -231,8 +247,16 @@ class WarmupRun:
         self._phase("done")
         total = time.monotonic() - self.started
         return Report(
-            job_id=state.job_id, outcome=outcome, corpus=state.corpus, model=state.model, namespace=state.namespace,
-            state_file=str(state_file.path), counters=self.counters, engine_start_s=round(self.engine_start_s, 2),
-            compute_s=round(self.warming_s, 2), total_s=round(total, 2),
-            problems=[str(p) for p in self.problems[:SHOWN_PROBLEMS]], problems_total=len(self.problems),
-        )  # fmt: skip
+            job_id=state.job_id,
+            outcome=outcome,
+            corpus=state.corpus,
+            model=state.model,
+            namespace=state.namespace,
+            state_file=str(state_file.path),
+            counters=self.counters,
+            engine_start_s=round(self.engine_start_s, 2),
+            compute_s=round(self.warming_s, 2),
+            total_s=round(total, 2),
+            problems=[str(p) for p in self.problems[:SHOWN_PROBLEMS]],
+            problems_total=len(self.problems),
+        )

@@ -55,9 +55,12 @@ def max_logprob_diff(reference: dict, candidate: dict, upto: int | None = None) 
 
 
 def same_greedy_output(
-    reference: dict, candidate: dict, tolerance: float = NEAR_TIE_LOGPROB, logprob_atol: float | None = None,
+    reference: dict,
+    candidate: dict,
+    tolerance: float = NEAR_TIE_LOGPROB,
+    logprob_atol: float | None = None,
     mirrored_tie: bool = False,
-) -> tuple[bool, str]:  # fmt: skip
+) -> tuple[bool, str]:
     """Whether ``candidate`` generated what ``reference`` did, up to near-ties; returns (ok, reason).
 
     ``reference`` and ``candidate`` are per-prompt outputs (``{"token_ids", "logprobs", ...}``). With

@@ -48,8 +48,12 @@ def run_engine(spec: dict, workdir: Path, name: str, timeout_s: float = 600, env
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.e2e.run_vllm", str(spec_path), str(out_path)],
-            cwd=REPO, env=vllm_env(env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            cwd=REPO,
+            env=vllm_env(env),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             rc = proc.wait(timeout_s)
         except subprocess.TimeoutExpired:

@@ -26,10 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from connector import PrefixCacheConnector
-from connector.metadata import LoadChunk, PrefixCacheMetadata
-from indexer.keys import chunk_key
+from prefixcache.connector import PrefixCacheConnector
+from prefixcache.connector.metadata import LoadChunk, PrefixCacheMetadata
+from prefixcache.indexer.keys import chunk_key
 
 
 class ProbeConnector(PrefixCacheConnector):

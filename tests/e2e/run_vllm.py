@@ -81,11 +81,32 @@ import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
-_KEYS = {"model", "prompts", "max_tokens", "prefix_caching", "kv_transfer_config", "kv_transfer_params",
-         "max_num_batched_tokens", "kv_cache_dtype", "logprobs", "tensor_parallel_size",
-         "pipeline_parallel_size", "loras", "beside",
-         "reset_prefix_cache_before", "together", "num_gpu_blocks", "max_num_seqs",
-         "max_model_len", "images", "dtype", "async_scheduling", "in_process", "prompt_logprobs", "gate"}  # fmt: skip
+_KEYS = {
+    "model",
+    "prompts",
+    "max_tokens",
+    "prefix_caching",
+    "kv_transfer_config",
+    "kv_transfer_params",
+    "max_num_batched_tokens",
+    "kv_cache_dtype",
+    "logprobs",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "loras",
+    "beside",
+    "reset_prefix_cache_before",
+    "together",
+    "num_gpu_blocks",
+    "max_num_seqs",
+    "max_model_len",
+    "images",
+    "dtype",
+    "async_scheduling",
+    "in_process",
+    "prompt_logprobs",
+    "gate",
+}
 
 
 class SpecError(ValueError):
@@ -138,8 +159,10 @@ def load_spec(path: Path) -> dict:
     if not isinstance(together, bool) and not (
         isinstance(together, list) and all(type(n) is int and n > 0 for n in together) and sum(together) == len(prompts)
     ):
-        raise SpecError(f"spec.together must be true, false or a list of positive group sizes adding up to the "
-                        f"prompts ({len(prompts)}), got {together!r}")  # fmt: skip
+        raise SpecError(
+            f"spec.together must be true, false or a list of positive group sizes adding up to the "
+            f"prompts ({len(prompts)}), got {together!r}"
+        )
     submissions = len(groups_of(spec) or prompts)
     beside = spec.get("beside")
     if beside is not None and (
@@ -147,8 +170,9 @@ def load_spec(path: Path) -> dict:
         or len(beside.get("prompts") or ()) != submissions
         or not 0 < int(beside.get("after_tokens", 0)) < int(beside.get("max_tokens", 0))
     ):
-        raise SpecError("spec.beside needs a prompt per prompt (per group, with together) and "
-                        "0 < after_tokens < max_tokens")  # fmt: skip
+        raise SpecError(
+            "spec.beside needs a prompt per prompt (per group, with together) and 0 < after_tokens < max_tokens"
+        )
     for name in ("num_gpu_blocks", "max_model_len", "max_num_seqs"):
         if name in spec and not (type(spec[name]) is int and spec[name] > 0):
             raise SpecError(f"spec.{name} must be a positive integer, got {spec[name]!r}")
@@ -257,10 +281,19 @@ def run(spec: dict) -> tuple[dict, object]:
     if groups := groups_of(spec):
         runs = _generate_together(llm, inputs, params, groups, beside)
     else:  # lazily: each prompt runs (after its reset) only when the loop below reaches it
-        runs = (_generate_alone(llm, i, prompt, sampling_params, adapters.get(lora), beside, i in resets,
-                                gate if gate is not None and gate["before"] == i else None)
-                for i, (prompt, lora, sampling_params) in enumerate(zip(inputs, loras, params,
-                                                                        strict=True)))  # fmt: skip
+        runs = (
+            _generate_alone(
+                llm,
+                i,
+                prompt,
+                sampling_params,
+                adapters.get(lora),
+                beside,
+                i in resets,
+                gate if gate is not None and gate["before"] == i else None,
+            )
+            for i, (prompt, lora, sampling_params) in enumerate(zip(inputs, loras, params, strict=True))
+        )
     for result, beside_token_s, wall_s in runs:
         completion = result.outputs[0]
         metrics = result.metrics
@@ -282,8 +315,13 @@ def run(spec: dict) -> tuple[dict, object]:
         )
     metrics = llm.get_metrics()
     preemptions = sum(int(metric.value) for metric in metrics if metric.name == "vllm:num_preemptions")
-    return {"engine_start_s": engine_start_s, "import_s": import_s, "outputs": outputs, "preemptions": preemptions,
-            "metrics": _cache_metrics(metrics)}, llm  # fmt: skip
+    return {
+        "engine_start_s": engine_start_s,
+        "import_s": import_s,
+        "outputs": outputs,
+        "preemptions": preemptions,
+        "metrics": _cache_metrics(metrics),
+    }, llm
 
 
 def _cache_metrics(metrics: list) -> dict[str, int]:
@@ -324,8 +362,9 @@ def _engine_input(prompt: list[int], image_seed: int | None) -> dict:
     return {"prompt_token_ids": prompt, "multi_modal_data": {"image": random_image(image_seed)}}
 
 
-def _generate_together(llm, inputs: list[dict], params: list, groups: list[int], beside: dict | None
-                       ) -> Iterator[tuple[object, list[float] | None, float]]:  # fmt: skip
+def _generate_together(
+    llm, inputs: list[dict], params: list, groups: list[int], beside: dict | None
+) -> Iterator[tuple[object, list[float] | None, float]]:
     """Each group of ``groups`` consecutive prompts in one call, side by side (beside decode ``g`` of ``beside``,
     if given, for group ``g``); per prompt its output, the decode's token times, and its group's wall time."""
     starts = itertools.accumulate(groups, initial=0)
@@ -340,8 +379,9 @@ def _generate_together(llm, inputs: list[dict], params: list, groups: list[int],
         yield from ((result, beside_token_s, wall_s) for result in results)
 
 
-def _generate_alone(llm, i: int, prompt: dict, params, lora, beside: dict | None, reset: bool, gate: dict | None
-                    ) -> tuple[object, list[float] | None, float]:  # fmt: skip
+def _generate_alone(
+    llm, i: int, prompt: dict, params, lora, beside: dict | None, reset: bool, gate: dict | None
+) -> tuple[object, list[float] | None, float]:
     """Prompt ``i`` in a call of its own (beside decode ``i`` of ``beside``, if given; once ``gate`` opens, if
     given); its output, the decode's token times, and the call's wall time."""
     if gate is not None:

@@ -79,8 +79,11 @@ def side_by_side_prompts(seed: int) -> list[list[int]]:
     token. vLLM admits a request only while the cache can hold its whole prompt, so two 636-token requests fill
     a cache of 10 blocks (and its null block), and vLLM must preempt one of them to go on."""
     docs = [random_prompt(seed=seed + d, length=500) for d in range(3)]
-    return [doc + random_prompt(seed=seed + 10 + 3 * q + d, length=136 + 128 * q) for q in range(2)
-            for d, doc in enumerate(docs)]  # fmt: skip
+    return [
+        doc + random_prompt(seed=seed + 10 + 3 * q + d, length=136 + 128 * q)
+        for q in range(2)
+        for d, doc in enumerate(docs)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +102,9 @@ def reference(run_vllm, tiny_model):
 @pytest.fixture(scope="module")
 def half_reference(run_vllm, tiny_model):
     """HALF without any connector, prefilled in two steps split where its cached prefix ends."""
-    return run_vllm({"model": str(tiny_model), "prompts": [HALF], "max_tokens": 16,
-                     "max_num_batched_tokens": HALF_SPLIT})  # fmt: skip
+    return run_vllm(
+        {"model": str(tiny_model), "prompts": [HALF], "max_tokens": 16, "max_num_batched_tokens": HALF_SPLIT}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -113,14 +117,27 @@ def probes(tmp_path_factory) -> dict[str, Path]:
 def producer_then_consumer(run_vllm, tiny_model, daemon, probes):
     """Instance A publishes P1 and P2, runs P6 asking not to publish it, and exits; instance B (fresh process)
     runs all three prompts, then P6, P1 asking not to load, and P2 with a misspelt request parameter."""
-    a = run_vllm({"model": str(tiny_model), "prompts": [P1, P2, P6], "max_tokens": 16,
-                  "kv_transfer_params": [None, None, NO_PUBLISH],
-                  "kv_transfer_config": connector_config(daemon, probe=True)},
-                 env={"PREFIXCACHE_PROBE_DIR": str(probes["a"])})  # fmt: skip
-    b = run_vllm({"model": str(tiny_model), "prompts": [*PROMPTS, P6, P1, P2], "max_tokens": 16,
-                  "prefix_caching": False, "kv_transfer_params": [None, None, None, None, NO_LOAD, MISSPELT],
-                  "kv_transfer_config": connector_config(daemon, probe=True)},
-                 env={"PREFIXCACHE_PROBE_DIR": str(probes["b"])})  # fmt: skip
+    a = run_vllm(
+        {
+            "model": str(tiny_model),
+            "prompts": [P1, P2, P6],
+            "max_tokens": 16,
+            "kv_transfer_params": [None, None, NO_PUBLISH],
+            "kv_transfer_config": connector_config(daemon, probe=True),
+        },
+        env={"PREFIXCACHE_PROBE_DIR": str(probes["a"])},
+    )
+    b = run_vllm(
+        {
+            "model": str(tiny_model),
+            "prompts": [*PROMPTS, P6, P1, P2],
+            "max_tokens": 16,
+            "prefix_caching": False,
+            "kv_transfer_params": [None, None, None, None, NO_LOAD, MISSPELT],
+            "kv_transfer_config": connector_config(daemon, probe=True),
+        },
+        env={"PREFIXCACHE_PROBE_DIR": str(probes["b"])},
+    )
     return a, b
 
 
@@ -185,8 +202,9 @@ def saved_pages(*saved_dirs: Path) -> dict[str, Path]:
     return {p.name.removeprefix("saved-").removesuffix(".pt"): p for d in saved_dirs for p in d.glob("saved-*.pt")}
 
 
-def assert_loaded_pages_were_saved(saved_dir: Path | dict[str, Path], loaded_dir: Path, request: int | None = None
-                                   ) -> tuple[int, int]:  # fmt: skip
+def assert_loaded_pages_were_saved(
+    saved_dir: Path | dict[str, Path], loaded_dir: Path, request: int | None = None
+) -> tuple[int, int]:
     """Each page recorded in ``loaded_dir`` (for the ``request``-th prompt of the run only, if given) equals, bit
     for bit, the page of the chunk of the same key recorded in ``saved_dir`` (or given by ``saved_pages``) that
     its first page names; returns (chunks saved, chunks loaded)."""
@@ -230,9 +248,16 @@ def with_vllm_prefix_cache(run_vllm, tiny_model, daemon, producer_then_consumer,
     """An instance with vLLM's own prefix cache on runs P1 (published by A), then P5 twice: the repeat is
     served by vLLM's own cache. Returns (its output, probe directory)."""
     probe = tmp_path_factory.mktemp("probe-prefix-cache")
-    out = run_vllm({"model": str(tiny_model), "prompts": [P1, P5, P5], "max_tokens": 16, "prefix_caching": True,
-                    "kv_transfer_config": connector_config(daemon, probe=True)},
-                   env={"PREFIXCACHE_PROBE_DIR": str(probe)})  # fmt: skip
+    out = run_vllm(
+        {
+            "model": str(tiny_model),
+            "prompts": [P1, P5, P5],
+            "max_tokens": 16,
+            "prefix_caching": True,
+            "kv_transfer_config": connector_config(daemon, probe=True),
+        },
+        env={"PREFIXCACHE_PROBE_DIR": str(probe)},
+    )
     return out, probe
 
 
@@ -257,10 +282,19 @@ def burst_beside_a_decode(run_vllm, tiny_model, daemon, producer_then_consumer, 
     hit_mib = (len(P1) - 1) * KV_BYTES_PER_TOKEN / (1 << 20)
     config = connector_config(daemon, probe=True, async_load_mib=math.ceil(1.5 * hit_mib))
     probe = tmp_path_factory.mktemp("probe-burst")
-    out = run_vllm({"model": str(tiny_model), "prompts": [P1, P2, HALF, P6], "max_tokens": 16, "prefix_caching": False,
-                    "together": True, "max_num_seqs": 5, "kv_transfer_config": config,
-                    "beside": {"prompts": [random_prompt(seed=22, length=64)], "max_tokens": 64, "after_tokens": 8}},
-                   env={"PREFIXCACHE_PROBE_DIR": str(probe)})  # fmt: skip
+    out = run_vllm(
+        {
+            "model": str(tiny_model),
+            "prompts": [P1, P2, HALF, P6],
+            "max_tokens": 16,
+            "prefix_caching": False,
+            "together": True,
+            "max_num_seqs": 5,
+            "kv_transfer_config": config,
+            "beside": {"prompts": [random_prompt(seed=22, length=64)], "max_tokens": 64, "after_tokens": 8},
+        },
+        env={"PREFIXCACHE_PROBE_DIR": str(probe)},
+    )
     return out, probe
 
 
@@ -281,8 +315,9 @@ def test_a_burst_of_small_hits_beside_a_decode_loads_synchronously_only_what_one
 
 def test_another_model_gets_zero_hits_not_wrong_kv(run_vllm, tmp_path_factory, daemon, producer_then_consumer):
     other = build_tiny_llama(tmp_path_factory.mktemp("other-model"), seed=1)  # other weights: other namespace
-    out = run_vllm({"model": str(other), "prompts": [P1], "max_tokens": 4,
-                    "kv_transfer_config": connector_config(daemon)})  # fmt: skip
+    out = run_vllm(
+        {"model": str(other), "prompts": [P1], "max_tokens": 4, "kv_transfer_config": connector_config(daemon)}
+    )
     assert out["outputs"][0]["num_cached_tokens"] == 0
 
 
@@ -291,8 +326,15 @@ def test_a_request_asking_for_its_prompts_logprobs_is_not_a_hit(run_vllm, tiny_m
     the daemon's statistics count no hit for it, though P1 is stored; P2 after it, a hit, is counted. P1 is still
     looked up, so what it computes is not published again."""
     before = client_use(daemon)
-    out = run_vllm({"model": str(tiny_model), "prompts": [P1, P2], "max_tokens": 1, "prompt_logprobs": [1, None],
-                    "kv_transfer_config": connector_config(daemon)})  # fmt: skip
+    out = run_vllm(
+        {
+            "model": str(tiny_model),
+            "prompts": [P1, P2],
+            "max_tokens": 1,
+            "prompt_logprobs": [1, None],
+            "kv_transfer_config": connector_config(daemon),
+        }
+    )
     assert [o["num_cached_tokens"] for o in out["outputs"]] == [0, len(P2) - 1]
 
     def counted(name: str) -> int:
@@ -303,14 +345,24 @@ def test_a_request_asking_for_its_prompts_logprobs_is_not_a_hit(run_vllm, tiny_m
     assert (counted("published_chunks"), counted("publish_failures")) == (0, 0)
 
 
-@pytest.mark.skipif(not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()),
-                    reason="vLLM's CPU attention refuses an fp8 KV cache without AVX-512 or AMX")  # fmt: skip
-def test_an_fp8_kv_cache_gets_no_hits_from_bf16_kv_and_reuses_its_own(run_vllm, tiny_model, daemon,
-                                                                     producer_then_consumer):  # fmt: skip
+@pytest.mark.skipif(
+    not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()),
+    reason="vLLM's CPU attention refuses an fp8 KV cache without AVX-512 or AMX",
+)
+def test_an_fp8_kv_cache_gets_no_hits_from_bf16_kv_and_reuses_its_own(
+    run_vllm, tiny_model, daemon, producer_then_consumer
+):
     """The same model and prompt with vLLM's KV cache in fp8: A's chunks of P1 are another namespace, so the first
     run hits nothing; the fp8 chunks it publishes serve the second run, which answers the same."""
-    out = run_vllm({"model": str(tiny_model), "prompts": [P1, P1], "max_tokens": 16, "kv_cache_dtype": "fp8",
-                    "kv_transfer_config": connector_config(daemon)})  # fmt: skip
+    out = run_vllm(
+        {
+            "model": str(tiny_model),
+            "prompts": [P1, P1],
+            "max_tokens": 16,
+            "kv_cache_dtype": "fp8",
+            "kv_transfer_config": connector_config(daemon),
+        }
+    )
     first, second = out["outputs"]
     assert (first["num_cached_tokens"], second["num_cached_tokens"]) == (0, len(P1) - 1)
     ok, reason = same_greedy_output(first, second)
@@ -329,8 +381,9 @@ def damaged_in_dram(daemon, published_in) -> list[bytes]:
     forged: each replaced by a self-consistent header (valid key, tokens and header checksum) over zeros, signed
     with a key that is not the cluster's, as a process that can write the pool could. Returns P1's keys."""
     p1 = stored_chunk_keys(published_in, P1, CHUNK)
-    damage_dram_copies(daemon, p1[P1_INTACT // CHUNK :] + stored_chunk_keys(published_in, P2, CHUNK),
-                       damage=forge_dram_copy)  # fmt: skip
+    damage_dram_copies(
+        daemon, p1[P1_INTACT // CHUNK :] + stored_chunk_keys(published_in, P2, CHUNK), damage=forge_dram_copy
+    )
     return p1
 
 
@@ -338,8 +391,7 @@ def damaged_in_dram(daemon, published_in) -> list[bytes]:
 def p1_resumed_reference(run_vllm, tiny_model):
     """P1 without any connector, prefilled in two steps split where its intact chunks end (as HALF's reference is
     split where its cached prefix ends): what vLLM computes when it resumes P1 after its failed chunks."""
-    return run_vllm({"model": str(tiny_model), "prompts": [P1], "max_tokens": 16,
-                     "max_num_batched_tokens": P1_INTACT})  # fmt: skip
+    return run_vllm({"model": str(tiny_model), "prompts": [P1], "max_tokens": 16, "max_num_batched_tokens": P1_INTACT})
 
 
 def test_a_load_that_fails_partway_is_computed_from_there_and_published_again(
@@ -356,9 +408,15 @@ def test_a_load_that_fails_partway_is_computed_from_there_and_published_again(
     p1 = damaged_in_dram
     assert wait_for(lambda: "nvme" in tiers_of(daemon, p1[-1].hex())), "the tail's load falls back to its NVMe copy"
     corrupt_before, forged_before = corrupt_chunks(daemon), corrupt_chunks(daemon, "mac")
-    out = run_vllm({"model": str(tiny_model), "prompts": [P1, P1], "max_tokens": 16,
-                    "kv_transfer_config": connector_config(daemon, probe=True)},
-                   env={"PREFIXCACHE_PROBE_DIR": str(tmp_path)})  # fmt: skip
+    out = run_vllm(
+        {
+            "model": str(tiny_model),
+            "prompts": [P1, P1],
+            "max_tokens": 16,
+            "kv_transfer_config": connector_config(daemon, probe=True),
+        },
+        env={"PREFIXCACHE_PROBE_DIR": str(tmp_path)},
+    )
     for got in out["outputs"]:  # each computed over KV of P1's first three chunks in one pass, the rest in another
         ok, reason = same_greedy_output(p1_resumed_reference["outputs"][0], got)
         assert ok, reason
@@ -371,8 +429,9 @@ def test_a_load_that_fails_partway_is_computed_from_there_and_published_again(
     assert (loaded_keys(tmp_path, 0), loaded_keys(tmp_path, 1)) == (set(p1) - {recomputed[0]}, set(p1))
     assert_loaded_pages_were_saved(probes["a"], tmp_path, request=0)
     fourth = recomputed[0].hex()
-    assert_loaded_pages_were_saved({**saved_pages(probes["a"]), fourth: saved_pages(tmp_path)[fourth]}, tmp_path,
-                                   request=1)  # fmt: skip
+    assert_loaded_pages_were_saved(
+        {**saved_pages(probes["a"]), fourth: saved_pages(tmp_path)[fourth]}, tmp_path, request=1
+    )
     assert wait_for_corrupt_chunks(daemon, corrupt_before + 2) == corrupt_before + 2
     assert corrupt_chunks(daemon, "mac") == forged_before + 2  # both refused for their MAC
 
@@ -389,9 +448,16 @@ def test_under_async_scheduling_a_load_that_keeps_failing_is_tried_twice_then_co
     corrupt_before, forged_before = corrupt_chunks(daemon), corrupt_chunks(daemon, "mac")
     for key in stored_chunk_keys(published_in, P2, CHUNK):
         forge_nvme_copy(daemon, key)
-    out = run_vllm({"model": str(tiny_model), "prompts": [P2], "max_tokens": 16, "async_scheduling": True,
-                    "kv_transfer_config": connector_config(daemon, probe=True)},
-                   env={"PREFIXCACHE_PROBE_DIR": str(tmp_path)})  # fmt: skip
+    out = run_vllm(
+        {
+            "model": str(tiny_model),
+            "prompts": [P2],
+            "max_tokens": 16,
+            "async_scheduling": True,
+            "kv_transfer_config": connector_config(daemon, probe=True),
+        },
+        env={"PREFIXCACHE_PROBE_DIR": str(tmp_path)},
+    )
     assert (tmp_path / "schedules_ahead").read_text() == "True"  # what this test is about
     ok, reason = same_greedy_output(reference["outputs"][1], out["outputs"][0])
     assert ok, reason
@@ -422,8 +488,9 @@ def test_requests_complete_when_redis_is_down(run_vllm, tiny_model, tmp_path, re
     assert ok, reason
 
 
-def test_an_engine_started_before_its_store_serves_then_hits_once_the_store_is_up(run_vllm, tiny_model, tmp_path,
-                                                                                 reference):  # fmt: skip
+def test_an_engine_started_before_its_store_serves_then_hits_once_the_store_is_up(
+    run_vllm, tiny_model, tmp_path, reference
+):
     """No daemon at all when the engine starts (``GET /v1/config`` refused): one warning per side, and P1 and P2
     are computed. The daemon then starts at the gate; once both sides have attached in the background, P1 is
     published and its repeat hits, answering as without any cache. No request fails meanwhile."""
@@ -449,8 +516,13 @@ def test_an_engine_started_before_its_store_serves_then_hits_once_the_store_is_u
     starter = threading.Thread(target=start_the_store_at_the_gate)
     starter.start()
     try:
-        spec = {"model": str(tiny_model), "prompts": [P1, P2, P1, P1], "max_tokens": 16,
-                "kv_transfer_config": connector_config(d), "gate": {"before": 2, "dir": str(gate)}}  # fmt: skip
+        spec = {
+            "model": str(tiny_model),
+            "prompts": [P1, P2, P1, P1],
+            "max_tokens": 16,
+            "kv_transfer_config": connector_config(d),
+            "gate": {"before": 2, "dir": str(gate)},
+        }
         out = run_vllm(spec)
     finally:
         (gate / "open").touch()
@@ -480,9 +552,13 @@ def ranks_publish_then_load(run_vllm, daemon, spec: dict, probe: dict[str, Path]
     fresh process, vLLM's own prefix cache off, ``async_loads=b_loads``) loads it. Returns (reference, a, b)."""
     env = bound_two_to_a_core(spec)
     reference = run_vllm(spec, env=env)
-    a, b = (run_vllm({**spec, "kv_transfer_config": connector_config(daemon, probe=True, async_loads=mode)},
-                     env={**env, "PREFIXCACHE_PROBE_DIR": str(probe[name])})
-            for name, mode in (("a", "auto"), ("b", b_loads)))  # fmt: skip
+    a, b = (
+        run_vllm(
+            {**spec, "kv_transfer_config": connector_config(daemon, probe=True, async_loads=mode)},
+            env={**env, "PREFIXCACHE_PROBE_DIR": str(probe[name])},
+        )
+        for name, mode in (("a", "auto"), ("b", b_loads))
+    )
     return reference, a, b
 
 
@@ -495,8 +571,9 @@ def tensor_parallel(run_vllm, tiny_model, daemon, tmp_path_factory):
     return spec, *ranks_publish_then_load(run_vllm, daemon, spec, probe, b_loads="always"), probe
 
 
-def assert_each_rank_loaded_its_shard_asynchronously(spec: dict, reference: dict, a: dict, b: dict,
-                                                      probe: dict[str, Path]) -> None:  # fmt: skip
+def assert_each_rank_loaded_its_shard_asynchronously(
+    spec: dict, reference: dict, a: dict, b: dict, probe: dict[str, Path]
+) -> None:
     """B hit all but the last token of the spec's prompt and both runs answered as the reference; each rank
     published the prompt's 4 full chunks and its tail under keys of its own, and B's ranks loaded exactly those,
     bit for bit, straight into their pages, in one asynchronous load each."""
@@ -521,8 +598,14 @@ def pipeline_parallel(run_vllm, tiny_model, daemon, tmp_path_factory):
     although it asks for ``auto``. Steps of at most 2048 tokens (P7 still prefills in one): vLLM's warm-up runs a
     step of that size, four ranks on two cores. Returns (spec, reference, a, b, probe directories)."""
     probe = {name: tmp_path_factory.mktemp(f"probe-pp-{name}") for name in ("a", "b")}
-    spec = {"model": str(tiny_model), "prompts": [P7], "max_tokens": 16, "pipeline_parallel_size": 2,
-            "tensor_parallel_size": 2, "max_num_batched_tokens": 2048}  # fmt: skip
+    spec = {
+        "model": str(tiny_model),
+        "prompts": [P7],
+        "max_tokens": 16,
+        "pipeline_parallel_size": 2,
+        "tensor_parallel_size": 2,
+        "max_num_batched_tokens": 2048,
+    }
     return spec, *ranks_publish_then_load(run_vllm, daemon, spec, probe, b_loads="auto"), probe
 
 
@@ -548,8 +631,10 @@ def test_under_pipeline_parallelism_a_stage_whose_load_keeps_failing_has_the_pro
     corrupt_before = corrupt_chunks(daemon)
     damage_dram_copies(daemon, [first_chunk])
     damage_nvme_copy(daemon, first_chunk)
-    out = run_vllm({**spec, "kv_transfer_config": connector_config(daemon, probe=True)},
-                   env={**bound_two_to_a_core(spec), "PREFIXCACHE_PROBE_DIR": str(tmp_path)})  # fmt: skip
+    out = run_vllm(
+        {**spec, "kv_transfer_config": connector_config(daemon, probe=True)},
+        env={**bound_two_to_a_core(spec), "PREFIXCACHE_PROBE_DIR": str(tmp_path)},
+    )
     ok, reason = same_greedy_output(reference["outputs"][0], out["outputs"][0])
     assert ok, reason
     assert [int((tmp_path / f"loaded_async.{shard}").read_text()) for shard in range(4)] == [2] * 4
@@ -588,11 +673,20 @@ def side_by_side(request, run_vllm, tiny_model, daemon, tmp_path_factory):
     schedules_ahead = request.param
     prompts = side_by_side_prompts(seed=60 if schedules_ahead else 30)
     probe = {name: tmp_path_factory.mktemp(f"probe-side-by-side-{name}") for name in ("a", "b")}
-    spec = {"model": str(tiny_model), "prompts": prompts, "max_tokens": 8, "together": True,
-            "prefix_caching": True, "max_num_batched_tokens": 256, "max_num_seqs": len(prompts),
-            "max_model_len": 1024, "num_gpu_blocks": 11, "async_scheduling": schedules_ahead,
-            "kv_transfer_config": connector_config(daemon, probe=True)}  # fmt: skip
-    a, b = (run_vllm(spec, env={"PREFIXCACHE_PROBE_DIR": str(probe[name])}) for name in ("a", "b"))  # fmt: skip
+    spec = {
+        "model": str(tiny_model),
+        "prompts": prompts,
+        "max_tokens": 8,
+        "together": True,
+        "prefix_caching": True,
+        "max_num_batched_tokens": 256,
+        "max_num_seqs": len(prompts),
+        "max_model_len": 1024,
+        "num_gpu_blocks": 11,
+        "async_scheduling": schedules_ahead,
+        "kv_transfer_config": connector_config(daemon, probe=True),
+    }
+    a, b = (run_vllm(spec, env={"PREFIXCACHE_PROBE_DIR": str(probe[name])}) for name in ("a", "b"))
     for name in ("a", "b"):
         assert (probe[name] / "schedules_ahead").read_text() == str(schedules_ahead)
     assert (probe["b"] / "loaded_async.0").exists() == schedules_ahead
@@ -637,10 +731,17 @@ def busy_nvme_hit(run_vllm, tiny_model, daemon, producer_then_consumer, probes, 
     daemon.stop()
     daemon.start()  # the segment owner starts empty
     probe = tmp_path_factory.mktemp("probe-busy")
-    out = run_vllm({"model": str(tiny_model), "prompts": [P1], "max_tokens": 4, "prefix_caching": False,
-                    "beside": {"prompts": [random_prompt(seed=16, length=64)], "max_tokens": 64, "after_tokens": 8},
-                    "kv_transfer_config": connector_config(daemon, probe=True)},
-                   env={"PREFIXCACHE_PROBE_DIR": str(probe)})  # fmt: skip
+    out = run_vllm(
+        {
+            "model": str(tiny_model),
+            "prompts": [P1],
+            "max_tokens": 4,
+            "prefix_caching": False,
+            "beside": {"prompts": [random_prompt(seed=16, length=64)], "max_tokens": 64, "after_tokens": 8},
+            "kv_transfer_config": connector_config(daemon, probe=True),
+        },
+        env={"PREFIXCACHE_PROBE_DIR": str(probe)},
+    )
     return out, probe
 
 
@@ -664,9 +765,16 @@ def mixed_tier_hit(run_vllm, tiny_model, daemon, busy_nvme_hit, published_in, tm
     keys = stored_chunk_keys(published_in, HALF, CHUNK)
     assert [tiers_of(daemon, key.hex()) for key in keys[2:]] == [["nvme"]] * 3
     probe = tmp_path_factory.mktemp("probe-mixed")
-    out = run_vllm({"model": str(tiny_model), "prompts": [HALF], "max_tokens": 16, "prefix_caching": False,
-                    "kv_transfer_config": connector_config(daemon, probe=True)},
-                   env={"PREFIXCACHE_PROBE_DIR": str(probe)})  # fmt: skip
+    out = run_vllm(
+        {
+            "model": str(tiny_model),
+            "prompts": [HALF],
+            "max_tokens": 16,
+            "prefix_caching": False,
+            "kv_transfer_config": connector_config(daemon, probe=True),
+        },
+        env={"PREFIXCACHE_PROBE_DIR": str(probe)},
+    )
     return out, probe
 
 
@@ -700,8 +808,13 @@ def mla_tensor_parallel_producer(run_vllm, mla_model, daemon, tmp_path_factory):
     """Two tensor-parallel ranks of the MLA model publish P8 (``kv_producer``: vLLM's reference CPU MLA backend
     cannot load, see the next test). Returns (the run, its probe directory)."""
     probe = tmp_path_factory.mktemp("probe-mla")
-    spec = {"model": str(mla_model), "prompts": [P8], "max_tokens": 4, "tensor_parallel_size": 2,
-            "kv_transfer_config": connector_config(daemon, role="kv_producer", probe=True)}  # fmt: skip
+    spec = {
+        "model": str(mla_model),
+        "prompts": [P8],
+        "max_tokens": 4,
+        "tensor_parallel_size": 2,
+        "kv_transfer_config": connector_config(daemon, role="kv_producer", probe=True),
+    }
     return run_vllm(spec, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", "PREFIXCACHE_PROBE_DIR": str(probe)}), probe
 
 
@@ -756,8 +869,14 @@ def test_an_engine_on_vllms_reference_cpu_mla_backend_refuses_to_load(run_vllm, 
     prompt's cached KV, differed in 2 of 3 prompts from a prefill of the prompt and that token. A hit makes the
     first token such a decode, so loading there would change answers."""
     with pytest.raises(EngineRunError, match="cannot load KV on the CPU_MLA attention backend"):
-        run_vllm({"model": str(mla_model), "prompts": [P8[:300]], "max_tokens": 1,
-                  "kv_transfer_config": connector_config(daemon)})  # fmt: skip
+        run_vllm(
+            {
+                "model": str(mla_model),
+                "prompts": [P8[:300]],
+                "max_tokens": 1,
+                "kv_transfer_config": connector_config(daemon),
+            }
+        )
 
 
 def test_a_model_mixing_sliding_window_and_full_attention_layers_loads_and_answers_the_same(
@@ -781,5 +900,6 @@ def test_a_model_whose_every_layer_has_a_sliding_window_is_refused(run_vllm, dae
     verification there, and B answered differently from a run without the connector."""
     model = str(build_tiny_sliding(tmp_path_factory.mktemp("tiny-sliding"), every_layer=True))
     with pytest.raises(EngineRunError, match="this engine's is a SlidingWindowSpec: vLLM frees the blocks"):
-        run_vllm({"model": model, "prompts": [P9[:300]], "max_tokens": 1,
-                  "kv_transfer_config": connector_config(daemon)})  # fmt: skip
+        run_vllm(
+            {"model": model, "prompts": [P9[:300]], "max_tokens": 1, "kv_transfer_config": connector_config(daemon)}
+        )

@@ -24,16 +24,23 @@ def test_reference_engine_is_deterministic(run_vllm, tiny_model):
     assert first["token_ids"] == second["token_ids"]
     assert first["logprobs"] == second["logprobs"]  # bit-identical, not just the same tokens
     assert same_greedy_output(first, second) == (True, "identical 4 tokens (max logprob diff 0)")
-    print(f"\nengine start {out['engine_start_s']:.1f} s (import {out['import_s']:.1f} s); per prompt: "
-          + ", ".join(f"ttft {r['ttft_s']:.2f} s wall {r['wall_s']:.2f} s" for r in out["outputs"]))  # fmt: skip
+    print(
+        f"\nengine start {out['engine_start_s']:.1f} s (import {out['import_s']:.1f} s); per prompt: "
+        + ", ".join(f"ttft {r['ttft_s']:.2f} s wall {r['wall_s']:.2f} s" for r in out["outputs"])
+    )
 
 
 def test_a_bad_spec_fails_with_its_reason(run_vllm, tmp_path):
     with pytest.raises(AssertionError, match="bad spec"):
         run_vllm({"model": str(tmp_path / "missing"), "prompts": [[5, 6, 7]]})
     with pytest.raises(AssertionError, match="beside needs"):
-        run_vllm({"model": str(tmp_path), "prompts": [[5, 6, 7]],
-                  "beside": {"prompts": [[1, 2]], "max_tokens": 8, "after_tokens": 8}})  # fmt: skip
+        run_vllm(
+            {
+                "model": str(tmp_path),
+                "prompts": [[5, 6, 7]],
+                "beside": {"prompts": [[1, 2]], "max_tokens": 8, "after_tokens": 8},
+            }
+        )
 
 
 def _output(tokens: list[int], tops: list[tuple[float, float]], alternatives: list[int] | None = None) -> dict:

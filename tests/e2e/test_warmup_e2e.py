@@ -64,21 +64,58 @@ def stack(tmp_path_factory, tiny_model):
     daemon.stop()
 
 
-def warmup_cli(daemon: Daemon, corpus: Path, model: Path, *flags: str, engine_options: tuple[str, ...] = (),
-               env: dict[str, str] | None = None) -> dict:  # fmt: skip
+def warmup_cli(
+    daemon: Daemon,
+    corpus: Path,
+    model: Path,
+    *flags: str,
+    engine_options: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "cachestore", "warmup", str(corpus), "--model", str(model), "--service-url", daemon.url,
-         "--state-dir", str(daemon.data_dir / "warmup"), "--on-error", "skip", "--batch-size", "2", "--arena-mb", "128",
-         "--json", *flags, "--", *ENGINE_OPTIONS, *engine_options],
-        cwd=REPO, env=vllm_env(env), capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "prefixcache.cachestore",
+            "warmup",
+            str(corpus),
+            "--model",
+            str(model),
+            "--service-url",
+            daemon.url,
+            "--state-dir",
+            str(daemon.data_dir / "warmup"),
+            "--on-error",
+            "skip",
+            "--batch-size",
+            "2",
+            "--arena-mb",
+            "128",
+            "--json",
+            *flags,
+            "--",
+            *ENGINE_OPTIONS,
+            *engine_options,
+        ],
+        cwd=REPO,
+        env=vllm_env(env),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads(proc.stdout)
 
 
 def warmup_rest(daemon: Daemon, corpus: Path, model: Path) -> dict:
-    body = {"corpus": str(corpus), "model": str(model), "on_error": "skip", "batch_size": 2, "arena_mb": 128,
-            "engine_options": ENGINE_OPTIONS}  # fmt: skip
+    body = {
+        "corpus": str(corpus),
+        "model": str(model),
+        "on_error": "skip",
+        "batch_size": 2,
+        "arena_mb": 128,
+        "engine_options": ENGINE_OPTIONS,
+    }
     job = httpx.post(daemon.url + "/v1/warmup", json=body, timeout=10, headers=daemon.headers).raise_for_status().json()
     assert job["status"] in ("queued", "running")
     seen_progress = False
@@ -145,8 +182,13 @@ def test_a_tensor_parallel_job_stores_every_ranks_shard_of_every_chunk(stack, th
     """Two ranks, one core each: each rank stores its shard under its own namespace. Nothing the one-rank
     runs stored counts (another namespace), and the job is complete only once both ranks' chunks are."""
     daemon, corpus, prompts = stack
-    report = warmup_cli(daemon, corpus, tiny_model, engine_options=("--tensor-parallel-size", "2"),
-                        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})  # fmt: skip
+    report = warmup_cli(
+        daemon,
+        corpus,
+        tiny_model,
+        engine_options=("--tensor-parallel-size", "2"),
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    )
     counters = report["counters"]
     assert report["outcome"] == "finished" and report["job_id"] != three_runs[0]["job_id"]
     assert counters["prompts_done"] == counters["prompts_total"] == len(prompts)

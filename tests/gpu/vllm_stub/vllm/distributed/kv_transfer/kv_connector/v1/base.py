@@ -1,4 +1,4 @@
-"""The base class of ``connector.metadata``, as vLLM 0.32 defines it."""
+"""The base class of ``prefixcache.connector.metadata``, as vLLM 0.32 defines it."""
 
 from abc import ABC
 

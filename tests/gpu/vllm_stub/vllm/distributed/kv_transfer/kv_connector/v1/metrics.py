@@ -1,4 +1,4 @@
-"""The base classes of ``connector.transfer_stats``, as much of them as the worker side uses."""
+"""The base classes of ``prefixcache.connector.transfer_stats``, as much of them as the worker side uses."""
 
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +13,11 @@ class KVConnectorStats:
 
 
 class KVConnectorPromMetrics:
-    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         self.per_engine_labelvalues = per_engine_labelvalues

@@ -1,0 +1,201 @@
+"""The daemon's REST API (management only; KV bytes never pass through it)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Literal
+from urllib.parse import urlsplit, urlunsplit
+
+from fastapi import APIRouter, Depends, FastAPI, Response
+from prefixcache.cachestore.api.admin_routes import install_error_handlers
+from prefixcache.cachestore.api.auth import AccessPolicy, install_access_policy, require_reader
+from prefixcache.cachestore.api.http_guards import LOOPBACK_HOSTS, install_http_guards
+from prefixcache.cachestore.api.models import TierUse
+from prefixcache.cachestore.node.settings import DEFAULT_MAX_BODY_BYTES
+from prefixcache.indexer.index import Tier
+from pydantic import BaseModel, Field
+
+
+class ComponentHealth(BaseModel):
+    ok: bool
+    detail: str
+    degraded: bool = Field(default=False, description="serving, but failing part of its job (detail says which)")
+
+
+class Health(BaseModel):
+    status: Literal["ready", "degraded", "unavailable"] = Field(
+        description="ready: every component ok; degraded: every one serving, some failing part of its job (HTTP "
+        "200: the node still serves); unavailable: some component down (HTTP 503)"
+    )
+    components: dict[str, ComponentHealth]
+
+
+class MooncakeConfig(BaseModel):
+    master: str
+    metadata_url: str
+    protocol: Literal["tcp", "rdma"]
+    device_names: str
+    #: where local processes attach (``setup_dummy``): this node's segment owner
+    shm_address: str
+    #: this node's segment, for ``preferred_segment``
+    segment: str
+
+
+class SecretFiles(BaseModel):
+    """Where this node keeps its secrets, for clients on its host run as the daemon's user: paths, never values."""
+
+    chunk_key: str | None = Field(default=None, description="the key every chunk is signed with (the cluster secret)")
+    redis_password: str | None = Field(default=None, description="the index's password, where it needs one")
+    admin_token: str | None = Field(default=None, description="the bearer token admin calls need")
+
+
+class ClientConfig(BaseModel):
+    """What a connector or warm-up job needs to attach to this node. Never holds a secret."""
+
+    node: str
+    redis_url: str
+    redis_password_required: bool
+    key_prefix: str
+    chunk_tokens: int
+    mooncake: MooncakeConfig
+    secret_files: SecretFiles = Field(default_factory=SecretFiles)
+
+
+class TierStats(BaseModel):
+    bytes_used: int
+    capacity_bytes: int
+    chunks: int | None = None
+
+
+class WriteBehindStats(BaseModel):
+    """How fast chunks published to DRAM become persistent (delay from registration to the NVMe copy)."""
+
+    persisted: int
+    corrupt: int
+    vanished: int
+    delay_p50_s: float
+    delay_p99_s: float
+    delay_max_s: float
+
+
+class ClientUse(BaseModel):
+    """What clients (connectors, warm-up jobs) attached to this node recorded: lookups, hits, tokens, fetches."""
+
+    lookups: int
+    hits: int = Field(description="lookups that matched at least one token")
+    misses: int
+    requested_tokens: int
+    matched_tokens: int = Field(description="tokens served from the cache")
+    fetched_chunks: int
+    fetch_misses: int
+    corrupt_chunks: int
+    mac_failures: int = Field(description="fetched chunks whose MAC did not verify: forged, or altered since signed")
+    published_chunks: int
+    publish_failures: int
+
+
+class EvictionStats(BaseModel):
+    requested_chunks: int = Field(description="removed from every tier and the index through the API")
+    requested_bytes: int
+    nvme_capacity: int = Field(description="chunks the NVMe tier evicted to make room")
+    dram_demoted: int = Field(description="chunks moved out of DRAM above its watermark (kept on NVMe)")
+
+
+class QueueDepths(BaseModel):
+    promotion: int = Field(description="promotion requests waiting for this node")
+    write_behind: int = Field(description="feed events the write-behind has not handled yet")
+    eviction_orders: int = Field(description="other nodes' eviction orders waiting for this node")
+
+
+class NamespaceStats(BaseModel):
+    chunks: int
+    bytes: int
+    tiers: dict[Tier, TierUse] = Field(description="copies per tier, over all nodes")
+    clients: ClientUse
+
+
+class Stats(BaseModel):
+    node: str
+    dram: TierStats
+    nvme: TierStats
+    write_behind: WriteBehindStats
+    promoted: int
+    promotion_failures: int
+    demoted: int
+    evictions: EvictionStats
+    corrupt_chunks: int = Field(description="found by the write-behind, promotions and clients; each was deleted")
+    corrupt_by_reason: dict[str, int] = Field(
+        default_factory=dict, description="the same by reason: 'mac' (forged or altered), 'damaged' (anything else)"
+    )
+    persist_failures: dict[str, int] = Field(
+        default_factory=dict,
+        description="chunks the write-behind failed to persist (kept in DRAM, retried), by reason: 'enospc' (no "
+        "room on the NVMe tier), 'eio' (the disk failed a write), 'index' (the index refused a write), 'error'",
+    )
+    queues: QueueDepths
+    clients: ClientUse
+    namespaces: dict[str, NamespaceStats]
+    child_restarts: dict[str, int] = Field(
+        default_factory=dict, description="restarts of each server the daemon started (cachestore/node/supervisor.py)"
+    )
+
+
+HealthProbe = Callable[[], ComponentHealth]
+
+
+def create_app(
+    config: ClientConfig,
+    probes: dict[str, HealthProbe],
+    stats: Callable[[], Stats],
+    *,
+    routers: Sequence[APIRouter] = (),
+    access: AccessPolicy | None = None,
+    allowed_hosts: Sequence[str] = LOOPBACK_HOSTS,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """The API: health and config (always open), stats, and the given routers (which declare their auth), behind
+    the Host check and the body limit (``http_guards``). No access policy: nothing but health and config answers."""
+    app = FastAPI(
+        title="prefixcache",
+        summary="Persistent prefix KV cache for vLLM: inspect, evict and pin cached prefixes.",
+        version="0.1.0",
+    )
+    install_access_policy(app, access or AccessPolicy())
+    install_error_handlers(app)
+    install_http_guards(app, allowed_hosts, max_body_bytes)
+
+    @app.get("/v1/health", response_model=Health, responses={503: {"model": Health}})
+    def health(response: Response) -> Health:
+        """Ready when every component answers, degraded (still 200) when one fails part of its job; each is
+        named with its state."""
+        components = {name: probe() for name, probe in probes.items()}
+        serving = all(c.ok for c in components.values())
+        response.status_code = 200 if serving else 503
+        if not serving:
+            return Health(status="unavailable", components=components)
+        degraded = any(c.degraded for c in components.values())
+        return Health(status="degraded" if degraded else "ready", components=components)
+
+    @app.get("/v1/stats", response_model=Stats, dependencies=[Depends(require_reader)])
+    def node_stats() -> Stats:
+        """This node's tiers and background services."""
+        return stats()
+
+    @app.get("/v1/config", response_model=ClientConfig)
+    def client_config() -> ClientConfig:
+        """Addresses and settings a client attaches with."""
+        return config
+
+    for router in routers:
+        app.include_router(router)
+    return app
+
+
+def public_redis_url(url: str) -> tuple[str, bool]:
+    """The Redis URL without its password (its user name kept), and whether one is needed."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url, False
+    host = parts.netloc.rpartition("@")[2]
+    netloc = f"{parts.username}@{host}" if parts.username else host
+    return f"{parts.scheme}://{netloc}" + urlunsplit(parts._replace(scheme="", netloc="")), True

@@ -1,0 +1,143 @@
+"""``GET /metrics``: the numbers of ``/v1/stats`` and the clients' latency histograms, for Prometheus.
+
+Nothing is counted here: a custom collector reads the daemon's state when scraped (tiers, services,
+the index's usage counters, and the client statistics clients add up in Redis), so the exposition
+and ``/v1/stats`` can never disagree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import get_args
+
+from fastapi import APIRouter, Depends, Response
+from prefixcache.cachestore.api.app import Stats
+from prefixcache.cachestore.api.auth import require_reader
+from prefixcache.cachestore.client.usage_stats import LATENCY_BUCKETS_S, ClientTotals
+from prefixcache.cachestore.services.persist_failures import PersistFailureReason
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+#: Client counters exposed per namespace, with their help text.
+CLIENT_COUNTERS = {
+    "lookups": "index lookups by clients",
+    "hits": "lookups that matched at least one token",
+    "misses": "lookups that matched nothing",
+    "requested_tokens": "prompt tokens looked up",
+    "matched_tokens": "tokens served from the cache",
+    "fetched_chunks": "chunks fetched and verified",
+    "fetch_misses": "chunks a fetch did not find",
+    "corrupt_chunks": "fetched chunks that failed verification",
+    "mac_failures": "fetched chunks whose MAC did not verify (forged or altered)",
+    "published_chunks": "chunks published",
+    "publish_failures": "chunks a publish could not store",
+}
+
+
+class CacheCollector(Collector):
+    def __init__(self, stats: Callable[[], Stats], client_totals: Callable[[], dict[bytes, ClientTotals]]) -> None:
+        self._stats = stats
+        self._client_totals = client_totals
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        yield from _tier_metrics(s)
+        yield from _namespace_metrics(s)
+        evicted = CounterMetricFamily("prefixcache_evicted_chunks", "chunks evicted, by reason", labels=["reason"])
+        evicted.add_metric(["requested"], s.evictions.requested_chunks)
+        evicted.add_metric(["nvme_capacity"], s.evictions.nvme_capacity)
+        evicted.add_metric(["dram_demoted"], s.evictions.dram_demoted)
+        yield evicted
+        corrupt = CounterMetricFamily(
+            "prefixcache_corrupt_chunks",
+            "chunks that failed verification (deleted), by reason: mac (forged or altered) or damaged",
+            labels=["reason"],
+        )
+        for reason, count in s.corrupt_by_reason.items():
+            corrupt.add_metric([reason], count)
+        yield corrupt
+        failures = CounterMetricFamily(
+            "prefixcache_persist_failures",
+            "chunks the write-behind failed to persist (kept in DRAM and retried), by reason",
+            labels=["reason"],
+        )
+        for reason in get_args(PersistFailureReason):
+            failures.add_metric([reason], s.persist_failures.get(reason, 0))
+        yield failures
+        queues = GaugeMetricFamily("prefixcache_queue_depth", "work waiting in the daemon's queues", labels=["queue"])
+        queues.add_metric(["promotion"], s.queues.promotion)
+        queues.add_metric(["write_behind"], s.queues.write_behind)
+        queues.add_metric(["eviction_orders"], s.queues.eviction_orders)
+        yield queues
+        restarts = CounterMetricFamily(
+            "prefixcache_child_restarts", "restarts of the servers the daemon started", labels=["child"]
+        )
+        for child, count in s.child_restarts.items():
+            restarts.add_metric([child], count)
+        yield restarts
+        yield CounterMetricFamily("prefixcache_promoted_chunks", "chunks promoted from NVMe to DRAM", value=s.promoted)
+        yield CounterMetricFamily(
+            "prefixcache_persisted_chunks", "chunks the write-behind persisted", value=s.write_behind.persisted
+        )
+        yield from _latency_metrics(self._client_totals())
+
+
+def _tier_metrics(s: Stats) -> Iterator[Metric]:
+    used = GaugeMetricFamily("prefixcache_tier_bytes_used", "bytes this node's tier uses", labels=["tier"])
+    capacity = GaugeMetricFamily("prefixcache_tier_capacity_bytes", "capacity of this node's tier", labels=["tier"])
+    chunks = GaugeMetricFamily("prefixcache_tier_chunks", "chunks in this node's tier", labels=["tier"])
+    for name, tier in (("dram", s.dram), ("nvme", s.nvme)):
+        used.add_metric([name], tier.bytes_used)
+        capacity.add_metric([name], tier.capacity_bytes)
+        if tier.chunks is not None:
+            chunks.add_metric([name], tier.chunks)
+    yield from (used, capacity, chunks)
+
+
+def _namespace_metrics(s: Stats) -> Iterator[Metric]:
+    chunks = GaugeMetricFamily("prefixcache_namespace_chunks", "chunks indexed per namespace", labels=["namespace"])
+    size = GaugeMetricFamily(
+        "prefixcache_namespace_bytes",
+        "bytes of copies per namespace and tier (all nodes)",
+        labels=["namespace", "tier"],
+    )
+    counters = {
+        name: CounterMetricFamily(f"prefixcache_client_{name}", text, labels=["namespace"])
+        for name, text in CLIENT_COUNTERS.items()
+    }
+    for ns, stats in s.namespaces.items():
+        chunks.add_metric([ns], stats.chunks)
+        for tier, use in stats.tiers.items():
+            size.add_metric([ns, tier], use.bytes)
+        for name, family in counters.items():
+            family.add_metric([ns], getattr(stats.clients, name))
+    yield from (chunks, size, *counters.values())
+
+
+def _latency_metrics(totals: dict[bytes, ClientTotals]) -> Iterator[Metric]:
+    for op in ("lookup", "fetch", "publish"):
+        family = HistogramMetricFamily(
+            f"prefixcache_client_{op}_seconds", f"{op} latency seen by clients", labels=["namespace"]
+        )
+        for ns, total in totals.items():
+            latency = total.latency[op]
+            cumulative, buckets = 0, []
+            for bound, count in zip((*LATENCY_BUCKETS_S, float("inf")), latency.buckets, strict=True):
+                cumulative += count
+                buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
+            family.add_metric([ns.hex()], buckets, latency.sum_s)
+        yield family
+
+
+def metrics_router(stats: Callable[[], Stats], client_totals: Callable[[], dict[bytes, ClientTotals]]) -> APIRouter:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(CacheCollector(stats, client_totals))
+    router = APIRouter(dependencies=[Depends(require_reader)])
+
+    @router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+    def metrics() -> Response:
+        """Prometheus exposition of the node's tiers, services, namespaces and client latencies."""
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return router

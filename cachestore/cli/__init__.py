@@ -1,0 +1,1 @@
+"""The ``prefixcache`` command line."""

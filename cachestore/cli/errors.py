@@ -1,0 +1,27 @@
+"""How every ``prefixcache`` command reports a failure: one red line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import typer
+from prefixcache.indexer.errors import PrefixCacheError
+from rich.console import Console
+
+err = Console(stderr=True)
+
+
+def fail(message: str) -> None:
+    """Print ``message`` as the command's error and exit with code 2."""
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(2)
+
+
+class clear_errors:
+    """Turn prefixcache's own errors into one red line and exit code 2, without a traceback."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
+        if isinstance(exc, PrefixCacheError):
+            fail(str(exc))
+        return False

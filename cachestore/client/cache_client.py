@@ -1,0 +1,654 @@
+"""The library the connector and warm-up jobs use: look up, publish and fetch chunks.
+
+The hot path goes from the calling process straight to Redis (index) and Mooncake (bytes, through
+this node's segment owner over shared memory); the daemon's REST API is asked once, for the
+addresses. Every failure (Redis or Mooncake unreachable, a damaged or vanished chunk) is a miss:
+callers recompute, never load wrong KV.
+
+Buffers: ``stage`` hands out slots of the client's registered arena. Build an object in place
+(payload at ``meta.payload_offset``), ``publish`` it, then ``release`` the slot; ``fetch`` fills
+slots and returns views of the verified payloads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import cast
+
+import httpx
+import redis
+from prefixcache.cachestore.api.app import ClientConfig
+from prefixcache.cachestore.chunks.codec import BodyCheck, ChunkError, ChunkMeta, decode, decode_scattered, write_header
+from prefixcache.cachestore.chunks.mac import ChunkMacKey
+from prefixcache.cachestore.client.usage_stats import ClientStatsRecorder
+from prefixcache.cachestore.host.secret_files import read_secret
+from prefixcache.cachestore.services.promotion import PromotionStream
+from prefixcache.cachestore.tiers.dram import MooncakeTier
+from prefixcache.cachestore.tiers.nvme import Extent, read_extent
+from prefixcache.cachestore.tiers.nvme_extents import locate
+from prefixcache.indexer.chunking import ChunkGeometry
+from prefixcache.indexer.errors import ConfigError, IndexUnavailableError
+from prefixcache.indexer.index import ChunkRecord, Location, NamespaceCheck, PrefixMatch, attach_namespace
+from prefixcache.indexer.keys import PrefixHasher, PrefixQuery
+from prefixcache.indexer.namespace import NamespaceSpec, tenant_id
+from prefixcache.indexer.redis_clients import redis_client, with_password
+from prefixcache.indexer.redis_index import RedisIndex
+
+log = logging.getLogger("prefixcache.client")
+#: How long a new chunk is shielded from the master's eviction: far longer than the write-behind
+#: needs to persist it (well under a second), after which the daemon's demotion manages it.
+UNPERSISTED_PROTECTION_S = 60.0
+#: O_DIRECT reads in flight when loading from this node's NVMe: one alone reached ~1.25 GB/s here, four ~1.4.
+DISK_READERS = 4
+
+#: What ``fetch_checking_later`` gives per chunk: its verified payload, a future of it, or None (a miss).
+Fetched = memoryview | Future[memoryview | None] | None
+
+
+@dataclass
+class ClientStats:
+    """What this client did, counted from every thread it and its callers run (fetch, check, disk-read and
+    publishing threads), so through ``count``: ``+=`` on an attribute is not atomic across threads."""
+
+    lookups: int = 0
+    lookup_errors: int = 0
+    published: int = 0
+    publish_failures: int = 0
+    fetched: int = 0
+    missing: int = 0
+    corrupt: int = 0
+    mac_failures: int = 0  # of those corrupt, chunks whose MAC did not verify
+    promoted: int = 0
+    read_from_disk: int = 0
+    stored_after_disk_read: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+
+def fetch_config(service_url: str, timeout_s: float = 5.0) -> ClientConfig:
+    """Ask a node's daemon how to attach (``GET /v1/config``)."""
+    try:
+        response = httpx.get(service_url.rstrip("/") + "/v1/config", timeout=timeout_s)
+        response.raise_for_status()
+    except httpx.HTTPError as exc:
+        raise ConfigError(f"cannot read the attach settings from {service_url}: {exc}") from exc
+    return ClientConfig.model_validate(response.json())
+
+
+def chunk_mac_key(config: ClientConfig, key_file: str | None = None) -> ChunkMacKey:
+    """The cluster's chunk-signing key: from ``key_file`` if given, else from the file the daemon names."""
+    path = key_file or config.secret_files.chunk_key
+    if path is None:
+        raise ConfigError(f"node {config.node}'s daemon names no chunk-signing key file; give the client one")
+    return ChunkMacKey.read(Path(path))
+
+
+def index_url(config: ClientConfig, redis_password: str | None = None) -> str:
+    """The index URL a client of ``config``'s node connects with (the connector's scheduler and workers, warm-up
+    jobs, the proxy): with ``redis_password`` where one is given (a setting), else, where the index needs a
+    password, with the one in the file the node names (``secret_files.redis_password``: its embedded
+    redis-server's, readable by the daemon's user on its host)."""
+    if redis_password:
+        return with_password(config.redis_url, redis_password)
+    password_file = config.secret_files.redis_password
+    if config.redis_password_required and password_file:
+        try:
+            return with_password(config.redis_url, read_secret(Path(password_file)))
+        except ConfigError as exc:
+            raise ConfigError(
+                f"the index at {config.redis_url} needs a password: {exc} (run as the daemon's "
+                "user on its host, or set redis_password)"
+            ) from None
+    return config.redis_url
+
+
+class CacheClient:
+    def __init__(
+        self,
+        config: ClientConfig,
+        spec: NamespaceSpec,
+        *,
+        arena_bytes: int = 256 << 20,
+        redis_password: str | None = None,
+        promote_timeout_s: float = 2.0,
+        io_thread_setup: Callable[[], None] | None = None,
+        mac_key: ChunkMacKey | None = None,
+    ) -> None:
+        """``io_thread_setup`` runs first in each thread the client starts (the connector binds them to cores).
+        ``mac_key``: the cluster's chunk-signing key [default: read from the file the daemon names]."""
+        self.config = config
+        self.spec = spec
+        self.mac_key = mac_key or chunk_mac_key(config)
+        self.node = config.node
+        self.geometry = ChunkGeometry(spec.chunk_tokens)
+        self.location = Location("dram", config.node)
+        self.stats = ClientStats()
+        self.index = RedisIndex(index_url(config, redis_password), key_prefix=config.key_prefix)
+        self._redis = redis_client(self.index.url, socket_timeout_s=promote_timeout_s + 1)
+        self._prefix = config.key_prefix + ":"
+        self.recorder = ClientStatsRecorder(self._redis, self._prefix, config.node)  # the daemon reports these
+        self._promote_timeout_s = promote_timeout_s
+        self._streams: dict[bytes, PromotionStream] = {}  # chunks other nodes promote for an upcoming fetch
+        # Reads from this node's NVMe started ahead of the fetch that asks for them: key -> (slot, object length).
+        self._disk_reads_ahead: dict[bytes, tuple[memoryview, Future[int]]] = {}
+        self._disk_reads: list[tuple[bytes, memoryview]] = []  # what the last fetch read from NVMe
+        self._disk = ThreadPoolExecutor(
+            DISK_READERS, thread_name_prefix="prefixcache-disk-read", initializer=io_thread_setup
+        )
+        self.dram = MooncakeTier(
+            config.mooncake.shm_address,
+            arena_bytes=arena_bytes,
+            object_prefix=config.key_prefix,
+            preferred_segment=config.mooncake.segment,
+            thread_setup=io_thread_setup,
+        )
+        self.namespace_check: NamespaceCheck | None = None
+        try:
+            self.namespace_check = attach_namespace(self.index, spec, log)
+        except IndexUnavailableError as exc:
+            log.warning("index unreachable at start-up (%s); lookups miss until it answers", exc)
+
+    @classmethod
+    def connect(cls, service_url: str, spec: NamespaceSpec, **options: object) -> CacheClient:
+        return cls(fetch_config(service_url), spec, **options)  # type: ignore[arg-type]
+
+    def hasher(self, tenant_salt: str | None = None) -> PrefixHasher:
+        return PrefixHasher(self.spec.root(tenant_salt), self.geometry)
+
+    def lookup(self, query: PrefixQuery) -> PrefixMatch:
+        """Longest cached prefix; an unreachable index is a miss."""
+        self.stats.count(lookups=1)
+        started = time.perf_counter()
+        try:
+            match = self.index.lookup(query)
+        except IndexUnavailableError as exc:
+            self.stats.count(lookup_errors=1)
+            log.debug("lookup missed: %s", exc)
+            match = PrefixMatch(keys=[], chunk_tokens=query.chunk_tokens)
+        self.recorder.record_lookup(
+            self.spec.digest, query.num_tokens, match.matched_tokens, time.perf_counter() - started
+        )
+        return match
+
+    def stage(self, meta: ChunkMeta) -> memoryview:
+        """An arena slot for one encoded object; write the payload at ``meta.payload_offset``."""
+        return self.dram.arena.alloc(meta.encoded_size)
+
+    def slot(self, size: int) -> memoryview:
+        return self.dram.arena.alloc(size)
+
+    def release(self, view: memoryview) -> None:
+        self.dram.arena.free(view)
+
+    @property
+    def arena_memory(self) -> tuple[int, int]:
+        """(address, size) of the registered arena every slot lies in: a GPU worker pins it for its copies."""
+        return self.dram.arena.address, self.dram.arena.size
+
+    def publish(self, chunks: Sequence[tuple[ChunkMeta, memoryview]], tenant_salt: str | None = None) -> list[bool]:
+        """Store each (meta, slot holding its payload) in DRAM, then register what was stored."""
+        if not chunks:
+            return []
+        started = time.perf_counter()
+        objects = [(meta.key, slot[: write_header(slot, meta, self.mac_key)]) for meta, slot in chunks]
+        stored = self.dram.put(objects, soft_pin_s=UNPERSISTED_PROTECTION_S)
+        records = [
+            ChunkRecord.of(
+                parent=meta.parent,
+                packed_tokens=meta.tokens,
+                root=meta.root,
+                namespace=meta.namespace,
+                size_bytes=meta.encoded_size,
+                location=self.location,
+                tenant=tenant_id(tenant_salt),
+            )
+            for (meta, _), ok in zip(chunks, stored, strict=True)
+            if ok
+        ]
+        try:
+            self.index.register(records)
+        except IndexUnavailableError as exc:
+            log.warning("published chunks not registered (%s); they will not be found", exc)
+            stored = [False] * len(chunks)
+        self.stats.count(published=sum(stored), publish_failures=len(chunks) - sum(stored))
+        self.recorder.record_publish(
+            self.spec.digest, sum(stored), len(chunks) - sum(stored), time.perf_counter() - started
+        )
+        return stored
+
+    def fetch(
+        self,
+        keys: Sequence[bytes],
+        slots: Sequence[memoryview],
+        *,
+        upcoming: Sequence[tuple[bytes, memoryview]] = (),
+        cuts: Sequence[int | None] = (),
+    ) -> list[memoryview | None]:
+        """Each chunk's verified payload (a view into its slot), or None: a miss the caller recomputes.
+
+        A chunk missing from DRAM, or whose DRAM copy fails verification (and is deleted), comes from
+        the NVMe tier: read straight from the segment files when this node holds it (slots of
+        ``read_size`` bytes let that read land in place), else promoted by the daemon of a node that
+        does. ``upcoming`` names the chunks the caller will fetch next, in order, each with the slot it
+        will pass for it: when this call must go to NVMe, it plans those of them with no DRAM copy in
+        the same requests, and starts reading this node's straight into those slots, so later calls
+        find them read or on their way, or promoted. A caller that stops before fetching them all
+        calls ``settle_reads`` before releasing the slots. ``cuts``: where each chunk's DRAM copy is cut, if
+        the caller knows (``MooncakeTier.get_into``), so that its two parts come in one call.
+        """
+        return cast("list[memoryview | None]", self._fetch(keys, slots, upcoming, None, cuts))  # all checked
+
+    def fetch_checking_later(
+        self,
+        keys: Sequence[bytes],
+        slots: Sequence[memoryview],
+        *,
+        checks: Executor,
+        upcoming: Sequence[tuple[bytes, memoryview]] = (),
+        cuts: Sequence[int | None] = (),
+    ) -> list[Fetched]:
+        """``fetch``, returning as soon as DRAM has copied its chunks into their slots: each of those comes
+        back as a future of its verified payload, its MAC computed on ``checks``, so the caller reads
+        the next chunks while these are checked, on as many threads as ``checks`` has (on one thread of an
+        H100 host, checking a chunk took three quarters as long as Mooncake's copy of it). A future that
+        resolves to None was a damaged DRAM copy, now deleted: ``fetch`` that chunk again to have it from
+        NVMe. Chunks from NVMe come back verified, as from ``fetch``. The caller waits for every future
+        before it releases their slots.
+        """
+        return self._fetch(keys, slots, upcoming, checks, cuts)
+
+    def _fetch(
+        self,
+        keys: Sequence[bytes],
+        slots: Sequence[memoryview],
+        upcoming: Sequence[tuple[bytes, memoryview]],
+        checks: Executor | None,
+        cuts: Sequence[int | None],
+    ) -> list[Fetched]:
+        started = time.perf_counter()
+        self._disk_reads = []
+        self._streams = {key: stream for key, stream in self._streams.items() if not stream.expired}
+        out: list[Fetched] = [None] * len(keys)
+        planned = {i for i, key in enumerate(keys) if key in self._streams or key in self._disk_reads_ahead}
+        corrupt = self._read(keys, slots, [i for i in range(len(keys)) if i not in planned], out, checks, cuts)
+        if missing := [i for i in range(len(keys)) if out[i] is None and i not in planned]:
+            self._plan_nvme([keys[i] for i in missing], {keys[i]: slots[i] for i in missing}, upcoming)
+        self._read_disk(
+            keys, slots, [i for i, k in enumerate(keys) if out[i] is None and k in self._disk_reads_ahead], out
+        )
+        promoted = [i for i, key in enumerate(keys) if out[i] is None and key in self._streams]
+        corrupt += self._read_promoted(keys, slots, promoted, out, cuts)
+        fetched = sum(1 for v in out if v is not None)
+        self.stats.count(fetched=fetched, missing=len(out) - fetched)
+        self.recorder.record_fetch(
+            self.spec.digest, fetched, len(out) - fetched, corrupt, time.perf_counter() - started
+        )
+        return out
+
+    def read_ahead(self, chunks: Sequence[tuple[bytes, memoryview]]) -> None:
+        """Start bringing back chunks the caller found missing from DRAM, each into its slot (of
+        ``read_size`` bytes): this node's are read straight from its NVMe (asked first, without reading
+        the index: the common case on a node that published them), other nodes' are promoted. The
+        ``fetch`` of those slots then waits for them instead of asking DRAM again. A caller that
+        stops before fetching them all calls ``settle_reads`` before releasing the slots.
+        """
+        if not chunks:
+            return
+        slots = dict(chunks)
+        if elsewhere := self._read_here(list(slots), slots):
+            self._plan_nvme(elsewhere, slots, upcoming=())  # another node's NVMe, if any, promotes them
+
+    def shared_memory(self, size: int) -> memoryview:
+        """Zeroed shared memory that ``fetch_scattered`` can write into (see ``MooncakeTier.shared_memory``)."""
+        return self.dram.shared_memory(size)
+
+    def shared_view(self, address: int, size: int) -> memoryview | None:
+        """A view of ``size`` bytes at ``address`` if they lie in this client's shared memory, else None."""
+        return self.dram.registered_view(address, size)
+
+    def fetch_scattered(
+        self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]], second: Sequence[bool] = ()
+    ) -> list[bool]:
+        """Read chunks from DRAM straight into the caller's memory: the first part of each copy (its header
+        and tokens, then its first layers; where ``second[i]``, the rest of its layers) across ``parts[i]``, in order,
+        all in the arena or ``shared_memory`` (``MooncakeTier.get_scattered``). Returns per key whether it
+        arrived; one that did not may have written some of its parts.
+
+        The connector reads each chunk's header and tokens into an arena slot and its payload into the
+        KV pages themselves, so a load copies each byte once. Nothing is verified yet: the caller has
+        ``verify_scattered`` check the pieces where they landed before any of it counts as loaded.
+        """
+        return [size > 0 for size in self.dram.get_scattered(keys, parts, second)]
+
+    def verify_scattered(
+        self,
+        keys: Sequence[bytes],
+        heads: Sequence[memoryview],
+        payloads: Sequence[Sequence[memoryview]],
+        started: float,
+    ) -> list[bool]:
+        """Per chunk read by ``fetch_scattered``, whether it is intact where it landed: its header and
+        tokens in ``heads[i]``, its payload across ``payloads[i]``. A damaged chunk's DRAM copy is
+        deleted. Records one fetch, timed from ``started`` (``time.perf_counter()``)."""
+        ok = [
+            self._verified_scattered(key, head, payload)
+            for key, head, payload in zip(keys, heads, payloads, strict=True)
+        ]
+        self.stats.count(fetched=sum(ok))
+        self.recorder.record_fetch(
+            self.spec.digest,
+            sum(ok),
+            0,
+            len(ok) - sum(ok),  # each failure was a reject
+            time.perf_counter() - started,
+        )
+        return ok
+
+    def take_disk_reads(self) -> list[tuple[bytes, memoryview]]:
+        """The chunks the last ``fetch`` read straight from this node's NVMe: (key, verified object).
+
+        Each object is a view into the caller's slot. Hand them to ``store_disk_reads`` before
+        releasing those slots, so the next load of these chunks comes from DRAM.
+        """
+        taken, self._disk_reads = self._disk_reads, []
+        return taken
+
+    def store_disk_reads(self, objects: Sequence[tuple[bytes, memoryview]]) -> int:
+        """Put chunks read from NVMe (as ``take_disk_reads`` gave them) into DRAM and index them there.
+
+        The reader already holds each verified object in a registered slot, so this is one Mooncake
+        put: far cheaper than the daemon reading the same bytes from disk again, which would also
+        compete with the next load's reads. Callers run it once their load is complete (the connector:
+        after the forward pass). Returns how many were stored; a failure only means the next load
+        reads the disk again.
+        """
+        if not objects:
+            return 0
+        return self._indexed_in_dram([key for key, _ in objects], self.dram.put(objects))
+
+    def store_scattered(self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]]) -> int:
+        """``store_disk_reads`` for chunks read from NVMe straight into the caller's memory (``disk_extents``):
+        each object gathered from ``parts[i]`` in order (its header and tokens, then its payload), all in
+        the arena or ``shared_memory``. Returns how many were stored."""
+        if not keys:
+            return 0
+        return self._indexed_in_dram(keys, self.dram.put_scattered(keys, parts))
+
+    def _indexed_in_dram(self, keys: Sequence[bytes], stored: list[bool]) -> int:
+        """Add this node's DRAM location of the chunks just stored after a disk read; how many were."""
+        keys = [key for key, ok in zip(keys, stored, strict=True) if ok]
+        try:
+            self.index.add_location(keys, self.location)
+        except IndexUnavailableError as exc:
+            log.debug("chunks stored after a disk read not indexed (%s)", exc)
+            self.dram.delete(keys)
+            return 0
+        self.stats.count(stored_after_disk_read=len(keys))
+        return len(keys)
+
+    def disk_extents(self, keys: Sequence[bytes]) -> list[Extent | None]:
+        """Where this node's NVMe tier holds each chunk (None: not there, or no answer), for a caller that
+        reads them itself, straight into its own memory (``prefixcache.cachestore.tiers.nvme.read_pieces``): one request
+        this node's daemon answers from its manifest. An extent may go stale (compaction moves objects);
+        what is read from it is verified like every load (``verify_disk_reads``)."""
+        try:
+            return locate(self._redis, self._prefix, self.node, keys, self._promote_timeout_s)
+        except redis.RedisError as exc:
+            log.debug("locating chunks on this node's NVMe failed: %s", exc)
+            return [None] * len(keys)
+
+    def verify_disk_reads(
+        self, keys: Sequence[bytes], checks: Sequence[BodyCheck | ChunkError], started: float
+    ) -> list[bool]:
+        """Per chunk a caller read from ``disk_extents`` into pieces and fed to its ``BodyCheck``, whether it is
+        intact (a ``ChunkError`` stands for one that failed before). Records one fetch, timed from ``started``
+        (``time.perf_counter()``). A failure is a miss, and the daemon is asked to promote the chunk: an extent
+        gone stale (compaction moved the object) brings it back into DRAM, a damaged or forged copy is deleted there
+        and counted by the daemon, which drops it, so that each bad copy is counted once."""
+        ok = []
+        for key, check in zip(keys, checks, strict=True):
+            try:
+                if isinstance(check, ChunkError):
+                    raise check
+                check.verdict()
+                ok.append(True)
+            except ChunkError as exc:
+                log.info("chunk %s read from this node's NVMe failed its checks (%s): recomputing", key.hex(), exc)
+                ok.append(False)
+        failed = [key for key, intact in zip(keys, ok, strict=True) if not intact]
+        self.stats.count(fetched=sum(ok), read_from_disk=sum(ok), missing=len(failed))
+        self.recorder.record_fetch(self.spec.digest, sum(ok), len(failed), 0, time.perf_counter() - started)
+        if failed:
+            self._request_promotion(self.node, failed)
+        return ok
+
+    def _read(
+        self,
+        keys: Sequence[bytes],
+        slots: Sequence[memoryview],
+        positions: list[int],
+        out: list[Fetched],
+        checks: Executor | None,
+        cuts: Sequence[int | None],
+    ) -> int:
+        """Read ``keys[i]`` into ``slots[i]`` from DRAM for each i in positions (at ``cuts[i]``, if any: ``fetch``),
+        filling ``out`` with the verified payloads, or with futures of them verified on ``checks``. Returns how
+        many of those verified here were rejected (the checks on ``checks`` count their own)."""
+        if not positions:
+            return 0
+        rejected = 0
+        sizes = self.dram.get_into(
+            [keys[i] for i in positions], [slots[i] for i in positions], [cuts[i] for i in positions] if cuts else ()
+        )
+        for i, size in zip(positions, sizes, strict=True):
+            if checks is None or size < 0:
+                out[i] = self._verified(keys[i], slots[i], size)
+                rejected += size >= 0 and out[i] is None
+            else:
+                out[i] = checks.submit(self._checked_later, keys[i], slots[i], size)
+        return rejected
+
+    def _plan_nvme(
+        self, missing: list[bytes], slots: dict[bytes, memoryview], upcoming: Sequence[tuple[bytes, memoryview]]
+    ) -> None:
+        """Read from this node's NVMe, or have other nodes promote, ``missing`` and upcoming chunks not in DRAM.
+
+        ``slots`` holds the slot of each missing chunk; reads of this node's chunks start at once,
+        upcoming ones included, so the disk stays busy while the caller places what came before.
+        """
+        wanted = set(missing)
+        ahead = [
+            (key, slot)
+            for key, slot in upcoming
+            if key not in wanted and key not in self._streams and key not in self._disk_reads_ahead
+        ]
+        slots = {**slots, **dict(ahead)}
+        candidates = missing + [key for key, _ in ahead]
+        try:
+            entries = self.index.get(candidates)
+        except IndexUnavailableError:
+            return
+        in_dram = {
+            key
+            for key, entry in zip(candidates, entries, strict=True)
+            if entry and any(loc.tier == "dram" for loc in entry.locations)
+        }
+        if in_dram & wanted:
+            in_dram -= self._gone_from_dram([key for key, _ in ahead if key in in_dram])
+        by_node: defaultdict[str, list[bytes]] = defaultdict(list)
+        for key, entry in zip(candidates, entries, strict=True):
+            locations = entry.locations if entry else ()
+            if key not in wanted and key in in_dram:
+                continue  # an upcoming chunk DRAM should still serve
+            if nodes := {loc.node for loc in locations if loc.tier == "nvme"}:
+                by_node[self.node if self.node in nodes else min(nodes)].append(key)
+        for node, node_keys in by_node.items():
+            if node != self.node:
+                self._request_promotion(node, node_keys)
+            else:
+                self._read_here(node_keys, slots)
+
+    def _gone_from_dram(self, keys: list[bytes]) -> set[bytes]:
+        """Which of ``keys``, which the index says DRAM holds, it does not hold after all.
+
+        Asked only when DRAM just missed a chunk the index placed there: its copies vanished unannounced
+        (the master's own eviction, which demotion normally forestalls), and the upcoming chunks' likely
+        did too. Planning their disk reads now, in one plan, keeps the disk busy; trusting the index
+        read them one fetch after another (a 32 MiB load in 8 MiB fetches took 1.42 x as long).
+        """
+        return {key for key, held in zip(keys, self.dram.contains(keys), strict=True) if not held}
+
+    def _read_here(self, keys: list[bytes], slots: dict[bytes, memoryview]) -> list[bytes]:
+        """Start reading ``keys`` from this node's segment files into their slots; returns those not there."""
+        found = self.disk_extents(keys)
+        for key, extent in zip(keys, found, strict=True):
+            if extent is not None:
+                self._disk_reads_ahead[key] = (slots[key], self._disk.submit(read_extent, extent, slots[key]))
+        return [key for key, extent in zip(keys, found, strict=True) if extent is None]
+
+    def _request_promotion(self, node: str, keys: list[bytes]) -> None:
+        """Ask ``node``'s daemon to promote ``keys``; fetches wait for its answers (a failed request: misses)."""
+        try:
+            stream = PromotionStream(self._redis, self._prefix, node, keys, self._promote_timeout_s)
+        except redis.RedisError as exc:
+            log.debug("promotion request to %s failed: %s", node, exc)
+            return
+        self._streams.update(dict.fromkeys(keys, stream))
+
+    def _read_disk(
+        self, keys: Sequence[bytes], slots: Sequence[memoryview], positions: list[int], out: list[Fetched]
+    ) -> None:
+        """Take the reads of ``keys[i]`` (i in positions) from this node's segment files, and verify them."""
+        stale = []
+        for i in positions:
+            slot, read = self._disk_reads_ahead.pop(keys[i])
+            size = read.result()
+            if slot is not slots[i]:  # read ahead into another slot than the caller passes now
+                size = -1
+            try:
+                out[i] = (
+                    decode(slots[i][:size], key=keys[i], namespace=self.spec.digest, mac_key=self.mac_key)[1]
+                    if size >= 0
+                    else None
+                )
+            except ChunkError:
+                out[i] = None  # moved since it was located, or bad: the daemon, asked to promote it, tells which
+            if out[i] is None:
+                stale.append(keys[i])
+            else:
+                self.stats.count(read_from_disk=1)
+                self._disk_reads.append((keys[i], slots[i][:size]))
+        if stale:
+            self._request_promotion(self.node, stale)
+
+    def settle_reads(self) -> None:
+        """Wait for reads started ahead for chunks that were never fetched, and forget them.
+
+        Callers run it before releasing the slots they named as ``upcoming``: no read may still be
+        writing into a slot that is handed out again.
+        """
+        reads, self._disk_reads_ahead = self._disk_reads_ahead, {}
+        for _, read in reads.values():
+            read.exception()  # waits; a failed read only matters to the fetch that never came
+
+    def _read_promoted(
+        self,
+        keys: Sequence[bytes],
+        slots: Sequence[memoryview],
+        positions: list[int],
+        out: list[Fetched],
+        cuts: Sequence[int | None],
+    ) -> int:
+        """Wait for the promotions of ``keys[i]`` (i in positions), then read those promoted; returns how many
+        of them were rejected."""
+        rejected = 0
+        by_stream: defaultdict[PromotionStream, list[int]] = defaultdict(list)
+        for i in positions:
+            by_stream[self._streams.pop(keys[i])].append(i)
+        for stream, waiting in by_stream.items():
+            try:
+                flags = stream.wait([keys[i] for i in waiting])
+            except redis.RedisError as exc:
+                log.debug("promotion answer lost: %s", exc)
+                continue
+            ready = [i for i, ok in zip(waiting, flags, strict=True) if ok]
+            self.stats.count(promoted=len(ready))
+            rejected += self._read(keys, slots, ready, out, None, cuts)  # after a promotion: checked here
+        return rejected
+
+    def _verified(self, key: bytes, slot: memoryview, size: int) -> memoryview | None:
+        if size < 0:
+            return None
+        try:
+            _, payload = decode(slot[:size], key=key, namespace=self.spec.digest, mac_key=self.mac_key)
+        except ChunkError as exc:
+            self._reject(key, exc)
+            return None
+        return payload
+
+    def _checked_later(self, key: bytes, slot: memoryview, size: int) -> memoryview | None:
+        """``_verified`` for ``fetch_checking_later``, which counted the chunk fetched: a damaged one is missing."""
+        payload = self._verified(key, slot, size)
+        if payload is None:
+            self.stats.count(fetched=-1, missing=1)
+            self.recorder.record_rejected_after_fetch(self.spec.digest)
+        return payload
+
+    def _verified_scattered(self, key: bytes, head: memoryview, payload: Sequence[memoryview]) -> bool:
+        try:
+            decode_scattered(head, payload, key=key, namespace=self.spec.digest, mac_key=self.mac_key)
+        except ChunkError as exc:
+            self._reject(key, exc)
+            return False
+        return True
+
+    def body_check(self, key: bytes, head: memoryview) -> BodyCheck:
+        """The check of chunk ``key`` of this client's namespace whose header and tokens are in ``head``, for a
+        caller that feeds it the payload piece by piece as it lands (raises ``ChunkError`` at once for a bad header)."""
+        return BodyCheck(head, key=key, namespace=self.spec.digest, mac_key=self.mac_key)
+
+    def _count_mac_failure(self) -> None:
+        self.stats.count(mac_failures=1)
+        self.recorder.record_mac_failure(self.spec.digest)
+
+    def _reject(self, key: bytes, exc: ChunkError) -> None:
+        self.stats.count(corrupt=1)
+        if exc.reason == "mac":
+            self._count_mac_failure()
+        log.warning("chunk %s failed verification (%s): deleted, recomputing", key.hex(), exc)
+        self._discard(key)
+
+    def discard(self, key: bytes) -> None:
+        """Remove a chunk's DRAM copy and its DRAM location: a read found it incomplete (the master evicted one
+        of its parts), so that the next load reads NVMe instead of missing the same way."""
+        self.stats.count(missing=1)
+        self._discard(key)
+
+    def _discard(self, key: bytes) -> None:
+        """Remove a damaged DRAM copy so no one else loads it, and say so in the index."""
+        self.dram.delete([key])
+        try:
+            entry = self.index.get([key])[0]
+            for location in entry.locations if entry else ():
+                if location.tier == "dram":
+                    self.index.drop_location([key], location)
+        except IndexUnavailableError:
+            pass
+
+    def close(self) -> None:
+        self._disk.shutdown(wait=True)
+        self.recorder.close()
+        self.dram.close()
+        self.index.close()
+        self._redis.close()

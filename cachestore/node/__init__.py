@@ -1,0 +1,1 @@
+"""One node's daemon: its settings, the servers it starts and keeps running, its data-dir lock."""

@@ -1,0 +1,571 @@
+"""The node daemon behind ``prefixcache serve``.
+
+It owns this node's share of the cache: the Mooncake segment (through a standalone segment owner),
+the NVMe tier, and the services that keep them and the index consistent (write-behind, promotion,
+demotion). With no external addresses it also runs the index (redis-server) and the Mooncake master.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import stat
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import redis
+import uvicorn
+from prefixcache.cachestore.api.admin_routes import admin_routers
+from prefixcache.cachestore.api.app import (
+    ClientConfig,
+    ComponentHealth,
+    EvictionStats,
+    MooncakeConfig,
+    QueueDepths,
+    SecretFiles,
+    Stats,
+    TierStats,
+    WriteBehindStats,
+    create_app,
+    public_redis_url,
+)
+from prefixcache.cachestore.api.auth import AccessPolicy, admin_token_path
+from prefixcache.cachestore.api.http_guards import trusted_hosts
+from prefixcache.cachestore.api.liveness import liveness_router
+from prefixcache.cachestore.api.metrics import metrics_router
+from prefixcache.cachestore.api.stats_report import all_clients, corrupt_by_reason, namespace_stats
+from prefixcache.cachestore.api.warmup_routes import warmup_router
+from prefixcache.cachestore.chunks.mac import KEY_FILE_NAME, ChunkMacKey
+from prefixcache.cachestore.client.usage_stats import ClientTotals, read_client_stats
+from prefixcache.cachestore.host.cpus import allowed_cpus
+from prefixcache.cachestore.host.listeners import check_listeners
+from prefixcache.cachestore.host.processes import port_open
+from prefixcache.cachestore.host.secret_files import PRIVATE_UMASK, load_or_create_secret, make_private_dir, secrets_dir
+from prefixcache.cachestore.node.data_dir_lock import DataDirLock
+from prefixcache.cachestore.node.redis_server import EmbeddedRedis
+from prefixcache.cachestore.node.settings import NVME_SEGMENT_BYTES, Settings
+from prefixcache.cachestore.node.supervisor import Supervisor
+from prefixcache.cachestore.services.background import BackgroundLoop
+from prefixcache.cachestore.services.cache_admin import CacheAdmin
+from prefixcache.cachestore.services.demotion import Demoter
+from prefixcache.cachestore.services.eviction import Evictor
+from prefixcache.cachestore.services.eviction_orders import EvictionOrders, OrderServer
+from prefixcache.cachestore.services.kv_events import KvEventPublisher
+from prefixcache.cachestore.services.promotion import Promoter
+from prefixcache.cachestore.services.reconcile import reconcile
+from prefixcache.cachestore.services.write_behind import GROUP as WRITE_BEHIND_GROUP
+from prefixcache.cachestore.services.write_behind import WriteBehind
+from prefixcache.cachestore.tiers.dram import MooncakeTier
+from prefixcache.cachestore.tiers.mooncake_servers import MooncakeMaster, SegmentOwner
+from prefixcache.cachestore.tiers.nvme import NvmeStore
+from prefixcache.cachestore.tiers.nvme_extents import ExtentServer
+from prefixcache.cachestore.warmup.jobs import WarmupJobs, local_url
+from prefixcache.cachestore.warmup.policy import WarmupPolicy
+from prefixcache.indexer.errors import IndexUnavailableError
+from prefixcache.indexer.index import Location
+from prefixcache.indexer.leases import Leases
+from prefixcache.indexer.redis_clients import WAITING_SOCKET_TIMEOUT_S, redis_client
+from prefixcache.indexer.redis_index import RedisIndex
+from pydantic import SecretStr
+
+log = logging.getLogger("prefixcache.daemon")
+#: The embedded redis-server's password, under ``secrets_dir(data_dir)``.
+REDIS_PASSWORD_FILE = "redis-password"
+#: What the daemon keeps under its data dir (besides the NVMe tier), made private at each start.
+PRIVATE_SUBDIRS = ("redis", "logs", "warmup", "secrets")
+DAEMON_ARENA_BYTES = 256 << 20
+WARMUP_OBJECT_BYTES = 8 << 20
+#: The health component that reports each server the daemon supervises.
+SERVER_OF_COMPONENT = {"redis": "redis-server", "mooncake_master": "mooncake_master", "dram": "mooncake_client"}
+
+
+def _make_private(directory: Path) -> None:
+    """``directory`` (created if missing) and everything under it the daemon's user's alone (0700 directories,
+    files without group or other bits): what an older build left, or a directory someone else created."""
+    try:
+        make_private_dir(directory)
+        for root, dirs, files in os.walk(directory):
+            for name in dirs:
+                make_private_dir(Path(root, name))
+            for name in files:
+                path = Path(root, name)
+                mode = path.lstat().st_mode
+                if stat.S_ISREG(mode) and mode & 0o077:
+                    os.chmod(path, stat.S_IMODE(mode) & ~0o077)
+    except OSError as exc:
+        log.warning("cannot make %s private to this user (%s): other users may read its chunks", directory, exc)
+
+
+class NodeDaemon:
+    """Owns this node's servers, tiers and services for the daemon's lifetime."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._stack = ExitStack()
+        self.index: RedisIndex
+        self.dram: MooncakeTier
+        self.nvme: NvmeStore
+        self.owner: SegmentOwner
+        self.master_address: str
+        self.metadata_url: str
+        self.metrics_url: str | None = None
+        self.write_behind: WriteBehind
+        self.promoter: Promoter
+        self.demoter: Demoter
+        self.leases: Leases
+        self.evictor: Evictor
+        self.orders: OrderServer
+        self.admin: CacheAdmin
+        self.nvme_evicted = 0
+        self.mac_key_file: Path
+        self.mac_key: ChunkMacKey
+        self.warmup_jobs: WarmupJobs
+        self.admin_token: SecretStr
+        #: the generated token's file; None when the operator set the token
+        self.admin_token_file: Path | None = None
+        self._services: list[BackgroundLoop] = []  # asked to stop together before each is joined
+        self.supervisor = Supervisor()
+
+    def start(self) -> None:
+        s = self.settings
+        # before anything is created: every file the daemon and its children (redis-server, Mooncake, warm-up
+        # jobs) write is the daemon's user's alone, as are the data dir and the NVMe tier
+        os.umask(PRIVATE_UMASK)
+        data_dir_lock = DataDirLock(s.data_dir)
+        data_dir_lock.acquire(s.port)  # before anything starts: a second daemon here must change nothing
+        self._stack.callback(data_dir_lock.release)
+        make_private_dir(s.data_dir)
+        for directory in (s.nvme_path, *(s.data_dir / name for name in PRIVATE_SUBDIRS)):
+            _make_private(directory)
+        self._load_admin_token()
+        # asked to stop first (no restart while stopping), joined last: after the servers it may have restarted
+        self._services.append(self.supervisor)
+        self._stack.callback(self.supervisor.stop)
+        engine_cpus = None  # where warm-up engines run: unbound, as the daemon
+        if s.cpu_set is not None:
+            engine_cpus = allowed_cpus()  # warm-up engines are vLLM engines: they keep the cores the daemon had
+            # before any thread or server starts: each inherits the binding
+            os.sched_setaffinity(0, s.cpu_set)
+            log.info("daemon and its servers bound to CPUs %s", s.cpus)
+        self._load_mac_key()
+        self._start_index()
+        self.leases = Leases(redis_client(self.index.url), s.key_prefix)
+        self._start_mooncake()
+        self.nvme = NvmeStore(
+            s.nvme_path,
+            s.nvme_bytes,
+            segment_bytes=NVME_SEGMENT_BYTES,
+            is_pinned=self._protected,
+            on_evict=self._evicted,
+        )
+        self._stack.callback(self.nvme.close)
+        # The segment owner starts empty every time, so DRAM locations naming this node are stale.
+        reconcile(self.index, self.nvme, s.node, dram_is_new=True)
+        self.write_behind = WriteBehind(
+            self.index, self.dram, self.nvme, s.node, hold_s=s.write_behind_hold_s, mac_key=self.mac_key
+        )
+        self.promoter = Promoter(
+            self._waiting_redis(), s.key_prefix + ":", self.index, self.dram, self.nvme, s.node, mac_key=self.mac_key
+        )
+        self.extents = ExtentServer(self._waiting_redis(), s.key_prefix + ":", self.nvme, s.node)
+        self.demoter = Demoter(
+            self.index,
+            self.dram,
+            self.write_behind,
+            s.node,
+            self._protected,
+            s.dram_high_watermark,
+            s.dram_low_watermark,
+        )
+        self.write_behind.on_persisted = self.demoter.poke
+        for service in (self.write_behind, self.promoter, self.extents, self.demoter):
+            self._start_service(service)
+        if s.kv_events_endpoint:
+            self._start_service(
+                KvEventPublisher(
+                    self.index.url,
+                    s.key_prefix,
+                    s.node,
+                    s.kv_events_endpoint,
+                    s.kv_events_topic,
+                    block_size=s.chunk_tokens,
+                )
+            )
+            log.info("publishing KV events on %s", s.kv_events_endpoint)
+        self.evictor = Evictor(
+            self.index, self.dram, self.nvme, s.node, EvictionOrders(self._waiting_redis(), s.key_prefix + ":")
+        )
+        # after reconcile: orders queued while this node was down remove copies the index still names
+        self.orders = orders = OrderServer(
+            self._waiting_redis(),
+            s.key_prefix + ":",
+            s.node,
+            self.index,
+            lambda entries: self.evictor.evict_here(entries).removed,
+        )
+        self._start_service(orders)
+        self.admin = CacheAdmin(self.index, self.evictor)
+        policy = WarmupPolicy(tuple(s.warmup_roots), s.warmup_allow_trust_remote_code)
+        self.warmup_jobs = WarmupJobs(
+            s.data_dir / "warmup" / "jobs",
+            local_url(s.host, s.port),
+            s.data_dir / "warmup",
+            engine_cpus=engine_cpus,
+            policy=policy,
+            redis_password=self._redis_password(),
+        )
+        self.warmup_jobs.start()
+        self._stack.callback(self.warmup_jobs.stop)
+        self.supervisor.start()
+
+    def _load_mac_key(self) -> None:
+        """The cluster's chunk-signing key: the operator's file, or this node's own, generated at first start."""
+        s = self.settings
+        if s.chunk_key_file is not None:
+            self.mac_key_file = s.chunk_key_file.absolute()
+            self.mac_key = ChunkMacKey.read(s.chunk_key_file)
+            return
+        self.mac_key_file = (secrets_dir(s.data_dir) / KEY_FILE_NAME).absolute()
+        self.mac_key = ChunkMacKey.load_or_create(self.mac_key_file)
+        if not (s.embedded_redis and s.embedded_mooncake):
+            log.warning(
+                "this node signs chunks with a key of its own (%s): other nodes can use its chunks only if "
+                "every node is given the same PREFIXCACHE_CHUNK_KEY_FILE",
+                self.mac_key_file,
+            )
+
+    def _load_admin_token(self) -> None:
+        """The operator's token, or the one generated at this data dir's first start (kept, 0600, for the CLI)."""
+        if self.settings.admin_token is not None:
+            self.admin_token = self.settings.admin_token
+            return
+        path = admin_token_path(secrets_dir(self.settings.data_dir))
+        self.admin_token = SecretStr(load_or_create_secret(path))
+        self.admin_token_file = path.absolute()
+        log.info(
+            "admin token in %s (readable by this user only; `prefixcache stats` and the other admin commands "
+            "read it from there)",
+            path,
+        )
+
+    def _redis_password(self) -> str | None:
+        """The index's password, for warm-up children (on their stdin): from the URL, else the environment."""
+        return urlsplit(self.index.url).password or os.environ.get("PREFIXCACHE_REDIS_PASSWORD") or None
+
+    def _start_service(self, service: BackgroundLoop) -> None:
+        service.start()
+        self._services.append(service)
+        self._stack.callback(service.stop)
+
+    def _start_index(self) -> None:
+        s = self.settings
+        redis_url = s.redis_url
+        if redis_url is None:
+            password = load_or_create_secret(self.redis_password_file)
+            server = EmbeddedRedis(s.data_dir / "redis", port=s.derived_port("redis_port"), password=password)
+            server.start()
+            self._stack.callback(server.stop)
+            self.supervisor.watch(server)  # redis-py clients reconnect by themselves; Redis replays its AOF
+            redis_url = server.url
+            log.info(
+                "embedded redis-server ready at %s (AOF in %s; password in %s)",
+                public_redis_url(redis_url)[0],
+                server.directory,
+                self.redis_password_file,
+            )
+        self.index = RedisIndex(redis_url, key_prefix=s.key_prefix)
+        self._stack.callback(self.index.close)
+        self.index.ping()
+        log.info("index ready at %s", public_redis_url(redis_url)[0])
+
+    @property
+    def redis_password_file(self) -> Path:
+        return (secrets_dir(self.settings.data_dir) / REDIS_PASSWORD_FILE).absolute()
+
+    def _waiting_redis(self) -> redis.Redis:
+        """A connection of the index's Redis for a service that waits on queues (``BLPOP``)."""
+        return redis_client(self.index.url, socket_timeout_s=WAITING_SOCKET_TIMEOUT_S)
+
+    def _start_mooncake(self) -> None:
+        s = self.settings
+        logs = s.data_dir / "logs"
+        if s.embedded_mooncake:
+            master = MooncakeMaster(
+                logs,
+                rpc_port=s.derived_port("master_port"),
+                metadata_port=s.derived_port("metadata_port"),
+                metrics_port=s.derived_port("metrics_port"),
+            )
+            master.start()
+            self._stack.callback(master.stop)
+            # a new master knows no objects (the owner mounts its segment on it again by itself)
+            self.supervisor.watch(master, before_restart=self._forget_dram)
+            self.master_address, self.metadata_url = master.address, master.metadata_url
+            self.metrics_url = f"http://{master.host}:{master.metrics_port}/metrics"
+            log.info("embedded mooncake_master ready at %s", master.address)
+        else:
+            assert s.mooncake_master and s.mooncake_metadata_url
+            self.master_address, self.metadata_url = s.mooncake_master, s.mooncake_metadata_url
+            self.metrics_url = s.mooncake_metrics_url
+            if self.metrics_url is None:
+                log.warning(
+                    "PREFIXCACHE_MOONCAKE_METRICS_URL is not set: demotion cannot see this node's "
+                    "DRAM use, and a restart cannot wait for the master to forget its old segment owner"
+                )
+        self.owner = SegmentOwner(
+            logs,
+            segment_bytes=s.dram_bytes,
+            master=self.master_address,
+            metadata_url=self.metadata_url,
+            host=s.mooncake_host,
+            segment_port=s.derived_port("segment_port"),
+            shm_port=s.derived_port("shm_port"),
+            protocol=s.mooncake_protocol,
+            device_names=s.mooncake_device_names,
+            master_admin_url=self.master_admin_url,
+            nice=s.owner_nice,
+        )
+        self.owner.start()
+        self._stack.callback(self.owner.stop)
+        # a new owner starts empty; attached tiers (this daemon's too) re-register their memory with it by themselves
+        self.supervisor.watch(self.owner, before_restart=self._forget_dram)
+        self.dram = MooncakeTier(
+            self.owner.shm_address,
+            arena_bytes=DAEMON_ARENA_BYTES,
+            object_prefix=s.key_prefix,
+            preferred_segment=self.owner.segment,
+            metrics_url=self.metrics_url,
+        )
+        self._stack.callback(self.dram.close)
+        self._warm_segment()
+        log.info(
+            "DRAM segment %s (%d MiB) ready; clients attach at %s",
+            self.owner.segment,
+            s.dram_bytes >> 20,
+            self.owner.shm_address,
+        )
+
+    @property
+    def master_admin_url(self) -> str | None:
+        """The master's HTTP port (``/metrics``, ``/health``, ``/get_all_segments``), when known."""
+        return self.metrics_url.rsplit("/", 1)[0] if self.metrics_url else None
+
+    def _warm_segment(self) -> None:
+        """Touch the new segment's pages once: first writes to fresh shared memory run ~4x slower."""
+        started = time.monotonic()
+        slot = self.dram.arena.alloc(WARMUP_OBJECT_BYTES)
+        count = int(self.settings.dram_bytes * 0.8) // WARMUP_OBJECT_BYTES
+        keys = [f"warmup-{i}".encode().ljust(16, b"\0")[:16] for i in range(count)]
+        try:
+            for start in range(0, count, 32):
+                self.dram.put([(k, slot) for k in keys[start : start + 32]])
+            self.dram.delete(keys)
+        finally:
+            self.dram.arena.free(slot)
+        log.info("DRAM segment warmed in %.1fs", time.monotonic() - started)
+
+    def _protected(self, keys: Sequence[bytes]) -> list[bool]:
+        """Chunks capacity pressure must not move: pinned by an operator, or leased to a scheduler."""
+        try:
+            now = self.index.clock_s()  # pins are deadlines in the index's clock
+            pinned = [e is not None and e.pinned(now) for e in self.index.get(keys)]
+            return [p or leased for p, leased in zip(pinned, self.leases.held(keys), strict=True)]
+        except IndexUnavailableError:
+            return [True] * len(keys)  # cannot tell: move nothing rather than a protected chunk
+
+    def _forget_dram(self) -> None:
+        """DRAM copies went with a dead segment owner or master: drop their locations, as a start does."""
+        log.warning("dropped the DRAM locations of %d chunks of this node", self.write_behind.forget_resident())
+
+    def _evicted(self, keys: list[bytes]) -> None:
+        self.nvme_evicted += len(keys)
+        self.index.drop_location(keys, Location("nvme", self.settings.node))
+
+    def stop(self) -> None:
+        for service in self._services:
+            service.request_stop()
+        self._stack.close()
+
+    def client_config(self) -> ClientConfig:
+        url, needs_password = public_redis_url(self.index.url)
+        s = self.settings
+        return ClientConfig(
+            node=s.node,
+            redis_url=url,
+            redis_password_required=needs_password,
+            key_prefix=s.key_prefix,
+            chunk_tokens=s.chunk_tokens,
+            mooncake=MooncakeConfig(
+                master=self.master_address,
+                metadata_url=self.metadata_url,
+                protocol=s.mooncake_protocol,
+                device_names=s.mooncake_device_names,
+                shm_address=self.owner.shm_address,
+                segment=self.owner.segment,
+            ),
+            secret_files=SecretFiles(
+                chunk_key=str(self.mac_key_file),
+                redis_password=str(self.redis_password_file) if s.embedded_redis else None,
+                admin_token=str(self.admin_token_file) if self.admin_token_file else None,
+            ),
+        )
+
+    def stats(self) -> Stats:
+        dram, nvme, wb = self.dram.usage(), self.nvme.usage(), self.write_behind.stats
+        client_totals = self.client_totals()
+        clients = all_clients(client_totals)
+        delays = sorted(wb.delays_s) or [0.0]
+        return Stats(
+            node=self.settings.node,
+            dram=TierStats(
+                bytes_used=dram.bytes_used, capacity_bytes=dram.capacity_bytes, chunks=len(self.write_behind.resident)
+            ),
+            nvme=TierStats(bytes_used=nvme.bytes_used, capacity_bytes=nvme.capacity_bytes, chunks=nvme.chunks),
+            write_behind=WriteBehindStats(
+                persisted=wb.persisted,
+                corrupt=wb.corrupt.total,
+                vanished=wb.vanished,
+                delay_p50_s=delays[len(delays) // 2],
+                delay_p99_s=delays[min(len(delays) - 1, len(delays) * 99 // 100)],
+                delay_max_s=wb.max_delay_s,
+            ),
+            promoted=self.promoter.promoted,
+            promotion_failures=self.promoter.failed,
+            demoted=self.demoter.demoted,
+            evictions=EvictionStats(
+                requested_chunks=self.evictor.evicted_chunks,
+                requested_bytes=self.evictor.evicted_bytes,
+                nvme_capacity=self.nvme_evicted,
+                dram_demoted=self.demoter.demoted,
+            ),
+            corrupt_chunks=wb.corrupt.total + self.promoter.corrupt.total + clients.corrupt_chunks,
+            corrupt_by_reason=corrupt_by_reason(clients, wb.corrupt, self.promoter.corrupt),
+            persist_failures=dict(wb.failures.counts),
+            queues=QueueDepths(
+                promotion=self.promoter.client.llen(self.promoter.queue),
+                write_behind=self.index.feed_backlog(self.settings.node, WRITE_BEHIND_GROUP),
+                eviction_orders=self.orders.client.llen(self.orders.queue),
+            ),
+            clients=clients,
+            namespaces=namespace_stats(self.index.usage(), client_totals),
+            child_restarts=self.supervisor.restarts,
+        )
+
+    def client_totals(self) -> dict[bytes, ClientTotals]:
+        """What clients attached to this node recorded, per namespace."""
+        return read_client_stats(self.promoter.client, self.settings.key_prefix + ":", self.settings.node)
+
+    def probes(self) -> dict[str, Callable[[], ComponentHealth]]:
+        probes = {
+            "redis": self._index_health,
+            "mooncake_master": self._master_health,
+            "dram": self._dram_health,
+            "nvme": self._nvme_health,
+        }
+        return {name: self._unless_restarting(SERVER_OF_COMPONENT.get(name), probe) for name, probe in probes.items()}
+
+    def _unless_restarting(
+        self, server: str | None, probe: Callable[[], ComponentHealth]
+    ) -> Callable[[], ComponentHealth]:
+        """``probe``, but down while the supervisor is bringing back ``server`` (its hooks may still be running)."""
+
+        def health() -> ComponentHealth:
+            trouble = self.supervisor.trouble(server) if server else None
+            return ComponentHealth(ok=False, detail=trouble) if trouble else probe()
+
+        return health
+
+    def _index_health(self) -> ComponentHealth:
+        try:
+            self.index.ping()
+            return ComponentHealth(ok=True, detail="answering")
+        except IndexUnavailableError as exc:
+            return ComponentHealth(ok=False, detail=str(exc))
+
+    def _master_health(self) -> ComponentHealth:
+        if self.master_admin_url:
+            health_url = self.master_admin_url + "/health"
+            try:
+                urllib.request.urlopen(health_url, timeout=2).close()
+                return ComponentHealth(ok=True, detail=f"{self.master_address} serving")
+            except OSError as exc:
+                return ComponentHealth(ok=False, detail=f"{self.master_address}: {exc}")
+        host, _, port = self.master_address.rpartition(":")
+        ok = port_open(host, int(port))
+        return ComponentHealth(
+            ok=ok, detail=f"{self.master_address} {'accepting' if ok else 'not accepting'} connections"
+        )
+
+    def _dram_health(self) -> ComponentHealth:
+        if not self.owner.alive():
+            return ComponentHealth(ok=False, detail=f"segment owner exited (log: {self.owner.log_path})")
+        if not self.dram.available:
+            return ComponentHealth(ok=False, detail="Mooncake unreachable; retrying")
+        return ComponentHealth(ok=True, detail=f"segment {self.owner.segment}")
+
+    def _nvme_health(self) -> ComponentHealth:
+        """Degraded while the write-behind fails to persist chunks (they wait in DRAM), naming why."""
+        usage = self.nvme.usage()
+        ok = Path(self.nvme.directory).is_dir()
+        detail = f"{usage.chunks} chunks, {usage.bytes_used >> 20} MiB of {usage.capacity_bytes >> 20} MiB"
+        failures = self.write_behind.stats.failures
+        if failures.failing is None:
+            return ComponentHealth(ok=ok, detail=detail)
+        why = f"persisting fails ({failures.failing}: {failures.detail}); unpersisted chunks wait in DRAM"
+        return ComponentHealth(ok=ok, degraded=True, detail=f"{why}; {detail}")
+
+    def check_listeners(self) -> None:
+        """Refuse to serve if a process of the daemon's tree listens beyond the node's addresses: loopback, the
+        pool address (``mooncake_host``), the REST API on ``host`` and a configured KV-events endpoint
+        (cachestore/host/listeners.py). Mooncake ignores some bind addresses (cachestore/tiers/bind_shim.py)."""
+        s = self.settings
+        endpoints = [(s.host, s.port), *([s.kv_events_tcp_address] if s.kv_events_tcp_address else [])]
+        check_listeners(os.getpid(), [s.mooncake_host], endpoints)
+        log.info("every listener of this node is on loopback or %s", s.mooncake_host)
+
+    def serve(self) -> None:
+        """Start everything, serve until SIGINT/SIGTERM, then stop everything.
+
+        uvicorn re-raises the signal that stopped it; SIGTERM's default action would end the process
+        before the child servers are stopped, so it is turned into SystemExit like SIGINT's
+        KeyboardInterrupt.
+        """
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        try:
+            self.start()
+            self.check_listeners()
+            s = self.settings
+            routers = [
+                *admin_routers(self.admin),
+                metrics_router(self.stats, self.client_totals),
+                warmup_router(self.warmup_jobs),
+                liveness_router(self.supervisor.alive),
+            ]
+            hosts = trusted_hosts(s.host, s.node, extra=s.allowed_hosts)
+            app = create_app(
+                self.client_config(),
+                self.probes(),
+                self.stats,
+                routers=routers,
+                access=AccessPolicy(admin_token=self.admin_token, open_reads=s.open_reads),
+                allowed_hosts=hosts,
+                max_body_bytes=int(s.max_body_bytes),
+            )
+            if s.open_reads and s.host not in ("127.0.0.1", "localhost", "::1"):
+                log.warning(
+                    "open reads: anyone who reaches %s:%d can list the cache's chunks and stats", s.host, s.port
+                )
+            log.info("answering Host names %s", ", ".join(hosts))
+            if not s.warmup_roots:
+                log.info("no warm-up roots: POST /v1/warmup refuses every job (set --warmup-root)")
+            log.info("prefixcache serving on http://%s:%d (node %s)", s.host, s.port, s.node)
+            uvicorn.run(app, host=s.host, port=s.port, log_level="warning")
+        finally:
+            self.stop()
+            log.info("prefixcache stopped")

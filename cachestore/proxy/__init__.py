@@ -1,0 +1,1 @@
+"""``prefixcache proxy``: disaggregated prefill through the store, behind one OpenAI-compatible address."""

@@ -1,0 +1,1 @@
+"""The daemon's background services: write-behind, promotion, demotion, eviction, reconciliation, KV events."""

@@ -1,0 +1,90 @@
+"""Start-up reconciliation: the NVMe tier is the truth about what persists on this node.
+
+* Index entries that claim ``nvme@node`` for chunks the tier does not hold lose that location.
+* Chunks the tier holds but the index does not know (Redis restarted without its AOF, say) are
+  re-registered from their self-describing objects.
+* When the DRAM pool started empty (an embedded master is always new), ``dram@node`` locations are
+  stale and dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from prefixcache.cachestore.chunks.codec import ChunkError, read_meta
+from prefixcache.cachestore.tiers.nvme import NvmeStore
+from prefixcache.indexer.index import ChunkRecord, Location, PrefixIndex
+
+log = logging.getLogger("prefixcache.reconcile")
+BATCH = 256
+
+
+@dataclass(frozen=True)
+class ReconcileReport:
+    nvme_chunks: int
+    rebuilt: int
+    dropped_nvme: int
+    dropped_dram: int
+    unreadable: int
+
+
+def reconcile(index: PrefixIndex, nvme: NvmeStore, node: str, dram_is_new: bool) -> ReconcileReport:
+    on_disk = set(nvme.keys())
+    nvme_here, dram_here = Location("nvme", node), Location("dram", node)
+    known: set[bytes] = set()
+    stale_nvme, stale_dram = [], []
+    for entry in index.scan():
+        if nvme_here in entry.locations and entry.key in on_disk:
+            known.add(entry.key)
+        elif nvme_here in entry.locations:
+            stale_nvme.append(entry.key)
+        if dram_is_new and dram_here in entry.locations:
+            stale_dram.append(entry.key)
+    dropped_nvme = drop_locations(index, stale_nvme, nvme_here)
+    dropped_dram = drop_locations(index, stale_dram, dram_here)
+    rebuilt, unreadable = _rebuild(index, nvme, sorted(on_disk - known), nvme_here)
+    report = ReconcileReport(len(on_disk), rebuilt, dropped_nvme, dropped_dram, unreadable)
+    log.info("reconciled index with NVMe tier: %s", report)
+    return report
+
+
+def drop_locations(index: PrefixIndex, keys: list[bytes], location: Location) -> int:
+    """Drop ``location`` from every chunk of ``keys``, ``BATCH`` chunks a call; how many there were."""
+    for start in range(0, len(keys), BATCH):
+        index.drop_location(keys[start : start + BATCH], location)
+    return len(keys)
+
+
+def _rebuild(index: PrefixIndex, nvme: NvmeStore, keys: list[bytes], location: Location) -> tuple[int, int]:
+    records, unreadable = [], []
+    for key in keys:
+        data = nvme.get(key)
+        try:
+            if data is None:
+                raise ChunkError("unreadable")
+            meta = read_meta(data)
+            if meta.key != key:
+                raise ChunkError("stored under another key")
+        except ChunkError:
+            unreadable.append(key)
+            continue
+        tenant = f"{meta.tenant:016x}" if meta.tenant else ""
+        records.append(
+            ChunkRecord.of(
+                parent=meta.parent,
+                packed_tokens=meta.tokens,
+                root=meta.root,
+                namespace=meta.namespace,
+                size_bytes=len(data),
+                location=location,
+                tenant=tenant,
+            )
+        )
+        if len(records) == BATCH:
+            index.register(records)
+            records = []
+    index.register(records)
+    if unreadable:
+        nvme.delete(unreadable)
+    return len(keys) - len(unreadable), len(unreadable)

@@ -1,0 +1,214 @@
+"""The Mooncake processes a node runs: the master (embedded default) and the segment owner.
+
+The segment owner is a standalone ``mooncake_client`` that contributes this node's DRAM to the pool.
+Every local process (vLLM workers, the daemon itself) attaches to it with ``setup_dummy`` and moves
+bytes through shared memory at memcpy speed (~6 GB/s here, against ~1.5 GB/s over TCP). Because the
+owner is a process of its own, objects outlive whichever process put them.
+
+Both listen only on the host they are given: Mooncake binds some of its listeners to the wildcard whatever
+its flags say, so each runs with the bind shim (cachestore/tiers/bind_shim.py), through ``mooncake_env``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import mooncake
+from prefixcache.cachestore.host.processes import ManagedProcess, find_executable, free_port, port_open
+from prefixcache.cachestore.tiers.bind_shim import bind_env, numeric_address
+
+#: Every Mooncake RPC gives up after this long instead of the library's 30 s default, so a hung
+#: master costs a caller at most this once (the tier then fails fast until it answers again).
+RPC_TIMEOUT_MS = 3000
+#: How long a start waits for the master to forget this node's previous segment owner: the master
+#: expires a client it has not heard from for 10 s (its default client TTL).
+PREVIOUS_OWNER_WAIT_S = 30.0
+_PACKAGE_DIR = Path(mooncake.__file__).parent
+log = logging.getLogger("prefixcache.daemon")
+
+
+def bound_rpc_timeouts() -> None:
+    """Set the RPC timeout the Mooncake client library reads from the environment (a user's value wins)."""
+    os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(RPC_TIMEOUT_MS))
+
+
+def mooncake_env(host: str) -> dict[str, str]:
+    """The environment of a Mooncake server that must listen on ``host`` only.
+
+    ``MC_TCP_BIND_ADDRESS`` is the address a transfer engine advertises for its handshake and data ports
+    (by default the first non-loopback interface's); the shim makes it the one they are bound to as well.
+    """
+    bound_rpc_timeouts()
+    return {**os.environ, **bind_env(host), "MC_TCP_BIND_ADDRESS": numeric_address(host)}
+
+
+class MooncakeMaster(ManagedProcess):
+    """``mooncake_master`` with its HTTP metadata server, on ``host`` (loopback unless told).
+
+    Leases last 2 s, not 10: every read grants one and a leased object can be neither evicted nor
+    removed. The master's own eviction starts at 95% so that the daemon's demotion (which keeps the
+    NVMe copy and updates the index) normally acts first, and it never takes soft-pinned objects:
+    publishers soft-pin new chunks, which exist nowhere else until the write-behind persists them.
+    When DRAM is full of unpersisted chunks, puts wait briefly and then fail (the chunk is simply
+    not cached) instead of evicting data that would be lost.
+    """
+
+    def __init__(
+        self,
+        log_dir: Path,
+        host: str = "127.0.0.1",
+        rpc_port: int | None = None,
+        metadata_port: int | None = None,
+        metrics_port: int | None = None,
+    ) -> None:
+        self.host = host
+        self.rpc_port = rpc_port or free_port(host)
+        self.metadata_port = metadata_port or free_port(host)
+        self.metrics_port = metrics_port or free_port(host)
+        argv = [
+            find_executable("mooncake_master", [_PACKAGE_DIR]),
+            "-enable_http_metadata_server=true",
+            f"-http_metadata_server_host={host}",
+            f"-http_metadata_server_port={self.metadata_port}",
+            f"-rpc_address={host}",
+            f"-rpc_port={self.rpc_port}",
+            f"-metrics_host={host}",
+            f"-metrics_port={self.metrics_port}",
+            "-default_kv_lease_ttl=2000",
+            "-eviction_high_watermark_ratio=0.95",
+            "-allow_evict_soft_pinned_objects=false",
+            "-logtostderr",
+        ]
+        ports = (self.rpc_port, self.metadata_port, self.metrics_port)
+        super().__init__(
+            "mooncake_master",
+            argv,
+            Path(log_dir) / "mooncake_master.log",
+            self._answers,
+            env=mooncake_env(host),
+            listens_on=[(host, port) for port in ports],
+        )
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.rpc_port}"
+
+    @property
+    def metadata_url(self) -> str:
+        return f"http://{self.host}:{self.metadata_port}/metadata"
+
+    def _answers(self) -> bool:
+        return port_open(self.host, self.rpc_port) and port_open(self.host, self.metadata_port)
+
+
+class SegmentOwner(ManagedProcess):
+    """``mooncake_client`` owning ``segment_bytes`` of this node's DRAM under a fixed segment name.
+
+    The fixed name (``host:segment_port``) lets publishers place objects on this node
+    (``preferred_segment``). A killed owner leaves its name registered in the metadata server, which
+    makes the next start fail, so stale entries are deleted before each start. A master that outlives
+    the owner (any master but the daemon's embedded one) also keeps the old owner's segment mounted
+    until it expires that client; an owner started before then mounts a name that exists already, and
+    the expiry then unmounts it under the new owner, which exits. So a start first waits until the
+    master, asked at ``master_admin_url`` (its HTTP port, beside ``/metrics``), no longer lists the name.
+    """
+
+    def __init__(
+        self,
+        log_dir: Path,
+        *,
+        segment_bytes: int,
+        master: str,
+        metadata_url: str,
+        host: str = "127.0.0.1",
+        segment_port: int | None = None,
+        shm_port: int | None = None,
+        protocol: str = "tcp",
+        device_names: str = "",
+        master_admin_url: str | None = None,
+        nice: int = 0,
+    ) -> None:
+        """``nice``: the owner's CPU priority; it copies every DRAM hit (cachestore/tiers/owner_priority.py)."""
+        self.master_admin_url = master_admin_url
+        self.host = host
+        self.segment_port = segment_port or free_port(host)
+        self.shm_port = shm_port or free_port(host)
+        self.metadata_url = metadata_url
+        argv = [
+            find_executable("mooncake_client", [_PACKAGE_DIR]),
+            f"-global_segment_size={segment_bytes // (1 << 20)}MB",
+            "-local_buffer_size=0",
+            f"-host={self.segment}",
+            f"-port={self.shm_port}",
+            f"-master_server_address={master}",
+            f"-metadata_server={metadata_url}",
+            f"-protocol={protocol}",
+            f"-device_names={device_names}",
+            "-logtostderr",
+        ]
+        super().__init__(
+            "mooncake_client",
+            argv,
+            Path(log_dir) / "mooncake_client.log",
+            self._answers,
+            env=mooncake_env(host),
+            listens_on=[(host, self.shm_port)],
+            nice=nice,
+        )
+
+    @property
+    def segment(self) -> str:
+        """The segment's name in the pool (what ``preferred_segment`` takes)."""
+        return f"{self.host}:{self.segment_port}"
+
+    @property
+    def shm_address(self) -> str:
+        """What local processes pass to ``setup_dummy``."""
+        return f"{self.host}:{self.shm_port}"
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        self._wait_until_master_forgets_segment()
+        self._forget_stale_registration()
+        super().start(timeout_s)
+
+    def _wait_until_master_forgets_segment(self) -> None:
+        if self.master_admin_url is None or not self._segment_mounted():
+            return
+        log.info("waiting for the Mooncake master to expire this node's previous segment owner (%s)", self.segment)
+        deadline = time.monotonic() + PREVIOUS_OWNER_WAIT_S
+        while self._segment_mounted():
+            if time.monotonic() > deadline:
+                log.warning(
+                    "the master still lists segment %s after %.0fs; starting anyway",
+                    self.segment,
+                    PREVIOUS_OWNER_WAIT_S,
+                )
+                return
+            time.sleep(0.5)
+
+    def _segment_mounted(self) -> bool:
+        """Whether the master lists this segment (False when it cannot be asked: nothing to wait for then)."""
+        try:
+            with urllib.request.urlopen(f"{self.master_admin_url}/get_all_segments", timeout=5) as answer:
+                return self.segment in answer.read().decode().split()
+        except OSError:
+            return False
+
+    def _answers(self) -> bool:
+        return port_open(self.host, self.shm_port)
+
+    def _forget_stale_registration(self) -> None:
+        if not self.metadata_url.startswith("http"):
+            return  # etcd/redis metadata: the operator's tooling owns cleanup
+        for kind in ("rpc_meta", "ram"):
+            key = urllib.parse.quote(f"mooncake/{kind}/{self.segment}", safe="")
+            request = urllib.request.Request(f"{self.metadata_url}?key={key}", method="DELETE")
+            with contextlib.suppress(urllib.error.HTTPError):  # nothing registered under that name: the normal case
+                urllib.request.urlopen(request, timeout=5).close()
