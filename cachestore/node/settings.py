@@ -37,87 +37,220 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="PREFIXCACHE_", extra="forbid", validate_default=True)
 
-    host: str = Field(default="127.0.0.1", description="address the REST API binds to (loopback unless told)")
-    port: int = Field(default=8600, ge=1, le=65535, description="REST API port")
-    data_dir: Path = Field(
-        default_factory=default_data_dir, description="where the NVMe tier and embedded servers keep files"
+    host: str = Field(
+        default="127.0.0.1",
+        description="Address the REST API binds to: loopback unless told. In Kubernetes, the node's IP (the vLLM "
+        "pods on the node call the daemon there).",
     )
-    node: str = Field(default_factory=socket.gethostname, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")
-    redis_url: str | None = Field(default=None, description="shared index; unset: start an embedded redis-server")
-    redis_port: int | None = Field(default=None, ge=1, le=65535, description="embedded redis-server [default: port+1]")
-    key_prefix: str = Field(default="pc", min_length=1, max_length=32, pattern=r"^[A-Za-z0-9_.\-]+$")
-    chunk_tokens: int = Field(default=DEFAULT_CHUNK_TOKENS, gt=0, le=MAX_CHUNK_TOKENS)
+    port: int = Field(
+        default=8600,
+        ge=1,
+        le=65535,
+        description="REST API port. The daemon's other ports are fixed and derived from it (`port`+1 to `port`+6, "
+        "unless set), so that attached clients reconnect to a restarted daemon; it must leave room for those six. "
+        "With several daemons on one host, give each its own `port` and `data_dir`.",
+    )
+    data_dir: Path = Field(
+        default_factory=default_data_dir,
+        description="Where the daemon keeps its embedded servers' files, its logs, its secrets and warm-up jobs "
+        "(`redis/`, `logs/`, `secrets/`, `warmup/`), and the NVMe tier unless `nvme_dir` is set.",
+    )
+    node: str = Field(
+        default_factory=socket.gethostname,
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9_.\-]+$",
+        description="This node's name in chunk locations and in its change feed: unique in the cluster, and "
+        "stable across restarts.",
+    )
+    redis_url: str | None = Field(
+        default=None,
+        description="The shared index: `redis://[user:password@]host:6379/0`, `rediss://` (TLS) or `unix://`; "
+        "give prefixcache a Redis user of its own (deploy/GUIDE.md, Security). Never echoed, since it may hold "
+        "a password. Unset: the daemon starts an embedded redis-server under `data_dir`.",
+    )
+    redis_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="Port of the embedded redis-server (no `redis_url`), on loopback; unset: `port`+1. It needs "
+        "the password the daemon generates at its first start into `data_dir`/secrets/redis-password (0600).",
+    )
+    key_prefix: str = Field(
+        default="pc",
+        min_length=1,
+        max_length=32,
+        pattern=r"^[A-Za-z0-9_.\-]+$",
+        description="Prefix of every index key in Redis, so that several deployments can share one Redis.",
+    )
+    chunk_tokens: int = Field(
+        default=DEFAULT_CHUNK_TOKENS,
+        gt=0,
+        le=MAX_CHUNK_TOKENS,
+        description="Tokens per chunk, the unit the cache keys, stores and loads: a multiple of vLLM's block size "
+        "(16 on CUDA, 128 on CPU).",
+    )
 
-    dram_bytes: ByteSize = Field(default=ByteSize(2 << 30), description="DRAM this node adds to the Mooncake pool")
-    nvme_bytes: ByteSize = Field(default=ByteSize(16 << 30), description="capacity of this node's NVMe tier")
-    nvme_dir: Path | None = Field(default=None, description="NVMe tier directory [default: <data_dir>/nvme]")
-    dram_high_watermark: float = Field(default=0.85, gt=0, lt=1, description="demote DRAM above this fill")
-    dram_low_watermark: float = Field(default=0.70, gt=0, lt=1, description="demote DRAM down to this fill")
+    dram_bytes: ByteSize = Field(
+        default=ByteSize(2 << 30),
+        description="DRAM this node adds to the Mooncake pool (at least 64 MiB).",
+    )
+    nvme_bytes: ByteSize = Field(
+        default=ByteSize(16 << 30),
+        description="Capacity of this node's NVMe tier (at least two 256 MiB segments).",
+    )
+    nvme_dir: Path | None = Field(
+        default=None,
+        description="NVMe tier directory: a local NVMe file system that supports O_DIRECT; unset: `data_dir`/nvme.",
+    )
+    dram_high_watermark: float = Field(
+        default=0.85,
+        gt=0,
+        lt=1,
+        description="Above this DRAM fill, persisted chunks are demoted from DRAM (their NVMe copy stays); above "
+        "`dram_low_watermark`.",
+    )
+    dram_low_watermark: float = Field(
+        default=0.70,
+        gt=0,
+        lt=1,
+        description="Demotion stops at this DRAM fill.",
+    )
     write_behind_hold_s: float = Field(
         default=0.25,
         ge=0,
         le=10,
-        description="seconds a chunk stays in DRAM alone before the write-behind copies it "
-        "to NVMe, so that its first reads (a decode instance's, right after a prefill instance publishes) do not "
-        "share the node with that copy (cachestore/services/write_behind.py); 0: at once",
+        description="Seconds a published chunk stays in DRAM alone before the write-behind copies it to NVMe "
+        "(0: at once). Its first reads come right after its publish (a decode instance's after a prefill "
+        "instance's, an agent's next turn), and the copy would share the node with them; chunks already older "
+        "(a backlog) are copied at once (cachestore/services/write_behind.py).",
     )
 
-    mooncake_master: str | None = Field(default=None, description="host:port of the master; unset: embedded")
-    mooncake_metadata_url: str | None = Field(default=None, description="Mooncake metadata server (http/etcd/redis)")
-    mooncake_metrics_url: str | None = Field(default=None, description="master's /metrics (external master)")
-    mooncake_host: str = Field(default="127.0.0.1", description="this node's address in the Mooncake pool")
-    mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
-    mooncake_device_names: str = Field(default="", description="RDMA NICs, e.g. mlx5_0,mlx5_1")
-    shm_port: int | None = Field(
-        default=None, ge=1, le=65535, description="local clients attach here [default: port+2]"
+    mooncake_master: str | None = Field(
+        default=None,
+        description="External Mooncake master, `host:port` (its RPC port, 50051 by convention); needs "
+        "`mooncake_metadata_url`. Unset: the daemon starts an embedded master. Nodes that share a pool need "
+        "an external master on an address they all reach.",
     )
-    segment_port: int | None = Field(default=None, ge=1, le=65535, description="names this node's segment [port+3]")
-    master_port: int | None = Field(default=None, ge=1, le=65535, description="embedded master RPC [port+4]")
+    mooncake_metadata_url: str | None = Field(
+        default=None,
+        description="Mooncake metadata server, which maps segment names to their transfer endpoints; required "
+        "with an external master: `http://master:8080/metadata` (the master's built-in server), "
+        "`etcd://etcd-0:2379` (or `etcd://a:2379,b:2379`, for masters in high-availability mode) or "
+        "`redis://host:6379` (another database or instance than the index's). Unset: the embedded master's.",
+    )
+    mooncake_metrics_url: str | None = Field(
+        default=None,
+        description="An external master's `/metrics`: DRAM usage for demotion, the master's health for "
+        "`/v1/health`, and its segment list, where a restarting daemon waits (up to 30 s) until the master has "
+        "forgotten its previous segment owner. Set it on every node of a shared master: without that wait, a "
+        "daemon restarted within seconds loses its DRAM tier. Unset: the embedded master's.",
+    )
+    mooncake_host: str = Field(
+        default="127.0.0.1",
+        description="This node's address in the Mooncake pool: with more than one node, its IP on the transfer "
+        "network (the RDMA network, with `rdma`), where its segment is advertised.",
+    )
+    mooncake_protocol: Literal["tcp", "rdma"] = Field(
+        default="tcp",
+        description="How the pool moves data between nodes: `tcp`, or `rdma` over `mooncake_device_names`. "
+        "Every daemon and connector uses the protocol the daemon advertises; local attach is always shared "
+        "memory.",
+    )
+    mooncake_device_names: str = Field(
+        default="",
+        description="RDMA NICs (HCAs) to use, comma-separated, as `ibv_devices` names them: `mlx5_0`, or "
+        "`mlx5_0,mlx5_1` to stripe over two ports.",
+    )
+    shm_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="Where local clients attach to the segment owner; unset: `port`+2.",
+    )
+    segment_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="Names this node's segment (`mooncake_host:segment_port`); unset: `port`+3.",
+    )
+    master_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="The embedded master's RPC port; unset: `port`+4 (its metadata server listens on `port`+5, "
+        "its metrics on `port`+6).",
+    )
     chunk_key_file: Path | None = Field(
         default=None,
-        description="file holding the key every chunk is signed with (64 hex digits), the same on every "
-        "node of a cluster; unset: <data_dir>/secrets/chunk-key, generated at first start",
+        description="File holding the key every chunk is signed with (64 hex digits, keyed BLAKE3). One node "
+        "needs nothing: unset, the daemon generates `data_dir`/secrets/chunk-key (0600) at its first start, and "
+        "local connectors read its path from `/v1/config`. Every node of a cluster must be given the same file "
+        "(a Kubernetes Secret): a chunk signed with another key is a miss.",
     )
     admin_token: SecretStr | None = Field(
         default=None,
-        description="bearer token mutating (and, unless open_reads, reading) calls need; unset: "
-        "generated at first start into DATA_DIR/secrets/admin-token (0600)",
+        description="Bearer token (16 characters or more) every admin call needs: mutating ones and warm-up jobs "
+        "always, reading ones unless `open_reads`. Never echoed. Unset: generated at the first start into "
+        "`data_dir`/secrets/admin-token (0600), and kept.",
     )
-    open_reads: bool = Field(default=False, description="read-only endpoints answer without the admin token")
+    open_reads: bool = Field(
+        default=False,
+        description="Read-only REST endpoints (stats, metrics, listings, lookups, warm-up job status) answer "
+        "without the admin token; writes and warm-up jobs never do.",
+    )
     allowed_hosts: Annotated[list[str], NoDecode] = Field(
         default=[],
-        description="Host header names the REST API answers besides localhost, 127.0.0.1, ::1, host "
-        "and node (comma-separated in the environment)",
+        description="Host header names the REST API answers besides `localhost`, `127.0.0.1`, `::1`, `host` and "
+        "`node`: a DNS name clients reach the daemon by, a load balancer's name, `*.example.internal` for a "
+        "domain. Any other Host header gets 400. Comma-separated in the environment.",
     )
     max_body_bytes: ByteSize = Field(
-        default=ByteSize(DEFAULT_MAX_BODY_BYTES), ge=1024, description="larger request bodies get 413, unread"
+        default=ByteSize(DEFAULT_MAX_BODY_BYTES),
+        ge=1024,
+        description="A REST request body larger than this gets 413 before it is read (a 1M-token lookup is "
+        "about 8 MB of JSON).",
     )
     warmup_roots: Annotated[list[Path], NoDecode] = Field(
         default=[],
-        description="folders the models, tokenizers and corpora of POST /v1/warmup must lie in "
-        "(':'-separated in the environment); none: warm-up jobs are refused",
+        description="Folders (absolute) the models, tokenizers and corpora of `POST /v1/warmup` jobs must lie "
+        "in; `:`-separated in the environment. With none, the daemon refuses every warm-up job. `prefixcache "
+        "warmup` run by hand is not bound by it.",
     )
     warmup_allow_trust_remote_code: bool = Field(
-        default=False, description="POST /v1/warmup may pass --trust-remote-code (runs the model's own code)"
+        default=False,
+        description="`POST /v1/warmup` jobs may pass `--trust-remote-code`, which runs Python shipped with the "
+        "model: allow it only for roots holding models you trust.",
     )
     kv_events_endpoint: str | None = Field(
         default=None,
-        description="ZMQ PUB endpoint for vLLM-format KV events (they carry every chunk's token ids), "
-        "e.g. tcp://127.0.0.1:5557 or the node's address; tcp://* is refused; unset: off",
+        description="ZMQ PUB endpoint for vLLM-format KV events (`BlockStored`/`BlockRemoved`; medium `CPU` = "
+        "DRAM, `STORAGE` = NVMe), for routers such as llm-d or Dynamo: `tcp://127.0.0.1:5557`, "
+        "`tcp://NODE_IP:5557` or `ipc://PATH`. They carry every chunk's token ids, so `tcp://*` is refused: "
+        "name the address (`tcp://0.0.0.0:PORT` if every interface is meant). Unset: off.",
     )
-    kv_events_topic: str = Field(default="", description="topic frame of every KV-event message")
+    kv_events_topic: str = Field(
+        default="",
+        description="Topic frame of every KV-event message (e.g. `kv@node-1@model` for llm-d).",
+    )
     cpus: str | None = Field(
         default=None,
-        description="CPUs the daemon and its servers run on, e.g. the cores vLLM reserves: '1' or "
-        "'2-3,6'; unset: wherever the OS puts them (cachestore/host/cpus.py)",
+        description="CPUs the daemon and every server it starts run on (`1`, `2-3,6`). On a vLLM CPU host, give "
+        "it the cores vLLM reserves (`VLLM_CPU_NUM_OF_RESERVED_CPU`; vLLM reserves the last ones), so that "
+        "write-behind and the segment owner's copies never take a compute core; warm-up engines it starts run "
+        "on the cores the daemon had before. Unset: wherever the OS puts them (cachestore/host/cpus.py).",
     )
     owner_nice: int = Field(
         default=-10,
         ge=-20,
         le=19,
-        description="CPU priority (nice) of the segment owner, which copies every "
-        "DRAM hit into vLLM's pages beside vLLM's busy-polling engine core; below 0 needs CAP_SYS_NICE "
-        "(cachestore/tiers/owner_priority.py)",
+        description="Nice of the segment owner, for its threads and its session (autogroup). It copies every "
+        "DRAM hit into vLLM's pages while the step waits, on the cores vLLM reserves, where vLLM's engine core "
+        "busy-polls; at the default priority it got about half a core there. It works where the daemon and vLLM "
+        "share the root cgroup, as on a plain host or VM (the kernel then shares a core between sessions, and "
+        "the owner runs in one of its own); in containers and systemd services, cgroups share the cores (CPU "
+        "requests, `CPUWeight=`), so the shipped files set it to 0. Below 0 needs CAP_SYS_NICE; without it the "
+        "owner runs at the default and the daemon logs a warning (cachestore/tiers/owner_priority.py).",
     )
 
     @field_validator("allowed_hosts", mode="before")
