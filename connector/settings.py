@@ -16,48 +16,75 @@ class ConnectorSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    service_url: str = Field(description="the node daemon, e.g. http://127.0.0.1:8600")
+    service_url: str = Field(
+        description="The node daemon's REST API, e.g. `http://127.0.0.1:8600` (`http://NODE_IP:8600` in a "
+        "cluster); the connector asks it for the Redis and Mooncake addresses (`GET /v1/config`)."
+    )
     arena_mb: Annotated[int, Field(ge=16, le=1 << 20)] | Literal["auto"] = Field(
         default="auto",
-        description="registered buffer for loads and publishes, in MiB; auto sizes it for two "
-        "steps of publishes (arena_mib)",
+        description="Registered buffer for loads and publishes, in MiB; `auto` sizes it for two steps of "
+        "publishes (vLLM's `max_num_batched_tokens`), 512 to 4096 (`arena_mib`). A load larger than its free "
+        "room runs in windows, and a step whose publishes do not fit publishes what does: each is warned once. "
+        "On a GPU worker it is pinned host memory (`cudaHostRegister`).",
     )
-    min_hit_tokens: int = Field(default=16, ge=1, description="smaller external hits are not worth a load")
+    min_hit_tokens: int = Field(
+        default=16,
+        ge=1,
+        description="External hits shorter than this many tokens are not worth a load: vLLM computes them.",
+    )
     redis_password: str | None = Field(
         default=None,
-        description="if the index needs one (never logged); unset: the embedded index's, read from "
-        "the file the daemon names (GET /v1/config secret_files.redis_password)",
+        description="The index's password, if it needs one (never logged). Unset: the embedded index's, read "
+        "from the file the daemon names in `GET /v1/config` (`secret_files.redis_password`), which vLLM can "
+        "read when it runs as the daemon's user; set it for a shared index with a password.",
     )
     chunk_key_file: str | None = Field(
         default=None,
-        description="the cluster's chunk-signing key file, where this "
-        "host's path differs from the one the daemon names in /v1/config",
+        description="The cluster's chunk-signing key file, where this host's path differs from the one the "
+        "daemon names in `/v1/config`.",
     )
     io_cpus: IoCpus = Field(
         default="auto",
-        description="cores for the connector's threads: auto, inherit or CPU ids (connector/io_threads.py)",
+        description="Cores for the connector's own threads: `auto`, on vLLM's CPU backend, the cores the worker "
+        "does not compute on (elsewhere, or with no core to spare, as the worker); `inherit`, as the worker; "
+        "or a list of CPU ids (connector/io_threads.py).",
     )
     async_loads: Literal["auto", "always", "never"] = Field(
         default="auto",
-        description="load hits while vLLM runs other requests' steps (connector/load_policy.py): "
-        "auto does so for hits that read NVMe or are large, when other requests are running",
+        description="Whether a hit loads while vLLM keeps stepping the other running requests "
+        "(connector/load_policy.py). `auto`: with other requests running, a hit that reads NVMe, or that brings "
+        "what the step loads synchronously to `async_load_mib` per rank (a large hit, or the rest of a burst of "
+        "small ones), loads asynchronously, and an idle engine loads synchronously, which is faster for the "
+        "hit; `always` and `never` force either. Under vLLM's asynchronous scheduling (its default on GPUs) "
+        "every hit loads asynchronously and `never` is refused: a synchronous load that fails there stops vLLM "
+        "0.32's engine core (connector/DESIGN.md §12). So it is with vLLM's V2 model runner (its default on "
+        "GPUs with Triton), which recomputes a failed synchronous load from stale positions and answers wrongly "
+        "(vllm#49250), and with pipeline parallelism, where vLLM runs a step per stage at once. On a model that "
+        "takes images (or other media), a hit in which an item ends loads asynchronously too, and `never` is "
+        "refused: vLLM sends its worker no data for an item inside a synchronous hit, and a failed load's "
+        "recompute then stops the engine core on an encoder cache miss.",
     )
     async_load_mib: int = Field(
         default=64,
         ge=1,
-        description="auto: a hit that brings the step's synchronous "
-        "loads to this size (MiB per rank) loads asynchronously when other requests are "
-        "running",
+        description="With `async_loads` `auto`: a hit that brings the step's synchronous loads to this size "
+        "(MiB per rank) loads asynchronously when other requests are running.",
     )
     check_threads: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = Field(
         default="auto",
-        description="threads that verify chunks loaded through arena slots (every GPU load) while "
-        "the next are copied; 0: the fetch thread checks them; auto: 4 on a GPU worker, 0 on a CPU one",
+        description="Threads that verify chunks loaded through arena slots (every GPU load) while the next are "
+        "copied; 0: the fetch thread checks them; `auto`: 4 on a GPU worker, 0 on a CPU one.",
     )
     kv_in_shared_memory: bool = Field(
         default=True,
-        description="CPU backend: vLLM's KV cache in shared memory, so "
-        "loads write straight into its pages (connector/shared_kv.py)",
+        description="CPU backend: vLLM's KV cache is allocated in Mooncake-registered shared memory, so that "
+        "DRAM hits are written straight into its pages by the segment owner (each chunk's first quarter of "
+        "layers before the forward pass, the rest while it computes those) and verified while the forward pass "
+        "runs, and chunks only this node's NVMe holds are read from their segment files straight into the "
+        "pages, one layer after another, while the forward pass computes the layers already in (each attention "
+        "layer waits for its own). It costs no extra memory; the owner writes every page once at start-up "
+        "(about 0.5 s per GiB of KV cache), so that first hits into fresh pages copy at full speed. `false`: "
+        "loads go through the arena (connector/shared_kv.py).",
     )
 
     @classmethod
