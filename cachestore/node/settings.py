@@ -107,14 +107,14 @@ class Settings(BaseSettings):
         default=0.85,
         gt=0,
         lt=1,
-        description="Above this DRAM fill, persisted chunks are demoted from DRAM (their NVMe copy stays); above "
-        "`dram_low_watermark`.",
+        description="Above this DRAM fill, persisted chunks are demoted from DRAM (their NVMe copy stays); it must "
+        "be above `dram_low_watermark`.",
     )
     dram_low_watermark: float = Field(
         default=0.70,
         gt=0,
         lt=1,
-        description="Demotion stops at this DRAM fill.",
+        description="Demotion takes DRAM down to this fill.",
     )
     write_behind_hold_s: float = Field(
         default=0.25,
