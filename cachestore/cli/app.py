@@ -11,6 +11,7 @@ from prefixcache.cachestore.cli.admin import register_admin_commands
 from prefixcache.cachestore.cli.errors import clear_errors, err
 from prefixcache.cachestore.cli.warmup import CONTEXT as WARMUP_CONTEXT
 from prefixcache.cachestore.cli.warmup import warmup
+from prefixcache.cachestore.node.settings_reference import field_help
 from rich.logging import RichHandler
 
 app = typer.Typer(help="prefixcache: a persistent prefix KV cache for vLLM.", no_args_is_help=True)
@@ -25,36 +26,41 @@ def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="debug lo
     )
 
 
-@app.command()
+@app.command(epilog="All settings: docs/settings.md")
 def serve(
     config: Annotated[Path | None, typer.Option(help="TOML or JSON settings file")] = None,
-    host: Annotated[str | None, typer.Option(help="REST bind address [default: 127.0.0.1]")] = None,
-    port: Annotated[int | None, typer.Option(help="REST port [default: 8600]")] = None,
-    data_dir: Annotated[Path | None, typer.Option(help="data directory")] = None,
-    node: Annotated[str | None, typer.Option(help="this node's name [default: hostname]")] = None,
-    redis_url: Annotated[str | None, typer.Option(help="shared Redis index; unset: embedded")] = None,
-    redis_port: Annotated[int | None, typer.Option(help="embedded redis-server port")] = None,
-    key_prefix: Annotated[str | None, typer.Option(help="prefix of every index key")] = None,
-    chunk_tokens: Annotated[int | None, typer.Option(help="tokens per chunk [default: 256]")] = None,
-    dram_bytes: Annotated[str | None, typer.Option(help="DRAM added to the pool, e.g. 4GiB [default: 2GiB]")] = None,
-    nvme_bytes: Annotated[str | None, typer.Option(help="NVMe tier capacity [default: 16GiB]")] = None,
-    nvme_dir: Annotated[Path | None, typer.Option(help="NVMe tier directory [default: DATA_DIR/nvme]")] = None,
-    mooncake_master: Annotated[str | None, typer.Option(help="external master host:port; unset: embedded")] = None,
-    mooncake_metadata_url: Annotated[str | None, typer.Option(help="external Mooncake metadata server")] = None,
-    mooncake_protocol: Annotated[str | None, typer.Option(help="tcp or rdma [default: tcp]")] = None,
-    mooncake_device_names: Annotated[str | None, typer.Option(help="RDMA NICs, e.g. mlx5_0")] = None,
-    mooncake_host: Annotated[str | None, typer.Option(help="this node's address in the pool")] = None,
-    chunk_key_file: Annotated[Path | None, typer.Option(help="the cluster's chunk-signing key file")] = None,
-    admin_token: Annotated[str | None, typer.Option(help="bearer token admin calls need")] = None,
-    open_reads: Annotated[bool | None, typer.Option("--open-reads", help="reads need no token")] = None,
-    kv_events_endpoint: Annotated[str | None, typer.Option(help="KV events: ZMQ tcp://ADDRESS:PORT")] = None,
-    cpus: Annotated[str | None, typer.Option(help="run the daemon and its servers on CPUs: 1, 2-3")] = None,
-    allowed_host: Annotated[list[str] | None, typer.Option(help="also answer this Host name (repeat)")] = None,
-    max_body_bytes: Annotated[str | None, typer.Option(help="larger bodies get 413 [default: 16MiB]")] = None,
-    warmup_root: Annotated[list[Path] | None, typer.Option(help="warm-up jobs' files lie here (repeat)")] = None,
-    warmup_allow_trust_remote_code: Annotated[bool, typer.Option(help="jobs may pass --trust-remote-code")] = False,
+    host: Annotated[str | None, typer.Option(help=field_help("host"))] = None,
+    port: Annotated[int | None, typer.Option(help=field_help("port"))] = None,
+    data_dir: Annotated[Path | None, typer.Option(help=field_help("data_dir"))] = None,
+    node: Annotated[str | None, typer.Option(help=field_help("node"))] = None,
+    redis_url: Annotated[str | None, typer.Option(help=field_help("redis_url"))] = None,
+    redis_port: Annotated[int | None, typer.Option(help=field_help("redis_port"))] = None,
+    key_prefix: Annotated[str | None, typer.Option(help=field_help("key_prefix"))] = None,
+    chunk_tokens: Annotated[int | None, typer.Option(help=field_help("chunk_tokens"))] = None,
+    dram_bytes: Annotated[str | None, typer.Option(help=field_help("dram_bytes"))] = None,
+    nvme_bytes: Annotated[str | None, typer.Option(help=field_help("nvme_bytes"))] = None,
+    nvme_dir: Annotated[Path | None, typer.Option(help=field_help("nvme_dir"))] = None,
+    mooncake_master: Annotated[str | None, typer.Option(help=field_help("mooncake_master"))] = None,
+    mooncake_metadata_url: Annotated[str | None, typer.Option(help=field_help("mooncake_metadata_url"))] = None,
+    mooncake_protocol: Annotated[str | None, typer.Option(help=field_help("mooncake_protocol"))] = None,
+    mooncake_device_names: Annotated[str | None, typer.Option(help=field_help("mooncake_device_names"))] = None,
+    mooncake_host: Annotated[str | None, typer.Option(help=field_help("mooncake_host"))] = None,
+    chunk_key_file: Annotated[Path | None, typer.Option(help=field_help("chunk_key_file"))] = None,
+    admin_token: Annotated[str | None, typer.Option(help=field_help("admin_token"))] = None,
+    open_reads: Annotated[bool | None, typer.Option("--open-reads", help=field_help("open_reads"))] = None,
+    kv_events_endpoint: Annotated[str | None, typer.Option(help=field_help("kv_events_endpoint"))] = None,
+    cpus: Annotated[str | None, typer.Option(help=field_help("cpus"))] = None,
+    allowed_host: Annotated[list[str] | None, typer.Option(help=field_help("allowed_hosts", repeated=True))] = None,
+    max_body_bytes: Annotated[str | None, typer.Option(help=field_help("max_body_bytes"))] = None,
+    warmup_root: Annotated[list[Path] | None, typer.Option(help=field_help("warmup_roots", repeated=True))] = None,
+    warmup_allow_trust_remote_code: Annotated[
+        bool, typer.Option(help=field_help("warmup_allow_trust_remote_code"))
+    ] = False,
 ) -> None:
-    """Run this node's daemon. With no --redis-url it starts its own redis-server under the data dir."""
+    """Run this node's daemon. With no --redis-url it starts its own redis-server under the data dir.
+
+    Each setting comes from its default, the --config file, its PREFIXCACHE_* variable and its flag, each
+    overriding the one before."""
     from prefixcache.cachestore.node.daemon import NodeDaemon
     from prefixcache.cachestore.node.settings import load_settings
 
