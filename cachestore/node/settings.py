@@ -137,14 +137,17 @@ class Settings(BaseSettings):
         description="Mooncake metadata server, which maps segment names to their transfer endpoints; required "
         "with an external master: `http://master:8080/metadata` (the master's built-in server), "
         "`etcd://etcd-0:2379` (or `etcd://a:2379,b:2379`, for masters in high-availability mode) or "
-        "`redis://host:6379` (another database or instance than the index's). Unset: the embedded master's.",
+        "`redis://host:6379` (another database or instance than the index's). With an embedded master the daemon "
+        "uses the master's own (`port`+5) and ignores this.",
     )
     mooncake_metrics_url: str | None = Field(
         default=None,
         description="An external master's `/metrics`: DRAM usage for demotion, the master's health for "
         "`/v1/health`, and its segment list, where a restarting daemon waits (up to 30 s) until the master has "
         "forgotten its previous segment owner. Set it on every node of a shared master: without that wait, a "
-        "daemon restarted within seconds loses its DRAM tier. Unset: the embedded master's.",
+        "daemon restarted within seconds loses its DRAM tier. Unset with an external master, demotion cannot see "
+        "this node's DRAM use (the daemon warns); with an embedded master the daemon reads the master's own "
+        "(`port`+6).",
     )
     mooncake_host: str = Field(
         default="127.0.0.1",
