@@ -7,7 +7,9 @@ serve`` flag that sets it (read off the command itself), its config-file key, ty
 connector's (``ConnectorSettings``, vLLM's ``kv_connector_extra_config``) in one table. ``field_help`` gives
 ``serve``'s options their help from the same descriptions.
 
-This module imports no web framework: the page is a pure function of the two settings classes and the command.
+The page is a pure function of the two settings classes and the command, and rendering it imports no web
+framework: the command (cachestore/cli/app.py, which imports ``field_help`` from here) and the connector's settings
+are imported when the page is rendered, not with this module.
 """
 
 from __future__ import annotations
