@@ -1,5 +1,5 @@
 """docs/settings.md and ``prefixcache serve --help`` say what the settings' own descriptions say, and nothing is
-left undescribed (cachestore/node/settings_reference.py)."""
+left undescribed (cachestore/cli/settings_reference.py)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from prefixcache.connector.settings import ConnectorSettings
 from typer.testing import CliRunner
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
-GENERATOR = [sys.executable, "-m", "prefixcache.cachestore.node.settings_reference"]
+GENERATOR = [sys.executable, "-m", "prefixcache.cachestore.cli.settings_reference"]
 
 
 def test_the_page_is_what_the_generator_writes():
     assert PAGE.read_text() == settings_reference.render(), (
-        "docs/settings.md is out of date: run python -m prefixcache.cachestore.node.settings_reference"
+        "docs/settings.md is out of date: run python -m prefixcache.cachestore.cli.settings_reference"
     )
 
 
@@ -38,7 +38,7 @@ def test_check_passes_on_the_page_and_names_what_differs(tmp_path):
 
 def test_the_generator_writes_the_page_without_a_web_framework(tmp_path):
     script = (
-        "import sys; from prefixcache.cachestore.node.settings_reference import main; "
+        "import sys; from prefixcache.cachestore.cli.settings_reference import main; "
         f"main([{str(tmp_path / 'settings.md')!r}]); "
         "print(sorted(m for m in ('fastapi', 'starlette', 'uvicorn') if m in sys.modules))"
     )

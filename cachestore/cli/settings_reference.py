@@ -1,6 +1,6 @@
 """docs/settings.md, rendered from the settings themselves: each setting is described once, in its ``Field``.
 
-``python -m prefixcache.cachestore.node.settings_reference`` writes the page; with ``--check`` it writes nothing
+``python -m prefixcache.cachestore.cli.settings_reference`` writes the page; with ``--check`` it writes nothing
 and exits 1 when the page differs from what it would write (tests/test_settings_reference.py runs it so). The
 daemon's settings (``Settings``) come in groups (``GROUPS``), each setting with its variable, the ``prefixcache
 serve`` flag that sets it (read off the command itself), its config-file key, type, default and description; the
@@ -30,7 +30,7 @@ from pydantic import BaseModel, ByteSize, SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-#: The page, relative to the repository's root (this file is cachestore/node/settings_reference.py in it).
+#: The page, relative to the repository's root (this file is cachestore/cli/settings_reference.py in it).
 DOCS_PAGE = Path("docs") / "settings.md"
 REPOSITORY = Path(__file__).resolve().parents[2]
 
@@ -342,7 +342,7 @@ def connector_section() -> Iterator[str]:
 def render() -> str:
     """docs/settings.md, as it should read."""
     lines = [
-        "<!-- Written by `python -m prefixcache.cachestore.node.settings_reference` from the settings' own "
+        "<!-- Written by `python -m prefixcache.cachestore.cli.settings_reference` from the settings' own "
         "descriptions (cachestore/node/settings.py, connector/settings.py): edit those and run it again. -->",
         "",
         "# Settings",
@@ -359,7 +359,7 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m prefixcache.cachestore.node.settings_reference",
+        prog="python -m prefixcache.cachestore.cli.settings_reference",
         description="Write docs/settings.md from the settings' descriptions.",
     )
     parser.add_argument(
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(diff)
     print(
         f"{args.path} differs from what the settings say{what}: run "
-        "python -m prefixcache.cachestore.node.settings_reference",
+        "python -m prefixcache.cachestore.cli.settings_reference",
         file=sys.stderr,
     )
     return 1
