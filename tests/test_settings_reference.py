@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from prefixcache.cachestore.cli import settings_reference
 from prefixcache.cachestore.cli.app import app
-from prefixcache.cachestore.node import settings_reference
 from prefixcache.cachestore.node.settings import Settings
 from prefixcache.connector.settings import ConnectorSettings
 from typer.testing import CliRunner
