@@ -12,8 +12,7 @@ beside it.
 Rows, each engine a fresh process with ``benchmarks.ttft``'s CPU binding, dtype and warm-up prompt, and a first,
 unmeasured burst of each shape, run as the row runs its measured ones (cold, then repeated, where the row repeats
 them; published by the producer, so that consumers hit it), so that no measured round pays for the first
-computation of its shape (in the stop 42 run, without them, the first NVMe rounds took 476 and 432 ms against
-254-318 ms for the later ones, and vLLM's own first hit of 32 x 1025 tokens 205 against 154 and 157 ms):
+computation of its shape, which the first NVMe rounds and vLLM's own first hit otherwise do:
 
 - ``cold`` and ``vllm-prefix-cache``: one engine with vLLM's own prefix cache on and no connector. Each shape's
   first burst computes its prompts (cold); the next ``--rounds`` bursts repeat them (vLLM's own hit, the

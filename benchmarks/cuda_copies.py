@@ -9,16 +9,11 @@ long-lived engine. Rows:
 
 - ``staged`` (the connector): one PCIe copy per chunk through a device staging buffer, then one kernel
   per layer between the staging buffer and the blocks;
-- ``per run``: one copy per run of consecutive blocks and layer, straight across (the connector before);
+- ``per run``: one copy per run of consecutive blocks and layer, straight across (what a naive connector does);
 - ``one copy``: the same bytes in one copy between contiguous pinned and device memory, the ceiling.
 
 Each row's ratio is its time over the ceiling's in the same run. ``queue ms`` is how long the call kept
 the calling thread (vLLM's model thread, for a load that is not asynchronous).
-
-Last run (an H100 80GB HBM3, medians of 7; one plain copy moved 55 GB/s either way): staged 1.02 x (load)
-and 1.04 x (publish) into consecutive blocks, 1.03 x and 1.04 x into scattered ones; per run 1.14 x and
-1.13 x into consecutive blocks, 6.97 x and 6.87 x into scattered ones, which also kept the calling thread
-68 ms against 1.7 ms.
 
 Run: ``python -m benchmarks.cuda_copies [--repeats 7]`` on a machine with CUDA. Writes
 ``benchmarks/results/cuda_copies.json``.

@@ -2,16 +2,16 @@
 
 For prompts of 4k, 32k and 128k tokens with every chunk cached (full) or the first half (half), it
 times what a scheduler does per new request: pack and hash the tokens, then look up. Two inputs:
-a Python list (``p50_ms``/``p99_ms``: includes converting it, 0.25 ms per 32k tokens here, paid
-once per request since the hasher keeps the packed tokens), and tokens already held as a uint32
+a Python list (``p50_ms``/``p99_ms``: includes converting it, paid once per request since the
+hasher keeps the packed tokens), and tokens already held as a uint32
 array (``array_*``: hashing and lookup only). The naive anchor, measured in the same run on the same
 server, is one EXISTS per chunk in sequence (what LMCache's Redis backend does), plus the floor: a
 bare PING round trip.
 
-Bursts: N requests of 4k tokens, all cached, added to vLLM together and scheduled in one pass. The
-scheduler thread's time for them, looked up one by one (one round trip each, as the connector did
-before) against ``BatchedLookups`` (connector/lookups.py: hashed as vLLM adds them, then looked up
-together at the pass's first lookup). Rounds alternate the two ways. Run: ``python -m benchmarks.lookup``.
+Bursts: N requests of 4k tokens, all cached, added to vLLM together and scheduled in one pass. The scheduler
+thread's time for them, looked up one by one (one round trip each) against ``BatchedLookups``
+(connector/lookups.py: hashed as vLLM adds them, then looked up together at the pass's first lookup). Rounds
+alternate the two ways. Run: ``python -m benchmarks.lookup``.
 """
 
 from __future__ import annotations

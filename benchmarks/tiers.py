@@ -11,15 +11,15 @@ For 1 MiB and 8 MiB chunks:
   synced manifest write), then, with the segments dropped from the page cache, ``get_into`` arena
   slots (page-aligned, so O_DIRECT reads land in them directly, as promotion does), 128 MiB per call.
   Anchor: plain O_DIRECT sequential reads of a 1 GiB file on the same disk, in chunk-sized requests,
-  into the same slots (on this VM the destination buffers alone move raw reads between ~1.1 and ~2.4
-  GB/s, so the anchor must not use others).
+  into the same slots (the destination buffers alone change how fast raw reads move, so the anchor
+  must not use others).
 * Verification: what every load computes over each chunk it reads, the MAC (keyed BLAKE3,
   cachestore/chunks/mac.py), beside xxh3-64 (the unkeyed checksum it replaced) and memcpy, each over the
   chunks a DRAM get just filled, one chunk at a time on one thread, as a loader's check thread does.
 
 Each get call is paired with its anchor on the same number of bytes, the two run back to back in
-alternating order, so both see the same machine: this virtual disk swings between ~1 and ~2 GB/s for
-tens of seconds at a time. Figures are medians of ``ROUNDS`` rounds, ratios medians of the per-round
+alternating order, so both see the same machine: a virtual disk's speed can swing by a factor of two
+for tens of seconds at a time. Figures are medians of ``ROUNDS`` rounds, ratios medians of the per-round
 ratios. Targets (8 MiB): DRAM get >= 0.5 x memcpy, NVMe get >= 0.7 x O_DIRECT.
 Run: ``python -m benchmarks.tiers`` (works under ``.bench-tmp/``, deleted afterwards).
 """

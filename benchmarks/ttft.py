@@ -9,14 +9,13 @@ computes it natively, float32 elsewhere, where emulated bf16 prefills ~7 x slowe
 ``max_tokens=1``, the same prompts, and vLLM's own prefix cache off unless it is the row. Each engine
 process first runs a short unrelated prompt so that no measured prompt pays for first-request set-up, then an
 unmeasured prompt of each size, as the row runs its measured ones (twice where it runs each twice; published by
-producers, so that consumers hit it), so that none pays for the first computation of its shape either: without
-them, one run's first pair of a publishing and a bypassed prompt at 2049 tokens, publishing first, gave 1.26
-where the other five gave 0.96-1.05: of the default three pairs, such a one moves the median.
+producers, so that consumers hit it), so that none pays for the first computation of its shape either (of
+the default three pairs, one such outlier moves the median).
 Cross-process rows are what a cache is for: a producer process computes the prompts and exits, then a fresh
 consumer process runs them again and its TTFT is the row's figure. For prefixcache the consumer runs three
 times: against the DRAM tier; against it again with vLLM's own prefix cache on, each prompt twice in a row,
 in rounds that empty vLLM's cache before each pair, so that our hit and vLLM's own hit on the same prompt
-are measured in one engine milliseconds apart (the ratio least exposed to this VM's drift between engines),
+are measured in one engine milliseconds apart (the ratio least exposed to the drift between engines),
 and what our connector costs vLLM's own hits shows; and after restarting the daemon, when every chunk comes
 from the NVMe tier. Publishing's cost is measured inside the producer: each prompt runs twice there, once
 published and once asking the connector to leave it alone (a request's own ``kv_transfer_params``),
@@ -35,9 +34,9 @@ moving bytes. The figures quoted are ratios inside this one run (hit/cold, ours/
 because absolute times on a shared VM drift; rows measured in pairs in one engine as the median of their
 pairs' ratios. Writes ``benchmarks/results/ttft.json``.
 
-A ratio of rows from different engines also carries what sets one engine apart from the next: on a 2-core
-VM in a slow hour, vLLM's own hit at 4097 tokens took from 29 to 39 ms over nine engines, whether they carried
-no connector or ours (connector/DESIGN.md §11). ``--passes N`` runs every row N times in turn (all of them,
+A ratio of rows from different engines also carries what sets one engine apart from the next: engines of one
+configuration differ by up to a third in vLLM's own hit, whether they carry no connector or ours
+(docs/benchmarks.md, "Traps"). ``--passes N`` runs every row N times in turn (all of them,
 then all again), each pass with fresh engines, servers and stores; the ratios are those of the pooled cases,
 and each pass's own are printed and written beside them, to show that spread.
 """
@@ -405,8 +404,7 @@ def medians(cases: list[Case]) -> dict[tuple[str, int], Case]:
 def paired_ratio(cases: list[Case], a: str, b: str, size: int) -> float | None:
     """The median of ``a``'s TTFT over ``b``'s, pair by pair: rows measured in pairs in one engine record their
     cases in the same order, each ``a`` milliseconds from its ``b``, so a ratio per pair cancels the drift
-    that a ratio of the two rows' medians keeps (at 8065 tokens one run's publishing pairs gave 1.18, 1.02
-    and 0.97, their medians 1.08). None where the rows did not both run, or not in pairs."""
+    that a ratio of the two rows' medians keeps. None where the rows did not both run, or not in pairs."""
     times = [[c.ttft_s for c in cases if c.config == config and c.tokens == size] for config in (a, b)]
     if not times[0] or len(times[0]) != len(times[1]) or not all(times[1]):
         return None

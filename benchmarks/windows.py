@@ -1,17 +1,14 @@
 """What a load larger than the connector's arena costs: the same hit through slots, whole and in windows.
 
 A KV cache outside shared memory (every GPU, and a CPU worker with ``kv_in_shared_memory: false``) loads
-through arena slots. A hit larger than the arena's free room loads in windows of as many chunks as have
-slots (connector/worker_side.py, ``_load_through_slots``); before, the chunks past the arena were
-recomputed. This runs one worker side against the real daemon (``prefixcache serve``: redis-server,
-mooncake_master, a segment owner, RocksDB files) and loads a 256 MiB hit of 2 MiB chunks (8 layers of
-two 128 KiB pages, the tiny test Llama's chunk) into a KV cache of CPU tensors (``--device cuda``: on a
-GPU), from DRAM and, with the DRAM copies deleted before each load, from NVMe, with arenas of 512 MiB
-(one window), 64 MiB and 32 MiB. Rows alternate within each round, each going first in turn, so every
-row sees the same machine; figures are medians, and ratios are per-round ratios to the one-window load of the same tier.
-
-Last run (medians of 9, a 2-core VM): windows cost nothing. Per round, 4 and 8 windows took 1.07x and
-1.00x the one-window time from DRAM, and 0.84x and 0.74x from NVMe.
+through arena slots. A hit larger than the arena's free room loads in windows of as many chunks as have slots
+(the connector's loader through arena slots, docs/connector.md). This runs one worker side against the real
+daemon (``prefixcache serve``: redis-server, mooncake_master, a segment owner, RocksDB files) and loads a 256
+MiB hit of 2 MiB chunks (8 layers of two 128 KiB pages, the tiny test Llama's chunk) into a KV cache of CPU
+tensors (``--device cuda``: on a GPU), from DRAM and, with the DRAM copies deleted before each load, from
+NVMe, with arenas of 512 MiB (one window), 64 MiB and 32 MiB. Rows alternate within each round, each going
+first in turn, so every row sees the same machine; figures are medians, and ratios are per-round ratios to the
+one-window load of the same tier.
 
 Run: ``python -m benchmarks.windows [--rounds 5] [--device cuda]``. Writes ``benchmarks/results/windows.json``
 (``windows_cuda.json`` for a cache on a GPU).
