@@ -17,8 +17,11 @@ class ConnectorSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     service_url: str = Field(
-        description="The node daemon's REST API, e.g. `http://127.0.0.1:8600` (`http://NODE_IP:8600` in a "
-        "cluster); the connector asks it for the Redis and Mooncake addresses (`GET /v1/config`)."
+        default="http://127.0.0.1:8600",
+        pattern=r"^https?://[^\s/]+",
+        description="The node daemon's REST API: the default is a daemon on this host with its default port "
+        "(`http://NODE_IP:8600` in a cluster); the connector asks it for the Redis and Mooncake addresses "
+        "(`GET /v1/config`).",
     )
     arena_mb: Annotated[int, Field(ge=16, le=1 << 20)] | Literal["auto"] = Field(
         default="auto",
@@ -57,7 +60,7 @@ class ConnectorSettings(BaseModel):
         "small ones), loads asynchronously, and an idle engine loads synchronously, which is faster for the "
         "hit; `always` and `never` force either. Under vLLM's asynchronous scheduling (its default on GPUs) "
         "every hit loads asynchronously and `never` is refused: a synchronous load that fails there stops vLLM "
-        "0.32's engine core (connector/DESIGN.md §12). So it is with vLLM's V2 model runner (its default on "
+        "0.32's engine core (docs/connector.md). So it is with vLLM's V2 model runner (its default on "
         "GPUs with Triton), which recomputes a failed synchronous load from stale positions and answers wrongly "
         "(vllm#49250), and with pipeline parallelism, where vLLM runs a step per stage at once. On a model that "
         "takes images (or other media), a hit in which an item ends loads asynchronously too, and `never` is "

@@ -24,8 +24,9 @@ from prefixcache.connector.settings import (
 from prefixcache.indexer.errors import ConfigError
 
 
-def test_defaults_need_only_the_service_url():
-    settings = ConnectorSettings.parse({"service_url": "http://127.0.0.1:8600"})
+def test_defaults_need_no_setting_at_all():
+    settings = ConnectorSettings.parse({})
+    assert settings.service_url == "http://127.0.0.1:8600"
     assert settings.io_cpus == "auto" and settings.arena_mb == "auto"
     assert settings.async_loads == "auto" and settings.async_load_mib == 64 and settings.check_threads == "auto"
 
@@ -33,7 +34,7 @@ def test_defaults_need_only_the_service_url():
 @pytest.mark.parametrize(
     "extra, problem",
     [
-        ({}, "service_url"),
+        ({"service_url": ""}, "service_url"),
         ({"service_url": "http://x", "arena_mb": 1}, "arena_mb"),
         ({"service_url": "http://x", "arena_mb": "big"}, "arena_mb"),
         ({"service_url": "http://x", "servce_url": "http://y"}, "servce_url"),

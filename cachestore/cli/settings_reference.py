@@ -314,16 +314,13 @@ def connector_section() -> Iterator[str]:
     yield "## The connector: `kv_connector_extra_config`"
     yield ""
     yield (
-        "vLLM hands the connector the keys of `kv_connector_extra_config`, in its `--kv-transfer-config`. Only "
-        "`service_url` is required; an unknown key stops the engine at start-up, naming it."
+        "vLLM hands the connector the keys of `kv_connector_extra_config`, in its `--kv-transfer-config`. None "
+        "is required; an unknown key stops the engine at start-up, naming it."
     )
     yield ""
     yield "```bash"
-    yield (
-        """vllm serve MODEL --kv-transfer-config '{"kv_connector":"PrefixCacheConnector","""
-        """"kv_connector_module_path":"prefixcache.connector","""
-    )
-    yield """  "kv_role":"kv_both","kv_connector_extra_config":{"service_url":"http://127.0.0.1:8600"}}'"""
+    yield "python -m vllm.entrypoints.openai.api_server --model MODEL --kv-transfer-config \\"
+    yield """  '{"kv_connector":"PrefixCacheConnector","kv_role":"kv_both","kv_connector_extra_config":{"service_url":"http://NODE_IP:8600"}}'"""
     yield "```"
     yield ""
     rows = []

@@ -2,7 +2,7 @@
 Multi-head Latent Attention (``build_tiny_mla``), and Mistrals of its shape with sliding-window attention
 (``build_tiny_sliding``).
 
-Recipe (connector/DESIGN.md section 7): 8 layers, hidden 1024, intermediate 2816, 16 heads (head_dim 64),
+Recipe (docs/vllm-notes.md §7): 8 layers, hidden 1024, intermediate 2816, 16 heads (head_dim 64),
 4 KV heads, vocab 2048, bf16, max_position_embeddings 8192, untied embeddings; a byte-level BPE tokenizer
 trained with ``tokenizers`` on deterministic synthetic text. About 94 M parameters, 0.18 GiB; builds in seconds.
 
