@@ -61,9 +61,6 @@ def serve(
 
     Each setting comes from its default, the --config file, its PREFIXCACHE_* variable and its flag, each
     overriding the one before."""
-    from prefixcache.cachestore.node.daemon import NodeDaemon
-    from prefixcache.cachestore.node.settings import load_settings
-
     flags = dict(
         host=host,
         port=port,
@@ -91,7 +88,10 @@ def serve(
         warmup_roots=warmup_root or None,
         warmup_allow_trust_remote_code=warmup_allow_trust_remote_code or None,
     )
-    with clear_errors():
+    with clear_errors():  # the imports too: without an extra's Mooncake they fail with one line
+        from prefixcache.cachestore.node.daemon import NodeDaemon
+        from prefixcache.cachestore.node.settings import load_settings
+
         NodeDaemon(load_settings(flags, config)).serve()
 
 

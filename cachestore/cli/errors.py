@@ -5,13 +5,15 @@ from __future__ import annotations
 import typer
 from prefixcache.indexer.errors import PrefixCacheError
 from rich.console import Console
+from rich.markup import escape
 
 err = Console(stderr=True)
 
 
 def fail(message: str) -> None:
-    """Print ``message`` as the command's error and exit with code 2."""
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    """Print ``message`` as the command's error and exit with code 2. The message is printed as it is: square
+    brackets in it (``prefixcache[cpu]``, a server's reason) are text, not markup."""
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
     raise typer.Exit(2)
 
 

@@ -30,11 +30,11 @@ import uuid
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 
-from mooncake.store import MooncakeDistributedStore, ReplicateConfig, SoftPinAction
 from prefixcache.cachestore.chunks.arena import Arena, address_of, view_at
 from prefixcache.cachestore.chunks.codec import ChunkError, ChunkMeta, read_meta
 from prefixcache.cachestore.tiers.chunk_tier import TierUsage
 from prefixcache.cachestore.tiers.mooncake_attachment import AttachmentKeeper
+from prefixcache.cachestore.tiers.mooncake_import import MooncakeDistributedStore, ReplicateConfig, SoftPinAction
 from prefixcache.cachestore.tiers.mooncake_servers import bound_rpc_timeouts
 from prefixcache.indexer.errors import PrefixCacheError
 

@@ -20,9 +20,9 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-import mooncake
 from prefixcache.cachestore.host.processes import ManagedProcess, find_executable, free_port, port_open
 from prefixcache.cachestore.tiers.bind_shim import bind_env, numeric_address
+from prefixcache.cachestore.tiers.mooncake_import import mooncake
 
 #: Every Mooncake RPC gives up after this long instead of the library's 30 s default, so a hung
 #: master costs a caller at most this once (the tier then fails fast until it answers again).
