@@ -9,7 +9,9 @@ PYTEST_ARGS ?=
 # so two run side by side on a 2-core machine. PYTEST_WORKERS=0 runs everything in one process.
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup run test lint bench
+PYTEST_XDIST := -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder
+
+.PHONY: setup run test test-unit test-integration lint bench
 
 setup:
 	bash deploy/setup.sh
@@ -18,7 +20,16 @@ run: setup
 	$(VENV)/bin/prefixcache serve --data-dir data
 
 test: setup
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
+
+# The tiers of the suite (tests/conftest.py). Unit tests (pure logic, no servers) take about 25 s in one process;
+# two workers would double that, each importing the whole suite first.
+test-unit: setup
+	$(PY) -m pytest -m unit $(PYTEST_ARGS)
+
+# Real servers (Redis, Mooncake, RocksDB, daemons), no vLLM engine.
+test-integration: setup
+	$(PY) -m pytest $(PYTEST_XDIST) -m integration $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

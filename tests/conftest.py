@@ -21,6 +21,97 @@ from tests.mooncake_pool import LocalMooncakePool
 
 _prefixes = itertools.count()
 
+#: The tier of every test module in this folder; every test under tests/e2e is ``e2e`` (tests/e2e/conftest.py marks
+#: them: real vLLM engines). ``unit``: pure logic in this process, no server, no process of its own beyond a fresh
+#: interpreter's ``python -c`` that starts nothing. ``integration``: real servers (Redis, mooncake_master and the
+#: segment owner, RocksDB, a daemon) or processes of its own, no vLLM engine; a module with tests of both kinds is
+#: ``integration``. ``make test-unit`` and ``make test-integration`` select by these markers, and a test that ends up
+#: with no tier or with two fails the collection: a new module is placed here.
+MODULE_TIERS = {
+    "unit": {
+        "test_arena",
+        "test_attachment",  # connections to a socket of its own, found in /proc/net/tcp
+        "test_bench_results",
+        "test_burst_bench",
+        "test_codec",
+        "test_connector_attachment",
+        "test_connector_plans",
+        "test_connector_settings",
+        "test_cpus",
+        "test_fingerprint",
+        "test_http_guards",
+        "test_keys",  # keys computed again in fresh interpreters
+        "test_layered_reads",
+        "test_log_limits",
+        "test_missing_extra",  # fresh interpreters without Mooncake
+        "test_pages",
+        "test_promotion_stream",
+        "test_redis_clients",
+        "test_request_identity",
+        "test_secrets_store",
+        "test_shared_kv",
+        "test_tokens",
+        "test_transfer_stats",
+        "test_ttft_ratios",
+    },
+    "integration": {
+        "test_admin_cli",
+        "test_api_admin",
+        "test_api_schema",
+        "test_api_security",
+        "test_cachestore",
+        "test_cuda_copies",
+        "test_data_dir_lock",
+        "test_deploy_files",
+        "test_dram",
+        "test_forged_chunks",
+        "test_index",
+        "test_index_admin",
+        "test_kv_events",
+        "test_leases",
+        "test_listeners",
+        "test_lookups",
+        "test_nvme",
+        "test_nvme_full",
+        "test_nvme_recovery",
+        "test_private_node",
+        "test_processes",
+        "test_proxy",
+        "test_redis_acl",
+        "test_redis_index",
+        "test_serve",
+        "test_supervision",
+        "test_supervisor",
+        "test_two_nodes",
+        "test_warmup",
+        "test_warmup_api",
+        "test_worker_side",
+        "test_write_behind_retry",
+    },
+}
+TIERS = ("unit", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test with its module's tier (``MODULE_TIERS``), then check that every test has exactly one. Runs
+    after tests/e2e/conftest.py's marking (pytest calls the hook of the conftest loaded last first) and before
+    ``-m`` selects."""
+    here = Path(__file__).resolve().parent
+    tier_of = {module: tier for tier, modules in MODULE_TIERS.items() for module in modules}
+    wrong: dict[str, str] = {}  # test module: the tiers its tests got
+    for item in items:
+        path = Path(str(item.path)).resolve()
+        if path.parent == here and path.stem in tier_of:
+            item.add_marker(tier_of[path.stem])
+        tiers = sorted({mark.name for mark in item.iter_markers()} & set(TIERS))
+        if len(tiers) != 1:
+            wrong[item.nodeid.split("::")[0]] = " and ".join(tiers) or "no tier"
+    if wrong:
+        raise pytest.UsageError(
+            f"every test needs exactly one tier of {', '.join(TIERS)} (MODULE_TIERS in tests/conftest.py): "
+            + "; ".join(f"{module} has {tiers}" for module, tiers in sorted(wrong.items()))
+        )
+
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
