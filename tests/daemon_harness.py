@@ -331,12 +331,23 @@ def forge_nvme_copy(daemon: Daemon, key: bytes) -> bytes:
     return bytes(fake)
 
 
-def connector_config(daemon: Daemon, role: str = "kv_both", probe: bool = False, **extra: object) -> dict:
-    """The connector's kv_transfer_config; ``probe`` loads the recording subclass (tests/e2e/probe_connector.py);
+def connector_config(
+    daemon: Daemon, role: str = "kv_both", probe: bool = False, by_entry_point: bool = False, **extra: object
+) -> dict:
+    """The connector's kv_transfer_config, as the README gives it (the class and the installed module); ``probe``
+    loads the recording subclass (tests/e2e/probe_connector.py) instead; ``by_entry_point`` names the class alone,
+    which vLLM then finds through prefixcache's ``vllm.general_plugins`` entry point (connector/registration.py);
     ``extra``: more of its settings."""
+    if probe and by_entry_point:
+        raise ValueError("the probe connector has no entry point: it is loaded by its module path")
+    if probe:
+        named = {"kv_connector": "ProbeConnector", "kv_connector_module_path": "tests.e2e.probe_connector"}
+    elif by_entry_point:
+        named = {"kv_connector": "PrefixCacheConnector"}
+    else:
+        named = {"kv_connector": "PrefixCacheConnector", "kv_connector_module_path": "prefixcache.connector"}
     return {
-        "kv_connector": "ProbeConnector" if probe else "PrefixCacheConnector",
-        "kv_connector_module_path": "tests.e2e.probe_connector" if probe else "connector",
+        **named,
         "kv_role": role,
         "kv_connector_extra_config": {"service_url": daemon.url, "arena_mb": 128, **extra},
     }

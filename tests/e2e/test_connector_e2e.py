@@ -324,7 +324,8 @@ def test_another_model_gets_zero_hits_not_wrong_kv(run_vllm, tmp_path_factory, d
 def test_a_request_asking_for_its_prompts_logprobs_is_not_a_hit(run_vllm, tiny_model, daemon, producer_then_consumer):
     """vLLM takes no cached tokens for a request that asks for its prompt's logprobs (``skip_reading_prefix_cache``):
     the daemon's statistics count no hit for it, though P1 is stored; P2 after it, a hit, is counted. P1 is still
-    looked up, so what it computes is not published again."""
+    looked up, so what it computes is not published again. This engine names the connector's class alone: vLLM
+    finds it through prefixcache's entry point."""
     before = client_use(daemon)
     out = run_vllm(
         {
@@ -332,7 +333,7 @@ def test_a_request_asking_for_its_prompts_logprobs_is_not_a_hit(run_vllm, tiny_m
             "prompts": [P1, P2],
             "max_tokens": 1,
             "prompt_logprobs": [1, None],
-            "kv_transfer_config": connector_config(daemon),
+            "kv_transfer_config": connector_config(daemon, by_entry_point=True),
         }
     )
     assert [o["num_cached_tokens"] for o in out["outputs"]] == [0, len(P2) - 1]
