@@ -11,7 +11,7 @@ PYTEST_WORKERS ?= 2
 
 PYTEST_XDIST := -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
-.PHONY: setup run test test-unit test-integration lint bench
+.PHONY: setup run test test-unit test-integration check-wheel lint bench
 
 setup:
 	bash deploy/setup.sh
@@ -30,6 +30,10 @@ test-unit: setup
 # Real servers (Redis, Mooncake, RocksDB, daemons), no vLLM engine.
 test-integration: setup
 	$(PY) -m pytest $(PYTEST_XDIST) -m integration $(PYTEST_ARGS)
+
+# The wheel and sdist as built for release, installed beside the engine in a fresh virtualenv (tests/wheel/check.sh).
+check-wheel: setup
+	VENV=$(VENV) bash tests/wheel/check.sh
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
