@@ -4,7 +4,7 @@
 # against the real daemon stack, then benchmarks.cuda_copies and benchmarks.windows --device cuda. The
 # connector's modules import two vLLM base classes; tests/gpu/vllm_stub stands in for them, so no vLLM engine
 # runs here. Logs and results go to $OUT (a temporary folder if unset). `bash tests/gpu/check.sh tests` stops
-# after the tests.
+# after the tests. A GPU machine with network runs tests/gpu/run.sh: the copy path's tests, then a real engine.
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 source tests/gpu/env.sh
