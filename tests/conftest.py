@@ -38,6 +38,7 @@ MODULE_TIERS = {
         "test_connector_plans",
         "test_connector_settings",
         "test_cpus",
+        "test_docs",
         "test_fingerprint",
         "test_http_guards",
         "test_keys",  # keys computed again in fresh interpreters
@@ -49,6 +50,7 @@ MODULE_TIERS = {
         "test_redis_clients",
         "test_request_identity",
         "test_secrets_store",
+        "test_settings_reference",  # the page's generator run as a command, in fresh interpreters
         "test_shared_kv",
         "test_tokens",
         "test_transfer_stats",
