@@ -36,7 +36,7 @@ from prefixcache.cachestore.chunks.codec import ChunkMeta, payload_offset
 from prefixcache.cachestore.chunks.runs import runs_of_about
 from prefixcache.cachestore.client.cache_client import CacheClient, Fetched
 from prefixcache.cachestore.tiers.dram import first_part_rows, split_at
-from prefixcache.cachestore.tiers.nvme import PAGE, read_size
+from prefixcache.cachestore.tiers.nvme_io import PAGE, read_size
 from prefixcache.connector.layered_reads import LayeredChunk, LayeredRead
 from prefixcache.connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from prefixcache.connector.page_copies import BOTH_WAYS, page_copies_for
