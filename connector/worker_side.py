@@ -7,7 +7,7 @@ memory (connector/shared_kv.py), the segment owner writes DRAM hits straight int
 vLLM's first hook of the step where that is safe, and they are verified where they landed (while the
 forward pass runs, for a synchronous load); the verdict is in before vLLM asks for load errors.
 Chunks that only this node's NVMe holds are read from their segment files into the pages there, layer by
-layer, each attention layer waiting for its own (connector/layered_reads.py), and verified behind the reads.
+layer, each attention layer waiting for its own (connector/loaders/layered_reads.py), and verified behind the reads.
 Other chunks are fetched into arena slots, verified and copied in. A chunk that cannot be fetched or
 fails verification reports its blocks as load errors: vLLM recomputes them and discards that step's
 output for the request, and the request's new pages of that step are not published.
@@ -37,7 +37,7 @@ from prefixcache.cachestore.chunks.runs import runs_of_about
 from prefixcache.cachestore.client.cache_client import CacheClient, Fetched
 from prefixcache.cachestore.tiers.dram import first_part_rows, split_at
 from prefixcache.cachestore.tiers.nvme_io import PAGE, read_size
-from prefixcache.connector.layered_reads import LayeredChunk, LayeredRead
+from prefixcache.connector.loaders.layered_reads import LayeredChunk, LayeredRead
 from prefixcache.connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from prefixcache.connector.page_copies import BOTH_WAYS, page_copies_for
 from prefixcache.connector.pages import block_runs, page_rows, payload_bytes, payload_view
@@ -171,7 +171,7 @@ class WorkerSide:
         )
         self._layer_starts: list[int] = []  # where each layer's block 0 lies in self._kv
         self._kv = self._pages_in_shared_memory()
-        # NVMe-only chunks go straight into their pages, layer by layer (connector/layered_reads.py), where the
+        # NVMe-only chunks go straight into their pages, layer by layer (connector/loaders/layered_reads.py), where the
         # pages lie in shared memory at 4 KiB boundaries, until a step shows vLLM does not wait for its layers
         self._reads_layered = self._pages_aligned_for_disk()
         self._layer_readers = ThreadPoolExecutor(
@@ -435,7 +435,7 @@ class WorkerSide:
 
     def _read_layered(self, chunks: list[LoadChunk]) -> tuple[LayeredRead | None, list[LoadChunk]]:
         """Start reading NVMe-only chunks from this node's segment files straight into their pages, layer by layer
-        (connector/layered_reads.py); returns that read and the chunks left to load through slots: those whose
+        (connector/loaders/layered_reads.py); returns that read and the chunks left to load through slots: those whose
         last block vLLM writes this step, those on no disk of this node, of another size than this geometry's, or
         beyond the arena's room for their headers."""
         if not self._reads_layered or not chunks:
