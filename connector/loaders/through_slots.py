@@ -2,7 +2,7 @@
 connector/page_copies.py) before the forward pass: every chunk when the KV cache lies outside the client's shared
 memory, and the chunks the reads in place leave elsewhere. A load larger than the arena's room loads whole, in
 windows of as many chunks as it has room for. What a load read from NVMe is stored back into DRAM from its slots
-once the forward pass is over.
+once the load is over (once the forward pass is, for a load it reads).
 """
 
 from __future__ import annotations
