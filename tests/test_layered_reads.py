@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from prefixcache.cachestore.chunks.codec import BodyCheck, ChunkError, ChunkMeta, encode
 from prefixcache.cachestore.chunks.mac import ChunkMacKey
-from prefixcache.cachestore.tiers.nvme import PAGE, Extent
-from prefixcache.connector.layered_reads import LayeredChunk, LayeredRead
+from prefixcache.cachestore.tiers.nvme_io import PAGE, Extent
+from prefixcache.connector.loaders.layered_reads import LayeredChunk, LayeredRead
 from prefixcache.connector.metadata import LoadChunk
 from prefixcache.indexer.keys import chunk_key
 from prefixcache.indexer.tokens import pack_tokens

@@ -149,7 +149,7 @@ def loaded_partial_pages(loader: WorkerSide, publisher: WorkerSide) -> bool:
 
 def test_a_cache_in_shared_memory_is_loaded_in_place_page_for_page(publisher, loader):
     keys = publish(publisher, chunks=6)
-    assert loader._kv is not None
+    assert loader.in_shared_memory
     assert load(loader, {"r": partial_pages_plan(keys)}) == set()
     assert loader.loaded_in_place == loader.loaded_chunks == 3
     assert loaded_partial_pages(loader, publisher)
@@ -271,13 +271,14 @@ def test_a_dram_hits_later_layers_are_copied_while_the_forward_pass_computes_its
     the first     are in, and the first attention layer of the rest waits for them."""
     keys = publish(publisher, chunks=2)
     copying = threading.Event()
-    copy_later_layers = loader._copy_later_layers
+    fetch_scattered = loader.client.fetch_scattered
 
-    def held_back(items):  # the owner still copying the later layers when the forward pass starts
-        copying.wait(10)
-        return copy_later_layers(items)
+    def held_back(keys, parts, second):  # the owner still copying the later layers when the forward pass starts
+        if all(second):  # the later layers' copy: the first layers' asks for first parts
+            copying.wait(10)
+        return fetch_scattered(keys, parts, second)
 
-    monkeypatch.setattr(loader, "_copy_later_layers", held_back)
+    monkeypatch.setattr(loader.client, "fetch_scattered", held_back)
     blocks = list(range(20, 28))
     loader.start_load(
         PrefixCacheMetadata(
@@ -570,7 +571,7 @@ def test_a_cache_outside_shared_memory_loads_through_slots(daemon, publisher):
     keys = publish(publisher, chunks=1)
     other = worker(daemon, shared=False)
     try:
-        assert other._kv is None
+        assert not other.in_shared_memory
         other.client.dram._store = counter = CallCounter(other.client.dram._store)
         assert load(other, {"r": [LoadChunk(keys[0], CHUNK_TOKENS, 0, [9, 10, 11, 12])]}) == set()
         assert other.loaded_chunks == 1 and other.loaded_in_place == 0

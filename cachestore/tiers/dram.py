@@ -8,7 +8,7 @@ connector puts vLLM's KV cache there), and ``get_scattered`` writes objects stra
 A chunk's copy here is two objects: the header, tokens and first quarter of the payload's leading rows (the
 connector's layers), then the rest (``split_offset``). A load into vLLM's pages fetches every chunk's first
 part, lets the forward pass start on the first layers and fetches the second parts meanwhile: a whole-object
-copy kept it waiting for every layer's bytes (connector/worker_side.py). Calls that move whole objects
+copy kept it waiting for every layer's bytes (connector/loaders/dram_in_place.py). Calls that move whole objects
 (``put``, ``put_scattered``, ``get_into``) cut and join the parts themselves. The parts are named apart
 from whole objects (``<prefix>:<key>:0`` and ``:1``), so a build that stored chunks whole and this one
 find each other's copies missing, never of another size.

@@ -49,8 +49,8 @@ from pathlib import Path
 from typing import Literal, NamedTuple
 
 import rocksdict
-from prefixcache.cachestore.chunks.arena import address_of
 from prefixcache.cachestore.tiers.chunk_tier import TierUsage
+from prefixcache.cachestore.tiers.nvme_io import PAGE, Extent, _align, open_for_reading, page_aligned, read_size
 from prefixcache.cachestore.tiers.nvme_scan import scan_segment
 from prefixcache.indexer.errors import ConfigError
 from prefixcache.indexer.index import Tier
@@ -58,9 +58,6 @@ from prefixcache.indexer.keys import KEY_BYTES
 
 log = logging.getLogger(__name__)
 
-#: O_DIRECT needs offsets, lengths and buffer addresses aligned to the disk's logical block; a page
-#: satisfies every disk, and anonymous mmaps are page-aligned for free.
-PAGE = 4096
 _ZEROS = memoryview(bytes(PAGE))
 _IOV_MAX = os.sysconf("SC_IOV_MAX")
 #: Keys per ``is_pinned`` call: the daemon answers it from the index, one round trip per call.
@@ -88,26 +85,6 @@ def failure_of(error: OSError) -> WriteFailure:
 _READERS = 4
 
 
-def _align(n: int) -> int:
-    return -(-n // PAGE) * PAGE
-
-
-def read_size(length: int) -> int:
-    """Bytes a page-aligned buffer needs for ``get_into`` to read a ``length``-byte object straight into it.
-
-    A smaller (or unaligned) buffer still works, through a bounce buffer and one more copy.
-    """
-    return _align(length)
-
-
-class Extent(NamedTuple):
-    """Where an object's bytes lie, for a reader in another process on this node (see ``read_extent``)."""
-
-    path: str  # its segment file
-    offset: int  # page-aligned
-    length: int
-
-
 def read_extent(extent: Extent, view: memoryview) -> int:
     """Read an object straight from its segment file into a page-aligned buffer of at least ``read_size``
     bytes; its length, or -1 (file gone, buffer unusable, short read).
@@ -131,27 +108,6 @@ def read_extent(extent: Extent, view: memoryview) -> int:
     return extent.length if got >= extent.length else -1
 
 
-def open_for_reading(path: str) -> int:
-    """O_DIRECT where the file system supports it (tmpfs does not), else through the page cache."""
-    try:
-        return os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-    return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-
-
-def read_pieces(fd: int, views: Sequence[memoryview], offset: int) -> bool:
-    """Fill ``views``, in order, from ``offset`` of a segment file opened by ``open_for_reading``: one
-    ``preadv``, straight into the caller's memory. With O_DIRECT every view's address and length and the
-    offset must be 4 KiB-aligned (``PAGE``); whether every byte arrived (False on any error)."""
-    want = sum(len(view) for view in views)
-    try:
-        return os.preadv(fd, views, offset) == want
-    except OSError:
-        return False
-
-
 def _check_key(key: bytes) -> None:
     if not isinstance(key, bytes) or len(key) != KEY_BYTES:
         raise ValueError(f"chunk keys are {KEY_BYTES} bytes, got {key!r:.60}")
@@ -160,12 +116,6 @@ def _check_key(key: bytes) -> None:
 def _byte_view(buffer: bytes | bytearray | memoryview) -> memoryview:
     view = memoryview(buffer)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-def page_aligned(view: memoryview) -> bool:
-    """Whether O_DIRECT can read into ``view`` (writable, contiguous, starting on a page)."""
-    address = address_of(view)
-    return address is not None and address % PAGE == 0
 
 
 def _batches(extents: list[tuple[bytes, _Extent]], limit: int) -> Iterable[list[tuple[bytes, _Extent]]]:

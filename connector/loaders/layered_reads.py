@@ -28,7 +28,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from prefixcache.cachestore.chunks.codec import BodyCheck, ChunkError
-from prefixcache.cachestore.tiers.nvme import PAGE, Extent, open_for_reading, page_aligned, read_pieces
+from prefixcache.cachestore.tiers.nvme_io import PAGE, Extent, open_for_reading, page_aligned, read_pieces
 from prefixcache.connector.metadata import LoadChunk
 
 log = logging.getLogger("prefixcache.connector")
