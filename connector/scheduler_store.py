@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from prefixcache.cachestore.client.cache_client import fetch_config, index_url
+from prefixcache.cachestore.client.config import fetch_config, index_url
 from prefixcache.cachestore.client.usage_stats import ClientStatsRecorder
 from prefixcache.connector.lookups import BatchedLookups
 from prefixcache.connector.plans import Geometry

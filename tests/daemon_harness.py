@@ -16,12 +16,13 @@ import redis
 from prefixcache.cachestore.api.auth import admin_token_path
 from prefixcache.cachestore.chunks.codec import ChunkMeta, encode, read_meta
 from prefixcache.cachestore.chunks.mac import ChunkMacKey
-from prefixcache.cachestore.client.cache_client import CacheClient, fetch_config, index_url
+from prefixcache.cachestore.client.cache_client import CacheClient
+from prefixcache.cachestore.client.config import fetch_config, index_url
+from prefixcache.cachestore.client.node_requests import locate
 from prefixcache.cachestore.host.processes import free_port_block
 from prefixcache.cachestore.host.secret_files import read_secret, secrets_dir
 from prefixcache.cachestore.tiers.dram import MooncakeTier, split_offset
 from prefixcache.cachestore.tiers.nvme import Extent
-from prefixcache.cachestore.tiers.nvme_extents import locate
 from prefixcache.cachestore.warmup.plan import storable_tokens
 from prefixcache.indexer.chunking import ChunkGeometry
 from prefixcache.indexer.keys import PrefixHasher, chunk_key

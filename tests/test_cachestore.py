@@ -10,7 +10,8 @@ import httpx
 import pytest
 import redis
 from prefixcache.cachestore.chunks.codec import read_meta
-from prefixcache.cachestore.client.cache_client import CacheClient, fetch_config
+from prefixcache.cachestore.client.cache_client import CacheClient
+from prefixcache.cachestore.client.config import fetch_config
 from prefixcache.cachestore.services.write_behind import hold_left_s
 from prefixcache.indexer.index import Location
 from prefixcache.indexer.keys import prompt_query

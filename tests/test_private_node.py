@@ -12,7 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from prefixcache.cachestore.client.cache_client import CacheClient, fetch_config
+from prefixcache.cachestore.client.cache_client import CacheClient
+from prefixcache.cachestore.client.config import fetch_config
 from prefixcache.cachestore.host.secret_files import secrets_dir
 
 from tests.daemon_harness import Daemon, fetch_payloads, make_spec, publish_prompt, wait_persisted

@@ -26,8 +26,8 @@ from prefixcache.cachestore.api.models import (
     Selector,
     TenantId,
 )
-from prefixcache.cachestore.api.tokenizer import TokenizerUnavailableError
 from prefixcache.cachestore.services.cache_admin import CacheAdmin, ConflictError, NotFoundError
+from prefixcache.cachestore.services.tokenizers import TokenizerUnavailableError
 from prefixcache.indexer.errors import ConfigError, IndexUnavailableError, InvalidTokensError
 from prefixcache.indexer.index import Tier
 

@@ -19,26 +19,22 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import cast
 
-import httpx
 import redis
-from prefixcache.cachestore.api.app import ClientConfig
 from prefixcache.cachestore.chunks.codec import BodyCheck, ChunkError, ChunkMeta, decode, decode_scattered, write_header
 from prefixcache.cachestore.chunks.mac import ChunkMacKey
+from prefixcache.cachestore.client.config import ClientConfig, chunk_mac_key, fetch_config, index_url
+from prefixcache.cachestore.client.node_requests import PromotionStream, locate
 from prefixcache.cachestore.client.usage_stats import ClientStatsRecorder
-from prefixcache.cachestore.host.secret_files import read_secret
-from prefixcache.cachestore.services.promotion import PromotionStream
 from prefixcache.cachestore.tiers.dram import MooncakeTier
 from prefixcache.cachestore.tiers.nvme import Extent, read_extent
-from prefixcache.cachestore.tiers.nvme_extents import locate
 from prefixcache.indexer.chunking import ChunkGeometry
-from prefixcache.indexer.errors import ConfigError, IndexUnavailableError
+from prefixcache.indexer.errors import IndexUnavailableError
 from prefixcache.indexer.index import ChunkRecord, Location, NamespaceCheck, PrefixMatch, attach_namespace
 from prefixcache.indexer.keys import PrefixHasher, PrefixQuery
 from prefixcache.indexer.namespace import NamespaceSpec, tenant_id
-from prefixcache.indexer.redis_clients import redis_client, with_password
+from prefixcache.indexer.redis_clients import redis_client
 from prefixcache.indexer.redis_index import RedisIndex
 
 log = logging.getLogger("prefixcache.client")
@@ -74,43 +70,6 @@ class ClientStats:
         with self._lock:
             for name, delta in deltas.items():
                 setattr(self, name, getattr(self, name) + delta)
-
-
-def fetch_config(service_url: str, timeout_s: float = 5.0) -> ClientConfig:
-    """Ask a node's daemon how to attach (``GET /v1/config``)."""
-    try:
-        response = httpx.get(service_url.rstrip("/") + "/v1/config", timeout=timeout_s)
-        response.raise_for_status()
-    except httpx.HTTPError as exc:
-        raise ConfigError(f"cannot read the attach settings from {service_url}: {exc}") from exc
-    return ClientConfig.model_validate(response.json())
-
-
-def chunk_mac_key(config: ClientConfig, key_file: str | None = None) -> ChunkMacKey:
-    """The cluster's chunk-signing key: from ``key_file`` if given, else from the file the daemon names."""
-    path = key_file or config.secret_files.chunk_key
-    if path is None:
-        raise ConfigError(f"node {config.node}'s daemon names no chunk-signing key file; give the client one")
-    return ChunkMacKey.read(Path(path))
-
-
-def index_url(config: ClientConfig, redis_password: str | None = None) -> str:
-    """The index URL a client of ``config``'s node connects with (the connector's scheduler and workers, warm-up
-    jobs, the proxy): with ``redis_password`` where one is given (a setting), else, where the index needs a
-    password, with the one in the file the node names (``secret_files.redis_password``: its embedded
-    redis-server's, readable by the daemon's user on its host)."""
-    if redis_password:
-        return with_password(config.redis_url, redis_password)
-    password_file = config.secret_files.redis_password
-    if config.redis_password_required and password_file:
-        try:
-            return with_password(config.redis_url, read_secret(Path(password_file)))
-        except ConfigError as exc:
-            raise ConfigError(
-                f"the index at {config.redis_url} needs a password: {exc} (run as the daemon's "
-                "user on its host, or set redis_password)"
-            ) from None
-    return config.redis_url
 
 
 class CacheClient:

@@ -23,17 +23,13 @@ import redis
 import uvicorn
 from prefixcache.cachestore.api.admin_routes import admin_routers
 from prefixcache.cachestore.api.app import (
-    ClientConfig,
     ComponentHealth,
     EvictionStats,
-    MooncakeConfig,
     QueueDepths,
-    SecretFiles,
     Stats,
     TierStats,
     WriteBehindStats,
     create_app,
-    public_redis_url,
 )
 from prefixcache.cachestore.api.auth import AccessPolicy, admin_token_path
 from prefixcache.cachestore.api.http_guards import trusted_hosts
@@ -42,7 +38,9 @@ from prefixcache.cachestore.api.metrics import metrics_router
 from prefixcache.cachestore.api.stats_report import all_clients, corrupt_by_reason, namespace_stats
 from prefixcache.cachestore.api.warmup_routes import warmup_router
 from prefixcache.cachestore.chunks.mac import KEY_FILE_NAME, ChunkMacKey
+from prefixcache.cachestore.client.config import ClientConfig, MooncakeConfig, SecretFiles
 from prefixcache.cachestore.client.usage_stats import ClientTotals, read_client_stats
+from prefixcache.cachestore.host.background_loop import BackgroundLoop
 from prefixcache.cachestore.host.cpus import allowed_cpus
 from prefixcache.cachestore.host.listeners import check_listeners
 from prefixcache.cachestore.host.processes import port_open
@@ -51,12 +49,12 @@ from prefixcache.cachestore.node.data_dir_lock import DataDirLock
 from prefixcache.cachestore.node.redis_server import EmbeddedRedis
 from prefixcache.cachestore.node.settings import NVME_SEGMENT_BYTES, Settings
 from prefixcache.cachestore.node.supervisor import Supervisor
-from prefixcache.cachestore.services.background import BackgroundLoop
 from prefixcache.cachestore.services.cache_admin import CacheAdmin
 from prefixcache.cachestore.services.demotion import Demoter
 from prefixcache.cachestore.services.eviction import Evictor
 from prefixcache.cachestore.services.eviction_orders import EvictionOrders, OrderServer
 from prefixcache.cachestore.services.kv_events import KvEventPublisher
+from prefixcache.cachestore.services.nvme_extents import ExtentServer
 from prefixcache.cachestore.services.promotion import Promoter
 from prefixcache.cachestore.services.reconcile import reconcile
 from prefixcache.cachestore.services.write_behind import GROUP as WRITE_BEHIND_GROUP
@@ -64,13 +62,12 @@ from prefixcache.cachestore.services.write_behind import WriteBehind
 from prefixcache.cachestore.tiers.dram import MooncakeTier
 from prefixcache.cachestore.tiers.mooncake_servers import MooncakeMaster, SegmentOwner
 from prefixcache.cachestore.tiers.nvme import NvmeStore
-from prefixcache.cachestore.tiers.nvme_extents import ExtentServer
 from prefixcache.cachestore.warmup.jobs import WarmupJobs, local_url
 from prefixcache.cachestore.warmup.policy import WarmupPolicy
 from prefixcache.indexer.errors import IndexUnavailableError
 from prefixcache.indexer.index import Location
 from prefixcache.indexer.leases import Leases
-from prefixcache.indexer.redis_clients import WAITING_SOCKET_TIMEOUT_S, redis_client
+from prefixcache.indexer.redis_clients import WAITING_SOCKET_TIMEOUT_S, public_redis_url, redis_client
 from prefixcache.indexer.redis_index import RedisIndex
 from pydantic import SecretStr
 

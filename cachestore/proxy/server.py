@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prefixcache.cachestore.client.cache_client import fetch_config, index_url
+from prefixcache.cachestore.client.config import fetch_config, index_url
 from prefixcache.cachestore.client.request_params import request_cache_params
 from prefixcache.cachestore.proxy.routing import (
     InstancePool,

@@ -22,7 +22,8 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 
 import redis
-from prefixcache.cachestore.client.node_requests import AnsweringServer, format_request
+from prefixcache.cachestore.client.node_requests import format_request
+from prefixcache.cachestore.services.answering_server import AnsweringServer
 from prefixcache.indexer.index import ChunkEntry, PrefixIndex
 
 log = logging.getLogger("prefixcache.eviction")

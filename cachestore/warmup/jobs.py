@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Literal, TypeVar
 
-from prefixcache.cachestore.host.processes import _die_with_parent
+from prefixcache.cachestore.host.processes import die_with_parent
 from prefixcache.cachestore.warmup.policy import TENANT_ENV, WarmupPolicy, scrubbed_environment
 from prefixcache.cachestore.warmup.progress import Snapshot
 from prefixcache.cachestore.warmup.report import Report
@@ -255,7 +255,7 @@ class WarmupJobs:
 
     def _child_setup(self) -> None:
         """Runs in the job's process before it starts: dies with the daemon, runs on the engine's CPUs."""
-        _die_with_parent()
+        die_with_parent()
         if self.engine_cpus is not None:
             os.sched_setaffinity(0, self.engine_cpus)
 

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from prefixcache.cachestore.api.app import ClientConfig
-from prefixcache.cachestore.client.cache_client import fetch_config, index_url
+from prefixcache.cachestore.client.config import ClientConfig, fetch_config, index_url
 from prefixcache.cachestore.node.settings import default_data_dir
 from prefixcache.cachestore.warmup import plan
 from prefixcache.cachestore.warmup.corpus import CorpusError, CorpusPrompt, Problem, check_against_model, read_corpus

@@ -2,7 +2,7 @@
 
 Promotion moves an NVMe-only chunk through the daemon: a disk read, a DRAM put, then the client's
 DRAM get, with the daemon's work on a core the engine's scheduler shares. A client on the daemon's
-own node can skip all of it: it asks where the chunks lie (``locate``: one request on
+own node can skip all of it: it asks where the chunks lie (``node_requests.locate``: one request on
 ``P:xq:<node>``, answered at once from the daemon's in-memory manifest with a JSON list of
 ``[segment file, offset, length]`` or null per key on ``P:xr:<reply id>``) and reads the segment
 files itself with O_DIRECT, at disk speed, while it places what it already has. What it reads is
@@ -12,33 +12,10 @@ verified like every load, so an extent gone stale meanwhile is a miss, never wro
 from __future__ import annotations
 
 import json
-import logging
-import uuid
-from collections.abc import Sequence
 
 import redis
-from prefixcache.cachestore.client.node_requests import AnsweringServer, format_request
-from prefixcache.cachestore.tiers.nvme import Extent, NvmeStore
-
-log = logging.getLogger("prefixcache.extents")
-
-
-def locate(client: redis.Redis, prefix: str, node: str, keys: Sequence[bytes], timeout_s: float) -> list[Extent | None]:
-    """Where ``node``'s NVMe tier holds each of ``keys`` (None: not there, or no answer in time)."""
-    if not keys:
-        return []
-    reply_id = uuid.uuid4().hex
-    client.rpush(f"{prefix}xq:{node}", format_request(reply_id, keys))
-    answer = client.blpop([f"{prefix}xr:{reply_id}"], timeout=timeout_s)
-    if answer is None:
-        return [None] * len(keys)
-    try:
-        found = json.loads(answer[1])
-        extents = [Extent(str(e[0]), int(e[1]), int(e[2])) if e else None for e in found]
-    except (ValueError, TypeError, IndexError):
-        log.warning("ignoring a malformed extents answer from %s", node)
-        return [None] * len(keys)
-    return extents if len(extents) == len(keys) else [None] * len(keys)
+from prefixcache.cachestore.services.answering_server import AnsweringServer
+from prefixcache.cachestore.tiers.nvme import NvmeStore
 
 
 class ExtentServer(AnsweringServer):
