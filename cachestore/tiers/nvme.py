@@ -50,8 +50,8 @@ from typing import Literal, NamedTuple
 
 import rocksdict
 from prefixcache.cachestore.chunks.arena import address_of
-from prefixcache.cachestore.tiers.chunk_tier import TierUsage
 from prefixcache.cachestore.tiers.nvme_scan import scan_segment
+from prefixcache.cachestore.tiers.usage import TierUsage
 from prefixcache.indexer.errors import ConfigError
 from prefixcache.indexer.index import Tier
 from prefixcache.indexer.keys import KEY_BYTES
