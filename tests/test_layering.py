@@ -340,6 +340,18 @@ def test_no_private_name_is_imported_across_modules():
     assert not wrong, "private names imported from other modules (make them public, or move them):\n" + "\n".join(wrong)
 
 
+def test_packages_import_none_of_their_modules():
+    """Importing one module of a package then loads only what that module imports, not its siblings."""
+    wrong = [
+        str(imp)
+        for module, path in modules().items()
+        if path.name == "__init__.py"
+        for imp in imports_of(module)
+        if imp.internal and imp.module_level
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
 def _python_files() -> Iterator[Path]:
     for top in (*FOLDERS, "tests", "benchmarks", "deploy"):
         yield from (ROOT / top).rglob("*.py")
