@@ -354,7 +354,7 @@ def corrupt_chunks(daemon: Daemon, reason: str | None = None) -> int:
     return stats["corrupt_chunks"] if reason is None else stats["corrupt_by_reason"][reason]
 
 
-def client_use(daemon: Daemon) -> dict[str, int]:
+def client_stats(daemon: Daemon) -> dict[str, int]:
     """What the daemon's clients have recorded so far: lookups, hits, matched tokens... (``/v1/stats``'s
     ``clients``; clients report every second)."""
     return httpx.get(daemon.url + "/v1/stats", headers=daemon.headers).json()["clients"]

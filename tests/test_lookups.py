@@ -6,9 +6,9 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from prefixcache.cachestore.client.client_stats import read_client_stats
 from prefixcache.cachestore.client.config import ClientConfig, MooncakeConfig
 from prefixcache.cachestore.client.scheduler_index import SchedulerIndex
-from prefixcache.cachestore.client.usage_stats import read_client_stats
 from prefixcache.cachestore.host.processes import free_port
 from prefixcache.connector.lookups import BatchedLookups
 from prefixcache.indexer.errors import IndexUnavailableError

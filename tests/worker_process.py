@@ -92,7 +92,7 @@ def main(service_url: str) -> None:
         "new_chunk_loaded": load(worker, second, [12, 13, 14, 15], second_pages),
         "new_chunk_in_place": worker.loaded_in_place > in_place,
         "old_chunk_loaded": load(worker, first, [16, 17, 18, 19], first_pages),
-        "read_from_disk": client.stats.read_from_disk,
+        "read_from_disk": client.counters.read_from_disk,
         "reattachments": reattachments(client, timeout_s=3),
     }
     print(json.dumps(result), flush=True)

@@ -47,8 +47,9 @@ class WriteBehindStats(BaseModel):
     delay_max_s: float
 
 
-class ClientUse(BaseModel):
-    """What clients (connectors, warm-up jobs) attached to this node recorded: lookups, hits, tokens, fetches."""
+class ClientStats(BaseModel):
+    """What clients (connectors, warm-up jobs) attached to this node did: lookups, hits, tokens, fetches (their
+    client stats, cachestore/client/client_stats.py)."""
 
     lookups: int
     hits: int = Field(description="lookups that matched at least one token")
@@ -80,7 +81,7 @@ class NamespaceStats(BaseModel):
     chunks: int
     bytes: int
     tiers: dict[Tier, TierUse] = Field(description="copies per tier, over all nodes")
-    clients: ClientUse
+    clients: ClientStats
 
 
 class Stats(BaseModel):
@@ -102,7 +103,7 @@ class Stats(BaseModel):
         "room on the NVMe tier), 'eio' (the disk failed a write), 'index' (the index refused a write), 'error'",
     )
     queues: QueueDepths
-    clients: ClientUse
+    clients: ClientStats
     namespaces: dict[str, NamespaceStats]
     child_restarts: dict[str, int] = Field(
         default_factory=dict, description="restarts of each server the daemon started (cachestore/node/supervisor.py)"

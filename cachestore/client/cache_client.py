@@ -24,9 +24,9 @@ from typing import cast
 import redis
 from prefixcache.cachestore.chunks.codec import BodyCheck, ChunkError, ChunkMeta, decode, decode_scattered, write_header
 from prefixcache.cachestore.chunks.mac import ChunkMacKey
+from prefixcache.cachestore.client.client_stats import ClientStatsRecorder
 from prefixcache.cachestore.client.config import ClientConfig, chunk_mac_key, fetch_config, index_url
 from prefixcache.cachestore.client.node_requests import PromotionStream, locate
-from prefixcache.cachestore.client.usage_stats import ClientStatsRecorder
 from prefixcache.cachestore.tiers.dram import MooncakeTier
 from prefixcache.cachestore.tiers.nvme import Extent, read_extent
 from prefixcache.indexer.chunking import ChunkGeometry
@@ -49,9 +49,10 @@ Fetched = memoryview | Future[memoryview | None] | None
 
 
 @dataclass
-class ClientStats:
-    """What this client did, counted from every thread it and its callers run (fetch, check, disk-read and
-    publishing threads), so through ``count``: ``+=`` on an attribute is not atomic across threads."""
+class ClientCounters:
+    """What this client did, in this process (its ``recorder`` adds the same to the node's client stats), counted
+    from every thread it and its callers run (fetch, check, disk-read and publishing threads), so through
+    ``count``: ``+=`` on an attribute is not atomic across threads."""
 
     lookups: int = 0
     lookup_errors: int = 0
@@ -92,7 +93,7 @@ class CacheClient:
         self.node = config.node
         self.geometry = ChunkGeometry(spec.chunk_tokens)
         self.location = Location("dram", config.node)
-        self.stats = ClientStats()
+        self.counters = ClientCounters()
         self.index = RedisIndex(index_url(config, redis_password), key_prefix=config.key_prefix)
         self._redis = redis_client(self.index.url, socket_timeout_s=promote_timeout_s + 1)
         self._prefix = config.key_prefix + ":"
@@ -127,12 +128,12 @@ class CacheClient:
 
     def lookup(self, query: PrefixQuery) -> PrefixMatch:
         """Longest cached prefix; an unreachable index is a miss."""
-        self.stats.count(lookups=1)
+        self.counters.count(lookups=1)
         started = time.perf_counter()
         try:
             match = self.index.lookup(query)
         except IndexUnavailableError as exc:
-            self.stats.count(lookup_errors=1)
+            self.counters.count(lookup_errors=1)
             log.debug("lookup missed: %s", exc)
             match = PrefixMatch(keys=[], chunk_tokens=query.chunk_tokens)
         self.recorder.record_lookup(
@@ -180,7 +181,7 @@ class CacheClient:
         except IndexUnavailableError as exc:
             log.warning("published chunks not registered (%s); they will not be found", exc)
             stored = [False] * len(chunks)
-        self.stats.count(published=sum(stored), publish_failures=len(chunks) - sum(stored))
+        self.counters.count(published=sum(stored), publish_failures=len(chunks) - sum(stored))
         self.recorder.record_publish(
             self.spec.digest, sum(stored), len(chunks) - sum(stored), time.perf_counter() - started
         )
@@ -249,7 +250,7 @@ class CacheClient:
         promoted = [i for i, key in enumerate(keys) if out[i] is None and key in self._streams]
         corrupt += self._read_promoted(keys, slots, promoted, out, cuts)
         fetched = sum(1 for v in out if v is not None)
-        self.stats.count(fetched=fetched, missing=len(out) - fetched)
+        self.counters.count(fetched=fetched, missing=len(out) - fetched)
         self.recorder.record_fetch(
             self.spec.digest, fetched, len(out) - fetched, corrupt, time.perf_counter() - started
         )
@@ -304,7 +305,7 @@ class CacheClient:
             self._verified_scattered(key, head, payload)
             for key, head, payload in zip(keys, heads, payloads, strict=True)
         ]
-        self.stats.count(fetched=sum(ok))
+        self.counters.count(fetched=sum(ok))
         self.recorder.record_fetch(
             self.spec.digest,
             sum(ok),
@@ -353,7 +354,7 @@ class CacheClient:
             log.debug("chunks stored after a disk read not indexed (%s)", exc)
             self.dram.delete(keys)
             return 0
-        self.stats.count(stored_after_disk_read=len(keys))
+        self.counters.count(stored_after_disk_read=len(keys))
         return len(keys)
 
     def disk_extents(self, keys: Sequence[bytes]) -> list[Extent | None]:
@@ -386,7 +387,7 @@ class CacheClient:
                 log.info("chunk %s read from this node's NVMe failed its checks (%s): recomputing", key.hex(), exc)
                 ok.append(False)
         failed = [key for key, intact in zip(keys, ok, strict=True) if not intact]
-        self.stats.count(fetched=sum(ok), read_from_disk=sum(ok), missing=len(failed))
+        self.counters.count(fetched=sum(ok), read_from_disk=sum(ok), missing=len(failed))
         self.recorder.record_fetch(self.spec.digest, sum(ok), len(failed), 0, time.perf_counter() - started)
         if failed:
             self._request_promotion(self.node, failed)
@@ -506,7 +507,7 @@ class CacheClient:
             if out[i] is None:
                 stale.append(keys[i])
             else:
-                self.stats.count(read_from_disk=1)
+                self.counters.count(read_from_disk=1)
                 self._disk_reads.append((keys[i], slots[i][:size]))
         if stale:
             self._request_promotion(self.node, stale)
@@ -542,7 +543,7 @@ class CacheClient:
                 log.debug("promotion answer lost: %s", exc)
                 continue
             ready = [i for i, ok in zip(waiting, flags, strict=True) if ok]
-            self.stats.count(promoted=len(ready))
+            self.counters.count(promoted=len(ready))
             rejected += self._read(keys, slots, ready, out, None, cuts)  # after a promotion: checked here
         return rejected
 
@@ -560,7 +561,7 @@ class CacheClient:
         """``_verified`` for ``fetch_checking_later``, which counted the chunk fetched: a damaged one is missing."""
         payload = self._verified(key, slot, size)
         if payload is None:
-            self.stats.count(fetched=-1, missing=1)
+            self.counters.count(fetched=-1, missing=1)
             self.recorder.record_rejected_after_fetch(self.spec.digest)
         return payload
 
@@ -578,11 +579,11 @@ class CacheClient:
         return BodyCheck(head, key=key, namespace=self.spec.digest, mac_key=self.mac_key)
 
     def _count_mac_failure(self) -> None:
-        self.stats.count(mac_failures=1)
+        self.counters.count(mac_failures=1)
         self.recorder.record_mac_failure(self.spec.digest)
 
     def _reject(self, key: bytes, exc: ChunkError) -> None:
-        self.stats.count(corrupt=1)
+        self.counters.count(corrupt=1)
         if exc.reason == "mac":
             self._count_mac_failure()
         log.warning("chunk %s failed verification (%s): deleted, recomputing", key.hex(), exc)
@@ -591,7 +592,7 @@ class CacheClient:
     def discard(self, key: bytes) -> None:
         """Remove a chunk's DRAM copy and its DRAM location: a read found it incomplete (the master evicted one
         of its parts), so that the next load reads NVMe instead of missing the same way."""
-        self.stats.count(missing=1)
+        self.counters.count(missing=1)
         self._discard(key)
 
     def _discard(self, key: bytes) -> None:

@@ -2,7 +2,7 @@
 
 A scheduler moves no bytes. It asks the index how much of each prompt is cached, leases the chunks it
 plans for its workers to load (indexer/leases.py), and records what it took from the cache, for the
-daemon's ``/v1/stats`` and ``/metrics`` (usage_stats.py). It attaches as every client does, from the
+daemon's ``/v1/stats`` and ``/metrics`` (client_stats.py). It attaches as every client does, from the
 node's ``ClientConfig`` (config.py), but needs neither DRAM nor the NVMe tier: this is the part of the
 client library it uses, and the connector's scheduler side reaches Redis through nothing else.
 """
@@ -13,8 +13,8 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from prefixcache.cachestore.client.client_stats import ClientStatsRecorder
 from prefixcache.cachestore.client.config import ClientConfig, index_url
-from prefixcache.cachestore.client.usage_stats import ClientStatsRecorder
 from prefixcache.indexer.index import PrefixIndex, attach_namespace
 from prefixcache.indexer.leases import Leases
 from prefixcache.indexer.namespace import NamespaceSpec

@@ -35,11 +35,11 @@ from prefixcache.cachestore.api.auth import AccessPolicy, admin_token_path
 from prefixcache.cachestore.api.http_guards import trusted_hosts
 from prefixcache.cachestore.api.liveness import liveness_router
 from prefixcache.cachestore.api.metrics import metrics_router
-from prefixcache.cachestore.api.stats_report import all_clients, corrupt_by_reason, namespace_stats
+from prefixcache.cachestore.api.stats_report import all_client_stats, corrupt_by_reason, namespace_stats
 from prefixcache.cachestore.api.warmup_routes import warmup_router
 from prefixcache.cachestore.chunks.mac import KEY_FILE_NAME, ChunkMacKey
+from prefixcache.cachestore.client.client_stats import ClientStatsRecord, read_client_stats
 from prefixcache.cachestore.client.config import ClientConfig, MooncakeConfig, SecretFiles
-from prefixcache.cachestore.client.usage_stats import ClientTotals, read_client_stats
 from prefixcache.cachestore.host.background_loop import BackgroundLoop
 from prefixcache.cachestore.host.cpus import allowed_cpus
 from prefixcache.cachestore.host.listeners import check_listeners
@@ -415,8 +415,8 @@ class NodeDaemon:
 
     def stats(self) -> Stats:
         dram, nvme, wb = self.dram.usage(), self.nvme.usage(), self.write_behind.stats
-        client_totals = self.client_totals()
-        clients = all_clients(client_totals)
+        client_stats = self.client_stats()
+        clients = all_client_stats(client_stats)
         delays = sorted(wb.delays_s) or [0.0]
         return Stats(
             node=self.settings.node,
@@ -450,12 +450,12 @@ class NodeDaemon:
                 eviction_orders=self.orders.client.llen(self.orders.queue),
             ),
             clients=clients,
-            namespaces=namespace_stats(self.index.usage(), client_totals),
+            namespaces=namespace_stats(self.index.usage(), client_stats),
             child_restarts=self.supervisor.restarts,
         )
 
-    def client_totals(self) -> dict[bytes, ClientTotals]:
-        """What clients attached to this node recorded, per namespace."""
+    def client_stats(self) -> dict[bytes, ClientStatsRecord]:
+        """The client stats of this node (what clients attached to it recorded), per namespace."""
         return read_client_stats(self.promoter.client, self.settings.key_prefix + ":", self.settings.node)
 
     def probes(self) -> dict[str, Callable[[], ComponentHealth]]:
@@ -540,7 +540,7 @@ class NodeDaemon:
             s = self.settings
             routers = [
                 *admin_routers(self.admin),
-                metrics_router(self.stats, self.client_totals),
+                metrics_router(self.stats, self.client_stats),
                 warmup_router(self.warmup_jobs),
                 liveness_router(self.supervisor.alive),
             ]
