@@ -284,14 +284,14 @@ def nvme_extent(daemon: Daemon, key: bytes) -> Extent:
 
 
 def damage_nvme_copy(daemon: Daemon, key: bytes) -> None:
-    """Flip the last byte of chunk ``key``'s copy in ``daemon``'s NVMe tier, in its segment file (where the
+    """Flip the last byte of chunk ``key``'s copy in ``daemon``'s NVMe tier, in its pack file (where the
     daemon itself says it lies): a disk that returns bad data for the next reader."""
     extent = nvme_extent(daemon, key)
-    with open(extent.path, "r+b") as segment:
-        segment.seek(extent.offset + extent.length - 1)
-        last = segment.read(1)[0]
-        segment.seek(extent.offset + extent.length - 1)
-        segment.write(bytes([last ^ 0xFF]))
+    with open(extent.path, "r+b") as pack:
+        pack.seek(extent.offset + extent.length - 1)
+        last = pack.read(1)[0]
+        pack.seek(extent.offset + extent.length - 1)
+        pack.write(bytes([last ^ 0xFF]))
 
 
 #: What an attacker signs with: any key but the cluster's.
@@ -301,7 +301,7 @@ ATTACKER_KEY = ChunkMacKey(bytes(32))
 def forged(obj: bytes | memoryview, payload: bytes | None = None) -> bytearray:
     """A forgery of chunk object ``obj``: the same, self-consistent header (identity, tokens, header checksum)
     over another payload (``payload``, default zeros), signed with a key that is not the cluster's: what a process
-    that can write into the pool or a segment file, but does not hold the key, can make."""
+    that can write into the pool or a pack file, but does not hold the key, can make."""
     meta = read_meta(obj)
     return encode(meta, payload if payload is not None else bytes(meta.payload_bytes), ATTACKER_KEY)
 
@@ -321,14 +321,14 @@ def forge_dram_copy(dram: MooncakeTier, key: bytes, max_bytes: int = 8 << 20) ->
 
 
 def forge_nvme_copy(daemon: Daemon, key: bytes) -> bytes:
-    """Replace chunk ``key``'s object in ``daemon``'s NVMe segment file with ``forged``, where the daemon says it
+    """Replace chunk ``key``'s object in ``daemon``'s NVMe pack file with ``forged``, where the daemon says it
     lies; returns the forgery."""
     extent = nvme_extent(daemon, key)
-    with open(extent.path, "r+b") as segment:
-        segment.seek(extent.offset)
-        fake = forged(segment.read(extent.length))
-        segment.seek(extent.offset)
-        segment.write(fake)
+    with open(extent.path, "r+b") as pack:
+        pack.seek(extent.offset)
+        fake = forged(pack.read(extent.length))
+        pack.seek(extent.offset)
+        pack.write(fake)
     return bytes(fake)
 
 

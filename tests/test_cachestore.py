@@ -173,7 +173,7 @@ def test_dram_copies_gone_without_the_index_hearing_are_all_read_ahead_at_the_fi
 
 
 def test_another_nodes_nvme_chunks_are_promoted_in_one_streamed_request(daemon, client):
-    """A client elsewhere cannot read the segment files: the holder promotes them, upcoming ones included."""
+    """A client elsewhere cannot read the pack files: the holder promotes them, upcoming ones included."""
     keys, payloads = restart_with_nvme_only(daemon, client, list(range(64 * 6)), seed=6)
     config = fetch_config(daemon.url).model_copy(update={"node": "node-elsewhere"})
     remote = CacheClient(config, make_spec(), arena_bytes=64 << 20)
@@ -193,7 +193,7 @@ def test_another_nodes_nvme_chunks_are_promoted_in_one_streamed_request(daemon, 
 
 @pytest.mark.parametrize("node", ["node-a", "node-elsewhere"])
 def test_chunks_read_ahead_are_fetched_without_asking_dram_again(daemon, client, node):
-    """What a loader knows DRAM lacks: this node reads it from its segment files, another node has it promoted."""
+    """What a loader knows DRAM lacks: this node reads it from its pack files, another node has it promoted."""
     keys, payloads = restart_with_nvme_only(daemon, client, list(range(64 * 4)), seed=8)
     reader = CacheClient(fetch_config(daemon.url).model_copy(update={"node": node}), make_spec(), arena_bytes=64 << 20)
     try:
@@ -226,12 +226,12 @@ def test_an_index_lost_with_redis_is_rebuilt_from_the_nvme_tier(daemon, client, 
 
 
 def flip_on_disk(data_dir: Path, needle: bytes) -> None:
-    for segment in (data_dir / "nvme" / "segments").iterdir():
-        data = bytearray(segment.read_bytes())
+    for pack in (data_dir / "nvme" / "segments").iterdir():
+        data = bytearray(pack.read_bytes())
         at = data.find(needle)
         if at >= 0:
             data[at + len(needle) + 100] ^= 0xFF
-            segment.write_bytes(bytes(data))
+            pack.write_bytes(bytes(data))
             return
     raise AssertionError("payload not found on disk")
 

@@ -198,7 +198,7 @@ class CacheClient:
         """Each chunk's verified payload (a view into its slot), or None: a miss the caller recomputes.
 
         A chunk missing from DRAM, or whose DRAM copy fails verification (and is deleted), comes from
-        the NVMe tier: read straight from the segment files when this node holds it (slots of
+        the NVMe tier: read straight from the pack files when this node holds it (slots of
         ``read_size`` bytes let that read land in place), else promoted by the daemon of a node that
         does. ``upcoming`` names the chunks the caller will fetch next, in order, each with the slot it
         will pass for it: when this call must go to NVMe, it plans those of them with no DRAM copy in
@@ -470,7 +470,7 @@ class CacheClient:
         return {key for key, held in zip(keys, self.dram.contains(keys), strict=True) if not held}
 
     def _read_here(self, keys: list[bytes], slots: dict[bytes, memoryview]) -> list[bytes]:
-        """Start reading ``keys`` from this node's segment files into their slots; returns those not there."""
+        """Start reading ``keys`` from this node's pack files into their slots; returns those not there."""
         found = self.disk_extents(keys)
         for key, extent in zip(keys, found, strict=True):
             if extent is not None:
@@ -489,7 +489,7 @@ class CacheClient:
     def _read_disk(
         self, keys: Sequence[bytes], slots: Sequence[memoryview], positions: list[int], out: list[Fetched]
     ) -> None:
-        """Take the reads of ``keys[i]`` (i in positions) from this node's segment files, and verify them."""
+        """Take the reads of ``keys[i]`` (i in positions) from this node's pack files, and verify them."""
         stale = []
         for i in positions:
             slot, read = self._disk_reads_ahead.pop(keys[i])

@@ -157,7 +157,7 @@ class NodeDaemon:
         self.nvme = NvmeStore(
             s.nvme_path,
             s.nvme_bytes,
-            segment_bytes=NVME_SEGMENT_BYTES,
+            pack_file_bytes=NVME_SEGMENT_BYTES,
             is_pinned=self._protected,
             on_evict=self._evicted,
         )

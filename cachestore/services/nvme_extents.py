@@ -4,7 +4,7 @@ Promotion moves an NVMe-only chunk through the daemon: a disk read, a DRAM put, 
 DRAM get, with the daemon's work on a core the engine's scheduler shares. A client on the daemon's
 own node can skip all of it: it asks where the chunks lie (``node_requests.locate``: one request on
 ``P:xq:<node>``, answered at once from the daemon's in-memory manifest with a JSON list of
-``[segment file, offset, length]`` or null per key on ``P:xr:<reply id>``) and reads the segment
+``[pack file, offset, length]`` or null per key on ``P:xr:<reply id>``) and reads the pack
 files itself with O_DIRECT, at disk speed, while it places what it already has. What it reads is
 verified like every load, so an extent gone stale meanwhile is a miss, never wrong KV.
 """
