@@ -45,7 +45,9 @@ UNPERSISTED_PROTECTION_S = 60.0
 DISK_READERS = 4
 
 #: What ``fetch_checking_later`` gives per chunk: its verified payload, a future of it, or None (a miss).
-Fetched = memoryview | Future[memoryview | None] | None
+FetchedPayload = memoryview | Future[memoryview | None] | None
+#: The same, by the name connector/worker_side.py still imports it by (to go once it imports ``FetchedPayload``).
+Fetched = FetchedPayload
 
 
 @dataclass
@@ -217,7 +219,7 @@ class CacheClient:
         checks: Executor,
         upcoming: Sequence[tuple[bytes, memoryview]] = (),
         cuts: Sequence[int | None] = (),
-    ) -> list[Fetched]:
+    ) -> list[FetchedPayload]:
         """``fetch``, returning as soon as DRAM has copied its chunks into their slots: each of those comes
         back as a future of its verified payload, its MAC computed on ``checks``, so the caller reads
         the next chunks while these are checked, on as many threads as ``checks`` has (on one thread of an
@@ -235,11 +237,11 @@ class CacheClient:
         upcoming: Sequence[tuple[bytes, memoryview]],
         checks: Executor | None,
         cuts: Sequence[int | None],
-    ) -> list[Fetched]:
+    ) -> list[FetchedPayload]:
         started = time.perf_counter()
         self._disk_reads = []
         self._streams = {key: stream for key, stream in self._streams.items() if not stream.expired}
-        out: list[Fetched] = [None] * len(keys)
+        out: list[FetchedPayload] = [None] * len(keys)
         planned = {i for i, key in enumerate(keys) if key in self._streams or key in self._disk_reads_ahead}
         corrupt = self._read(keys, slots, [i for i in range(len(keys)) if i not in planned], out, checks, cuts)
         if missing := [i for i in range(len(keys)) if out[i] is None and i not in planned]:
@@ -398,7 +400,7 @@ class CacheClient:
         keys: Sequence[bytes],
         slots: Sequence[memoryview],
         positions: list[int],
-        out: list[Fetched],
+        out: list[FetchedPayload],
         checks: Executor | None,
         cuts: Sequence[int | None],
     ) -> int:
@@ -487,7 +489,7 @@ class CacheClient:
         self._streams.update(dict.fromkeys(keys, stream))
 
     def _read_disk(
-        self, keys: Sequence[bytes], slots: Sequence[memoryview], positions: list[int], out: list[Fetched]
+        self, keys: Sequence[bytes], slots: Sequence[memoryview], positions: list[int], out: list[FetchedPayload]
     ) -> None:
         """Take the reads of ``keys[i]`` (i in positions) from this node's pack files, and verify them."""
         stale = []
@@ -527,7 +529,7 @@ class CacheClient:
         keys: Sequence[bytes],
         slots: Sequence[memoryview],
         positions: list[int],
-        out: list[Fetched],
+        out: list[FetchedPayload],
         cuts: Sequence[int | None],
     ) -> int:
         """Wait for the promotions of ``keys[i]`` (i in positions), then read those promoted; returns how many
