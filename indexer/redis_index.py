@@ -31,7 +31,7 @@ from prefixcache.indexer.index import (
 from prefixcache.indexer.keys import KEY_BYTES, PrefixQuery
 from prefixcache.indexer.namespace import NamespaceSpec
 from prefixcache.indexer.redis_clients import CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_S, redact_url, redis_client
-from prefixcache.indexer.unreadable import UnreadableRecords
+from prefixcache.indexer.unreadable_records import UnreadableRecords
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -114,7 +114,7 @@ class RedisIndex:
         return check
 
     def namespaces(self) -> list[NamespaceSpec]:
-        """The registered namespaces this version can read (others: ``indexer/unreadable.py``)."""
+        """The registered namespaces this version can read (others: ``indexer/unreadable_records.py``)."""
         with self._reachable():
             raw = self._redis.hgetall(self._prefix + "ns")
         specs = []

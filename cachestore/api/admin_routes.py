@@ -1,6 +1,6 @@
-"""The admin endpoints: namespaces, lookup, chunks, evict, pin and unpin (see ``admin_service`` for what
-they do). Reads need ``require_reader``, changes ``require_admin``; errors a request can cause map to
-clear 4xx answers here, and an unreachable index to 503, so no request can produce a 500."""
+"""The admin endpoints: namespaces, lookup, chunks, evict, pin and unpin (what they do is
+cachestore/services/cache_admin.py). Reads need ``require_reader``, changes ``require_admin``; errors a request
+can cause map to clear 4xx answers here, and an unreachable index to 503, so no request can produce a 500."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import redis
-from prefixcache.indexer.periodic import PeriodicFlusher
+from prefixcache.indexer.periodic_flusher import PeriodicFlusher
 
 log = logging.getLogger("prefixcache.client_stats")
 
