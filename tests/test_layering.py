@@ -123,8 +123,14 @@ NEVER_IMPORTED: dict[str, set[str]] = {
 #: What the client library must not pull in, directly or through any module it imports: the daemon's parts
 #: and the web stack they run on.
 CLIENT = "cachestore.client"
-NOT_UNDER_CLIENT = ("cachestore.api", "cachestore.services", "cachestore.node", "cachestore.cli", "cachestore.proxy")
-NOT_UNDER_CLIENT += ("cachestore.warmup",)
+NOT_UNDER_CLIENT = (
+    "cachestore.api",
+    "cachestore.services",
+    "cachestore.node",
+    "cachestore.cli",
+    "cachestore.proxy",
+    "cachestore.warmup",
+)
 WEB_STACK = ("fastapi", "uvicorn", "starlette")
 
 
@@ -178,7 +184,7 @@ def _import_nodes(
 
 def _relative(name: str) -> str:
     """A package module's name without the ``prefixcache.`` in front; any other name as it is."""
-    return name.removeprefix("prefixcache.") if name.startswith("prefixcache.") else name
+    return name.removeprefix("prefixcache.")
 
 
 @cache
