@@ -13,9 +13,10 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from prefixcache.indexer.chunking import PROBE_TOKENS
 from rich.console import Console
 from rich.table import Table
+
+from prefixcache.indexer.chunking import PROBE_TOKENS
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

@@ -29,11 +29,11 @@ import time
 from collections.abc import Callable
 
 import torch
+
+from benchmarks.common import print_table, with_defaults, write_results
 from prefixcache.cachestore.chunks.arena import address_of
 from prefixcache.connector.page_copies import CudaPageCopies
 from prefixcache.connector.pages import gather, page_rows, scatter
-
-from benchmarks.common import print_table, with_defaults, write_results
 
 LAYERS, KV_HEADS, HEAD_SIZE, BLOCK_TOKENS, CHUNK_TOKENS = 32, 8, 128, 16, 256
 PROMPT_TOKENS = 4096

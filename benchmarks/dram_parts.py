@@ -26,13 +26,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks.common import print_table, with_defaults, write_results
+from benchmarks.tiers import ROOT, warmed_tier
 from prefixcache.cachestore.chunks.codec import ChunkMeta, encode, read_meta
 from prefixcache.cachestore.chunks.mac import ChunkMacKey
 from prefixcache.cachestore.tiers.dram import MooncakeTier, split_offset
 from prefixcache.indexer.tokens import pack_tokens
-
-from benchmarks.common import print_table, with_defaults, write_results
-from benchmarks.tiers import ROOT, warmed_tier
 
 LAYERS = 8
 #: (group, chunk) sizes in MiB: a CPU's group of the tiny test Llama's 2 MiB chunks, a GPU's, and a GPU's group

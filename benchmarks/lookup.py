@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import redis
+
+from benchmarks.common import percentile_ms, print_table, write_results
 from prefixcache.cachestore.node.redis_server import EmbeddedRedis
 from prefixcache.connector.lookups import BatchedLookups
 from prefixcache.indexer.chunking import ChunkGeometry
@@ -33,8 +35,6 @@ from prefixcache.indexer.keys import PrefixHasher
 from prefixcache.indexer.namespace import NamespaceSpec
 from prefixcache.indexer.redis_index import RedisIndex
 from prefixcache.indexer.tokens import TOKEN_BYTES, pack_tokens
-
-from benchmarks.common import percentile_ms, print_table, write_results
 
 CHUNK_TOKENS = 256
 PROMPTS = {4096: 2000, 32768: 1000, 131072: 300}  # tokens -> lookups timed

@@ -35,10 +35,10 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from prefixcache.cachestore.host.cpus import format_cpu_list
 
 from benchmarks.common import print_table, wait_until_persisted, with_defaults, write_results
 from benchmarks.ttft import MAX_BATCHED_TOKENS, MAX_REPEATS, WARM_PROMPT, sized_prompt
+from prefixcache.cachestore.host.cpus import format_cpu_list
 from tests.daemon_harness import Daemon, connector_config
 from tests.e2e.launch import run_engine
 from tests.e2e.tinymodel import (

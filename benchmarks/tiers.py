@@ -37,11 +37,11 @@ from pathlib import Path
 
 import numpy as np
 import xxhash
+
+from benchmarks.common import print_table, write_results
 from prefixcache.cachestore.chunks.mac import KEY_BYTES, ChunkMacKey
 from prefixcache.cachestore.tiers.dram import MooncakeTier
 from prefixcache.cachestore.tiers.nvme import NvmeStore
-
-from benchmarks.common import print_table, write_results
 from tests.mooncake_pool import LocalMooncakePool
 
 ROOT = Path(__file__).resolve().parent.parent / ".bench-tmp"

@@ -55,10 +55,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchmarks.common import bound_to, print_table, wait_until_persisted, with_defaults, write_results
 from prefixcache.cachestore.host.cpus import format_cpu_list
 from prefixcache.cachestore.host.processes import ManagedProcess, free_port, port_open
-
-from benchmarks.common import bound_to, print_table, wait_until_persisted, with_defaults, write_results
 from tests.daemon_harness import Daemon, connector_config
 from tests.e2e.launch import EngineRunError, run_engine, vllm_env
 from tests.e2e.tinymodel import ENGINE_DTYPE, build_tiny_llama, random_prompt

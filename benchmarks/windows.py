@@ -23,13 +23,13 @@ import time
 from pathlib import Path
 
 import torch
+
+from benchmarks.common import print_table, with_defaults, write_results
 from prefixcache.cachestore.client.cache_client import CacheClient
 from prefixcache.connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from prefixcache.connector.worker_side import WorkerSide
 from prefixcache.indexer.keys import chunk_key
 from prefixcache.indexer.tokens import pack_tokens
-
-from benchmarks.common import print_table, with_defaults, write_results
 from tests.daemon_harness import Daemon, make_spec, wait_persisted
 
 LAYERS, PAGE_BYTES, BLOCK_TOKENS, CHUNK_TOKENS = 8, 128 << 10, 128, 256

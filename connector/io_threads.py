@@ -20,8 +20,9 @@ from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
-from prefixcache.cachestore.host.cpus import cpu_list
 from pydantic import Field, NonNegativeInt
+
+from prefixcache.cachestore.host.cpus import cpu_list
 
 log = logging.getLogger("prefixcache.connector")
 

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import torch
+
 from prefixcache.connector.pages import gather, scatter
 from prefixcache.connector.settings import Directions
 

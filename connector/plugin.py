@@ -8,6 +8,13 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
 from prefixcache.connector.attachment import Attachment
 from prefixcache.connector.detached_worker import DetachedWorker
 from prefixcache.connector.io_threads import io_cpus, numa_node_cpus, pinning, ranks_bound_by_vllm
@@ -19,15 +26,10 @@ from prefixcache.connector.settings import (
     engine_kv_replicas,
 )
 from prefixcache.connector.transfer_stats import PrefixCachePromMetrics, PrefixCacheTransferStats
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 if TYPE_CHECKING:
     import torch
+
     from prefixcache.cachestore.client.cache_client import CacheClient
     from prefixcache.connector.worker_side import WorkerSide
     from prefixcache.indexer.namespace import NamespaceSpec
@@ -172,9 +174,11 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         return self._client_attachment.value
 
     def _attach_client(self) -> CacheClient:
-        from prefixcache.cachestore.client.cache_client import CacheClient, chunk_mac_key, fetch_config
-        from prefixcache.connector.settings import arena_mib, kv_bytes_per_token, namespace_for
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        from prefixcache.cachestore.client.cache_client import CacheClient
+        from prefixcache.cachestore.client.config import chunk_mac_key, fetch_config
+        from prefixcache.connector.settings import arena_mib, kv_bytes_per_token, namespace_for
 
         group = self._kv_cache_config.kv_cache_groups[0]
         config = fetch_config(self._settings.service_url)

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable, Collection, Sequence
 
 import torch
+
 from prefixcache.cachestore.chunks.arena import ArenaFullError
 from prefixcache.cachestore.chunks.codec import ChunkMeta
 from prefixcache.cachestore.client.cache_client import CacheClient

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixcache.cachestore.client.request_params import request_cache_params
+from prefixcache.cachestore.client.scheduler_index import LEASE_TIMEOUT_S
 from prefixcache.connector.attachment import Attachment
 from prefixcache.connector.load_policy import (
     check_load_mode,
@@ -49,7 +50,7 @@ from prefixcache.connector.plans import (
     tokens_by_tier,
 )
 from prefixcache.connector.request_identity import media_ends, media_marks, request_variant
-from prefixcache.connector.scheduler_store import LEASE_TIMEOUT_S, SchedulerStore
+from prefixcache.connector.scheduler_store import SchedulerStore
 from prefixcache.connector.settings import ConnectorSettings, Directions, check_supported, kv_bytes_per_token
 from prefixcache.indexer.errors import IndexUnavailableError
 from prefixcache.indexer.index import PrefixMatch
@@ -185,7 +186,7 @@ class SchedulerSide:
         external = min(state.matched_tokens, request.num_tokens - 1) - num_computed_tokens
         external = external if external >= self.min_hit_tokens else 0
         if looked_up:
-            self.store.stats.record_lookup(
+            self.store.index.recorder.record_lookup(
                 self.store.namespaces[0].digest, request.num_tokens, external, state.lookup_s
             )
         end = num_computed_tokens + external
@@ -304,7 +305,7 @@ class SchedulerSide:
         from NVMe or recomputed."""
         while (keys := self._to_lease.get()) is not None:
             try:
-                self.store.leases.grant(keys)
+                self.store.index.leases.grant(keys)
             except IndexUnavailableError as exc:
                 log.debug("chunks not leased (%s); a chunk moved meanwhile is recomputed", exc)
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Annotated, Any, Literal, NamedTuple
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from prefixcache.connector.io_threads import IoCpus
 from prefixcache.indexer.errors import ConfigError, validation_problems
 from prefixcache.indexer.namespace import NamespaceSpec
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
 class ConnectorSettings(BaseModel):
@@ -83,7 +84,7 @@ class ConnectorSettings(BaseModel):
         description="CPU backend: vLLM's KV cache is allocated in Mooncake-registered shared memory, so that "
         "DRAM hits are written straight into its pages by the segment owner (each chunk's first quarter of "
         "layers before the forward pass, the rest while it computes those) and verified while the forward pass "
-        "runs, and chunks only this node's NVMe holds are read from their segment files straight into the "
+        "runs, and chunks only this node's NVMe holds are read from their pack files straight into the "
         "pages, one layer after another, while the forward pass computes the layers already in (each attention "
         "layer waits for its own). It costs no extra memory; the owner writes every page once at start-up "
         "(about 0.5 s per GiB of KV cache), so that first hits into fresh pages copy at full speed. `false`: "
@@ -242,8 +243,9 @@ def namespace_for(
     and vLLM's cache layout.
     """
     import torch
-    from prefixcache.indexer.fingerprint import fingerprint_model
     from vllm.platforms import current_platform
+
+    from prefixcache.indexer.fingerprint import fingerprint_model
 
     model_config = vllm_config.model_config
     replicas = engine_kv_replicas(vllm_config, kv_cache_spec)

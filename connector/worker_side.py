@@ -4,7 +4,7 @@ publishing.
 Four loaders (connector/loaders/) bring chunks into vLLM's pages. When vLLM's KV cache lies in the client's shared
 memory (connector/shared_kv.py), the segment owner writes DRAM hits straight into the pages, from vLLM's first hook
 of the step where that is safe, verified where they landed while the forward pass runs (``DramInPlace``), and chunks
-that only this node's NVMe holds are read from their segment files into the pages, layer by layer, each attention
+that only this node's NVMe holds are read from their pack files into the pages, layer by layer, each attention
 layer waiting for its own, verified behind the reads (``NvmeLayered``). Every other chunk, and every chunk when the
 cache lies elsewhere, is fetched into an arena slot, verified there and copied in before the forward pass
 (``ThroughSlots``). Asynchronous loads go the same ways, whole, on a thread of their own while vLLM runs other
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
 from prefixcache.cachestore.client.cache_client import CacheClient
 from prefixcache.connector.loaders.asynchronous import Asynchronous
 from prefixcache.connector.loaders.base import ArenaWarnings, Loader, Store, drop

@@ -17,7 +17,7 @@ import threading
 from collections import Counter, deque
 from collections.abc import Callable
 
-from prefixcache.indexer.periodic import PeriodicFlusher
+from prefixcache.indexer.periodic_flusher import PeriodicFlusher
 
 log = logging.getLogger("prefixcache.index")
 

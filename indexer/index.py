@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
+
 from prefixcache.indexer.keys import KEY_BYTES, PrefixQuery, chunk_key, probe_of
 from prefixcache.indexer.namespace import NamespaceSpec, describe_mismatch, mismatched_fields, same_model
 from prefixcache.indexer.tokens import TOKEN_BYTES

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
+
 from prefixcache.indexer.chunking import PROBE_TOKENS, ChunkGeometry
 from prefixcache.indexer.errors import InvalidTokensError
 from prefixcache.indexer.tokens import TOKEN_BYTES, TokenIds, token_array

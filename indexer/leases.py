@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import redis
+
 from prefixcache.indexer.errors import IndexUnavailableError
 from prefixcache.indexer.redis_index import load_script
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
+
 from prefixcache.indexer.errors import ConfigError
 
 #: How long a command may wait for its reply: a lookup or registration answers in milliseconds.
@@ -47,3 +48,13 @@ def with_password(url: str, password: str) -> str:
 def redact_url(url: str) -> str:
     """The URL with any password replaced, for messages and logs."""
     return url if urlsplit(url).password is None else with_password(url, "***")
+
+
+def public_redis_url(url: str) -> tuple[str, bool]:
+    """The Redis URL without its password (its user name kept), and whether one is needed."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url, False
+    host = parts.netloc.rpartition("@")[2]
+    netloc = f"{parts.username}@{host}" if parts.username else host
+    return f"{parts.scheme}://{netloc}" + urlunsplit(parts._replace(scheme="", netloc="")), True

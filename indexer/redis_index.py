@@ -13,6 +13,9 @@ from contextlib import contextmanager
 from importlib import resources
 
 import redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from prefixcache.indexer.access_log import AccessLog, Hits
 from prefixcache.indexer.errors import ConfigError, IndexUnavailableError
 from prefixcache.indexer.index import (
@@ -31,9 +34,7 @@ from prefixcache.indexer.index import (
 from prefixcache.indexer.keys import KEY_BYTES, PrefixQuery
 from prefixcache.indexer.namespace import NamespaceSpec
 from prefixcache.indexer.redis_clients import CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_S, redact_url, redis_client
-from prefixcache.indexer.unreadable import UnreadableRecords
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from prefixcache.indexer.unreadable_records import UnreadableRecords
 
 _NO_PROBE = bytes(KEY_BYTES)  # sent where the prompt has no probe; an all-zero digest is never a key
 
@@ -114,7 +115,7 @@ class RedisIndex:
         return check
 
     def namespaces(self) -> list[NamespaceSpec]:
-        """The registered namespaces this version can read (others: ``indexer/unreadable.py``)."""
+        """The registered namespaces this version can read (others: ``indexer/unreadable_records.py``)."""
         with self._reachable():
             raw = self._redis.hgetall(self._prefix + "ns")
         specs = []

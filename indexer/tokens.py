@@ -12,6 +12,7 @@ from array import array
 from collections.abc import Sequence
 
 import numpy as np
+
 from prefixcache.indexer.errors import InvalidTokensError
 
 TOKEN_BYTES = 4

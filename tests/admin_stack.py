@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from prefixcache.cachestore.client.cache_client import CacheClient
 
+from prefixcache.cachestore.client.cache_client import CacheClient
 from tests.daemon_harness import Daemon, make_spec
 
 TOKEN = "s3cret-admin-token-0123456789"

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from prefixcache.cachestore.client.cache_client import CacheClient
 from prefixcache.cachestore.node.redis_server import EmbeddedRedis
 from prefixcache.cachestore.tiers.dram import MooncakeTier
@@ -14,7 +15,6 @@ from prefixcache.indexer.chunking import ChunkGeometry
 from prefixcache.indexer.index import PrefixIndex
 from prefixcache.indexer.namespace import NamespaceSpec
 from prefixcache.indexer.redis_index import RedisIndex
-
 from tests.daemon_harness import Daemon, connect
 from tests.in_memory_index import InMemoryIndex
 from tests.mooncake_pool import LocalMooncakePool
@@ -43,6 +43,7 @@ MODULE_TIERS = {
         "test_http_guards",
         "test_keys",  # keys computed again in fresh interpreters
         "test_layered_reads",
+        "test_layering",  # one fresh interpreter importing the client and the connector
         "test_log_limits",
         "test_missing_extra",  # fresh interpreters without Mooncake
         "test_pages",

@@ -13,15 +13,17 @@ from typing import Any
 
 import httpx
 import redis
+
 from prefixcache.cachestore.api.auth import admin_token_path
 from prefixcache.cachestore.chunks.codec import ChunkMeta, encode, read_meta
 from prefixcache.cachestore.chunks.mac import ChunkMacKey
-from prefixcache.cachestore.client.cache_client import CacheClient, fetch_config, index_url
+from prefixcache.cachestore.client.cache_client import CacheClient
+from prefixcache.cachestore.client.config import fetch_config, index_url
+from prefixcache.cachestore.client.node_requests import locate
 from prefixcache.cachestore.host.processes import free_port_block
 from prefixcache.cachestore.host.secret_files import read_secret, secrets_dir
 from prefixcache.cachestore.tiers.dram import MooncakeTier, split_offset
 from prefixcache.cachestore.tiers.nvme import Extent
-from prefixcache.cachestore.tiers.nvme_extents import locate
 from prefixcache.cachestore.warmup.plan import storable_tokens
 from prefixcache.indexer.chunking import ChunkGeometry
 from prefixcache.indexer.keys import PrefixHasher, chunk_key
@@ -283,14 +285,14 @@ def nvme_extent(daemon: Daemon, key: bytes) -> Extent:
 
 
 def damage_nvme_copy(daemon: Daemon, key: bytes) -> None:
-    """Flip the last byte of chunk ``key``'s copy in ``daemon``'s NVMe tier, in its segment file (where the
+    """Flip the last byte of chunk ``key``'s copy in ``daemon``'s NVMe tier, in its pack file (where the
     daemon itself says it lies): a disk that returns bad data for the next reader."""
     extent = nvme_extent(daemon, key)
-    with open(extent.path, "r+b") as segment:
-        segment.seek(extent.offset + extent.length - 1)
-        last = segment.read(1)[0]
-        segment.seek(extent.offset + extent.length - 1)
-        segment.write(bytes([last ^ 0xFF]))
+    with open(extent.path, "r+b") as pack:
+        pack.seek(extent.offset + extent.length - 1)
+        last = pack.read(1)[0]
+        pack.seek(extent.offset + extent.length - 1)
+        pack.write(bytes([last ^ 0xFF]))
 
 
 #: What an attacker signs with: any key but the cluster's.
@@ -300,7 +302,7 @@ ATTACKER_KEY = ChunkMacKey(bytes(32))
 def forged(obj: bytes | memoryview, payload: bytes | None = None) -> bytearray:
     """A forgery of chunk object ``obj``: the same, self-consistent header (identity, tokens, header checksum)
     over another payload (``payload``, default zeros), signed with a key that is not the cluster's: what a process
-    that can write into the pool or a segment file, but does not hold the key, can make."""
+    that can write into the pool or a pack file, but does not hold the key, can make."""
     meta = read_meta(obj)
     return encode(meta, payload if payload is not None else bytes(meta.payload_bytes), ATTACKER_KEY)
 
@@ -320,14 +322,14 @@ def forge_dram_copy(dram: MooncakeTier, key: bytes, max_bytes: int = 8 << 20) ->
 
 
 def forge_nvme_copy(daemon: Daemon, key: bytes) -> bytes:
-    """Replace chunk ``key``'s object in ``daemon``'s NVMe segment file with ``forged``, where the daemon says it
+    """Replace chunk ``key``'s object in ``daemon``'s NVMe pack file with ``forged``, where the daemon says it
     lies; returns the forgery."""
     extent = nvme_extent(daemon, key)
-    with open(extent.path, "r+b") as segment:
-        segment.seek(extent.offset)
-        fake = forged(segment.read(extent.length))
-        segment.seek(extent.offset)
-        segment.write(fake)
+    with open(extent.path, "r+b") as pack:
+        pack.seek(extent.offset)
+        fake = forged(pack.read(extent.length))
+        pack.seek(extent.offset)
+        pack.write(fake)
     return bytes(fake)
 
 
@@ -364,7 +366,7 @@ def corrupt_chunks(daemon: Daemon, reason: str | None = None) -> int:
     return stats["corrupt_chunks"] if reason is None else stats["corrupt_by_reason"][reason]
 
 
-def client_use(daemon: Daemon) -> dict[str, int]:
+def client_stats(daemon: Daemon) -> dict[str, int]:
     """What the daemon's clients have recorded so far: lookups, hits, matched tokens... (``/v1/stats``'s
     ``clients``; clients report every second)."""
     return httpx.get(daemon.url + "/v1/stats", headers=daemon.headers).json()["clients"]

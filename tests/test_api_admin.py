@@ -9,8 +9,9 @@ import time
 
 import httpx
 import redis
-from prefixcache.cachestore.client.cache_client import CacheClient, fetch_config, index_url
 
+from prefixcache.cachestore.client.cache_client import CacheClient
+from prefixcache.cachestore.client.config import fetch_config, index_url
 from tests.admin_stack import TOKEN, api, client, daemon  # noqa: F401 - fixtures
 from tests.daemon_harness import fetch_payloads, make_spec, publish_prompt, wait_persisted
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from prefixcache.cachestore.api.auth import admin_token_path
 from prefixcache.cachestore.host.secret_files import secrets_dir
-
 from tests.daemon_harness import Daemon, make_spec, run_cli
 
 OPEN = {("GET", "/v1/health"), ("GET", "/v1/live"), ("GET", "/v1/config")}

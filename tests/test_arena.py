@@ -1,6 +1,7 @@
 import mmap
 
 import pytest
+
 from prefixcache.cachestore.chunks.arena import ALIGN, Arena, ArenaFullError, address_of
 
 

@@ -9,13 +9,14 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+
 from prefixcache.cachestore.chunks.codec import read_meta
-from prefixcache.cachestore.client.cache_client import CacheClient, fetch_config
+from prefixcache.cachestore.client.cache_client import CacheClient
+from prefixcache.cachestore.client.config import fetch_config
 from prefixcache.cachestore.services.write_behind import hold_left_s
 from prefixcache.indexer.index import Location
 from prefixcache.indexer.keys import prompt_query
 from prefixcache.indexer.leases import Leases
-
 from tests.daemon_harness import (
     Daemon,
     connect,
@@ -37,7 +38,7 @@ def test_publish_lookup_fetch_round_trip(client):
     match = client.lookup(prompt_query(client.spec.root(), client.geometry, tokens))
     assert match.keys == keys[:3] and match.partial.key == keys[3] and match.matched_tokens == len(tokens)
     assert fetch_payloads(client, keys) == payloads
-    assert client.stats.fetched == 4 and client.stats.missing == 0
+    assert client.counters.fetched == 4 and client.counters.missing == 0
 
 
 def test_every_published_chunk_is_persisted_within_a_bounded_delay(daemon, client):
@@ -76,8 +77,8 @@ def test_kill_9_and_restart_keeps_persisted_chunks(daemon, client):
         assert all(e.locations == {NVME} for e in entries)  # DRAM started empty: its locations were dropped
         assert restarted.lookup(prompt_query(restarted.spec.root(), restarted.geometry, tokens)).keys == keys
         assert fetch_payloads(restarted, keys, store_disk_reads=True) == payloads
-        assert restarted.stats.read_from_disk == 4  # this node's NVMe, read directly
-        assert restarted.stats.stored_after_disk_read == 4
+        assert restarted.counters.read_from_disk == 4  # this node's NVMe, read directly
+        assert restarted.counters.stored_after_disk_read == 4
         assert all(e.locations == {DRAM, NVME} for e in restarted.index.get(keys)), "not stored back into DRAM"
     finally:
         restarted.close()
@@ -121,16 +122,16 @@ def test_this_nodes_nvme_chunks_are_read_straight_from_disk_then_stored_into_dra
     reader = connect(daemon)
     try:
         assert fetch_in_groups(reader, keys, 2) == payloads
-        assert reader.stats.read_from_disk == 6 and reader.stats.promoted == 0 and reader.stats.missing == 0
+        assert reader.counters.read_from_disk == 6 and reader.counters.promoted == 0 and reader.counters.missing == 0
         assert all(e.locations == {NVME} for e in reader.index.get(keys)), "a fetch stored into DRAM by itself"
         assert fetch_in_groups(reader, keys, 2, store_disk_reads=True) == payloads
-        assert reader.stats.stored_after_disk_read == 6
+        assert reader.counters.stored_after_disk_read == 6
         assert all(e.locations == {DRAM, NVME} for e in reader.index.get(keys)), "not stored into DRAM"
     finally:
         reader.close()
     again = connect(daemon)
     try:
-        assert fetch_in_groups(again, keys, 2) == payloads and again.stats.read_from_disk == 0
+        assert fetch_in_groups(again, keys, 2) == payloads and again.counters.read_from_disk == 0
     finally:
         again.close()
 
@@ -147,7 +148,7 @@ def test_the_first_nvme_miss_reads_every_upcoming_chunk_into_its_slot_ahead(daem
         for slot in slots:
             reader.release(slot)
         assert fetch_in_groups(reader, keys[2:], 2) == payloads[2:]  # nothing stale left behind
-        assert reader.stats.read_from_disk == 6 and reader.stats.missing == 0
+        assert reader.counters.read_from_disk == 6 and reader.counters.missing == 0
     finally:
         reader.close()
 
@@ -165,14 +166,14 @@ def test_dram_copies_gone_without_the_index_hearing_are_all_read_ahead_at_the_fi
         assert [bytes(v) for v in first] == payloads[:2]
         client.settle_reads()  # the load stops here, as in the test above
         assert [read_meta(slot).key for slot in slots[2:]] == keys[2:], "upcoming chunks were not read ahead"
-        assert client.stats.read_from_disk == 2
+        assert client.counters.read_from_disk == 2
     finally:
         for slot in slots:
             client.release(slot)
 
 
 def test_another_nodes_nvme_chunks_are_promoted_in_one_streamed_request(daemon, client):
-    """A client elsewhere cannot read the segment files: the holder promotes them, upcoming ones included."""
+    """A client elsewhere cannot read the pack files: the holder promotes them, upcoming ones included."""
     keys, payloads = restart_with_nvme_only(daemon, client, list(range(64 * 6)), seed=6)
     config = fetch_config(daemon.url).model_copy(update={"node": "node-elsewhere"})
     remote = CacheClient(config, make_spec(), arena_bytes=64 << 20)
@@ -183,7 +184,7 @@ def test_another_nodes_nvme_chunks_are_promoted_in_one_streamed_request(daemon, 
         # the rest arrives without being asked for again
         assert wait_for(lambda: all(DRAM in e.locations for e in remote.index.get(keys[2:]))), "upcoming not promoted"
         assert [bytes(v) for v in remote.fetch(keys[2:], slots[2:])] == payloads[2:]
-        assert remote.stats.promoted == 6 and remote.stats.read_from_disk == 0
+        assert remote.counters.promoted == 6 and remote.counters.read_from_disk == 0
         for slot in slots:
             remote.release(slot)
     finally:
@@ -192,7 +193,7 @@ def test_another_nodes_nvme_chunks_are_promoted_in_one_streamed_request(daemon, 
 
 @pytest.mark.parametrize("node", ["node-a", "node-elsewhere"])
 def test_chunks_read_ahead_are_fetched_without_asking_dram_again(daemon, client, node):
-    """What a loader knows DRAM lacks: this node reads it from its segment files, another node has it promoted."""
+    """What a loader knows DRAM lacks: this node reads it from its pack files, another node has it promoted."""
     keys, payloads = restart_with_nvme_only(daemon, client, list(range(64 * 4)), seed=8)
     reader = CacheClient(fetch_config(daemon.url).model_copy(update={"node": node}), make_spec(), arena_bytes=64 << 20)
     try:
@@ -200,7 +201,7 @@ def test_chunks_read_ahead_are_fetched_without_asking_dram_again(daemon, client,
         reader.read_ahead(list(zip(keys, slots, strict=True)))
         assert [bytes(v) for v in reader.fetch(keys, slots)] == payloads
         expected = (4, 0) if node == "node-a" else (0, 4)
-        assert (reader.stats.read_from_disk, reader.stats.promoted) == expected and reader.stats.missing == 0
+        assert (reader.counters.read_from_disk, reader.counters.promoted) == expected and reader.counters.missing == 0
         for slot in slots:
             reader.release(slot)
     finally:
@@ -225,12 +226,12 @@ def test_an_index_lost_with_redis_is_rebuilt_from_the_nvme_tier(daemon, client, 
 
 
 def flip_on_disk(data_dir: Path, needle: bytes) -> None:
-    for segment in (data_dir / "nvme" / "segments").iterdir():
-        data = bytearray(segment.read_bytes())
+    for pack in (data_dir / "nvme" / "segments").iterdir():
+        data = bytearray(pack.read_bytes())
         at = data.find(needle)
         if at >= 0:
             data[at + len(needle) + 100] ^= 0xFF
-            segment.write_bytes(bytes(data))
+            pack.write_bytes(bytes(data))
             return
     raise AssertionError("payload not found on disk")
 
@@ -255,7 +256,7 @@ def test_a_flipped_byte_in_dram_is_a_miss_and_the_copy_is_deleted(client):
     wait_persisted(client, keys)
     damage_dram_copy(client.dram, keys[0])
     assert fetch_payloads(client, keys) == [payloads[0]]  # the bad DRAM copy missed; NVMe served the chunk
-    assert client.stats.corrupt == 1 and client.stats.read_from_disk == 1
+    assert client.counters.corrupt == 1 and client.counters.read_from_disk == 1
 
 
 def test_two_writers_of_one_chunk_leave_one_copy_and_one_entry(daemon, client):

@@ -4,6 +4,7 @@ import struct
 import numpy as np
 import pytest
 import xxhash
+
 from prefixcache.cachestore.chunks.codec import (
     HEADER_BYTES,
     PAYLOAD_ALIGN,

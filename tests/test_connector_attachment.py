@@ -10,7 +10,6 @@ import time
 from prefixcache.connector.attachment import Attachment
 from prefixcache.connector.detached_worker import DetachedWorker
 from prefixcache.connector.metadata import LoadChunk, PrefixCacheMetadata
-
 from tests.daemon_harness import wait_for
 
 

@@ -4,6 +4,8 @@ import dataclasses
 from types import SimpleNamespace
 
 import pytest
+from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+
 from prefixcache.connector.load_policy import (
     check_load_mode,
     ends_media,
@@ -23,7 +25,6 @@ from prefixcache.connector.plans import (
 from prefixcache.connector.scheduler_side import blocks_vllm_writes_first
 from prefixcache.indexer.errors import ConfigError
 from prefixcache.indexer.index import PartialHit, PrefixMatch
-from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 
 G = Geometry(chunk_tokens=256, block_tokens=128)
 BLOCKS = list(range(100, 120))  # the request's blocks, in token order

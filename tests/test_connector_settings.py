@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 from prefixcache.cachestore.client.request_params import NO_CACHE, RequestCacheParams, request_cache_params
 from prefixcache.cachestore.host.cpus import cpu_list
 from prefixcache.connector.io_threads import io_cpus, numa_node_cpus, pinning, ranks_bound_by_vllm

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from prefixcache.cachestore.host.cpus import cpu_list, format_cpu_list
 
 

@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+
 from prefixcache.cachestore.chunks.arena import address_of
 from prefixcache.cachestore.client.cache_client import CacheClient
 from prefixcache.connector.page_copies import (
@@ -23,7 +24,6 @@ from prefixcache.connector.page_copies import (
 from prefixcache.connector.pages import page_rows
 from prefixcache.connector.settings import Directions
 from prefixcache.connector.worker_side import WorkerSide
-
 from tests.daemon_harness import make_spec
 from tests.test_worker_side import (
     BLOCK_TOKENS,

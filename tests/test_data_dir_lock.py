@@ -9,11 +9,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from prefixcache.cachestore.client.cache_client import CacheClient
 from prefixcache.cachestore.host.processes import free_port_block
 from prefixcache.cachestore.node.data_dir_lock import DataDirLock
 from prefixcache.indexer.errors import ConfigError
-
 from tests.daemon_harness import fetch_payloads, make_spec, publish_prompt, servers_of, wait_persisted
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from prefixcache.cachestore.node.settings import Settings
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"

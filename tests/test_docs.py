@@ -49,6 +49,7 @@ def _rel(path: Path) -> str:
 @functools.cache
 def _cli_commands() -> dict[str, object]:
     import typer.main
+
     from prefixcache.cachestore.cli.app import app
 
     return dict(typer.main.get_command(app).commands)

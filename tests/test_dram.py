@@ -8,11 +8,11 @@ import time
 
 import numpy as np
 import pytest
+
 from prefixcache.cachestore.chunks.codec import ChunkMeta, encode, payload_offset, read_meta
 from prefixcache.cachestore.chunks.mac import ChunkMacKey
 from prefixcache.cachestore.tiers.dram import first_part_rows, split_at, split_offset, split_pieces
 from prefixcache.indexer.tokens import pack_tokens
-
 from tests.daemon_harness import CallCounter
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import stat
 
 import httpx
-from prefixcache.indexer.index import Location
 
+from prefixcache.indexer.index import Location
 from tests.daemon_harness import (
     Daemon,
     connect,
@@ -40,7 +40,7 @@ def test_a_forged_dram_copy_is_refused_counted_and_dropped_and_nvme_serves_the_c
     fake = forge_dram_copy(client.dram, keys[0])
     assert fetch_payloads(client, keys) == payloads  # the genuine NVMe copy, never the forgery
     assert fake[-64:] != payloads[0][-64:]
-    assert client.stats.mac_failures == 1 and client.stats.read_from_disk == 1
+    assert client.counters.mac_failures == 1 and client.counters.read_from_disk == 1
     assert client.dram.contains(keys[:1]) == [False]  # the forgery is deleted
     client.recorder.flush()
     assert corrupt_chunks(daemon, "mac") == forged_before + 1

@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
-from prefixcache.cachestore.api.app import ClientConfig, MooncakeConfig, create_app
+
+from prefixcache.cachestore.api.app import create_app
 from prefixcache.cachestore.api.auth import AccessPolicy
 from prefixcache.cachestore.api.http_guards import install_http_guards, trusted_hosts
+from prefixcache.cachestore.client.config import ClientConfig, MooncakeConfig
 from prefixcache.cachestore.node.settings import Settings
 from prefixcache.cachestore.warmup.corpus import read_corpus
 from prefixcache.cachestore.warmup.policy import check_engine_options, is_secret_variable, scrubbed_environment

@@ -6,6 +6,7 @@ import math
 import time
 
 import pytest
+
 from prefixcache.indexer.errors import InvalidTokensError
 from prefixcache.indexer.index import ChunkRecord, Location, PrefixIndex, attach_namespace
 from prefixcache.indexer.keys import media_parent, prompt_query

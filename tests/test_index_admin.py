@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from prefixcache.indexer.index import Location, Usage, subtree
 from prefixcache.indexer.keys import prompt_query
-
 from tests.test_index import DRAM, NVME, lookup, publish
 
 

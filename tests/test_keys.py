@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import xxhash
+
 from prefixcache.indexer.chunking import PROBE_TOKENS, ChunkGeometry
 from prefixcache.indexer.errors import ConfigError, InvalidTokensError
 from prefixcache.indexer.keys import PrefixHasher, chunk_key, extend_all, media_parent, probe_of, prompt_query

@@ -11,11 +11,11 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 import zmq
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
 from prefixcache.cachestore.client.cache_client import CacheClient
 from prefixcache.cachestore.host.processes import free_port
 from prefixcache.cachestore.node.settings import Settings
-from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-
 from tests.daemon_harness import Daemon, make_spec, publish_prompt
 
 CHUNK = 64

@@ -1,4 +1,4 @@
-"""LayeredRead over a real segment file: each layer lands in its pages, each header with its layer 0, and a read
+"""LayeredRead over a real pack file: each layer lands in its pages, each header with its layer 0, and a read
 that fails is its chunk's miss, with the reason, while every wait still ends."""
 
 import mmap
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from prefixcache.cachestore.chunks.codec import BodyCheck, ChunkError, ChunkMeta, encode
 from prefixcache.cachestore.chunks.mac import ChunkMacKey
 from prefixcache.cachestore.tiers.nvme_io import PAGE, Extent

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import redis
+
 from prefixcache.cachestore.host.processes import free_port
 from prefixcache.indexer.errors import IndexUnavailableError
 from prefixcache.indexer.leases import Leases

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from prefixcache.cachestore.host.listeners import (
     ExposedListenerError,
     Listener,
@@ -21,7 +22,6 @@ from prefixcache.cachestore.host.listeners import (
 )
 from prefixcache.cachestore.host.processes import free_port_block
 from prefixcache.cachestore.tiers.bind_shim import bind_env
-
 from tests.daemon_harness import Daemon
 
 #: A child that binds ADDRESS (port 0), listens, prints its port and waits for stdin to close.

@@ -1,16 +1,26 @@
-"""Lookups of requests added together are made together (connector/lookups.py), on a real Redis index."""
+"""Lookups of requests added together are made together (connector/lookups.py), on a real Redis index; the
+scheduler's view of the index they are made through (cachestore/client/scheduler_index.py)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
+
+from benchmarks.lookup import RoundTripCounter
+from prefixcache.cachestore.client.client_stats import read_client_stats
+from prefixcache.cachestore.client.config import ClientConfig, MooncakeConfig
+from prefixcache.cachestore.client.scheduler_index import SchedulerIndex
 from prefixcache.cachestore.host.processes import free_port
 from prefixcache.connector.lookups import BatchedLookups
 from prefixcache.indexer.errors import IndexUnavailableError
 from prefixcache.indexer.keys import prompt_query
+from prefixcache.indexer.leases import Leases
+from prefixcache.indexer.redis_clients import redis_client
 from prefixcache.indexer.redis_index import RedisIndex
-
-from benchmarks.lookup import RoundTripCounter
 from tests.test_index import publish
+
+_prefixes = itertools.count()
 
 
 def prompt(seed: int, tokens: int = 64 * 5 + 10) -> list[int]:
@@ -103,3 +113,40 @@ def test_when_the_index_is_down_each_request_gets_the_error_when_vllm_asks_about
 def test_max_batch_must_be_positive(redis_index):
     with pytest.raises(ValueError, match="at least 1"):
         BatchedLookups(redis_index, max_batch=0)
+
+
+def client_config(redis_url: str, key_prefix: str, chunk_tokens: int) -> ClientConfig:
+    """What a daemon at ``redis_url`` would answer a client (its Mooncake left out: a scheduler needs none)."""
+    mooncake = MooncakeConfig(
+        master="m:1", metadata_url="http://m", protocol="tcp", device_names="", shm_address="s:1", segment="g:1"
+    )
+    return ClientConfig(
+        node="n1",
+        redis_url=redis_url,
+        redis_password_required=False,
+        key_prefix=key_prefix,
+        chunk_tokens=chunk_tokens,
+        mooncake=mooncake,
+    )
+
+
+def test_a_scheduler_index_registers_its_namespaces_and_leases_and_records_through_the_index(redis_server, spec):
+    prefix = f"sched{next(_prefixes)}"
+    scheduler = SchedulerIndex.attach(client_config(redis_server.url, prefix, spec.chunk_tokens), spec.shards())
+    try:
+        assert [ns.digest for ns in scheduler.index.namespaces()] == [spec.digest]
+        scheduler.leases.grant([b"k" * 16])
+        scheduler.recorder.record_lookup(spec.digest, requested_tokens=100, matched_tokens=64, seconds=0.001)
+        scheduler.recorder.flush()
+        connection = redis_client(redis_server.url)
+        assert Leases(connection, prefix).held([b"k" * 16, b"j" * 16]) == [True, False]
+        counters = read_client_stats(connection, prefix + ":", "n1")[spec.digest].counters
+        assert (counters["lookups"], counters["hits"], counters["matched_tokens"]) == (1, 1, 64)
+    finally:
+        scheduler.close()
+
+
+def test_a_scheduler_index_that_cannot_reach_redis_raises(spec):
+    config = client_config(f"redis://127.0.0.1:{free_port()}/0", "down", spec.chunk_tokens)
+    with pytest.raises(IndexUnavailableError):
+        SchedulerIndex.attach(config, [spec])

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
+
 from prefixcache.cachestore.tiers.nvme import PAGE, NvmeStore
 from prefixcache.indexer.errors import ConfigError
 
@@ -35,12 +36,12 @@ def aligned(size: int) -> memoryview:
     return memoryview(mmap.mmap(-1, size))
 
 
-def segment_files(directory: Path) -> list[Path]:
+def pack_files(directory: Path) -> list[Path]:
     return sorted((directory / "segments").glob("*.seg"))
 
 
 def test_round_trip_of_odd_sizes_through_every_buffer_kind(tmp_path: Path) -> None:
-    store = NvmeStore(tmp_path, 16 << 20, segment_bytes=4 << 20)
+    store = NvmeStore(tmp_path, 16 << 20, pack_file_bytes=4 << 20)
     objects = {key(i): payload(i, size) for i, size in enumerate(SIZES)}
     assert store.put(list(objects.items())) == [True] * len(SIZES)
     keys = list(objects)
@@ -60,7 +61,7 @@ def test_round_trip_of_odd_sizes_through_every_buffer_kind(tmp_path: Path) -> No
     assert store.get(key(99)) is None
     usage = store.usage()
     assert (usage.tier, usage.chunks, usage.live_bytes) == ("nvme", len(SIZES), sum(SIZES))
-    assert usage.bytes_used == sum(os.path.getsize(p) for p in segment_files(tmp_path))
+    assert usage.bytes_used == sum(os.path.getsize(p) for p in pack_files(tmp_path))
     store.close()
 
 
@@ -71,7 +72,7 @@ from pathlib import Path
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from prefixcache.cachestore.tiers.nvme import NvmeStore
 from test_nvme import SIZES, key, payload
-store = NvmeStore(Path({str(tmp_path)!r}), 16 << 20, segment_bytes=4 << 20)
+store = NvmeStore(Path({str(tmp_path)!r}), 16 << 20, pack_file_bytes=4 << 20)
 assert store.put([(key(i), payload(i, size)) for i, size in enumerate(SIZES)]) == [True] * len(SIZES)
 assert store.put([(key(100), payload(100, 5000))]) == [True]
 os.kill(os.getpid(), 9)
@@ -79,7 +80,7 @@ os.kill(os.getpid(), 9)
     child = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent.parent, capture_output=True)
     assert child.returncode == -signal.SIGKILL, child.stderr.decode()
 
-    store = NvmeStore(tmp_path, 16 << 20, segment_bytes=4 << 20)
+    store = NvmeStore(tmp_path, 16 << 20, pack_file_bytes=4 << 20)
     assert store.recovery.chunks == len(SIZES) + 1
     for i, size in [*enumerate(SIZES), (100, 5000)]:
         assert store.get(key(i)) == payload(i, size)
@@ -87,11 +88,11 @@ os.kill(os.getpid(), 9)
 
 
 def test_reopen_drops_entries_whose_bytes_are_gone(tmp_path: Path) -> None:
-    """What a crash between segment write and manifest write, or a lost file, leaves behind."""
-    store = NvmeStore(tmp_path, 1 << 20, segment_bytes=64 << 10)
-    assert all(store.put([(key(i), payload(i, 20000)) for i in range(9)]))  # three per 64 KiB segment
+    """What a crash between pack file write and manifest write, or a lost file, leaves behind."""
+    store = NvmeStore(tmp_path, 1 << 20, pack_file_bytes=64 << 10)
+    assert all(store.put([(key(i), payload(i, 20000)) for i in range(9)]))  # three per 64 KiB pack file
     store.close()
-    first, second, third = segment_files(tmp_path)
+    first, second, third = pack_files(tmp_path)
     with first.open("ab") as f:
         f.write(b"unreferenced bytes of a put that never reached the manifest")
     os.truncate(second, 20480 + 100)  # keeps key 3, cuts keys 4 and 5
@@ -99,15 +100,15 @@ def test_reopen_drops_entries_whose_bytes_are_gone(tmp_path: Path) -> None:
     orphan = tmp_path / "segments" / "00000042.seg"
     orphan.write_bytes(b"x" * 8192)
 
-    store = NvmeStore(tmp_path, 1 << 20, segment_bytes=64 << 10)
-    assert (store.recovery.chunks, store.recovery.dropped_entries, store.recovery.untouched_segments) == (4, 5, 1)
+    store = NvmeStore(tmp_path, 1 << 20, pack_file_bytes=64 << 10)
+    assert (store.recovery.chunks, store.recovery.dropped_entries, store.recovery.untouched_pack_files) == (4, 5, 1)
     assert orphan.read_bytes() == b"x" * 8192  # no chunk object in it: left as it was, never deleted at open
     assert store.contains([key(i) for i in range(9)]) == [True] * 4 + [False] * 5
     assert all(store.get(key(i)) == payload(i, 20000) for i in range(4))
     assert store.put([(key(50), payload(50, 3000))]) == [True]  # appends after the garbage
     store.close()
 
-    store = NvmeStore(tmp_path, 1 << 20, segment_bytes=64 << 10)
+    store = NvmeStore(tmp_path, 1 << 20, pack_file_bytes=64 << 10)
     assert (store.recovery.chunks, store.recovery.dropped_entries) == (5, 0)  # the drop was durable
     assert store.get(key(50)) == payload(50, 3000)
     assert store.keys()[-1] == key(50)  # recency after a restart follows creation order
@@ -122,7 +123,7 @@ def test_fill_to_three_times_capacity(tmp_path: Path) -> None:
     store = NvmeStore(
         tmp_path,
         capacity,
-        segment_bytes=32 << 10,
+        pack_file_bytes=32 << 10,
         is_pinned=lambda keys: [pin_all or k in pinned for k in keys],
         on_evict=evicted.extend,
     )
@@ -159,13 +160,13 @@ def test_fill_to_three_times_capacity(tmp_path: Path) -> None:
 
 def test_dead_space_of_deleted_chunks_is_compacted_not_evicted(tmp_path: Path) -> None:
     evicted: list[bytes] = []
-    store = NvmeStore(tmp_path, 512 << 10, segment_bytes=64 << 10, on_evict=evicted.extend)
-    budget = (512 - 64) << 10  # one segment stays free for compaction
+    store = NvmeStore(tmp_path, 512 << 10, pack_file_bytes=64 << 10, on_evict=evicted.extend)
+    budget = (512 - 64) << 10  # one pack file stays free for compaction
     assert all(store.put([(key(i), payload(i, 8192)) for i in range(budget // 8192)]))
     assert store.usage().bytes_used == budget
     assert store.delete([key(i) for i in range(1, budget // 8192, 2)]) == budget // 8192 // 2
     deleted = store.usage()
-    assert deleted.bytes_used == budget  # deleting leaves dead space in every segment
+    assert deleted.bytes_used == budget  # deleting leaves dead space in every pack file
 
     assert all(store.put([(key(1000 + i), payload(1000 + i, 8192)) for i in range(8)]))
     assert not evicted
@@ -183,11 +184,11 @@ def test_scattered_evictions_around_pinned_chunks_are_compacted(tmp_path: Path) 
     store = NvmeStore(
         tmp_path,
         512 << 10,
-        segment_bytes=64 << 10,
+        pack_file_bytes=64 << 10,
         is_pinned=lambda keys: [index_of(k) % 2 == 0 for k in keys],
         on_evict=evicted.extend,
     )
-    for i in range(0, 96, 4):  # 768 KiB written, 384 KiB of it pinned, every segment half pinned
+    for i in range(0, 96, 4):  # 768 KiB written, 384 KiB of it pinned, every pack file half pinned
         assert all(store.put([(key(j), payload(j, 8192)) for j in range(i, i + 4)]))
         assert store.usage().bytes_used <= 512 << 10
     assert evicted and all(index_of(k) % 2 for k in evicted)
@@ -197,7 +198,7 @@ def test_scattered_evictions_around_pinned_chunks_are_compacted(tmp_path: Path) 
 
 
 def test_delete_contains_size_of_keys_and_overwrite(tmp_path: Path) -> None:
-    store = NvmeStore(tmp_path, 1 << 20, segment_bytes=64 << 10)
+    store = NvmeStore(tmp_path, 1 << 20, pack_file_bytes=64 << 10)
     store.put([(key(1), b"a" * 10), (key(2), b"b" * 20), (key(1), b"c" * 30)])  # a repeated key: last wins
     assert store.get(key(1)) == b"c" * 30
     assert store.keys() == [key(2), key(1)]
@@ -210,14 +211,14 @@ def test_delete_contains_size_of_keys_and_overwrite(tmp_path: Path) -> None:
     assert store.keys() == [key(2)]
     assert store.delete([key(2)]) == 1
     usage = store.usage()
-    assert (usage.chunks, usage.bytes_used, segment_files(tmp_path)) == (0, 0, [])  # empty files are deleted
+    assert (usage.chunks, usage.bytes_used, pack_files(tmp_path)) == (0, 0, [])  # empty files are deleted
     store.close()
     with pytest.raises(RuntimeError, match="closed"):
         store.put([(key(1), b"x")])
 
 
 def test_concurrent_reads_while_puts_evict_and_compact(tmp_path: Path) -> None:
-    store = NvmeStore(tmp_path, 512 << 10, segment_bytes=64 << 10, is_pinned=lambda ks: [index_of(k) < 8 for k in ks])
+    store = NvmeStore(tmp_path, 512 << 10, pack_file_bytes=64 << 10, is_pinned=lambda ks: [index_of(k) < 8 for k in ks])
     sizes = {i: 3000 + (i * 997) % 9000 for i in range(400)}
     assert all(store.put([(key(i), payload(i, sizes[i])) for i in range(8)]))
     done = threading.Event()
@@ -254,7 +255,7 @@ def test_concurrent_reads_while_puts_evict_and_compact(tmp_path: Path) -> None:
 
 
 def test_io_errors_are_misses_and_unstored_objects_not_stored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = NvmeStore(tmp_path, 1 << 20, segment_bytes=64 << 10)
+    store = NvmeStore(tmp_path, 1 << 20, pack_file_bytes=64 << 10)
     assert store.put([(key(1), b"kept")]) == [True]
 
     def fail(*args: object) -> None:
@@ -262,7 +263,7 @@ def test_io_errors_are_misses_and_unstored_objects_not_stored(tmp_path: Path, mo
 
     with monkeypatch.context() as patch:
         patch.setattr(os, "fdatasync", fail)
-        assert store.put([(key(2), b"x" * 70_000)]) == [False]  # rolls to a new segment, then fails
+        assert store.put([(key(2), b"x" * 70_000)]) == [False]  # rolls to a new pack file, then fails
     with monkeypatch.context() as patch:
         patch.setattr(os, "preadv", fail)
         assert store.get_into([key(1)], [aligned(PAGE)]) == [-1]
@@ -270,7 +271,7 @@ def test_io_errors_are_misses_and_unstored_objects_not_stored(tmp_path: Path, mo
     assert store.put([(key(3), b"after")]) == [True]
     assert (store.get(key(1)), store.get(key(3))) == (b"kept", b"after")
     store.close()
-    reopened = NvmeStore(tmp_path, 1 << 20, segment_bytes=64 << 10)
+    reopened = NvmeStore(tmp_path, 1 << 20, pack_file_bytes=64 << 10)
     assert sorted(reopened.keys()) == [key(1), key(3)]
     reopened.close()
 
@@ -284,22 +285,22 @@ def test_falls_back_to_buffered_reads_without_o_direct(tmp_path: Path, monkeypat
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(os, "open", no_direct)
-    store = NvmeStore(tmp_path, 1 << 20, segment_bytes=64 << 10)
+    store = NvmeStore(tmp_path, 1 << 20, pack_file_bytes=64 << 10)
     assert store.put([(key(1), payload(1, 5000))]) == [True]
     assert store.get(key(1)) == payload(1, 5000)
     store.close()
 
 
 def test_bad_arguments_are_named(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="segment_bytes must be a positive multiple of 4096"):
-        NvmeStore(tmp_path, 1 << 20, segment_bytes=10_000)
-    with pytest.raises(ConfigError, match="at least 2 x segment_bytes"):
-        NvmeStore(tmp_path, 100 << 10, segment_bytes=64 << 10)
+    with pytest.raises(ConfigError, match="pack_file_bytes must be a positive multiple of 4096"):
+        NvmeStore(tmp_path, 1 << 20, pack_file_bytes=10_000)
+    with pytest.raises(ConfigError, match="at least 2 x pack_file_bytes"):
+        NvmeStore(tmp_path, 100 << 10, pack_file_bytes=64 << 10)
     (tmp_path / "file").write_bytes(b"")
     with pytest.raises(ConfigError, match="not a directory"):
-        NvmeStore(tmp_path / "file", 1 << 20, segment_bytes=64 << 10)
+        NvmeStore(tmp_path / "file", 1 << 20, pack_file_bytes=64 << 10)
 
-    store = NvmeStore(tmp_path / "ok", 1 << 20, segment_bytes=64 << 10)
+    store = NvmeStore(tmp_path / "ok", 1 << 20, pack_file_bytes=64 << 10)
     with pytest.raises(ValueError, match="16 bytes"):
         store.put([(b"short", b"x")])
     with pytest.raises(ValueError, match="never empty"):

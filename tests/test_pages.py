@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from prefixcache.connector.pages import block_runs, gather, page_rows, payload_bytes, payload_view, scatter
 
 

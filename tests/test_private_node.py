@@ -12,9 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from prefixcache.cachestore.client.cache_client import CacheClient, fetch_config
-from prefixcache.cachestore.host.secret_files import secrets_dir
 
+from prefixcache.cachestore.client.cache_client import CacheClient
+from prefixcache.cachestore.client.config import fetch_config
+from prefixcache.cachestore.host.secret_files import secrets_dir
 from tests.daemon_harness import Daemon, fetch_payloads, make_spec, publish_prompt, wait_persisted
 
 
@@ -111,7 +112,7 @@ def _not_private(root: Path) -> list[str]:
 
 
 def test_every_file_the_daemon_writes_is_its_users_alone(tmp_path):
-    """Segment files hold tokens in clear, the AOF every prompt's probes: after publishing, persisting and a restart,
+    """Pack files hold tokens in clear, the AOF every prompt's probes: after publishing, persisting and a restart,
     every file under the data dir is 0600 and every directory 0700, whatever the umask the daemon started with."""
     data = tmp_path / "data"
     daemon = Daemon(data, env={})

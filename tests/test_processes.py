@@ -6,7 +6,6 @@ import socket
 import sys
 
 from prefixcache.cachestore.host.processes import ManagedProcess, _ephemeral_ports, free_port_block
-
 from tests.daemon_harness import niceness
 
 

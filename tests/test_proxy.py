@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
+
 from prefixcache.cachestore.host.processes import free_port
 from prefixcache.cachestore.proxy.routing import (
     InstancePool,
@@ -23,7 +24,6 @@ from prefixcache.cachestore.proxy.routing import (
 )
 from prefixcache.cachestore.proxy.server import CachedPrefix, ProxySettings, create_app
 from prefixcache.indexer.errors import ConfigError
-
 from tests.test_index import publish
 
 

@@ -12,15 +12,15 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+
+import tests.test_index as index_tests
+import tests.test_index_admin as index_admin_tests
+import tests.test_leases as lease_tests
 from prefixcache.cachestore.client.cache_client import CacheClient
 from prefixcache.cachestore.host.processes import ManagedProcess, find_executable, free_port
 from prefixcache.cachestore.node.redis_server import INDEX_USER_COMMANDS, index_user_acl
 from prefixcache.indexer.redis_clients import with_password
 from prefixcache.indexer.redis_index import RedisIndex
-
-import tests.test_index as index_tests
-import tests.test_index_admin as index_admin_tests
-import tests.test_leases as lease_tests
 from tests.daemon_harness import Daemon, fetch_payloads, make_spec, publish_prompt, wait_persisted
 from tests.test_deploy_files import DEPLOY
 from tests.test_redis_index import (  # noqa: F401 - collected here too, with this module's fixtures

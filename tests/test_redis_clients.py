@@ -1,6 +1,7 @@
 """Redis connections carry the timeouts they are made with, whatever redis-py's defaults."""
 
 import pytest
+
 from prefixcache.indexer.errors import ConfigError
 from prefixcache.indexer.redis_clients import CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_S, redis_client
 

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import redis
+
 from prefixcache.cachestore.host.processes import free_port
 from prefixcache.cachestore.node.redis_server import EmbeddedRedis
 from prefixcache.indexer.chunking import ChunkGeometry
@@ -15,7 +16,6 @@ from prefixcache.indexer.index import Location, attach_namespace
 from prefixcache.indexer.keys import prompt_query
 from prefixcache.indexer.redis_clients import redact_url
 from prefixcache.indexer.redis_index import RedisIndex
-
 from tests.test_index import publish
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import stat
 
 import pytest
+
 from prefixcache.cachestore.host.secret_files import load_or_create_secret, make_private_dir, read_secret
 from prefixcache.indexer.errors import ConfigError
 

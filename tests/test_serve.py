@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from prefixcache.cachestore.host.processes import (
     ManagedProcess,
     ServerStartError,
@@ -21,7 +22,6 @@ from prefixcache.cachestore.host.processes import (
     port_open,
 )
 from prefixcache.cachestore.warmup.jobs import WarmupJobs
-
 from tests.daemon_harness import niceness
 
 CLI = [sys.executable, "-m", "prefixcache.cachestore"]
@@ -128,7 +128,7 @@ def test_cpus_binds_the_daemon_and_every_server_it_starts(tmp_path):
 @pytest.mark.skipif(os.geteuid() != 0, reason="a nice below 0 needs CAP_SYS_NICE")
 def test_the_segment_owner_runs_before_the_daemons_other_servers(tmp_path):
     """It copies every DRAM hit into vLLM's pages on a core vLLM's engine core busy-polls
-    (cachestore/tiers/owner_priority.py)."""
+    (cachestore/host/cpu_priority.py)."""
     proc, port = start_serve(tmp_path)
     by_name = {Path(f"/proc/{pid}/comm").read_text().strip(): niceness(pid) for pid in children_of(port)}
     assert set(by_name) == {"redis-server", "mooncake_master", "mooncake_client"}

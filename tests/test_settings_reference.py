@@ -8,11 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
+
 from prefixcache.cachestore.cli import settings_reference
 from prefixcache.cachestore.cli.app import app
 from prefixcache.cachestore.node.settings import Settings
 from prefixcache.connector.settings import ConnectorSettings
-from typer.testing import CliRunner
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
 GENERATOR = [sys.executable, "-m", "prefixcache.cachestore.cli.settings_reference"]

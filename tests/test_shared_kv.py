@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import torch
+
 from prefixcache.connector.shared_kv import SharedKVAllocation
 
 

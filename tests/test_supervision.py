@@ -10,8 +10,8 @@ import time
 
 import httpx
 import pytest
-from prefixcache.cachestore.client.cache_client import CacheClient
 
+from prefixcache.cachestore.client.cache_client import CacheClient
 from tests.daemon_harness import (
     Daemon,
     fetch_payloads,

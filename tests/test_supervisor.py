@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
+
 from prefixcache.cachestore.host.processes import ManagedProcess, find_executable
 from prefixcache.cachestore.node.supervisor import Supervisor
-
 from tests.daemon_harness import is_zombie, wait_for
 
 

@@ -2,6 +2,7 @@ from array import array
 
 import numpy as np
 import pytest
+
 from prefixcache.indexer.errors import InvalidTokensError
 from prefixcache.indexer.tokens import pack_tokens, unpack_tokens
 

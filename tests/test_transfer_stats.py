@@ -5,8 +5,9 @@ import functools
 from types import SimpleNamespace
 
 import pytest
-from prefixcache.connector.transfer_stats import PrefixCachePromMetrics, PrefixCacheTransferStats, TransferCounts
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from prefixcache.connector.transfer_stats import PrefixCachePromMetrics, PrefixCacheTransferStats, TransferCounts
 
 
 def test_counts_are_taken_once_and_nothing_is_sent_when_nothing_moved():

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from prefixcache.cachestore.chunks.codec import payload_offset
 from prefixcache.cachestore.client.cache_client import CacheClient
 from prefixcache.cachestore.tiers.dram import first_part_rows, split_pieces
 from prefixcache.indexer.index import Location
-
 from tests.daemon_harness import Daemon, fetch_payloads, make_spec, publish_prompt, wait_for, wait_persisted
 
 ON_B = Location("nvme", "node-b")
@@ -92,7 +92,7 @@ def test_a_node_reads_another_nodes_dram_copies_into_slots_and_straight_into_its
         assert reader.fetch_scattered(keys * 2, firsts + seconds, [False] * 4 + [True] * 4) == [True] * 8
         assert reader.verify_scattered(keys, heads, [[part] for part in parts], time.perf_counter()) == [True] * 4
         assert [bytes(part) for part in parts] == payloads
-        assert reader.stats.read_from_disk == reader.stats.promoted == 0
+        assert reader.counters.read_from_disk == reader.counters.promoted == 0
     finally:
         reader.close()
 
@@ -106,7 +106,7 @@ def test_a_node_reads_chunks_only_another_nodes_nvme_holds_through_that_nodes_da
     try:
         assert all(e.locations == {ON_B} for e in reader.index.get(keys))
         assert fetch_payloads(reader, keys) == payloads
-        assert reader.stats.promoted == len(keys) and reader.stats.read_from_disk == 0
+        assert reader.counters.promoted == len(keys) and reader.counters.read_from_disk == 0
     finally:
         reader.close()
 

@@ -7,6 +7,7 @@ import multiprocessing
 from pathlib import Path
 
 import pytest
+
 from prefixcache.cachestore.warmup import plan
 from prefixcache.cachestore.warmup.corpus import CorpusError, ModelLimits, check_against_model, read_corpus
 from prefixcache.cachestore.warmup.state import JobBusyError, StateFile, job_id

@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from pydantic import SecretStr
+
 from prefixcache.cachestore.api.admin_routes import install_error_handlers
 from prefixcache.cachestore.api.auth import AccessPolicy, install_access_policy
 from prefixcache.cachestore.api.warmup_routes import warmup_router
 from prefixcache.cachestore.host.processes import free_port
 from prefixcache.cachestore.warmup.jobs import WarmupJobs, WarmupRequest, local_url
 from prefixcache.cachestore.warmup.policy import WarmupPolicy, WarmupRefusedError
-from pydantic import SecretStr
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

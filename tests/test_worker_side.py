@@ -17,6 +17,7 @@ from typing import Literal
 import httpx
 import pytest
 import torch
+
 from prefixcache.cachestore.client.cache_client import CacheClient
 from prefixcache.cachestore.tiers.dram import first_part_rows
 from prefixcache.connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
@@ -24,7 +25,6 @@ from prefixcache.connector.worker_side import WorkerSide
 from prefixcache.indexer.index import Location
 from prefixcache.indexer.keys import chunk_key
 from prefixcache.indexer.tokens import pack_tokens
-
 from tests.daemon_harness import (
     CallCounter,
     Daemon,
@@ -100,7 +100,7 @@ def daemon_stats(daemon: Daemon) -> dict:
     return httpx.get(daemon.url + "/v1/stats", headers=daemon.headers).json()
 
 
-def reported_client_use(daemon: Daemon, client: CacheClient) -> dict[str, int]:
+def reported_client_stats(daemon: Daemon, client: CacheClient) -> dict[str, int]:
     """What the node's daemon reports its clients did in the client's namespace (``/v1/stats``), once this
     client's own counts are flushed to it."""
     client.recorder.flush()
@@ -215,7 +215,7 @@ def test_a_dram_hit_whose_last_block_vllm_writes_this_step_is_verified_before_th
         assert loader.take_load_errors() == set()
     assert loader.loaded_chunks == 2 and loader.loaded_in_place == 1
     # the intact chunk came from DRAM, though NVMe holds it too; the damaged copy was found, and NVMe read instead
-    assert (loader.client.stats.read_from_disk, loader.client.stats.corrupt) == (1, 1)
+    assert (loader.client.counters.read_from_disk, loader.client.counters.corrupt) == (1, 1)
 
 
 def test_a_dram_hit_ending_inside_the_only_block_it_loads_holds_that_block_between_pages_it_does_not_load(
@@ -245,7 +245,7 @@ def test_a_held_block_whose_verification_fails_to_run_is_read_from_nvme_in_the_s
     monkeypatch.setattr(loader.client, "verify_scattered", broken)
     assert load(loader, {"r": [LoadChunk(keys[0], CHUNK_TOKENS, 0, [20, 21, 22, 23], ends_mid_block=True)]}) == set()
     assert equal(pages(loader, [20, 21, 22, 23]), pages(publisher, [0, 1, 2, 3]))
-    assert (loader.loaded_chunks, loader.loaded_in_place, loader.client.stats.read_from_disk) == (1, 0, 1)
+    assert (loader.loaded_chunks, loader.loaded_in_place, loader.client.counters.read_from_disk) == (1, 0, 1)
 
 
 def test_a_damaged_dram_copy_read_in_place_is_a_load_error_and_the_next_load_reads_nvme(daemon, publisher, loader):
@@ -254,7 +254,7 @@ def test_a_damaged_dram_copy_read_in_place_is_a_load_error_and_the_next_load_rea
     damage_dram_copy(loader.client.dram, keys[1])
     plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(30 + 4 * i, 34 + 4 * i))) for i, key in enumerate(keys)]}
     assert load(loader, plan) == {34, 35, 36, 37}  # vLLM recomputes these and drops the step's output
-    assert loader.loaded_chunks == loader.loaded_in_place == 1 and loader.client.stats.corrupt == 1
+    assert loader.loaded_chunks == loader.loaded_in_place == 1 and loader.client.counters.corrupt == 1
     assert loader.transfers.take().data == {
         "loaded_chunks": 1,
         "loaded_bytes": PAGES * LAYERS * PAGE_BYTES,
@@ -262,7 +262,7 @@ def test_a_damaged_dram_copy_read_in_place_is_a_load_error_and_the_next_load_rea
     }
     assert loader.client.dram.contains([keys[1]]) == [False]  # the damaged copy is gone
     assert load(loader, plan) == set()
-    assert loader.client.stats.read_from_disk == 1
+    assert loader.client.counters.read_from_disk == 1
     assert equal(pages(loader, list(range(30, 38))), pages(publisher, list(range(8))))
 
 
@@ -306,11 +306,11 @@ def test_a_dram_hit_whose_later_layers_are_gone_is_a_load_error_and_the_next_loa
     assert loader.client.dram._store.batch_remove([loader.client.dram._names(keys[1])[1]], True) == [0]
     plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(30 + 4 * i, 34 + 4 * i))) for i, key in enumerate(keys)]}
     assert load(loader, plan) == {34, 35, 36, 37}
-    assert loader.loaded_chunks == 1 and loader.client.stats.corrupt == 0 and loader.client.stats.missing == 1
+    assert loader.loaded_chunks == 1 and loader.client.counters.corrupt == 0 and loader.client.counters.missing == 1
     assert loader.client.dram.contains([keys[1]]) == [False]  # what was left of the copy is gone
     assert all(location.tier != "dram" for location in loader.client.index.get([keys[1]])[0].locations)
     assert load(loader, plan) == set()
-    assert loader.client.stats.read_from_disk == 1
+    assert loader.client.counters.read_from_disk == 1
     assert equal(pages(loader, list(range(30, 38))), pages(publisher, list(range(8))))
 
 
@@ -336,7 +336,7 @@ def test_a_forged_dram_copy_read_in_place_is_a_load_error_counted_as_a_mac_failu
     forge_dram_copy(loader.client.dram, keys[1])
     plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(30 + 4 * i, 34 + 4 * i))) for i, key in enumerate(keys)]}
     assert load(loader, plan) == {34, 35, 36, 37}
-    assert loader.client.stats.corrupt == loader.client.stats.mac_failures == 1
+    assert loader.client.counters.corrupt == loader.client.counters.mac_failures == 1
     assert loader.client.dram.contains([keys[1]]) == [False]  # the forgery is gone
     assert load(loader, plan) == set()
     assert equal(pages(loader, list(range(30, 38))), pages(publisher, list(range(8))))
@@ -358,12 +358,12 @@ def test_a_damaged_dram_copy_loaded_through_slots_is_read_from_nvme_in_the_same_
         plan = {
             "r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(30 + 4 * i, 34 + 4 * i))) for i, key in enumerate(keys)]
         }
-        before = reported_client_use(daemon, loader.client)
+        before = reported_client_stats(daemon, loader.client)
         assert load(loader, plan) == set()
         assert loader.loaded_chunks == 2 and loader.loaded_in_place == 0
-        assert loader.client.stats.corrupt == 1 and loader.client.stats.read_from_disk == 1
+        assert loader.client.counters.corrupt == 1 and loader.client.counters.read_from_disk == 1
         # the node's statistics count the damaged copy as corrupt, and each chunk fetched once, however it was checked
-        after = reported_client_use(daemon, loader.client)
+        after = reported_client_stats(daemon, loader.client)
         assert {name: after[name] - before[name] for name in ("corrupt_chunks", "mac_failures", "fetched_chunks")} == {
             "corrupt_chunks": 1,
             "mac_failures": 1,
@@ -414,7 +414,7 @@ def test_chunks_missing_from_dram_load_through_slots_from_nvme(daemon, publisher
             )
             == set()
         )
-        assert loader.loaded_chunks == 3 and loader.client.stats.read_from_disk == 2
+        assert loader.loaded_chunks == 3 and loader.client.counters.read_from_disk == 2
         assert equal(pages(loader, list(range(12))), pages(publisher, list(range(12))))
     finally:
         loader.close()
@@ -439,7 +439,7 @@ def test_chunks_missing_from_dram_are_read_from_nvme_from_the_steps_first_hook(d
         forward_pass(loader)
         assert loader.take_load_errors() == set()
         assert loader.loaded_early == loader.loaded_layer_by_layer == 1 and loader.loaded_chunks == 3
-        assert loader.client.stats.read_from_disk == 2
+        assert loader.client.counters.read_from_disk == 2
         assert equal(pages(loader, list(range(20, 32))), pages(publisher, list(range(12))))
     finally:
         loader.close()
@@ -484,7 +484,7 @@ def test_chunks_on_nvme_alone_are_read_into_their_pages_layer_by_layer_then_stor
         assert torch.equal(loader.pages[layer][8:20], publisher.pages[layer][:12])
     assert loader.take_load_errors() == set()
     assert loader.loaded_chunks == loader.loaded_layer_by_layer == 3
-    assert loader.client.stats.read_from_disk == loader.client.stats.fetched == 3
+    assert loader.client.counters.read_from_disk == loader.client.counters.fetched == 3
     loader.save(PrefixCacheMetadata())  # after the forward pass: put into DRAM from the pages
     assert wait_for(lambda: loader.client.dram.contains(keys) == [True] * 3)
     again = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(40 + 4 * i, 44 + 4 * i))) for i, key in enumerate(keys)]}
@@ -507,7 +507,7 @@ def test_a_damaged_nvme_copy_read_layer_by_layer_is_a_load_error_and_is_not_stor
     keys = nvme_only(publisher, chunks=2)
     damage_nvme_copy(daemon, keys[1])  # its last byte: in the last layer's last page
     assert load(loader, from_nvme(keys, first_block=0)) == {4, 5, 6, 7}  # recomputed; the step's output dropped
-    assert loader.loaded_layer_by_layer == 1 and loader.client.stats.missing == 1
+    assert loader.loaded_layer_by_layer == 1 and loader.client.counters.missing == 1
     loader.save(PrefixCacheMetadata())
     assert wait_for(lambda: loader.client.dram.contains(keys[:1]) == [True])
     # the daemon, asked to promote the chunk, read it again, found it damaged and deleted it
@@ -518,7 +518,7 @@ def test_a_damaged_nvme_copy_read_layer_by_layer_is_a_load_error_and_is_not_stor
 def test_a_forged_nvme_copy_read_layer_by_layer_is_a_load_error_and_the_daemon_drops_and_counts_it(
     daemon, publisher, loader
 ):
-    """A segment file's object replaced by a self-consistent forgery: the layers land, the MAC fails behind them,
+    """A pack file's object replaced by a self-consistent forgery: the layers land, the MAC fails behind them,
     vLLM recomputes the chunk; the daemon, asked to promote it, finds the same and deletes it from NVMe."""
     keys = nvme_only(publisher, chunks=2)
     forged_before = daemon_stats(daemon)["corrupt_by_reason"]["mac"]
@@ -576,7 +576,7 @@ def test_a_cache_outside_shared_memory_loads_through_slots(daemon, publisher):
         assert load(other, {"r": [LoadChunk(keys[0], CHUNK_TOKENS, 0, [9, 10, 11, 12])]}) == set()
         assert other.loaded_chunks == 1 and other.loaded_in_place == 0
         # from DRAM, its two parts in one call: the connector knows where its chunks are cut
-        assert other.client.stats.read_from_disk == 0 and counter.reads == 1
+        assert other.client.counters.read_from_disk == 0 and counter.reads == 1
         assert equal(pages(other, [9, 10, 11, 12]), pages(publisher, [0, 1, 2, 3]))
     finally:
         other.close()
@@ -613,7 +613,7 @@ def test_a_load_from_nvme_larger_than_the_arena_loads_whole_and_its_last_window_
             ]
         }
         assert load(small, plan) == set()
-        assert small.loaded_chunks == 8 and small.client.stats.read_from_disk == 8
+        assert small.loaded_chunks == 8 and small.client.counters.read_from_disk == 8
         assert equal(pages(small, list(range(32))), pages(publisher, list(range(32))))
         small.save(PrefixCacheMetadata())  # after the forward pass: the last window's reads are stored back
         deadline = time.monotonic() + 10
@@ -752,7 +752,7 @@ def test_an_asynchronous_load_from_nvme_puts_what_it_read_back_into_dram(daemon,
         }
         loader.start_load(PrefixCacheMetadata(loads=[plan], load_async={"r"}))
         assert finished_async(loader) == {"r"}
-        assert loader.take_load_errors() == set() and loader.client.stats.read_from_disk == 2
+        assert loader.take_load_errors() == set() and loader.client.counters.read_from_disk == 2
         assert equal(pages(loader, list(range(8, 16))), pages(publisher, list(range(8))))
         deadline = time.monotonic() + 10  # stored from the slots it was read into, in the background
         while loader.client.dram.contains(keys) != [True, True]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import httpx
 import redis
+
 from prefixcache.cachestore.client.cache_client import CacheClient
 from prefixcache.cachestore.node.redis_server import EmbeddedRedis
 from prefixcache.cachestore.services.write_behind import GROUP
-
 from tests.daemon_harness import Daemon, make_spec, publish_prompt, wait_for, wait_persisted
 from tests.test_cachestore import NVME
 

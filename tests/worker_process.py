@@ -16,12 +16,12 @@ import sys
 import time
 
 import torch
+
 from prefixcache.cachestore.client.cache_client import CacheClient
 from prefixcache.connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from prefixcache.connector.worker_side import WorkerSide
 from prefixcache.indexer.keys import chunk_key
 from prefixcache.indexer.tokens import pack_tokens
-
 from tests.daemon_harness import make_spec, wait_persisted
 
 LAYERS, BLOCKS, BLOCK_TOKENS, PAGE_BYTES, CHUNK_TOKENS = 2, 32, 16, 4096, 64
@@ -92,7 +92,7 @@ def main(service_url: str) -> None:
         "new_chunk_loaded": load(worker, second, [12, 13, 14, 15], second_pages),
         "new_chunk_in_place": worker.loaded_in_place > in_place,
         "old_chunk_loaded": load(worker, first, [16, 17, 18, 19], first_pages),
-        "read_from_disk": client.stats.read_from_disk,
+        "read_from_disk": client.counters.read_from_disk,
         "reattachments": reattachments(client, timeout_s=3),
     }
     print(json.dumps(result), flush=True)

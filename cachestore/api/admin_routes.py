@@ -1,6 +1,6 @@
-"""The admin endpoints: namespaces, lookup, chunks, evict, pin and unpin (see ``admin_service`` for what
-they do). Reads need ``require_reader``, changes ``require_admin``; errors a request can cause map to
-clear 4xx answers here, and an unreachable index to 503, so no request can produce a 500."""
+"""The admin endpoints: namespaces, lookup, chunks, evict, pin and unpin (what they do is
+cachestore/services/cache_admin.py). Reads need ``require_reader``, changes ``require_admin``; errors a request
+can cause map to clear 4xx answers here, and an unreachable index to 503, so no request can produce a 500."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import redis
 from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+
 from prefixcache.cachestore.api.auth import require_admin, require_reader
 from prefixcache.cachestore.api.models import (
     MAX_PAGE,
@@ -26,8 +27,8 @@ from prefixcache.cachestore.api.models import (
     Selector,
     TenantId,
 )
-from prefixcache.cachestore.api.tokenizer import TokenizerUnavailableError
 from prefixcache.cachestore.services.cache_admin import CacheAdmin, ConflictError, NotFoundError
+from prefixcache.cachestore.services.tokenizers import TokenizerUnavailableError
 from prefixcache.indexer.errors import ConfigError, IndexUnavailableError, InvalidTokensError
 from prefixcache.indexer.index import Tier
 

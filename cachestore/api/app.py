@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Literal
-from urllib.parse import urlsplit, urlunsplit
 
 from fastapi import APIRouter, Depends, FastAPI, Response
+from pydantic import BaseModel, Field
+
 from prefixcache.cachestore.api.admin_routes import install_error_handlers
 from prefixcache.cachestore.api.auth import AccessPolicy, install_access_policy, require_reader
 from prefixcache.cachestore.api.http_guards import LOOPBACK_HOSTS, install_http_guards
 from prefixcache.cachestore.api.models import TierUse
+from prefixcache.cachestore.client.config import ClientConfig
 from prefixcache.cachestore.node.settings import DEFAULT_MAX_BODY_BYTES
 from prefixcache.indexer.index import Tier
-from pydantic import BaseModel, Field
 
 
 class ComponentHealth(BaseModel):
@@ -28,37 +29,6 @@ class Health(BaseModel):
         "200: the node still serves); unavailable: some component down (HTTP 503)"
     )
     components: dict[str, ComponentHealth]
-
-
-class MooncakeConfig(BaseModel):
-    master: str
-    metadata_url: str
-    protocol: Literal["tcp", "rdma"]
-    device_names: str
-    #: where local processes attach (``setup_dummy``): this node's segment owner
-    shm_address: str
-    #: this node's segment, for ``preferred_segment``
-    segment: str
-
-
-class SecretFiles(BaseModel):
-    """Where this node keeps its secrets, for clients on its host run as the daemon's user: paths, never values."""
-
-    chunk_key: str | None = Field(default=None, description="the key every chunk is signed with (the cluster secret)")
-    redis_password: str | None = Field(default=None, description="the index's password, where it needs one")
-    admin_token: str | None = Field(default=None, description="the bearer token admin calls need")
-
-
-class ClientConfig(BaseModel):
-    """What a connector or warm-up job needs to attach to this node. Never holds a secret."""
-
-    node: str
-    redis_url: str
-    redis_password_required: bool
-    key_prefix: str
-    chunk_tokens: int
-    mooncake: MooncakeConfig
-    secret_files: SecretFiles = Field(default_factory=SecretFiles)
 
 
 class TierStats(BaseModel):
@@ -78,8 +48,9 @@ class WriteBehindStats(BaseModel):
     delay_max_s: float
 
 
-class ClientUse(BaseModel):
-    """What clients (connectors, warm-up jobs) attached to this node recorded: lookups, hits, tokens, fetches."""
+class ClientStats(BaseModel):
+    """What clients (connectors, warm-up jobs) attached to this node did: lookups, hits, tokens, fetches (their
+    client stats, cachestore/client/client_stats.py)."""
 
     lookups: int
     hits: int = Field(description="lookups that matched at least one token")
@@ -111,7 +82,7 @@ class NamespaceStats(BaseModel):
     chunks: int
     bytes: int
     tiers: dict[Tier, TierUse] = Field(description="copies per tier, over all nodes")
-    clients: ClientUse
+    clients: ClientStats
 
 
 class Stats(BaseModel):
@@ -133,7 +104,7 @@ class Stats(BaseModel):
         "room on the NVMe tier), 'eio' (the disk failed a write), 'index' (the index refused a write), 'error'",
     )
     queues: QueueDepths
-    clients: ClientUse
+    clients: ClientStats
     namespaces: dict[str, NamespaceStats]
     child_restarts: dict[str, int] = Field(
         default_factory=dict, description="restarts of each server the daemon started (cachestore/node/supervisor.py)"
@@ -189,13 +160,3 @@ def create_app(
     for router in routers:
         app.include_router(router)
     return app
-
-
-def public_redis_url(url: str) -> tuple[str, bool]:
-    """The Redis URL without its password (its user name kept), and whether one is needed."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url, False
-    host = parts.netloc.rpartition("@")[2]
-    netloc = f"{parts.username}@{host}" if parts.username else host
-    return f"{parts.scheme}://{netloc}" + urlunsplit(parts._replace(scheme="", netloc="")), True

@@ -1,7 +1,7 @@
 """``GET /metrics``: the numbers of ``/v1/stats`` and the clients' latency histograms, for Prometheus.
 
 Nothing is counted here: a custom collector reads the daemon's state when scraped (tiers, services,
-the index's usage counters, and the client statistics clients add up in Redis), so the exposition
+the index's usage counters, and the client stats clients add up in Redis), so the exposition
 and ``/v1/stats`` can never disagree.
 """
 
@@ -11,13 +11,14 @@ from collections.abc import Callable, Iterator
 from typing import get_args
 
 from fastapi import APIRouter, Depends, Response
-from prefixcache.cachestore.api.app import Stats
-from prefixcache.cachestore.api.auth import require_reader
-from prefixcache.cachestore.client.usage_stats import LATENCY_BUCKETS_S, ClientTotals
-from prefixcache.cachestore.services.persist_failures import PersistFailureReason
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from prefixcache.cachestore.api.app import Stats
+from prefixcache.cachestore.api.auth import require_reader
+from prefixcache.cachestore.client.client_stats import LATENCY_BUCKETS_S, ClientStatsRecord
+from prefixcache.cachestore.services.persist_failures import PersistFailureReason
 
 #: Client counters exposed per namespace, with their help text.
 CLIENT_COUNTERS = {
@@ -36,9 +37,9 @@ CLIENT_COUNTERS = {
 
 
 class CacheCollector(Collector):
-    def __init__(self, stats: Callable[[], Stats], client_totals: Callable[[], dict[bytes, ClientTotals]]) -> None:
+    def __init__(self, stats: Callable[[], Stats], client_stats: Callable[[], dict[bytes, ClientStatsRecord]]) -> None:
         self._stats = stats
-        self._client_totals = client_totals
+        self._client_stats = client_stats
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -80,7 +81,7 @@ class CacheCollector(Collector):
         yield CounterMetricFamily(
             "prefixcache_persisted_chunks", "chunks the write-behind persisted", value=s.write_behind.persisted
         )
-        yield from _latency_metrics(self._client_totals())
+        yield from _latency_metrics(self._client_stats())
 
 
 def _tier_metrics(s: Stats) -> Iterator[Metric]:
@@ -115,13 +116,13 @@ def _namespace_metrics(s: Stats) -> Iterator[Metric]:
     yield from (chunks, size, *counters.values())
 
 
-def _latency_metrics(totals: dict[bytes, ClientTotals]) -> Iterator[Metric]:
+def _latency_metrics(records: dict[bytes, ClientStatsRecord]) -> Iterator[Metric]:
     for op in ("lookup", "fetch", "publish"):
         family = HistogramMetricFamily(
             f"prefixcache_client_{op}_seconds", f"{op} latency seen by clients", labels=["namespace"]
         )
-        for ns, total in totals.items():
-            latency = total.latency[op]
+        for ns, record in records.items():
+            latency = record.latency[op]
             cumulative, buckets = 0, []
             for bound, count in zip((*LATENCY_BUCKETS_S, float("inf")), latency.buckets, strict=True):
                 cumulative += count
@@ -130,9 +131,9 @@ def _latency_metrics(totals: dict[bytes, ClientTotals]) -> Iterator[Metric]:
         yield family
 
 
-def metrics_router(stats: Callable[[], Stats], client_totals: Callable[[], dict[bytes, ClientTotals]]) -> APIRouter:
+def metrics_router(stats: Callable[[], Stats], client_stats: Callable[[], dict[bytes, ClientStatsRecord]]) -> APIRouter:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(CacheCollector(stats, client_totals))
+    registry.register(CacheCollector(stats, client_stats))
     router = APIRouter(dependencies=[Depends(require_reader)])
 
     @router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
 from prefixcache.indexer.index import NamespaceUsage, Tier
 from prefixcache.indexer.namespace import NamespaceSpec
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 #: Longest prompt a lookup, eviction or pin may name (a 1M-token context; ~8 MB of JSON).
 MAX_PROMPT_TOKENS = 1 << 20

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Path, status
+
 from prefixcache.cachestore.api.auth import require_admin, require_reader
 from prefixcache.cachestore.warmup.jobs import JobFinishedError, JobNotFoundError, WarmupJob, WarmupJobs, WarmupRequest
 from prefixcache.cachestore.warmup.policy import WarmupRefusedError

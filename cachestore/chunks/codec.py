@@ -28,13 +28,13 @@ Everything is little-endian. The MAC covers every field that gives the bytes the
 lineage, tenant, dtype, shape), the tokens and the payload, never the padding; the header checksum only
 tells a damaged header at once, before any payload is read.
 
-Why a MAC: any process that can write into the DRAM pool or a segment file can also write a header that is
+Why a MAC: any process that can write into the DRAM pool or a pack file can also write a header that is
 consistent with itself (``key == H(parent ‖ tokens)``, an unkeyed checksum). Only a holder of the cluster's key
 (cachestore/chunks/mac.py) can sign a chunk, so a forged or altered one fails here and is never used as KV.
 Objects of earlier format versions carry no MAC and are refused like forged ones.
 
 Why the payload starts at a 4 KiB boundary: the NVMe tier stores each object at a 4 KiB-aligned offset of
-its segment file, so each layer's pages of the payload lie at aligned file offsets too, and a same-node
+its pack file, so each layer's pages of the payload lie at aligned file offsets too, and a same-node
 reader can bring them from disk with O_DIRECT straight into a KV cache's pages, layer by layer (the
 connector's NVMe loads), instead of reading the whole object into a buffer and copying it into the pages.
 The padding costs 4 KiB per chunk at most (0.2% of a 2 MiB chunk).
@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import xxhash
+
 from prefixcache.cachestore.chunks.mac import MAC_BYTES, ChunkMacKey
 from prefixcache.indexer.errors import PrefixCacheError
 from prefixcache.indexer.keys import KEY_BYTES, chunk_key

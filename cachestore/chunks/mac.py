@@ -2,7 +2,7 @@
 
 A chunk's MAC is keyed BLAKE3 (32 bytes) over its header fields, tokens and payload, made with a
 secret that every daemon and connector of one cluster holds and that never crosses the network. Any
-process that can write into the DRAM pool or a segment file can also make a self-consistent header
+process that can write into the DRAM pool or a pack file can also make a self-consistent header
 (``key == H(parent ‖ tokens)`` and an unkeyed checksum prove nothing against a writer), so only the
 MAC tells a chunk a holder of the key wrote from a forged one. Keyed BLAKE3 was chosen by measurement
 (``python -m benchmarks.tiers`` prints its GB/s beside xxh3's and memcpy's): it is the fastest of the
@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import blake3
+
 from prefixcache.cachestore.host.secret_files import load_or_create_secret, read_secret
 from prefixcache.indexer.errors import ConfigError
 

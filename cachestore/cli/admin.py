@@ -15,12 +15,13 @@ from typing import Annotated, Any
 
 import httpx
 import typer
+from rich.console import Console
+from rich.table import Table
+
 from prefixcache.cachestore.api.models import MAX_PAGE
 from prefixcache.cachestore.cli.errors import fail
 from prefixcache.cachestore.host.secret_files import read_secret
 from prefixcache.indexer.errors import ConfigError
-from rich.console import Console
-from rich.table import Table
 
 DEFAULT_URL = "http://127.0.0.1:8600"
 out = Console()

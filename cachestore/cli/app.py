@@ -7,12 +7,13 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.logging import RichHandler
+
 from prefixcache.cachestore.cli.admin import register_admin_commands
 from prefixcache.cachestore.cli.errors import clear_errors, err
 from prefixcache.cachestore.cli.settings_reference import field_help
 from prefixcache.cachestore.cli.warmup import CONTEXT as WARMUP_CONTEXT
 from prefixcache.cachestore.cli.warmup import warmup
-from rich.logging import RichHandler
 
 app = typer.Typer(help="prefixcache: a persistent prefix KV cache for vLLM.", no_args_is_help=True)
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import typer
-from prefixcache.indexer.errors import PrefixCacheError
 from rich.console import Console
 from rich.markup import escape
+
+from prefixcache.indexer.errors import PrefixCacheError
 
 err = Console(stderr=True)
 

@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from annotated_types import Ge, Gt, Le, Lt, MaxLen, MinLen
-from prefixcache.cachestore.node.settings import Settings, default_data_dir
 from pydantic import BaseModel, ByteSize, SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
+
+from prefixcache.cachestore.node.settings import Settings, default_data_dir
 
 #: The page, relative to the repository's root (this file is cachestore/cli/settings_reference.py in it).
 DOCS_PAGE = Path("docs") / "settings.md"
@@ -225,6 +226,7 @@ def serve_options() -> dict[str, Any]:
     An option is named as its setting, or, taking one value at a time (``--allowed-host`` again and again), as its
     list setting without the plural ``s``. Raises for an option that sets no setting."""
     import typer
+
     from prefixcache.cachestore.cli.app import app
 
     serve = typer.main.get_command(app).commands["serve"]

@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import typer
+from pydantic import ValidationError
+from rich.console import Console
+
 from prefixcache.cachestore.cli.errors import clear_errors, err
 from prefixcache.cachestore.warmup.policy import TENANT_ENV
 from prefixcache.indexer.errors import ConfigError
-from pydantic import ValidationError
-from rich.console import Console
 
 CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
 EXIT_CODES = {"finished": 0, "nothing_to_do": 0, "stopped": 0, "incomplete": 1, "interrupted": 130}

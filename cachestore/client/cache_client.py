@@ -19,26 +19,23 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import cast
 
-import httpx
 import redis
-from prefixcache.cachestore.api.app import ClientConfig
+
 from prefixcache.cachestore.chunks.codec import BodyCheck, ChunkError, ChunkMeta, decode, decode_scattered, write_header
 from prefixcache.cachestore.chunks.mac import ChunkMacKey
-from prefixcache.cachestore.client.usage_stats import ClientStatsRecorder
-from prefixcache.cachestore.host.secret_files import read_secret
-from prefixcache.cachestore.services.promotion import PromotionStream
+from prefixcache.cachestore.client.client_stats import ClientStatsRecorder
+from prefixcache.cachestore.client.config import ClientConfig, chunk_mac_key, fetch_config, index_url
+from prefixcache.cachestore.client.node_requests import PromotionStream, locate
 from prefixcache.cachestore.tiers.dram import MooncakeTier
 from prefixcache.cachestore.tiers.nvme import Extent, read_extent
-from prefixcache.cachestore.tiers.nvme_extents import locate
 from prefixcache.indexer.chunking import ChunkGeometry
-from prefixcache.indexer.errors import ConfigError, IndexUnavailableError
+from prefixcache.indexer.errors import IndexUnavailableError
 from prefixcache.indexer.index import ChunkRecord, Location, NamespaceCheck, PrefixMatch, attach_namespace
 from prefixcache.indexer.keys import PrefixHasher, PrefixQuery
 from prefixcache.indexer.namespace import NamespaceSpec, tenant_id
-from prefixcache.indexer.redis_clients import redis_client, with_password
+from prefixcache.indexer.redis_clients import redis_client
 from prefixcache.indexer.redis_index import RedisIndex
 
 log = logging.getLogger("prefixcache.client")
@@ -49,13 +46,14 @@ UNPERSISTED_PROTECTION_S = 60.0
 DISK_READERS = 4
 
 #: What ``fetch_checking_later`` gives per chunk: its verified payload, a future of it, or None (a miss).
-Fetched = memoryview | Future[memoryview | None] | None
+FetchedPayload = memoryview | Future[memoryview | None] | None
 
 
 @dataclass
-class ClientStats:
-    """What this client did, counted from every thread it and its callers run (fetch, check, disk-read and
-    publishing threads), so through ``count``: ``+=`` on an attribute is not atomic across threads."""
+class ClientCounters:
+    """What this client did, in this process (its ``recorder`` adds the same to the node's client stats), counted
+    from every thread it and its callers run (fetch, check, disk-read and publishing threads), so through
+    ``count``: ``+=`` on an attribute is not atomic across threads."""
 
     lookups: int = 0
     lookup_errors: int = 0
@@ -74,43 +72,6 @@ class ClientStats:
         with self._lock:
             for name, delta in deltas.items():
                 setattr(self, name, getattr(self, name) + delta)
-
-
-def fetch_config(service_url: str, timeout_s: float = 5.0) -> ClientConfig:
-    """Ask a node's daemon how to attach (``GET /v1/config``)."""
-    try:
-        response = httpx.get(service_url.rstrip("/") + "/v1/config", timeout=timeout_s)
-        response.raise_for_status()
-    except httpx.HTTPError as exc:
-        raise ConfigError(f"cannot read the attach settings from {service_url}: {exc}") from exc
-    return ClientConfig.model_validate(response.json())
-
-
-def chunk_mac_key(config: ClientConfig, key_file: str | None = None) -> ChunkMacKey:
-    """The cluster's chunk-signing key: from ``key_file`` if given, else from the file the daemon names."""
-    path = key_file or config.secret_files.chunk_key
-    if path is None:
-        raise ConfigError(f"node {config.node}'s daemon names no chunk-signing key file; give the client one")
-    return ChunkMacKey.read(Path(path))
-
-
-def index_url(config: ClientConfig, redis_password: str | None = None) -> str:
-    """The index URL a client of ``config``'s node connects with (the connector's scheduler and workers, warm-up
-    jobs, the proxy): with ``redis_password`` where one is given (a setting), else, where the index needs a
-    password, with the one in the file the node names (``secret_files.redis_password``: its embedded
-    redis-server's, readable by the daemon's user on its host)."""
-    if redis_password:
-        return with_password(config.redis_url, redis_password)
-    password_file = config.secret_files.redis_password
-    if config.redis_password_required and password_file:
-        try:
-            return with_password(config.redis_url, read_secret(Path(password_file)))
-        except ConfigError as exc:
-            raise ConfigError(
-                f"the index at {config.redis_url} needs a password: {exc} (run as the daemon's "
-                "user on its host, or set redis_password)"
-            ) from None
-    return config.redis_url
 
 
 class CacheClient:
@@ -133,7 +94,7 @@ class CacheClient:
         self.node = config.node
         self.geometry = ChunkGeometry(spec.chunk_tokens)
         self.location = Location("dram", config.node)
-        self.stats = ClientStats()
+        self.counters = ClientCounters()
         self.index = RedisIndex(index_url(config, redis_password), key_prefix=config.key_prefix)
         self._redis = redis_client(self.index.url, socket_timeout_s=promote_timeout_s + 1)
         self._prefix = config.key_prefix + ":"
@@ -168,12 +129,12 @@ class CacheClient:
 
     def lookup(self, query: PrefixQuery) -> PrefixMatch:
         """Longest cached prefix; an unreachable index is a miss."""
-        self.stats.count(lookups=1)
+        self.counters.count(lookups=1)
         started = time.perf_counter()
         try:
             match = self.index.lookup(query)
         except IndexUnavailableError as exc:
-            self.stats.count(lookup_errors=1)
+            self.counters.count(lookup_errors=1)
             log.debug("lookup missed: %s", exc)
             match = PrefixMatch(keys=[], chunk_tokens=query.chunk_tokens)
         self.recorder.record_lookup(
@@ -221,7 +182,7 @@ class CacheClient:
         except IndexUnavailableError as exc:
             log.warning("published chunks not registered (%s); they will not be found", exc)
             stored = [False] * len(chunks)
-        self.stats.count(published=sum(stored), publish_failures=len(chunks) - sum(stored))
+        self.counters.count(published=sum(stored), publish_failures=len(chunks) - sum(stored))
         self.recorder.record_publish(
             self.spec.digest, sum(stored), len(chunks) - sum(stored), time.perf_counter() - started
         )
@@ -238,7 +199,7 @@ class CacheClient:
         """Each chunk's verified payload (a view into its slot), or None: a miss the caller recomputes.
 
         A chunk missing from DRAM, or whose DRAM copy fails verification (and is deleted), comes from
-        the NVMe tier: read straight from the segment files when this node holds it (slots of
+        the NVMe tier: read straight from the pack files when this node holds it (slots of
         ``read_size`` bytes let that read land in place), else promoted by the daemon of a node that
         does. ``upcoming`` names the chunks the caller will fetch next, in order, each with the slot it
         will pass for it: when this call must go to NVMe, it plans those of them with no DRAM copy in
@@ -257,7 +218,7 @@ class CacheClient:
         checks: Executor,
         upcoming: Sequence[tuple[bytes, memoryview]] = (),
         cuts: Sequence[int | None] = (),
-    ) -> list[Fetched]:
+    ) -> list[FetchedPayload]:
         """``fetch``, returning as soon as DRAM has copied its chunks into their slots: each of those comes
         back as a future of its verified payload, its MAC computed on ``checks``, so the caller reads
         the next chunks while these are checked, on as many threads as ``checks`` has (on one thread of an
@@ -275,11 +236,11 @@ class CacheClient:
         upcoming: Sequence[tuple[bytes, memoryview]],
         checks: Executor | None,
         cuts: Sequence[int | None],
-    ) -> list[Fetched]:
+    ) -> list[FetchedPayload]:
         started = time.perf_counter()
         self._disk_reads = []
         self._streams = {key: stream for key, stream in self._streams.items() if not stream.expired}
-        out: list[Fetched] = [None] * len(keys)
+        out: list[FetchedPayload] = [None] * len(keys)
         planned = {i for i, key in enumerate(keys) if key in self._streams or key in self._disk_reads_ahead}
         corrupt = self._read(keys, slots, [i for i in range(len(keys)) if i not in planned], out, checks, cuts)
         if missing := [i for i in range(len(keys)) if out[i] is None and i not in planned]:
@@ -290,7 +251,7 @@ class CacheClient:
         promoted = [i for i, key in enumerate(keys) if out[i] is None and key in self._streams]
         corrupt += self._read_promoted(keys, slots, promoted, out, cuts)
         fetched = sum(1 for v in out if v is not None)
-        self.stats.count(fetched=fetched, missing=len(out) - fetched)
+        self.counters.count(fetched=fetched, missing=len(out) - fetched)
         self.recorder.record_fetch(
             self.spec.digest, fetched, len(out) - fetched, corrupt, time.perf_counter() - started
         )
@@ -345,7 +306,7 @@ class CacheClient:
             self._verified_scattered(key, head, payload)
             for key, head, payload in zip(keys, heads, payloads, strict=True)
         ]
-        self.stats.count(fetched=sum(ok))
+        self.counters.count(fetched=sum(ok))
         self.recorder.record_fetch(
             self.spec.digest,
             sum(ok),
@@ -394,7 +355,7 @@ class CacheClient:
             log.debug("chunks stored after a disk read not indexed (%s)", exc)
             self.dram.delete(keys)
             return 0
-        self.stats.count(stored_after_disk_read=len(keys))
+        self.counters.count(stored_after_disk_read=len(keys))
         return len(keys)
 
     def disk_extents(self, keys: Sequence[bytes]) -> list[Extent | None]:
@@ -427,7 +388,7 @@ class CacheClient:
                 log.info("chunk %s read from this node's NVMe failed its checks (%s): recomputing", key.hex(), exc)
                 ok.append(False)
         failed = [key for key, intact in zip(keys, ok, strict=True) if not intact]
-        self.stats.count(fetched=sum(ok), read_from_disk=sum(ok), missing=len(failed))
+        self.counters.count(fetched=sum(ok), read_from_disk=sum(ok), missing=len(failed))
         self.recorder.record_fetch(self.spec.digest, sum(ok), len(failed), 0, time.perf_counter() - started)
         if failed:
             self._request_promotion(self.node, failed)
@@ -438,7 +399,7 @@ class CacheClient:
         keys: Sequence[bytes],
         slots: Sequence[memoryview],
         positions: list[int],
-        out: list[Fetched],
+        out: list[FetchedPayload],
         checks: Executor | None,
         cuts: Sequence[int | None],
     ) -> int:
@@ -510,7 +471,7 @@ class CacheClient:
         return {key for key, held in zip(keys, self.dram.contains(keys), strict=True) if not held}
 
     def _read_here(self, keys: list[bytes], slots: dict[bytes, memoryview]) -> list[bytes]:
-        """Start reading ``keys`` from this node's segment files into their slots; returns those not there."""
+        """Start reading ``keys`` from this node's pack files into their slots; returns those not there."""
         found = self.disk_extents(keys)
         for key, extent in zip(keys, found, strict=True):
             if extent is not None:
@@ -527,9 +488,9 @@ class CacheClient:
         self._streams.update(dict.fromkeys(keys, stream))
 
     def _read_disk(
-        self, keys: Sequence[bytes], slots: Sequence[memoryview], positions: list[int], out: list[Fetched]
+        self, keys: Sequence[bytes], slots: Sequence[memoryview], positions: list[int], out: list[FetchedPayload]
     ) -> None:
-        """Take the reads of ``keys[i]`` (i in positions) from this node's segment files, and verify them."""
+        """Take the reads of ``keys[i]`` (i in positions) from this node's pack files, and verify them."""
         stale = []
         for i in positions:
             slot, read = self._disk_reads_ahead.pop(keys[i])
@@ -547,7 +508,7 @@ class CacheClient:
             if out[i] is None:
                 stale.append(keys[i])
             else:
-                self.stats.count(read_from_disk=1)
+                self.counters.count(read_from_disk=1)
                 self._disk_reads.append((keys[i], slots[i][:size]))
         if stale:
             self._request_promotion(self.node, stale)
@@ -567,7 +528,7 @@ class CacheClient:
         keys: Sequence[bytes],
         slots: Sequence[memoryview],
         positions: list[int],
-        out: list[Fetched],
+        out: list[FetchedPayload],
         cuts: Sequence[int | None],
     ) -> int:
         """Wait for the promotions of ``keys[i]`` (i in positions), then read those promoted; returns how many
@@ -583,7 +544,7 @@ class CacheClient:
                 log.debug("promotion answer lost: %s", exc)
                 continue
             ready = [i for i, ok in zip(waiting, flags, strict=True) if ok]
-            self.stats.count(promoted=len(ready))
+            self.counters.count(promoted=len(ready))
             rejected += self._read(keys, slots, ready, out, None, cuts)  # after a promotion: checked here
         return rejected
 
@@ -601,7 +562,7 @@ class CacheClient:
         """``_verified`` for ``fetch_checking_later``, which counted the chunk fetched: a damaged one is missing."""
         payload = self._verified(key, slot, size)
         if payload is None:
-            self.stats.count(fetched=-1, missing=1)
+            self.counters.count(fetched=-1, missing=1)
             self.recorder.record_rejected_after_fetch(self.spec.digest)
         return payload
 
@@ -619,11 +580,11 @@ class CacheClient:
         return BodyCheck(head, key=key, namespace=self.spec.digest, mac_key=self.mac_key)
 
     def _count_mac_failure(self) -> None:
-        self.stats.count(mac_failures=1)
+        self.counters.count(mac_failures=1)
         self.recorder.record_mac_failure(self.spec.digest)
 
     def _reject(self, key: bytes, exc: ChunkError) -> None:
-        self.stats.count(corrupt=1)
+        self.counters.count(corrupt=1)
         if exc.reason == "mac":
             self._count_mac_failure()
         log.warning("chunk %s failed verification (%s): deleted, recomputing", key.hex(), exc)
@@ -632,7 +593,7 @@ class CacheClient:
     def discard(self, key: bytes) -> None:
         """Remove a chunk's DRAM copy and its DRAM location: a read found it incomplete (the master evicted one
         of its parts), so that the next load reads NVMe instead of missing the same way."""
-        self.stats.count(missing=1)
+        self.counters.count(missing=1)
         self._discard(key)
 
     def _discard(self, key: bytes) -> None:

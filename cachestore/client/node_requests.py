@@ -1,18 +1,28 @@
-"""Requests queued for one node's daemon over Redis: promotions, extents, eviction orders.
+"""Requests queued for one node's daemon over Redis, and the asking side of those clients send.
 
-Each is one list item ``<reply id>:<keys as hex>`` on a queue named after the node, so that any
-process (a vLLM worker, another node's daemon) reaches a node's daemon through the index's Redis
-while the REST API stays off these paths, and a request waits in Redis while the daemon is down.
-The answer goes on a reply list named after the reply id, which expires if nobody reads it.
+Three kinds: promotions (``PromotionStream``: bring NVMe-only chunks back into DRAM,
+cachestore/services/promotion.py), extents (``locate``: where on this node's NVMe chunks lie,
+cachestore/services/nvme_extents.py) and eviction orders, which only daemons send
+(cachestore/services/eviction_orders.py). Each is one list item ``<reply id>:<keys as hex>`` on a queue named after
+the node, so that any process (a vLLM worker, another node's daemon) reaches a node's daemon through the index's
+Redis while the REST API stays off these paths, and a request waits in Redis while the daemon is down. The answer
+goes on a reply list named after the reply id, which expires if nobody reads it.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import time
+import uuid
 from collections.abc import Sequence
 
 import redis
-from prefixcache.cachestore.services.background import BackgroundLoop
+
+from prefixcache.cachestore.tiers.nvme import Extent
 from prefixcache.indexer.keys import KEY_BYTES
+
+log = logging.getLogger("prefixcache.client")
 
 #: How long an answer nobody reads stays in Redis (its asker gave up or died).
 REPLY_TTL_S = 30
@@ -29,29 +39,64 @@ def parse_request(item: bytes) -> tuple[str, list[bytes]]:
     return reply_id, [bytes.fromhex(hex_keys[i : i + 2 * KEY_BYTES]) for i in range(0, len(hex_keys), 2 * KEY_BYTES)]
 
 
-class AnsweringServer(BackgroundLoop):
-    """Serves one queue of requests that each get one answer: ``answer(keys)``, on ``<reply_prefix><reply id>``."""
+class PromotionStream:
+    """One promotion request (cachestore/services/promotion.py), asked of ``node``'s daemon at once and answered
+    slice by slice."""
 
-    def __init__(self, client: redis.Redis, queue: str, reply_prefix: str) -> None:
-        super().__init__()
-        self.client = client
-        self.queue = queue
-        self.reply_prefix = reply_prefix
+    def __init__(self, client: redis.Redis, prefix: str, node: str, keys: Sequence[bytes], timeout_s: float) -> None:
+        self._client = client
+        reply_id = uuid.uuid4().hex
+        self._reply = f"{prefix}pr:{reply_id}"
+        self._position = {key: i for i, key in enumerate(keys)}
+        self._flags: list[bool | None] = [None] * len(self._position)
+        self._deadline = time.monotonic() + timeout_s
+        client.rpush(f"{prefix}pq:{node}", format_request(reply_id, list(self._position)))
 
-    def answer(self, keys: list[bytes]) -> str:
-        raise NotImplementedError
+    @property
+    def expired(self) -> bool:
+        return time.monotonic() >= self._deadline
 
-    def step(self) -> None:
-        self.serve_once()
+    def wait(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each of ``keys`` (all named in the request) is now in DRAM; blocks until answered.
 
-    def serve_once(self, block_s: float = 0.5) -> bool:
-        item = self.client.blpop([self.queue], timeout=block_s)
-        if item is None:
-            return False
-        reply_id, keys = parse_request(item[1])
-        reply = f"{self.reply_prefix}{reply_id}"
-        pipe = self.client.pipeline(transaction=False)
-        pipe.rpush(reply, self.answer(keys))
-        pipe.expire(reply, REPLY_TTL_S)
-        pipe.execute()
-        return True
+        A key still unanswered at the deadline counts as not promoted.
+        """
+        positions = [self._position[key] for key in keys]
+        while any(self._flags[i] is None for i in positions):
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                break
+            answer = self._client.blpop([self._reply], timeout=left)
+            if answer is None:
+                break
+            self._take(answer[1].decode())
+        return [self._flags[i] is True for i in positions]
+
+    def _take(self, fragment: str) -> None:
+        first, _, flags = fragment.partition(":")
+        try:
+            start = int(first)
+        except ValueError:
+            log.warning("ignoring a malformed promotion answer %.40r", fragment)
+            return
+        for i, flag in enumerate(flags[: max(len(self._flags) - start, 0)], start):
+            self._flags[i] = flag == "1"
+
+
+def locate(client: redis.Redis, prefix: str, node: str, keys: Sequence[bytes], timeout_s: float) -> list[Extent | None]:
+    """Where ``node``'s NVMe tier holds each of ``keys`` (None: not there, or no answer in time): one request on
+    ``P:xq:<node>``, answered on ``P:xr:<reply id>`` (cachestore/services/nvme_extents.py)."""
+    if not keys:
+        return []
+    reply_id = uuid.uuid4().hex
+    client.rpush(f"{prefix}xq:{node}", format_request(reply_id, keys))
+    answer = client.blpop([f"{prefix}xr:{reply_id}"], timeout=timeout_s)
+    if answer is None:
+        return [None] * len(keys)
+    try:
+        found = json.loads(answer[1])
+        extents = [Extent(str(e[0]), int(e[1]), int(e[2])) if e else None for e in found]
+    except (ValueError, TypeError, IndexError):
+        log.warning("ignoring a malformed extents answer from %s", node)
+        return [None] * len(keys)
+    return extents if len(extents) == len(keys) else [None] * len(keys)

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefixcache.indexer.errors import validation_problems
 from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError
+
+from prefixcache.indexer.errors import validation_problems
 
 PARAMS_KEY = "prefixcache"
 

@@ -1,1 +1,2 @@
-"""What a process needs of its host: CPU sets, child processes, listening sockets, secret files, log rate limits."""
+"""What a process needs of its host: CPU sets and priorities, child processes, listening sockets, secret files,
+log rate limits, background threads."""

@@ -20,14 +20,14 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from prefixcache.cachestore.tiers.owner_priority import set_own_nice, set_session_nice
+from prefixcache.cachestore.host.cpu_priority import set_own_nice, set_session_nice
 from prefixcache.indexer.errors import ConfigError, PrefixCacheError
 
 log = logging.getLogger("prefixcache.processes")
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Runs in the child before exec: SIGTERM it when the daemon dies, even by SIGKILL (Linux)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -35,7 +35,7 @@ def _die_with_parent() -> None:
 
 def _prepare_child(nice: int) -> None:
     """Runs in the child before exec."""
-    _die_with_parent()
+    die_with_parent()
     if nice:
         set_own_nice(nice)
 
@@ -125,7 +125,7 @@ class ManagedProcess:
         nice: int = 0,
     ) -> None:
         """``listens_on``: the (host, port)s the server binds, which ``start`` first waits to find free; ``nice``:
-        the server's CPU priority, for its session and its threads (cachestore/tiers/owner_priority.py)."""
+        the server's CPU priority, for its session and its threads (cachestore/host/cpu_priority.py)."""
         self.name = name
         self.nice = nice
         self.env = env

@@ -21,42 +21,42 @@ from urllib.parse import urlsplit
 
 import redis
 import uvicorn
+from pydantic import SecretStr
+
 from prefixcache.cachestore.api.admin_routes import admin_routers
 from prefixcache.cachestore.api.app import (
-    ClientConfig,
     ComponentHealth,
     EvictionStats,
-    MooncakeConfig,
     QueueDepths,
-    SecretFiles,
     Stats,
     TierStats,
     WriteBehindStats,
     create_app,
-    public_redis_url,
 )
 from prefixcache.cachestore.api.auth import AccessPolicy, admin_token_path
 from prefixcache.cachestore.api.http_guards import trusted_hosts
 from prefixcache.cachestore.api.liveness import liveness_router
 from prefixcache.cachestore.api.metrics import metrics_router
-from prefixcache.cachestore.api.stats_report import all_clients, corrupt_by_reason, namespace_stats
+from prefixcache.cachestore.api.stats_report import all_client_stats, corrupt_by_reason, namespace_stats
 from prefixcache.cachestore.api.warmup_routes import warmup_router
 from prefixcache.cachestore.chunks.mac import KEY_FILE_NAME, ChunkMacKey
-from prefixcache.cachestore.client.usage_stats import ClientTotals, read_client_stats
+from prefixcache.cachestore.client.client_stats import ClientStatsRecord, read_client_stats
+from prefixcache.cachestore.client.config import ClientConfig, MooncakeConfig, SecretFiles
+from prefixcache.cachestore.host.background_loop import BackgroundLoop
 from prefixcache.cachestore.host.cpus import allowed_cpus
 from prefixcache.cachestore.host.listeners import check_listeners
 from prefixcache.cachestore.host.processes import port_open
 from prefixcache.cachestore.host.secret_files import PRIVATE_UMASK, load_or_create_secret, make_private_dir, secrets_dir
 from prefixcache.cachestore.node.data_dir_lock import DataDirLock
 from prefixcache.cachestore.node.redis_server import EmbeddedRedis
-from prefixcache.cachestore.node.settings import NVME_SEGMENT_BYTES, Settings
+from prefixcache.cachestore.node.settings import NVME_PACK_FILE_BYTES, Settings
 from prefixcache.cachestore.node.supervisor import Supervisor
-from prefixcache.cachestore.services.background import BackgroundLoop
 from prefixcache.cachestore.services.cache_admin import CacheAdmin
 from prefixcache.cachestore.services.demotion import Demoter
 from prefixcache.cachestore.services.eviction import Evictor
 from prefixcache.cachestore.services.eviction_orders import EvictionOrders, OrderServer
 from prefixcache.cachestore.services.kv_events import KvEventPublisher
+from prefixcache.cachestore.services.nvme_extents import ExtentServer
 from prefixcache.cachestore.services.promotion import Promoter
 from prefixcache.cachestore.services.reconcile import reconcile
 from prefixcache.cachestore.services.write_behind import GROUP as WRITE_BEHIND_GROUP
@@ -64,15 +64,13 @@ from prefixcache.cachestore.services.write_behind import WriteBehind
 from prefixcache.cachestore.tiers.dram import MooncakeTier
 from prefixcache.cachestore.tiers.mooncake_servers import MooncakeMaster, SegmentOwner
 from prefixcache.cachestore.tiers.nvme import NvmeStore
-from prefixcache.cachestore.tiers.nvme_extents import ExtentServer
 from prefixcache.cachestore.warmup.jobs import WarmupJobs, local_url
 from prefixcache.cachestore.warmup.policy import WarmupPolicy
 from prefixcache.indexer.errors import IndexUnavailableError
 from prefixcache.indexer.index import Location
 from prefixcache.indexer.leases import Leases
-from prefixcache.indexer.redis_clients import WAITING_SOCKET_TIMEOUT_S, redis_client
+from prefixcache.indexer.redis_clients import WAITING_SOCKET_TIMEOUT_S, public_redis_url, redis_client
 from prefixcache.indexer.redis_index import RedisIndex
-from pydantic import SecretStr
 
 log = logging.getLogger("prefixcache.daemon")
 #: The embedded redis-server's password, under ``secrets_dir(data_dir)``.
@@ -160,7 +158,7 @@ class NodeDaemon:
         self.nvme = NvmeStore(
             s.nvme_path,
             s.nvme_bytes,
-            segment_bytes=NVME_SEGMENT_BYTES,
+            pack_file_bytes=NVME_PACK_FILE_BYTES,
             is_pinned=self._protected,
             on_evict=self._evicted,
         )
@@ -418,8 +416,8 @@ class NodeDaemon:
 
     def stats(self) -> Stats:
         dram, nvme, wb = self.dram.usage(), self.nvme.usage(), self.write_behind.stats
-        client_totals = self.client_totals()
-        clients = all_clients(client_totals)
+        client_stats = self.client_stats()
+        clients = all_client_stats(client_stats)
         delays = sorted(wb.delays_s) or [0.0]
         return Stats(
             node=self.settings.node,
@@ -453,12 +451,12 @@ class NodeDaemon:
                 eviction_orders=self.orders.client.llen(self.orders.queue),
             ),
             clients=clients,
-            namespaces=namespace_stats(self.index.usage(), client_totals),
+            namespaces=namespace_stats(self.index.usage(), client_stats),
             child_restarts=self.supervisor.restarts,
         )
 
-    def client_totals(self) -> dict[bytes, ClientTotals]:
-        """What clients attached to this node recorded, per namespace."""
+    def client_stats(self) -> dict[bytes, ClientStatsRecord]:
+        """The client stats of this node (what clients attached to it recorded), per namespace."""
         return read_client_stats(self.promoter.client, self.settings.key_prefix + ":", self.settings.node)
 
     def probes(self) -> dict[str, Callable[[], ComponentHealth]]:
@@ -543,7 +541,7 @@ class NodeDaemon:
             s = self.settings
             routers = [
                 *admin_routers(self.admin),
-                metrics_router(self.stats, self.client_totals),
+                metrics_router(self.stats, self.client_stats),
                 warmup_router(self.warmup_jobs),
                 liveness_router(self.supervisor.alive),
             ]

@@ -13,6 +13,7 @@ import secrets
 from pathlib import Path
 
 import redis
+
 from prefixcache.cachestore.host.processes import ManagedProcess, find_executable, free_port
 from prefixcache.cachestore.host.secret_files import PRIVATE_FILE_MODE, make_private_dir
 from prefixcache.indexer.redis_clients import redis_client, with_password

@@ -15,15 +15,16 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from pydantic import ByteSize, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+
 from prefixcache.cachestore.host.cpus import allowed_cpus, cpu_list, format_cpu_list
 from prefixcache.indexer.chunking import DEFAULT_CHUNK_TOKENS, MAX_CHUNK_TOKENS
 from prefixcache.indexer.errors import ConfigError
 from prefixcache.indexer.redis_clients import redact_url
-from pydantic import ByteSize, Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
-#: Size of one NVMe segment file: large sequential writes, and the unit compaction works in.
-NVME_SEGMENT_BYTES = 256 << 20
+#: Size of one NVMe pack file: large sequential writes, and the unit compaction works in.
+NVME_PACK_FILE_BYTES = 256 << 20
 #: Largest request body the REST API reads by default (a 1M-token prompt as JSON is about 8 MB).
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 
@@ -253,7 +254,7 @@ class Settings(BaseSettings):
         "share the root cgroup, as on a plain host or VM (the kernel then shares a core between sessions, and "
         "the owner runs in one of its own); in containers and systemd services, cgroups share the cores (CPU "
         "requests, `CPUWeight=`), so the shipped files set it to 0. Below 0 needs CAP_SYS_NICE; without it the "
-        "owner runs at the default and the daemon logs a warning (cachestore/tiers/owner_priority.py).",
+        "owner runs at the default and the daemon logs a warning (cachestore/host/cpu_priority.py).",
     )
 
     @field_validator("allowed_hosts", mode="before")
@@ -358,8 +359,8 @@ class Settings(BaseSettings):
             raise ValueError("dram_low_watermark must be below dram_high_watermark")
         if self.mooncake_master and not self.mooncake_metadata_url:
             raise ValueError("mooncake_metadata_url is required with an external mooncake_master")
-        if self.nvme_bytes < 2 * NVME_SEGMENT_BYTES:
-            raise ValueError(f"nvme_bytes must be at least {2 * NVME_SEGMENT_BYTES >> 20} MiB (two segments)")
+        if self.nvme_bytes < 2 * NVME_PACK_FILE_BYTES:
+            raise ValueError(f"nvme_bytes must be at least {2 * NVME_PACK_FILE_BYTES >> 20} MiB (two pack files)")
         if self.port + 6 > 65535:
             raise ValueError("port must leave room for the six ports after it (PORT+1..PORT+6)")
         if self.dram_bytes < 64 << 20:

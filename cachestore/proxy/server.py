@@ -34,7 +34,10 @@ from urllib.parse import urlsplit
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prefixcache.cachestore.client.cache_client import fetch_config, index_url
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from starlette.background import BackgroundTask
+
+from prefixcache.cachestore.client.config import fetch_config, index_url
 from prefixcache.cachestore.client.request_params import request_cache_params
 from prefixcache.cachestore.proxy.routing import (
     InstancePool,
@@ -48,8 +51,6 @@ from prefixcache.indexer.errors import ConfigError, IndexUnavailableError, valid
 from prefixcache.indexer.index import PrefixIndex
 from prefixcache.indexer.keys import PrefixHasher, extend_all
 from prefixcache.indexer.redis_index import RedisIndex
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
-from starlette.background import BackgroundTask
 
 log = logging.getLogger("prefixcache.proxy")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")

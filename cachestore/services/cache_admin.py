@@ -27,8 +27,8 @@ from prefixcache.cachestore.api.models import (
     Selector,
     tier_use,
 )
-from prefixcache.cachestore.api.tokenizer import LocalTokenizers
 from prefixcache.cachestore.services.eviction import Evictor
+from prefixcache.cachestore.services.tokenizers import LocalTokenizers
 from prefixcache.indexer.chunking import ChunkGeometry
 from prefixcache.indexer.index import ChunkEntry, PrefixIndex, Tier, subtree
 from prefixcache.indexer.keys import PrefixHasher

@@ -13,7 +13,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
-from prefixcache.cachestore.services.background import BackgroundLoop
+from prefixcache.cachestore.host.background_loop import BackgroundLoop
 from prefixcache.cachestore.services.write_behind import WriteBehind
 from prefixcache.cachestore.tiers.dram import MooncakeTier
 from prefixcache.indexer.index import Location, PrefixIndex

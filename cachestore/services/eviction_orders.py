@@ -1,6 +1,6 @@
 """Eviction orders: how one node's evict reaches the copies only other nodes' daemons can delete.
 
-A node removes DRAM copies pool-wide and its own NVMe copies itself, but another node's segment files
+A node removes DRAM copies pool-wide and its own NVMe copies itself, but another node's pack files
 are that node's alone. So the evicting daemon queues an order on ``P:dq:<node>`` for each node whose
 NVMe still holds some of the chunks (``<reply id>:<keys as hex>``, the form of every daemon request),
 and waits a moment for the answer on ``P:dr:<reply id>``. The holder deletes its copies, DRAM ones
@@ -22,7 +22,9 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 
 import redis
-from prefixcache.cachestore.client.node_requests import AnsweringServer, format_request
+
+from prefixcache.cachestore.client.node_requests import format_request
+from prefixcache.cachestore.services.answering_server import AnsweringServer
 from prefixcache.indexer.index import ChunkEntry, PrefixIndex
 
 log = logging.getLogger("prefixcache.eviction")

@@ -25,7 +25,8 @@ from typing import Any
 import msgspec
 import redis
 import zmq
-from prefixcache.cachestore.services.background import BackgroundLoop
+
+from prefixcache.cachestore.host.background_loop import BackgroundLoop
 from prefixcache.indexer.errors import ConfigError
 from prefixcache.indexer.index import FeedEvent
 from prefixcache.indexer.redis_clients import redis_client

@@ -15,19 +15,18 @@ Any chunk the daemon cannot promote answers '0': a miss, recomputed.
 from __future__ import annotations
 
 import logging
-import time
-import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import redis
+
 from prefixcache.cachestore.chunks.arena import ArenaFullError
 from prefixcache.cachestore.chunks.codec import ChunkError, RejectCounts, decode
 from prefixcache.cachestore.chunks.mac import ChunkMacKey
 from prefixcache.cachestore.chunks.runs import runs_of_about
-from prefixcache.cachestore.client.node_requests import REPLY_TTL_S, format_request, parse_request
-from prefixcache.cachestore.services.background import BackgroundLoop
+from prefixcache.cachestore.client.node_requests import REPLY_TTL_S, parse_request
+from prefixcache.cachestore.host.background_loop import BackgroundLoop
 from prefixcache.cachestore.tiers.dram import MooncakeTier
 from prefixcache.cachestore.tiers.nvme import NvmeStore, read_size
 from prefixcache.indexer.index import ChunkEntry, Location, PrefixIndex
@@ -36,49 +35,6 @@ log = logging.getLogger("prefixcache.promotion")
 #: Bytes per streamed slice: a few chunks, so the first answer comes after a few ms of disk and the
 #: per-slice costs (one DRAM put, one index update, one reply) stay small against the read.
 SLICE_BYTES = 4 << 20
-
-
-class PromotionStream:
-    """The client's side of one request: sent at once, answered slice by slice."""
-
-    def __init__(self, client: redis.Redis, prefix: str, node: str, keys: Sequence[bytes], timeout_s: float) -> None:
-        self._client = client
-        reply_id = uuid.uuid4().hex
-        self._reply = f"{prefix}pr:{reply_id}"
-        self._position = {key: i for i, key in enumerate(keys)}
-        self._flags: list[bool | None] = [None] * len(self._position)
-        self._deadline = time.monotonic() + timeout_s
-        client.rpush(f"{prefix}pq:{node}", format_request(reply_id, list(self._position)))
-
-    @property
-    def expired(self) -> bool:
-        return time.monotonic() >= self._deadline
-
-    def wait(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each of ``keys`` (all named in the request) is now in DRAM; blocks until answered.
-
-        A key still unanswered at the deadline counts as not promoted.
-        """
-        positions = [self._position[key] for key in keys]
-        while any(self._flags[i] is None for i in positions):
-            left = self._deadline - time.monotonic()
-            if left <= 0:
-                break
-            answer = self._client.blpop([self._reply], timeout=left)
-            if answer is None:
-                break
-            self._take(answer[1].decode())
-        return [self._flags[i] is True for i in positions]
-
-    def _take(self, fragment: str) -> None:
-        first, _, flags = fragment.partition(":")
-        try:
-            start = int(first)
-        except ValueError:
-            log.warning("ignoring a malformed promotion answer %.40r", fragment)
-            return
-        for i, flag in enumerate(flags[: max(len(self._flags) - start, 0)], start):
-            self._flags[i] = flag == "1"
 
 
 @dataclass

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from prefixcache.cachestore.chunks.codec import ChunkError, RejectCounts, decode
 from prefixcache.cachestore.chunks.mac import ChunkMacKey
-from prefixcache.cachestore.services.background import BackgroundLoop
+from prefixcache.cachestore.host.background_loop import BackgroundLoop
 from prefixcache.cachestore.services.persist_failures import PersistFailureReason, PersistFailures
 from prefixcache.cachestore.services.reconcile import drop_locations
 from prefixcache.cachestore.tiers.dram import MooncakeTier

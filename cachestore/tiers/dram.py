@@ -32,10 +32,10 @@ from contextlib import ExitStack
 
 from prefixcache.cachestore.chunks.arena import Arena, address_of, view_at
 from prefixcache.cachestore.chunks.codec import ChunkError, ChunkMeta, read_meta
-from prefixcache.cachestore.tiers.chunk_tier import TierUsage
 from prefixcache.cachestore.tiers.mooncake_attachment import AttachmentKeeper
 from prefixcache.cachestore.tiers.mooncake_import import MooncakeDistributedStore, ReplicateConfig, SoftPinAction
 from prefixcache.cachestore.tiers.mooncake_servers import bound_rpc_timeouts
+from prefixcache.cachestore.tiers.usage import TierUsage
 from prefixcache.indexer.errors import PrefixCacheError
 
 log = logging.getLogger("prefixcache.dram")

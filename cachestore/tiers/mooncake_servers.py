@@ -135,7 +135,7 @@ class SegmentOwner(ManagedProcess):
         master_admin_url: str | None = None,
         nice: int = 0,
     ) -> None:
-        """``nice``: the owner's CPU priority; it copies every DRAM hit (cachestore/tiers/owner_priority.py)."""
+        """``nice``: the owner's CPU priority; it copies every DRAM hit (cachestore/host/cpu_priority.py)."""
         self.master_admin_url = master_admin_url
         self.host = host
         self.segment_port = segment_port or free_port(host)

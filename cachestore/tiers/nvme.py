@@ -1,30 +1,30 @@
-"""The persistent NVMe tier: chunk objects in append-only segment files, located by a RocksDB manifest.
+"""The persistent NVMe tier: chunk objects in append-only pack files, located by a RocksDB manifest.
 
 Why not RocksDB for the bytes: storing 1-8 MiB values it reads cold at ~0.9 GB/s, while O_DIRECT reads
-of the same disk reach ~2 GB/s. So objects live in segment files ``<dir>/segments/<id>.seg``, each at a
-4096-aligned offset and padded to 4096, so that reading one is a single O_DIRECT ``preadv``, straight
-into the caller's buffer when that buffer is page-aligned. RocksDB (``<dir>/manifest``) only maps
-key -> (segment, offset, length, created).
+of the same disk reach ~2 GB/s. So objects live in append-only pack files, ``<dir>/segments/<id>.seg`` (the
+names on disk predate the term), each at a 4096-aligned offset and padded to 4096, so that reading one is a
+single O_DIRECT ``preadv``, straight into the caller's buffer when that buffer is page-aligned.
+RocksDB (``<dir>/manifest``) only maps key -> (pack file, offset, length, created).
 
-Durability granularity: one ``put`` batch. Its objects are written with one ``pwritev`` per segment
-it touches, each such segment is ``fdatasync``ed (and the segments directory fsynced when a file was
+Durability granularity: one ``put`` batch. Its objects are written with one ``pwritev`` per pack file
+it touches, each such pack file is ``fdatasync``ed (and the directory of pack files fsynced when a file was
 created), and only then are the batch's manifest entries written as one synced RocksDB write (WAL on).
-So a put costs one fdatasync per segment touched (one, unless the batch crosses a segment boundary)
+So a put costs one fdatasync per pack file touched (one, unless the batch crosses a pack file boundary)
 plus one synced manifest write, and an object it reports stored survives kill -9 and power loss. A
-crash between the two steps leaves unreferenced bytes in a segment (dead space, reclaimed later),
-never an entry pointing at missing bytes. Compaction follows the same order, and segment files are
+crash between the two steps leaves unreferenced bytes in a pack file (dead space, reclaimed later),
+never an entry pointing at missing bytes. Compaction follows the same order, and pack files are
 deleted only after the manifest stopped referencing them.
 
-Space: ``capacity_bytes`` bounds the total size of segment files: the configured size, or less where the
+Space: ``capacity_bytes`` bounds the total size of pack files: the configured size, or less where the
 filesystem holds less (what the tier uses plus the free space, less a headroom for the manifest), measured
-again at every put, so that space other files take or give back counts at once. Writes keep one segment of
-it free (half of it on a filesystem smaller than two segments) so that compaction, which copies a segment's
+again at every put, so that space other files take or give back counts at once. Writes keep one pack file of
+it free (half of it on a filesystem smaller than two pack files) so that compaction, which copies a pack file's
 live objects before deleting it, can always run without passing the bound. A put that needs room evicts
-least-recently-used unpinned chunks, deletes segments left without live objects and compacts the segment
+least-recently-used unpinned chunks, deletes pack files left without live objects and compacts the pack file
 with the most dead bytes. A put the disk refuses (ENOSPC, EIO) is measured and tried once more; what it
 still cannot store is reported False, and ``write_failure`` says why, so that the caller keeps its copy.
 
-Recovery never deletes what it can read: segment files the manifest does not reference (all of them, when
+Recovery never deletes what it can read: pack files the manifest does not reference (all of them, when
 the manifest is missing, empty or had to be moved aside because RocksDB cannot open it) are scanned for
 their self-describing objects (``cachestore/tiers/nvme_scan.py``), which are taken back into the manifest; files
 holding none are left as they are. Files are deleted only at run time, once the manifest no longer names them.
@@ -49,9 +49,10 @@ from pathlib import Path
 from typing import Literal, NamedTuple
 
 import rocksdict
-from prefixcache.cachestore.tiers.chunk_tier import TierUsage
-from prefixcache.cachestore.tiers.nvme_io import PAGE, Extent, _align, open_for_reading, page_aligned, read_size
-from prefixcache.cachestore.tiers.nvme_scan import scan_segment
+
+from prefixcache.cachestore.tiers.nvme_io import PAGE, Extent, open_for_reading, page_align, page_aligned, read_size
+from prefixcache.cachestore.tiers.nvme_scan import scan_pack_file
+from prefixcache.cachestore.tiers.usage import TierUsage
 from prefixcache.indexer.errors import ConfigError
 from prefixcache.indexer.index import Tier
 from prefixcache.indexer.keys import KEY_BYTES
@@ -64,7 +65,7 @@ _IOV_MAX = os.sysconf("SC_IOV_MAX")
 _PIN_QUERY_KEYS = 256
 #: Bytes of live objects compaction copies per put-like batch (one read buffer, one fdatasync).
 _COMPACTION_BATCH_BYTES = 64 << 20
-_RECORD = struct.Struct("<IQQQ")  # segment id, offset, length, created (ms since the epoch)
+_RECORD = struct.Struct("<IQQQ")  # pack file id, offset, length, created (ms since the epoch)
 
 
 #: Free space the tier leaves on its filesystem for the manifest (a memtable flush, its WAL): after one failed
@@ -86,7 +87,7 @@ _READERS = 4
 
 
 def read_extent(extent: Extent, view: memoryview) -> int:
-    """Read an object straight from its segment file into a page-aligned buffer of at least ``read_size``
+    """Read an object straight from its pack file into a page-aligned buffer of at least ``read_size``
     bytes; its length, or -1 (file gone, buffer unusable, short read).
 
     For clients on the daemon's node: one O_DIRECT ``preadv``, no daemon, no DRAM copy. The extent may
@@ -147,7 +148,7 @@ def _pwrite_all(fd: int, views: Iterable[memoryview], offset: int) -> None:
     while pending:
         written = os.pwritev(fd, list(islice(pending, _IOV_MAX)), offset)
         if written == 0:
-            raise OSError(errno.ENOSPC, "segment write made no progress")
+            raise OSError(errno.ENOSPC, "pack file write made no progress")
         offset += written
         while written:
             head = pending[0]
@@ -164,9 +165,9 @@ class RecoveryReport:
     """What opening the directory found. The manifest is trusted only where the bytes it names exist."""
 
     chunks: int
-    dropped_entries: int  # manifest entries whose segment file is missing or ends before their bytes
-    rebuilt: int  # objects found in segment files the manifest did not reference, taken back into it
-    untouched_segments: int  # segment files without one readable object: not used, left as they are
+    dropped_entries: int  # manifest entries whose pack file is missing or ends before their bytes
+    rebuilt: int  # objects found in pack files the manifest did not reference, taken back into it
+    untouched_pack_files: int  # pack files without one readable object: not used, left as they are
     manifest_moved_to: str | None = None  # where a manifest RocksDB could not open or read was moved
 
 
@@ -174,34 +175,34 @@ class RecoveryReport:
 class _Extent:
     """Where one object's bytes are; also its manifest record."""
 
-    segment: int
+    pack_id: int
     offset: int
     length: int
     created_ms: int
 
     @property
     def padded(self) -> int:
-        return _align(self.length)
+        return page_align(self.length)
 
     def pack(self) -> bytes:
-        return _RECORD.pack(self.segment, self.offset, self.length, self.created_ms)
+        return _RECORD.pack(self.pack_id, self.offset, self.length, self.created_ms)
 
     @classmethod
     def unpack(cls, record: bytes) -> _Extent:
         return cls(*_RECORD.unpack(record))
 
 
-class _Segment:
-    """One segment file: append offset, live accounting and descriptors.
+class _PackFile:
+    """One pack file: append offset, live accounting and descriptors.
 
-    Readers take a reference while they read without the store lock. A retired (deleted) segment closes
+    Readers take a reference while they read without the store lock. A retired (deleted) pack file closes
     its read descriptor only when the last reader lets go, so a descriptor number is never reused under
     a reader's feet, and an unlinked file stays readable until then.
     """
 
-    def __init__(self, directory: Path, segment_id: int, end: int) -> None:
-        self.id = segment_id
-        self.path = directory / f"{segment_id:08d}.seg"
+    def __init__(self, directory: Path, pack_id: int, end: int) -> None:
+        self.id = pack_id
+        self.path = directory / f"{pack_id:08d}.seg"
         self.end = end  # aligned append offset; what the file costs on disk
         self.live = 0  # padded bytes of live objects
         self.keys: set[bytes] = set()
@@ -246,9 +247,9 @@ class _Segment:
 
 
 class _Located(NamedTuple):
-    """An object a reader is about to read: its segment stays referenced until the reader releases it."""
+    """An object a reader is about to read: its pack file stays referenced until the reader releases it."""
 
-    segment: _Segment
+    pack: _PackFile
     fd: int
     extent: _Extent
 
@@ -257,7 +258,7 @@ class _Manifest:
     """key -> packed ``_Extent`` in RocksDB. Every write is one batch, synced through the WAL.
 
     rocksdict raises a bare ``Exception`` for every RocksDB status; this class raises ``OSError`` instead
-    (ENOSPC or EIO), so that the store handles a failed manifest write like a failed segment write.
+    (ENOSPC or EIO), so that the store handles a failed manifest write like a failed pack file write.
     """
 
     def __init__(self, path: Path) -> None:
@@ -327,10 +328,10 @@ def _move_aside(path: Path, error: Exception) -> tuple[_Manifest, list[tuple[byt
         _fsync_dir(path.parent)
     except OSError as exc:
         raise ConfigError(
-            f"NVMe manifest {path} is unreadable ({error}) and cannot be moved aside ({exc}); segment files untouched"
+            f"NVMe manifest {path} is unreadable ({error}) and cannot be moved aside ({exc}); pack files untouched"
         ) from exc
     log.warning(
-        "NVMe manifest %s is unreadable (%s): moved to %s; rebuilding it from the segment files",
+        "NVMe manifest %s is unreadable (%s): moved to %s; rebuilding it from the pack files",
         path,
         str(error).splitlines()[0],
         aside,
@@ -350,13 +351,13 @@ class _Scratch(threading.local):
         return memoryview(self._map)[:size]
 
 
-def _validate(capacity_bytes: int, segment_bytes: int) -> None:
-    if segment_bytes <= 0 or segment_bytes % PAGE:
-        raise ConfigError(f"segment_bytes must be a positive multiple of {PAGE} (O_DIRECT), got {segment_bytes}")
-    if capacity_bytes < 2 * segment_bytes:
+def _validate(capacity_bytes: int, pack_file_bytes: int) -> None:
+    if pack_file_bytes <= 0 or pack_file_bytes % PAGE:
+        raise ConfigError(f"pack_file_bytes must be a positive multiple of {PAGE} (O_DIRECT), got {pack_file_bytes}")
+    if capacity_bytes < 2 * pack_file_bytes:
         raise ConfigError(
-            f"capacity_bytes must be at least 2 x segment_bytes = {2 * segment_bytes} (one segment is kept free "
-            f"so that compaction can always run), got {capacity_bytes}; lower segment_bytes for a small tier"
+            f"capacity_bytes must be at least 2 x pack_file_bytes = {2 * pack_file_bytes} (one pack file is kept free "
+            f"so that compaction can always run), got {capacity_bytes}; lower pack_file_bytes for a small tier"
         )
 
 
@@ -376,16 +377,16 @@ class NvmeStore:
         directory: Path,
         capacity_bytes: int,
         *,
-        segment_bytes: int = 256 << 20,
+        pack_file_bytes: int = 256 << 20,
         is_pinned: Callable[[Sequence[bytes]], list[bool]] = lambda keys: [False] * len(keys),
         on_evict: Callable[[list[bytes]], None] = lambda keys: None,
     ) -> None:
-        _validate(capacity_bytes, segment_bytes)
+        _validate(capacity_bytes, pack_file_bytes)
         self.directory = Path(directory)
         self.setting_bytes = capacity_bytes  # what it was given; ``capacity_bytes`` is what it may use now
         self.capacity_bytes = capacity_bytes
-        self.segment_bytes = segment_bytes
-        self._write_budget = capacity_bytes - segment_bytes
+        self.pack_file_bytes = pack_file_bytes
+        self._write_budget = capacity_bytes - pack_file_bytes
         #: why the last put stored less than it was given; None once one stores everything
         self.write_failure: WriteFailure | None = None
         self._is_pinned = is_pinned
@@ -393,18 +394,18 @@ class NvmeStore:
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._entries: OrderedDict[bytes, _Extent] = OrderedDict()  # least recently used first
-        self._segments: dict[int, _Segment] = {}
-        self._active: _Segment | None = None
-        self._next_segment = 1
+        self._packs: dict[int, _PackFile] = {}
+        self._active: _PackFile | None = None
+        self._next_pack_id = 1
         self._live_length = 0
         self._direct = True
         self._scratch = _Scratch()
         self._scratch_lock = threading.Lock()
         self._readers = ThreadPoolExecutor(_READERS, thread_name_prefix="prefixcache-nvme-read")
         self._closed = False
-        self._segment_dir = self.directory / "segments"
+        self._pack_dir = self.directory / "segments"
         try:
-            self._segment_dir.mkdir(parents=True, exist_ok=True)
+            self._pack_dir.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError) as e:
             raise ConfigError(f"NVMe tier directory {self.directory} is not a directory: {e}") from e
         _fsync_dir(self.directory)
@@ -466,15 +467,15 @@ class NvmeStore:
 
     def refresh_capacity(self) -> int:
         """Measure what the tier may use now: its setting, or what its filesystem holds for it if less."""
-        fs = os.statvfs(self._segment_dir)
+        fs = os.statvfs(self._pack_dir)
         with self._lock:
             room = self._space()[0] + fs.f_bavail * fs.f_frsize - _MANIFEST_HEADROOM
             self.capacity_bytes = max(0, min(self.setting_bytes, room))
-            self._write_budget = self.capacity_bytes - min(self.segment_bytes, _align(self.capacity_bytes // 2))
+            self._write_budget = self.capacity_bytes - min(self.pack_file_bytes, page_align(self.capacity_bytes // 2))
             return self.capacity_bytes
 
     def usage_bytes(self) -> int:
-        """Bytes of segment files the tier holds."""
+        """Bytes of pack files the tier holds."""
         with self._lock:
             return self._space()[0]
 
@@ -499,7 +500,7 @@ class NvmeStore:
             with self._lock:
                 for at in reads:
                     if at is not None:
-                        at.segment.release()
+                        at.pack.release()
 
     def extents(self, keys: Sequence[bytes]) -> list[Extent | None]:
         """Where each object lies now, for same-node readers (``read_extent``); None if absent."""
@@ -507,8 +508,7 @@ class NvmeStore:
             self._check_open()
             found = [self._entries.get(key) for key in keys]
             return [
-                Extent(str(self._segments[e.segment].path), e.offset, e.length) if e is not None else None
-                for e in found
+                Extent(str(self._packs[e.pack_id].path), e.offset, e.length) if e is not None else None for e in found
             ]
 
     def get(self, key: bytes) -> bytes | None:
@@ -516,7 +516,7 @@ class NvmeStore:
         size = self.size_of([key])[0]
         if size < 0:
             return None
-        buffer = mmap.mmap(-1, _align(size))
+        buffer = mmap.mmap(-1, page_align(size))
         length = self.get_into([key], [memoryview(buffer)])[0]
         return buffer[:length] if length >= 0 else None
 
@@ -558,20 +558,20 @@ class NvmeStore:
                 return
             self._closed = True
             self._readers.shutdown(wait=True)
-            for segment in self._segments.values():
-                segment.retire()
+            for pack in self._packs.values():
+                pack.retire()
             self._manifest.close()
 
     # ---- restart ----------------------------------------------------------------------------------
 
     def _recover(self, records: list[tuple[bytes, bytes]], moved_to: Path | None) -> RecoveryReport:
         """Rebuild memory from the manifest, keeping only entries whose bytes are on disk, then take back the
-        objects of segment files it does not reference. Nothing is deleted here but manifest entries."""
+        objects of pack files it does not reference. Nothing is deleted here but manifest entries."""
         sizes = {}
-        for path in self._segment_dir.glob("*.seg"):
+        for path in self._pack_dir.glob("*.seg"):
             if path.stem.isdigit():
                 sizes[int(path.stem)] = path.stat().st_size
-        self._next_segment = max(sizes, default=0) + 1  # ids only grow, even past deleted files
+        self._next_pack_id = max(sizes, default=0) + 1  # ids only grow, even past deleted files
         found: dict[bytes, _Extent] = {}
         dropped: list[bytes] = []
         for key, record in records:
@@ -580,8 +580,8 @@ class NvmeStore:
             except struct.error:
                 dropped.append(key)
                 continue
-            self._next_segment = max(self._next_segment, extent.segment + 1)
-            size = sizes.get(extent.segment)
+            self._next_pack_id = max(self._next_pack_id, extent.pack_id + 1)
+            size = sizes.get(extent.pack_id)
             if len(key) != KEY_BYTES or size is None or extent.offset + extent.length > size:
                 dropped.append(key)
             else:
@@ -589,23 +589,23 @@ class NvmeStore:
         if dropped:
             log.warning("NVMe manifest: dropped %d entries whose bytes are missing", len(dropped))
             self._manifest.write(deletes=dropped)
-        for segment_id in {extent.segment for extent in found.values()}:
-            self._segments[segment_id] = _Segment(self._segment_dir, segment_id, _align(sizes[segment_id]))
-        rebuilt, untouched = self._rebuild(sorted(set(sizes) - set(self._segments)), found)
+        for pack_id in {extent.pack_id for extent in found.values()}:
+            self._packs[pack_id] = _PackFile(self._pack_dir, pack_id, page_align(sizes[pack_id]))
+        rebuilt, untouched = self._rebuild(sorted(set(sizes) - set(self._packs)), found)
         # Recency does not survive a restart; creation order is the best guess of it.
         for key, extent in sorted(
-            found.items(), key=lambda item: (item[1].created_ms, item[1].segment, item[1].offset)
+            found.items(), key=lambda item: (item[1].created_ms, item[1].pack_id, item[1].offset)
         ):
             self._place(key, extent)
-        if self._segments:
-            newest = self._segments[max(self._segments)]
-            # Keep appending to the newest segment: restarts then leave no trail of small files.
-            if newest.end < self.segment_bytes:
+        if self._packs:
+            newest = self._packs[max(self._packs)]
+            # Keep appending to the newest pack file: restarts then leave no trail of small files.
+            if newest.end < self.pack_file_bytes:
                 self._active = newest
         return RecoveryReport(len(found), len(dropped), rebuilt, untouched, str(moved_to) if moved_to else None)
 
-    def _rebuild(self, segment_ids: list[int], found: dict[bytes, _Extent]) -> tuple[int, int]:
-        """Scan segment files no manifest entry names (a crash before the manifest write, a lost manifest) and
+    def _rebuild(self, pack_ids: list[int], found: dict[bytes, _Extent]) -> tuple[int, int]:
+        """Scan pack files no manifest entry names (a crash before the manifest write, a lost manifest) and
         enter their objects whose keys it lacks, a later copy winning; (objects entered, files left untouched).
 
         A file without one readable object is not used at all. One read whole whose objects are all known
@@ -613,14 +613,14 @@ class NvmeStore:
         """
         adopted: dict[bytes, _Extent] = {}
         untouched = 0
-        for segment_id in segment_ids:
-            path = self._segment_dir / f"{segment_id:08d}.seg"
+        for pack_id in pack_ids:
+            path = self._pack_dir / f"{pack_id:08d}.seg"
             try:
-                scan = scan_segment(path)
+                scan = scan_pack_file(path)
                 created_ms = path.stat().st_mtime_ns // 1_000_000
             except OSError as exc:
                 raise ConfigError(
-                    f"NVMe segment {path} cannot be read to rebuild the manifest ({exc}); nothing was changed"
+                    f"NVMe pack file {path} cannot be read to rebuild the manifest ({exc}); nothing was changed"
                 ) from exc
             if not scan.objects:
                 untouched += 1
@@ -631,16 +631,16 @@ class NvmeStore:
                 os.truncate(path, scan.torn_at)
                 log.warning("NVMe tier: %s ended inside an object at %d; truncated there", path, scan.torn_at)
                 end = scan.torn_at
-            self._segments[segment_id] = _Segment(self._segment_dir, segment_id, _align(end))
+            self._packs[pack_id] = _PackFile(self._pack_dir, pack_id, page_align(end))
             for obj in scan.objects:
                 if obj.key not in found:
-                    adopted[obj.key] = _Extent(segment_id, obj.offset, obj.length, created_ms)
+                    adopted[obj.key] = _Extent(pack_id, obj.offset, obj.length, created_ms)
         if adopted:
             self._manifest.write(puts=[(key, extent.pack()) for key, extent in adopted.items()])
             log.warning(
-                "NVMe tier: %d chunk objects found in %d segment files the manifest did not name: entered",
+                "NVMe tier: %d chunk objects found in %d pack files the manifest did not name: entered",
                 len(adopted),
-                len(segment_ids) - untouched,
+                len(pack_ids) - untouched,
             )
         found.update(adopted)
         return len(adopted), untouched
@@ -649,7 +649,7 @@ class NvmeStore:
 
     def _admit(self, objects: dict[bytes, memoryview]) -> list[bytes]:
         """Make room for the batch and return the keys that will be written (all, unless space runs out)."""
-        padded = {key: _align(view.nbytes) for key, view in objects.items()}
+        padded = {key: page_align(view.nbytes) for key, view in objects.items()}
         sizes = {key: size for key, size in padded.items() if size <= self._write_budget}
         if not sizes:  # nothing would fit in an empty tier: evict nothing for it
             return []
@@ -669,7 +669,7 @@ class NvmeStore:
     def _make_room(self, need: int, protected: set[bytes]) -> bool:
         """Evict and compact until ``need`` more bytes fit in the write budget; False if they cannot.
 
-        Compaction runs only where it copies no more than it frees (a segment at least half dead);
+        Compaction runs only where it copies no more than it frees (a pack file at least half dead);
         otherwise evicting more cold chunks is cheaper than rewriting live ones, which under scattered
         access would double the bytes written. It copies more only when nothing is left to evict.
         """
@@ -690,14 +690,14 @@ class NvmeStore:
                 return False
 
     def _space(self) -> tuple[int, int]:
-        """(bytes of segment files, padded bytes of live objects); call under the lock."""
-        segments = self._segments.values()
-        return sum(segment.end for segment in segments), sum(segment.live for segment in segments)
+        """(bytes of pack files, padded bytes of live objects); call under the lock."""
+        packs = self._packs.values()
+        return sum(pack.end for pack in packs), sum(pack.live for pack in packs)
 
-    def _compaction_victim(self, used: int) -> _Segment | None:
-        """The segment with the most dead bytes among those whose live objects can be copied within capacity."""
-        candidates = [s for s in self._segments.values() if s.dead > 0 and used + s.live <= self.capacity_bytes]
-        return max(candidates, key=lambda segment: segment.dead, default=None)
+    def _compaction_victim(self, used: int) -> _PackFile | None:
+        """The pack file with the most dead bytes among those whose live objects can be copied within capacity."""
+        candidates = [s for s in self._packs.values() if s.dead > 0 and used + s.live <= self.capacity_bytes]
+        return max(candidates, key=lambda pack: pack.dead, default=None)
 
     def _evict(self, amount: int, protected: set[bytes]) -> bool:
         """Drop least-recently-used unpinned chunks totalling ``amount`` padded bytes; False if none could go."""
@@ -723,38 +723,38 @@ class NvmeStore:
         """The next keys in LRU order not yet examined. A fresh walk each time: readers reorder the dict."""
         return list(islice((key for key in self._entries if key not in skipped), _PIN_QUERY_KEYS))
 
-    def _compact(self, segment: _Segment) -> bool:
-        """Copy the segment's live objects to the active segment (put's durability order), then delete it."""
+    def _compact(self, pack: _PackFile) -> bool:
+        """Copy the pack file's live objects to the active pack file (put's durability order), then delete it."""
         with self._lock:
-            if segment is self._active:
+            if pack is self._active:
                 self._seal_active()
-            extents = sorted(((key, self._entries[key]) for key in segment.keys), key=lambda item: item[1].offset)
-            fd = segment.acquire(self._open_reader)
+            extents = sorted(((key, self._entries[key]) for key in pack.keys), key=lambda item: item[1].offset)
+            fd = pack.acquire(self._open_reader)
         try:
             copied = all(self._copy(fd, group) for group in _batches(extents, _COMPACTION_BATCH_BYTES))
         finally:
             with self._lock:
-                segment.release()
-        self._delete_empty([segment])  # its copies replaced it, or it had no live object
+                pack.release()
+        self._delete_empty([pack])  # its copies replaced it, or it had no live object
         return copied
 
     # ---- writes -----------------------------------------------------------------------------------
 
     def _append(self, objects: list[tuple[bytes, memoryview, int]], *, touch: bool) -> set[bytes]:
-        """Write objects to the active segment(s), sync, then record them in the manifest and in memory;
+        """Write objects to the active pack file(s), sync, then record them in the manifest and in memory;
         raises ``OSError`` when the disk or the manifest fails, with none of them stored."""
         if not objects:
             return set()
-        runs: dict[_Segment, list[tuple[bytes, memoryview, _Extent]]] = {}
+        runs: dict[_PackFile, list[tuple[bytes, memoryview, _Extent]]] = {}
         with self._lock:
             for key, view, created_ms in objects:
-                padded = _align(view.nbytes)
-                segment = self._active
-                if segment is None or (segment.end and segment.end + padded > self.segment_bytes):
-                    segment = self._roll()
-                extent = _Extent(segment.id, segment.end, view.nbytes, created_ms)
-                runs.setdefault(segment, []).append((key, view, extent))
-                segment.end += padded
+                padded = page_align(view.nbytes)
+                pack = self._active
+                if pack is None or (pack.end and pack.end + padded > self.pack_file_bytes):
+                    pack = self._roll()
+                extent = _Extent(pack.id, pack.end, view.nbytes, created_ms)
+                runs.setdefault(pack, []).append((key, view, extent))
+                pack.end += padded
         placed = [(key, extent) for run in runs.values() for key, _, extent in run]
         try:
             self._write_runs(runs)
@@ -774,13 +774,13 @@ class NvmeStore:
         self._delete_empty(emptied)
         return {key for key, _ in placed}
 
-    def _write_runs(self, runs: dict[_Segment, list[tuple[bytes, memoryview, _Extent]]]) -> None:
-        """One pwritev (plus padding) and one fdatasync per segment; the page cache copy is then dropped,
+    def _write_runs(self, runs: dict[_PackFile, list[tuple[bytes, memoryview, _Extent]]]) -> None:
+        """One pwritev (plus padding) and one fdatasync per pack file; the page cache copy is then dropped,
         since reads bypass it with O_DIRECT and it would only crowd out the DRAM tier."""
         created = False
-        for segment, run in runs.items():
-            created |= not segment.path.exists()
-            fd = segment.writer()
+        for pack, run in runs.items():
+            created |= not pack.path.exists()
+            fd = pack.writer()
             start = run[0][2].offset
             views: list[memoryview] = []
             for _, view, extent in run:
@@ -791,7 +791,7 @@ class NvmeStore:
             os.fdatasync(fd)
             os.posix_fadvise(fd, start, run[-1][2].offset + run[-1][2].padded - start, os.POSIX_FADV_DONTNEED)
         if created:
-            _fsync_dir(self._segment_dir)
+            _fsync_dir(self._pack_dir)
 
     def _copy(self, fd: int, group: list[tuple[bytes, _Extent]]) -> bool:
         """Compaction step: read a group of live objects into one aligned buffer and append them."""
@@ -819,56 +819,56 @@ class NvmeStore:
             log.exception("NVMe tier: on_evict failed for %d keys", len(keys))
 
     def _forget(self, keys: list[bytes]) -> None:
-        """Manifest first (synced), then memory, then the segment files left without live objects."""
+        """Manifest first (synced), then memory, then the pack files left without live objects."""
         self._manifest.write(deletes=keys)
         with self._lock:
             emptied = [self._unlink(key) for key in keys]
         self._delete_empty(emptied)
 
-    def _delete_empty(self, candidates: Iterable[_Segment]) -> None:
+    def _delete_empty(self, candidates: Iterable[_PackFile]) -> None:
         with self._lock:
-            empty = [s for s in set(candidates) if not s.keys and self._segments.get(s.id) is s]
-            for segment in empty:
-                del self._segments[segment.id]
-                if segment is self._active:
+            empty = [s for s in set(candidates) if not s.keys and self._packs.get(s.id) is s]
+            for pack in empty:
+                del self._packs[pack.id]
+                if pack is self._active:
                     self._active = None
-                segment.retire()
-        for segment in empty:
-            segment.path.unlink(missing_ok=True)
+                pack.retire()
+        for pack in empty:
+            pack.path.unlink(missing_ok=True)
 
     # ---- in-memory state (call under the lock) ----------------------------------------------------
 
-    def _place(self, key: bytes, extent: _Extent) -> _Segment | None:
-        """Point key at extent, keeping its recency; the segment of the copy it replaces, if any."""
+    def _place(self, key: bytes, extent: _Extent) -> _PackFile | None:
+        """Point key at extent, keeping its recency; the pack file of the copy it replaces, if any."""
         old = self._unlink(key) if key in self._entries else None
         self._entries[key] = extent
-        segment = self._segments[extent.segment]
-        segment.keys.add(key)
-        segment.live += extent.padded
+        pack = self._packs[extent.pack_id]
+        pack.keys.add(key)
+        pack.live += extent.padded
         self._live_length += extent.length
         return old
 
-    def _unlink(self, key: bytes) -> _Segment:
+    def _unlink(self, key: bytes) -> _PackFile:
         extent = self._entries.pop(key)
-        segment = self._segments[extent.segment]
-        segment.keys.discard(key)
-        segment.live -= extent.padded
+        pack = self._packs[extent.pack_id]
+        pack.keys.discard(key)
+        pack.live -= extent.padded
         self._live_length -= extent.length
-        return segment
+        return pack
 
-    def _roll(self) -> _Segment:
-        """Start a new segment file. The previous one's writer stays open until its batch is synced."""
-        segment = _Segment(self._segment_dir, self._next_segment, 0)
-        self._next_segment += 1
-        self._segments[segment.id] = segment
-        self._active = segment
-        return segment
+    def _roll(self) -> _PackFile:
+        """Start a new pack file. The previous one's writer stays open until its batch is synced."""
+        pack = _PackFile(self._pack_dir, self._next_pack_id, 0)
+        self._next_pack_id += 1
+        self._packs[pack.id] = pack
+        self._active = pack
+        return pack
 
-    def _close_sealed_writers(self, segments: Iterable[_Segment]) -> None:
-        """After a batch is synced: its segments that are no longer active will never be written again."""
-        for segment in segments:
-            if segment is not self._active:
-                segment.close_writer()
+    def _close_sealed_writers(self, packs: Iterable[_PackFile]) -> None:
+        """After a batch is synced: its pack files that are no longer active will never be written again."""
+        for pack in packs:
+            if pack is not self._active:
+                pack.close_writer()
 
     def _seal_active(self) -> None:
         if self._active is not None:
@@ -882,18 +882,18 @@ class NvmeStore:
     # ---- reads ------------------------------------------------------------------------------------
 
     def _locate(self, key: bytes) -> _Located | None:
-        """Under the lock: the object's segment (referenced until released), a read descriptor, its extent."""
+        """Under the lock: the object's pack file (referenced until released), a read descriptor, its extent."""
         extent = self._entries.get(key)
         if extent is None:
             return None
-        segment = self._segments[extent.segment]
+        pack = self._packs[extent.pack_id]
         try:
-            fd = segment.acquire(self._open_reader)
+            fd = pack.acquire(self._open_reader)
         except OSError:
-            log.exception("NVMe tier: cannot open %s", segment.path)
+            log.exception("NVMe tier: cannot open %s", pack.path)
             return None
         self._entries.move_to_end(key)
-        return _Located(segment, fd, extent)
+        return _Located(pack, fd, extent)
 
     def _open_reader(self, path: Path) -> int:
         if self._direct:
@@ -924,6 +924,6 @@ class NvmeStore:
                     if got >= extent.length:
                         view[: extent.length] = scratch[: extent.length]
         except OSError:
-            log.exception("NVMe tier: reading %d bytes of segment %d failed", extent.length, extent.segment)
+            log.exception("NVMe tier: reading %d bytes of pack file %d failed", extent.length, extent.pack_id)
             return -1
         return extent.length if got >= extent.length else -1

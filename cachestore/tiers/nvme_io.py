@@ -1,6 +1,6 @@
-"""The NVMe tier's I/O helpers: O_DIRECT reads of its segment files at page alignment, straight into the caller's
+"""The NVMe tier's I/O helpers: O_DIRECT reads of its pack files at page alignment, straight into the caller's
 memory. The tier itself (cachestore/tiers/nvme.py, whose manifest is in RocksDB) and the connector's loads that read
-its segment files themselves (connector/loaders/nvme_layered.py) share them; nothing here needs RocksDB.
+its pack files themselves (connector/loaders/nvme_layered.py) share them; nothing here needs RocksDB.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from prefixcache.cachestore.chunks.arena import address_of
 PAGE = 4096
 
 
-def _align(n: int) -> int:
+def page_align(n: int) -> int:
     return -(-n // PAGE) * PAGE
 
 
@@ -27,14 +27,14 @@ def read_size(length: int) -> int:
 
     A smaller (or unaligned) buffer still works, through a bounce buffer and one more copy.
     """
-    return _align(length)
+    return page_align(length)
 
 
 class Extent(NamedTuple):
     """Where an object's bytes lie, for a reader in another process on this node (see ``read_extent`` in
     cachestore/tiers/nvme.py, or ``read_pieces``)."""
 
-    path: str  # its segment file
+    path: str  # its pack file
     offset: int  # page-aligned
     length: int
 
@@ -50,7 +50,7 @@ def open_for_reading(path: str) -> int:
 
 
 def read_pieces(fd: int, views: Sequence[memoryview], offset: int) -> bool:
-    """Fill ``views``, in order, from ``offset`` of a segment file opened by ``open_for_reading``: one
+    """Fill ``views``, in order, from ``offset`` of a pack file opened by ``open_for_reading``: one
     ``preadv``, straight into the caller's memory. With O_DIRECT every view's address and length and the
     offset must be 4 KiB-aligned (``PAGE``); whether every byte arrived (False on any error)."""
     want = sum(len(view) for view in views)

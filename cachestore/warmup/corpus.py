@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
 from prefixcache.indexer.chunking import PROBE_TOKENS
 from prefixcache.indexer.errors import ConfigError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 MAX_TOKEN_ID = (1 << 32) - 1
 

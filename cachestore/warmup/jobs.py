@@ -25,11 +25,12 @@ import time
 from pathlib import Path
 from typing import Literal, TypeVar
 
-from prefixcache.cachestore.host.processes import _die_with_parent
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from prefixcache.cachestore.host.processes import die_with_parent
 from prefixcache.cachestore.warmup.policy import TENANT_ENV, WarmupPolicy, scrubbed_environment
 from prefixcache.cachestore.warmup.progress import Snapshot
 from prefixcache.cachestore.warmup.report import Report
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 CANCEL_GRACE_S = 60.0
 LOG_TAIL_LINES = 30
@@ -255,7 +256,7 @@ class WarmupJobs:
 
     def _child_setup(self) -> None:
         """Runs in the job's process before it starts: dies with the daemon, runs on the engine's CPUs."""
-        _die_with_parent()
+        die_with_parent()
         if self.engine_cpus is not None:
             os.sched_setaffinity(0, self.engine_cpus)
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from prefixcache.cachestore.warmup.progress import Counters
 from pydantic import BaseModel, computed_field
 from rich.table import Table
+
+from prefixcache.cachestore.warmup.progress import Counters
 
 #: finished: every prompt is done; nothing_to_do: it already was; stopped: --max-prompts reached;
 #: incomplete: some prompts' chunks never reached the index (rerun retries them); interrupted: SIGINT/SIGTERM

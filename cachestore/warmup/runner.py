@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from prefixcache.cachestore.api.app import ClientConfig
-from prefixcache.cachestore.client.cache_client import fetch_config, index_url
+from pydantic import BaseModel, ConfigDict, Field
+
+from prefixcache.cachestore.client.config import ClientConfig, fetch_config, index_url
 from prefixcache.cachestore.node.settings import default_data_dir
 from prefixcache.cachestore.warmup import plan
 from prefixcache.cachestore.warmup.corpus import CorpusError, CorpusPrompt, Problem, check_against_model, read_corpus
@@ -36,7 +37,6 @@ from prefixcache.indexer.index import ChunkEntry
 from prefixcache.indexer.keys import PrefixHasher, extend_all
 from prefixcache.indexer.namespace import NamespaceSpec, tenant_id
 from prefixcache.indexer.redis_index import RedisIndex
-from pydantic import BaseModel, ConfigDict, Field
 
 SETTLE_TIMEOUT_S = 30.0
 SETTLE_POLL_S = 0.05

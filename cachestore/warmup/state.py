@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import xxhash
-from prefixcache.indexer.errors import ConfigError, PrefixCacheError
 from pydantic import BaseModel, ValidationError
+
+from prefixcache.indexer.errors import ConfigError, PrefixCacheError
 
 STATE_VERSION = 1
 #: warmed: computed by this job; cached: already in the index when looked up; invalid: left out (bad input)

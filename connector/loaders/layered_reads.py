@@ -1,10 +1,10 @@
-"""NVMe-only chunks read from this node's segment files straight into vLLM's pages, layer by layer.
+"""NVMe-only chunks read from this node's pack files straight into vLLM's pages, layer by layer.
 
 Why: through arena slots, an NVMe-only hit read every chunk into a slot, verified it and copied it into its
 pages before the forward pass began, so the disk's time (64 MiB in ~30 ms at ~2 GB/s) and the forward
 pass's (~25 ms for an 8k-token prompt on this CPU) added up. Each object holds its payload layer by layer
 from a 4 KiB boundary (cachestore/chunks/codec.py), and the NVMe tier stores objects at 4 KiB
-boundaries of its segment files, so one layer's pages of a chunk are one aligned range of its file: a single
+boundaries of its pack files, so one layer's pages of a chunk are one aligned range of its file: a single
 O_DIRECT ``preadv`` puts them into their pages (and the scratch for pages the load does not take). The reads
 go out layer by layer; vLLM's ``wait_for_layer_load``, which each attention layer calls before it reads its
 KV, waits for its layer's reads only, so the forward pass computes layer i while layer i + 1 is read. A

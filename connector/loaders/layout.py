@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
 from prefixcache.cachestore.chunks.arena import ArenaFullError, address_of
 from prefixcache.cachestore.chunks.codec import payload_offset
 from prefixcache.cachestore.client.cache_client import CacheClient

@@ -1,4 +1,4 @@
-"""Chunks only this node's NVMe holds, read from their segment files straight into vLLM's pages, layer by layer, each
+"""Chunks only this node's NVMe holds, read from their pack files straight into vLLM's pages, layer by layer, each
 attention layer waiting for its own (connector/loaders/layered_reads.py says why and how), and verified behind the
 reads. Only where every page lies in the client's shared memory at a 4 KiB boundary, as O_DIRECT needs, and until a
 step shows vLLM does not wait for its layers: that step's chunks are recomputed, and NVMe hits are read whole
@@ -45,7 +45,7 @@ class NvmeLayered:
     # -- Loader --------------------------------------------------------------------------------------
 
     def begin_load(self, chunks: list[LoadChunk]) -> tuple[LayeredRead | None, list[LoadChunk]]:
-        """Start reading NVMe-only chunks from this node's segment files straight into their pages, layer by layer;
+        """Start reading NVMe-only chunks from this node's pack files straight into their pages, layer by layer;
         returns that read and the chunks left to load through slots: those whose last block vLLM writes this step,
         those on no disk of this node, of another size than this geometry's, or beyond the arena's room for their
         headers."""

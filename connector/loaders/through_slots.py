@@ -17,7 +17,7 @@ from typing import Literal
 
 from prefixcache.cachestore.chunks.arena import ArenaFullError
 from prefixcache.cachestore.chunks.runs import runs_of_about
-from prefixcache.cachestore.client.cache_client import Fetched
+from prefixcache.cachestore.client.cache_client import FetchedPayload
 from prefixcache.cachestore.tiers.nvme_io import read_size
 from prefixcache.connector.loaders.base import ArenaWarnings, CountLoaded, Store, drop
 from prefixcache.connector.loaders.layout import KvLayout
@@ -37,11 +37,11 @@ class SlotsRead:
 
 
 @dataclass
-class _Fetched:
+class _FetchedGroup:
     """One group's payloads, verified or being verified (``fetch_checking_later``; None: recompute), and the
     objects among them read from NVMe."""
 
-    payloads: list[Fetched]
+    payloads: list[FetchedPayload]
     from_disk: dict[bytes, memoryview] = field(default_factory=dict)
 
 
@@ -203,7 +203,7 @@ class ThroughSlots:
         return functools.partial(self._client.store_disk_reads, list(read_from_disk.items())), held
 
     @staticmethod
-    def _checked(payload: Fetched) -> memoryview | None:
+    def _checked(payload: FetchedPayload) -> memoryview | None:
         """A payload, once its check is over (None: recompute)."""
         if not isinstance(payload, Future):
             return payload
@@ -229,11 +229,11 @@ class ThroughSlots:
         upcoming: list[tuple[bytes, memoryview]],
         cuts: dict[bytes, int | None],
         check_later: bool = True,
-    ) -> _Fetched:
+    ) -> _FetchedGroup:
         """Fetch one group into its slots, each chunk's two DRAM parts in one call (``cuts``: where each is cut),
         its DRAM copies checked on the check threads (``check_later``, where this loader has them) or before
         this returns; runs on the fetch thread."""
-        fetched = _Fetched(payloads=[None] * len(group))
+        fetched = _FetchedGroup(payloads=[None] * len(group))
         keys, slots = [key for key, _ in group], [slot for _, slot in group]
         at = [cuts[key] for key in keys]
         try:

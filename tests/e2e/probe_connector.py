@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from prefixcache.connector import PrefixCacheConnector
 from prefixcache.connector.metadata import LoadChunk, PrefixCacheMetadata
 from prefixcache.indexer.keys import chunk_key

@@ -21,7 +21,7 @@ import torch
 
 from tests.daemon_harness import (
     Daemon,
-    client_use,
+    client_stats,
     connector_config,
     corrupt_chunks,
     damage_dram_copies,
@@ -326,7 +326,7 @@ def test_a_request_asking_for_its_prompts_logprobs_is_not_a_hit(run_vllm, tiny_m
     the daemon's statistics count no hit for it, though P1 is stored; P2 after it, a hit, is counted. P1 is still
     looked up, so what it computes is not published again. This engine names the connector's class alone: vLLM
     finds it through prefixcache's entry point."""
-    before = client_use(daemon)
+    before = client_stats(daemon)
     out = run_vllm(
         {
             "model": str(tiny_model),
@@ -339,7 +339,7 @@ def test_a_request_asking_for_its_prompts_logprobs_is_not_a_hit(run_vllm, tiny_m
     assert [o["num_cached_tokens"] for o in out["outputs"]] == [0, len(P2) - 1]
 
     def counted(name: str) -> int:
-        return client_use(daemon)[name] - before[name]
+        return client_stats(daemon)[name] - before[name]
 
     assert wait_for(lambda: counted("matched_tokens") >= len(P2) - 1)
     assert (counted("hits"), counted("matched_tokens")) == (1, len(P2) - 1)  # before: 2 hits, P1's tokens too

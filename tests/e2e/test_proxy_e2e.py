@@ -21,8 +21,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prefixcache.cachestore.host.processes import free_port
 
+from prefixcache.cachestore.host.processes import free_port
 from tests.daemon_harness import Daemon, connector_config
 from tests.e2e.compare import same_greedy_output
 from tests.e2e.conftest import REPO, vllm_env

@@ -1,4 +1,5 @@
-"""The daemon's background services share one shape: a thread that repeats one step until stopped."""
+"""A thread that repeats one step until stopped: the shape of the daemon's background services, and of the
+keeper of a process's Mooncake attachment."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Buffers that callers fill in O(1) and a lazily started thread empties every ``interval_s``.
 
-Hit statistics (the index's access log) and client statistics share this shape: recording must
+Hit statistics (the index's access log) and client stats share this shape: recording must
 never wait on Redis, so records collect in memory and ``flush`` writes them in the background;
 ``close`` stops the thread and writes what is left.
 """

@@ -1,4 +1,4 @@
-"""Cache use as clients see it (hits, tokens served, latencies), summed per node in Redis for the daemon.
+"""Client stats: cache use as clients see it (hits, tokens served, latencies), summed per node in Redis.
 
 Lookups, fetches and publishes happen in client processes (connectors, warm-up jobs), never in the
 daemon, so each client counts in memory and a background thread adds its counts to one Redis hash
@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import redis
-from prefixcache.indexer.periodic import PeriodicFlusher
+
+from prefixcache.indexer.periodic_flusher import PeriodicFlusher
 
 log = logging.getLogger("prefixcache.client_stats")
 
@@ -43,19 +44,19 @@ COUNTERS = (
 )
 
 
-def stats_key(prefix: str, node: str) -> str:
+def client_stats_key(prefix: str, node: str) -> str:
     return f"{prefix}cs:{node}"
 
 
 class ClientStatsRecorder(PeriodicFlusher):
-    """One per client process: ``record_*`` from any thread, flushed to Redis in the background."""
+    """One per client process: ``record_*`` from any thread, added to the node's client stats in the background."""
 
     thread_name = "prefixcache-client-stats"
 
     def __init__(self, client: redis.Redis, prefix: str, node: str, interval_s: float = 1.0) -> None:
         super().__init__(interval_s)
         self._client = client
-        self._key = stats_key(prefix, node)
+        self._key = client_stats_key(prefix, node)
         self._pending: Counter[str] = Counter()
         self._lock = threading.Lock()
 
@@ -107,7 +108,7 @@ class ClientStatsRecorder(PeriodicFlusher):
         self._started()
 
     def flush(self) -> None:
-        """Add what was recorded so far to the node's totals now (tests, shutdown)."""
+        """Add what was recorded so far to the node's client stats now (tests, shutdown)."""
         with self._lock:
             pending, self._pending = self._pending, Counter()
         if not pending:
@@ -131,13 +132,13 @@ class Latency:
 
 
 @dataclass
-class ClientTotals:
-    """What clients on one node recorded for one namespace, since the index was created."""
+class ClientStatsRecord:
+    """The client stats of one namespace on one node: what its clients recorded since the index was created."""
 
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     latency: dict[Operation, Latency] = field(default_factory=lambda: {op: Latency() for op in OPERATIONS})
 
-    def add(self, other: ClientTotals) -> None:
+    def add(self, other: ClientStatsRecord) -> None:
         for name, value in other.counters.items():
             self.counters[name] += value
         for op, theirs in other.latency.items():
@@ -147,20 +148,20 @@ class ClientTotals:
             ours.count += theirs.count
 
 
-def read_client_stats(client: redis.Redis, prefix: str, node: str) -> dict[bytes, ClientTotals]:
-    """Per namespace digest, the totals clients on ``node`` recorded."""
-    totals: defaultdict[bytes, ClientTotals] = defaultdict(ClientTotals)
-    for raw_name, raw_value in client.hgetall(stats_key(prefix, node)).items():
+def read_client_stats(client: redis.Redis, prefix: str, node: str) -> dict[bytes, ClientStatsRecord]:
+    """The client stats of ``node``, per namespace digest."""
+    records: defaultdict[bytes, ClientStatsRecord] = defaultdict(ClientStatsRecord)
+    for raw_name, raw_value in client.hgetall(client_stats_key(prefix, node)).items():
         try:
-            _read_field(totals, raw_name.decode(), int(raw_value))
+            _read_field(records, raw_name.decode(), int(raw_value))
         except (ValueError, KeyError, IndexError):  # not written by a client of this version: skip
             log.debug("ignored client statistics field %r", raw_name)
-    return dict(totals)
+    return dict(records)
 
 
-def _read_field(totals: defaultdict[bytes, ClientTotals], name: str, value: int) -> None:
+def _read_field(records: defaultdict[bytes, ClientStatsRecord], name: str, value: int) -> None:
     ns, _, counter = name.partition(":")
-    entry = totals[bytes.fromhex(ns)]
+    entry = records[bytes.fromhex(ns)]
     if not counter.startswith("lat:"):
         entry.counters[counter] = value
         return

@@ -1,0 +1,59 @@
+"""The index as a vLLM scheduler uses it: lookups, leases on the chunks it promised, and its client stats.
+
+A scheduler moves no bytes. It asks the index how much of each prompt is cached, leases the chunks it
+plans for its workers to load (indexer/leases.py), and records what it took from the cache, for the
+daemon's ``/v1/stats`` and ``/metrics`` (client_stats.py). It attaches as every client does, from the
+node's ``ClientConfig`` (config.py), but needs neither DRAM nor the NVMe tier: this is the part of the
+client library it uses, and the connector's scheduler side reaches Redis through nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prefixcache.cachestore.client.client_stats import ClientStatsRecorder
+from prefixcache.cachestore.client.config import ClientConfig, index_url
+from prefixcache.indexer.index import PrefixIndex, attach_namespace
+from prefixcache.indexer.leases import Leases
+from prefixcache.indexer.namespace import NamespaceSpec
+from prefixcache.indexer.redis_clients import redis_client
+from prefixcache.indexer.redis_index import RedisIndex
+
+log = logging.getLogger("prefixcache.client")
+#: Socket timeouts of the connection for leases and statistics, which run off the scheduler's thread.
+LEASE_TIMEOUT_S = 1.0
+
+
+@dataclass
+class SchedulerIndex:
+    """What a scheduler reaches the index through, once attached (``attach``); ``close`` it when done."""
+
+    index: PrefixIndex
+    leases: Leases  # held on a connection of its own, with short timeouts (LEASE_TIMEOUT_S)
+    recorder: ClientStatsRecorder  # on the same connection as the leases
+
+    @classmethod
+    def attach(
+        cls, config: ClientConfig, namespaces: Sequence[NamespaceSpec], redis_password: str | None = None
+    ) -> SchedulerIndex:
+        """Connect to the index of ``config``'s node and register every one of ``namespaces``; raises while Redis
+        does not answer (a scheduler without its index would only miss)."""
+        index = RedisIndex(index_url(config, redis_password), key_prefix=config.key_prefix)
+        try:
+            for namespace in namespaces:
+                attach_namespace(index, namespace, log)
+        except Exception:
+            index.close()
+            raise
+        bookkeeping = redis_client(index.url, socket_timeout_s=LEASE_TIMEOUT_S, connect_timeout_s=LEASE_TIMEOUT_S)
+        return cls(
+            index=index,
+            leases=Leases(bookkeeping, config.key_prefix),
+            recorder=ClientStatsRecorder(bookkeeping, config.key_prefix + ":", config.node),
+        )
+
+    def close(self) -> None:
+        self.recorder.close()
+        self.index.close()

@@ -1,0 +1,37 @@
+"""The daemon's side of the requests queued for it over Redis (cachestore/client/node_requests.py): a thread that
+takes each request off its node's queue and pushes its one answer onto the reply list the request names."""
+
+from __future__ import annotations
+
+import redis
+
+from prefixcache.cachestore.client.node_requests import REPLY_TTL_S, parse_request
+from prefixcache.cachestore.host.background_loop import BackgroundLoop
+
+
+class AnsweringServer(BackgroundLoop):
+    """Serves one queue of requests that each get one answer: ``answer(keys)``, on ``<reply_prefix><reply id>``."""
+
+    def __init__(self, client: redis.Redis, queue: str, reply_prefix: str) -> None:
+        super().__init__()
+        self.client = client
+        self.queue = queue
+        self.reply_prefix = reply_prefix
+
+    def answer(self, keys: list[bytes]) -> str:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        self.serve_once()
+
+    def serve_once(self, block_s: float = 0.5) -> bool:
+        item = self.client.blpop([self.queue], timeout=block_s)
+        if item is None:
+            return False
+        reply_id, keys = parse_request(item[1])
+        reply = f"{self.reply_prefix}{reply_id}"
+        pipe = self.client.pipeline(transaction=False)
+        pipe.rpush(reply, self.answer(keys))
+        pipe.expire(reply, REPLY_TTL_S)
+        pipe.execute()
+        return True
