@@ -64,7 +64,8 @@ def _daemon_variables() -> frozenset[str]:
 
 @functools.cache
 def _known_variables() -> frozenset[str]:
-    """The daemon's settings, the CLI's option variables, and the variables the package's commands read."""
+    """The daemon's settings, the CLI's option variables, and the variables the package's commands read (by name,
+    or through a module constant named ``..._ENV``)."""
     options = {
         variable
         for command in _cli_commands().values()
@@ -73,7 +74,9 @@ def _known_variables() -> frozenset[str]:
     }
     read = set()
     for path in (ROOT / "cachestore").rglob("*.py"):
-        read |= set(re.findall(r"""environ(?:\.get)?[(\[]\s*["'](PREFIXCACHE_[A-Z_]+)["']""", path.read_text()))
+        text = path.read_text()
+        read |= set(re.findall(r"""environ(?:\.get)?[(\[]\s*["'](PREFIXCACHE_[A-Z_]+)["']""", text))
+        read |= set(re.findall(r"""^[A-Z_]+_ENV\s*=\s*["'](PREFIXCACHE_[A-Z_]+)["']""", text, flags=re.MULTILINE))
     return _daemon_variables() | options | read
 
 

@@ -22,7 +22,8 @@ from prefixcache.cachestore.proxy.routing import (
     publishable_tokens,
     tokenize_body,
 )
-from prefixcache.cachestore.proxy.server import CachedPrefix, ProxySettings, create_app
+from prefixcache.cachestore.proxy.server import CachedPrefix, create_app
+from prefixcache.cachestore.proxy.settings import ProxySettings
 from prefixcache.indexer.errors import ConfigError
 from tests.test_index import publish
 

@@ -14,6 +14,7 @@ from prefixcache.cachestore.cli.errors import clear_errors, err
 from prefixcache.cachestore.cli.settings_reference import field_help
 from prefixcache.cachestore.cli.warmup import CONTEXT as WARMUP_CONTEXT
 from prefixcache.cachestore.cli.warmup import warmup
+from prefixcache.cachestore.proxy.settings import AUTH_TOKEN_ENV, REDIS_PASSWORD_ENV, ProxySettings
 
 app = typer.Typer(help="prefixcache: a persistent prefix KV cache for vLLM.", no_args_is_help=True)
 
@@ -96,28 +97,33 @@ def serve(
         NodeDaemon(load_settings(flags, config)).serve()
 
 
+def proxy_help(name: str) -> str:
+    """The help of ``prefixcache proxy``'s option for proxy setting ``name``."""
+    return field_help(name, model=ProxySettings)
+
+
 @app.command()
 def proxy(
-    prefill: Annotated[list[str], typer.Option(help="prefill instance URL (repeat, or comma-separated)")],
-    decode: Annotated[list[str], typer.Option(help="decode instance URL (repeat, or comma-separated)")],
-    host: Annotated[str | None, typer.Option(help="bind address [default: 127.0.0.1]")] = None,
-    port: Annotated[int | None, typer.Option(help="port [default: 8000]")] = None,
-    routing: Annotated[str | None, typer.Option(help="round-robin or cache-aware [default: round-robin]")] = None,
-    service_url: Annotated[str | None, typer.Option(help="a prefixcache daemon, for cache-aware routing")] = None,
-    timeout_s: Annotated[float | None, typer.Option(help="longest request to an instance [default: 600]")] = None,
-    publish_wait_s: Annotated[float | None, typer.Option(help="wait for a prefill's chunks [default: 2]")] = None,
-    retry_after_s: Annotated[float | None, typer.Option(help="a failed instance goes last [default: 10]")] = None,
-    auth_token_file: Annotated[Path | None, typer.Option(help="bearer token clients send: its file")] = None,
+    prefill: Annotated[list[str], typer.Option(help=proxy_help("prefill"))],
+    decode: Annotated[list[str], typer.Option(help=proxy_help("decode"))],
+    host: Annotated[str | None, typer.Option(help=proxy_help("host"))] = None,
+    port: Annotated[int | None, typer.Option(help=proxy_help("port"))] = None,
+    routing: Annotated[str | None, typer.Option(help=proxy_help("routing"))] = None,
+    service_url: Annotated[str | None, typer.Option(help=proxy_help("service_url"))] = None,
+    timeout_s: Annotated[float | None, typer.Option(help=proxy_help("timeout_s"))] = None,
+    publish_wait_s: Annotated[float | None, typer.Option(help=proxy_help("publish_wait_s"))] = None,
+    retry_after_s: Annotated[float | None, typer.Option(help=proxy_help("retry_after_s"))] = None,
+    auth_token_file: Annotated[Path | None, typer.Option(help="a file holding auth_token")] = None,
 ) -> None:
     """OpenAI-compatible front for disaggregated prefill: each request is prefilled on a prefill instance,
     which publishes the prompt's KV, then generated on a decode instance, which loads it from the store. Secrets come
     from the environment or files, never flags: PREFIXCACHE_PROXY_TOKEN (or --auth-token-file) is the bearer token
     clients must send, PREFIXCACHE_REDIS_PASSWORD the index's password (cache-aware routing, where the daemon's
-    password file cannot be read)."""
+    password file cannot be read). docs/settings.md describes every setting."""
     import os
 
     from prefixcache.cachestore.host.secret_files import read_secret
-    from prefixcache.cachestore.proxy.server import ProxySettings, serve
+    from prefixcache.cachestore.proxy.server import serve
 
     flags = dict(
         prefill=prefill,
@@ -129,8 +135,8 @@ def proxy(
         timeout_s=timeout_s,
         publish_wait_s=publish_wait_s,
         retry_after_s=retry_after_s,
-        auth_token=os.environ.get("PREFIXCACHE_PROXY_TOKEN"),
-        redis_password=os.environ.get("PREFIXCACHE_REDIS_PASSWORD"),
+        auth_token=os.environ.get(AUTH_TOKEN_ENV),
+        redis_password=os.environ.get(REDIS_PASSWORD_ENV),
     )
     with clear_errors():
         if auth_token_file is not None:

@@ -103,18 +103,18 @@ def description(model: type[BaseModel], name: str) -> str:
     return " ".join(text.split())
 
 
-def field_help(name: str, *, repeated: bool = False) -> str:
-    """The help of ``prefixcache serve``'s option for daemon setting ``name``: its description, as the terminal
-    shows it (no backticks; brackets escaped from Rich's markup), and its default where it has one. A ``repeated``
-    option takes one of the list's values at a time."""
+def field_help(name: str, *, model: type[BaseModel] = Settings, repeated: bool = False) -> str:
+    """The help of a command's option for setting ``name`` of ``model`` (``prefixcache serve``'s, by default):
+    its description, as the terminal shows it (no backticks; brackets escaped from Rich's markup), and its default
+    where it has one. A ``repeated`` option takes one of the list's values at a time."""
     from rich.markup import escape
 
-    text = description(Settings, name).replace("`", "")
+    text = description(model, name).replace("`", "")
     if repeated:
         text += " Give the flag once for each."
-    field = Settings.model_fields[name]
+    field = model.model_fields[name]
     default = default_text(field, name)
-    if field.annotation is not bool and default not in ("unset", "empty"):
+    if field.annotation is not bool and default not in ("unset", "empty", "required"):
         text += f" [default: {default.replace('`', '')}]"
     return escape(text)
 
@@ -220,18 +220,22 @@ def _bounds(metadata: Iterable[Any], *, unit: str = "", integer: bool = False, s
 # The flags of `prefixcache serve`.
 
 
+def command_params(command: str) -> list[Any]:
+    """The parameters (click's) of ``prefixcache COMMAND``."""
+    import typer
+
+    from prefixcache.cachestore.cli.app import app
+
+    return typer.main.get_command(app).commands[command].params
+
+
 def serve_options() -> dict[str, Any]:
     """``prefixcache serve``'s options by the daemon setting each sets (click's ``Option``; ``--config`` left out).
 
     An option is named as its setting, or, taking one value at a time (``--allowed-host`` again and again), as its
     list setting without the plural ``s``. Raises for an option that sets no setting."""
-    import typer
-
-    from prefixcache.cachestore.cli.app import app
-
-    serve = typer.main.get_command(app).commands["serve"]
     options = {}
-    for param in serve.params:
+    for param in command_params("serve"):
         if param.param_type_name != "option" or param.name in ("config", "help"):
             continue
         setting = param.name if param.name in Settings.model_fields else f"{param.name}s"
@@ -338,20 +342,52 @@ def connector_section() -> Iterator[str]:
     yield from _table(["key", "type", "default", "description"], rows)
 
 
+def proxy_section() -> Iterator[str]:
+    from prefixcache.cachestore.proxy.settings import AUTH_TOKEN_ENV, REDIS_PASSWORD_ENV, ProxySettings
+
+    secrets = {"auth_token": f"`{AUTH_TOKEN_ENV}`, or `--auth-token-file`", "redis_password": f"`{REDIS_PASSWORD_ENV}`"}
+    yield "## The disaggregated-prefill proxy: `prefixcache proxy`"
+    yield ""
+    yield (
+        "Set by the command's flags; its two secrets come from the environment or a file, never from a flag, "
+        "which other users of the host could read. Anything invalid stops the proxy before it starts."
+    )
+    yield ""
+    flags = {param.name: param for param in command_params("proxy") if param.name in ProxySettings.model_fields}
+    unset = set(ProxySettings.model_fields) - set(flags) - set(secrets)
+    if unset:
+        raise ValueError(f"prefixcache proxy has no option for settings {sorted(unset)}")
+    rows = []
+    for name, field in ProxySettings.model_fields.items():
+        rows.append(
+            [
+                f"`{name}`",
+                secrets.get(name) or flag_text(flags[name]),
+                type_text(field.annotation, field.metadata),
+                default_text(field, name),
+                description(ProxySettings, name),
+            ]
+        )
+    yield from _table(["setting", "flag or source", "type", "default", "description"], rows)
+
+
 def render() -> str:
     """docs/settings.md, as it should read."""
     lines = [
         "<!-- Written by `python -m prefixcache.cachestore.cli.settings_reference` from the settings' own "
-        "descriptions (cachestore/node/settings.py, connector/settings.py): edit those and run it again. -->",
+        "descriptions (cachestore/node/settings.py, connector/settings.py, cachestore/proxy/settings.py): edit "
+        "those and run it again. -->",
         "",
         "# Settings",
         "",
-        "Every setting of the node daemon and of the vLLM connector, with what it does. "
+        "Every setting of the node daemon, the vLLM connector and the disaggregated-prefill proxy, with what it does. "
         "`prefixcache serve --help` shows the daemon's flags with the same descriptions.",
         "",
         *daemon_section(),
         "",
         *connector_section(),
+        "",
+        *proxy_section(),
     ]
     return "\n".join(lines) + "\n"
 

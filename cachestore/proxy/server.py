@@ -28,13 +28,12 @@ import hmac
 import json
 import logging
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
-from urllib.parse import urlsplit
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import SecretStr
 from starlette.background import BackgroundTask
 
 from prefixcache.cachestore.client.config import fetch_config, index_url
@@ -46,8 +45,9 @@ from prefixcache.cachestore.proxy.routing import (
     publishable_tokens,
     tokenize_body,
 )
+from prefixcache.cachestore.proxy.settings import ProxySettings
 from prefixcache.indexer.chunking import ChunkGeometry
-from prefixcache.indexer.errors import ConfigError, IndexUnavailableError, validation_problems
+from prefixcache.indexer.errors import IndexUnavailableError
 from prefixcache.indexer.index import PrefixIndex
 from prefixcache.indexer.keys import PrefixHasher, extend_all
 from prefixcache.indexer.redis_index import RedisIndex
@@ -56,65 +56,6 @@ log = logging.getLogger("prefixcache.proxy")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 #: How often the proxy re-checks the index while a prefill instance's chunks are being registered.
 PUBLISH_POLL_S = 0.01
-
-
-class ProxySettings(BaseModel):
-    """What ``prefixcache proxy`` runs with. Every URL is checked before anything starts."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    prefill: list[str] = Field(min_length=1, description="prefill instances (vLLM with a kv_producer connector)")
-    decode: list[str] = Field(min_length=1, description="decode instances (vLLM with a kv_consumer/kv_both connector)")
-    host: str = Field(default="127.0.0.1", description="address the proxy binds to")
-    port: int = Field(default=8000, ge=1, le=65535)
-    routing: Literal["round-robin", "cache-aware"] = "round-robin"
-    service_url: str | None = Field(default=None, description="a prefixcache daemon (cache-aware routing)")
-    redis_password: str | None = Field(default=None, description="if the index needs one (never logged)")
-    timeout_s: float = Field(default=600.0, gt=0, description="longest a request to an instance may take")
-    publish_wait_s: float = Field(
-        default=2.0, ge=0, description="cache-aware: how long to wait for a prefill's chunks to appear in the index"
-    )
-    retry_after_s: float = Field(default=10.0, gt=0, description="a failed instance is tried last for this long")
-    auth_token: SecretStr | None = Field(
-        default=None,
-        min_length=16,
-        description="bearer token every request but /health needs; unset: none (the "
-        "instances may still check theirs: the client's Authorization header is forwarded)",
-    )
-
-    @field_validator("prefill", "decode", mode="before")
-    @classmethod
-    def _split(cls, urls: object) -> object:
-        """``--prefill A,B`` and ``--prefill A --prefill B`` mean the same."""
-        if isinstance(urls, str):
-            urls = [urls]
-        if isinstance(urls, list):
-            return [u.strip() for url in urls for u in str(url).split(",") if u.strip()]
-        return urls
-
-    @field_validator("prefill", "decode", "service_url")
-    @classmethod
-    def _http_urls(cls, urls: list[str] | str | None) -> list[str] | str | None:
-        for url in [urls] if isinstance(urls, str) else urls or []:
-            parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
-                raise ValueError(f"must look like http://HOST:PORT (got {url!r})")
-        if isinstance(urls, list):
-            return [u.rstrip("/") for u in urls]
-        return urls.rstrip("/") if urls else urls
-
-    @model_validator(mode="after")
-    def _cache_aware_needs_the_index(self) -> ProxySettings:
-        if self.routing == "cache-aware" and not self.service_url:
-            raise ValueError("routing cache-aware needs --service-url (a prefixcache daemon, for the index)")
-        return self
-
-    @classmethod
-    def parse(cls, values: dict[str, Any]) -> ProxySettings:
-        try:
-            return cls.model_validate({k: v for k, v in values.items() if v is not None})
-        except ValidationError as exc:
-            raise ConfigError(f"invalid proxy setting {validation_problems(exc, 'settings')}") from None
 
 
 @dataclass
