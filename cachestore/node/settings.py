@@ -67,7 +67,7 @@ class Settings(BaseSettings):
     redis_url: str | None = Field(
         default=None,
         description="The shared index: `redis://[user:password@]host:6379/0`, `rediss://` (TLS) or `unix://`; "
-        "give prefixcache a Redis user of its own (deploy/GUIDE.md, Security). Never echoed, since it may hold "
+        "give prefixcache a Redis user of its own (docs/operations.md, Security). Never echoed, since it may hold "
         "a password. Unset: the daemon starts an embedded redis-server under `data_dir`.",
     )
     redis_port: int | None = Field(
