@@ -466,7 +466,7 @@ class CacheClient:
         Asked only when DRAM just missed a chunk the index placed there: its copies vanished unannounced
         (the master's own eviction, which demotion normally forestalls), and the upcoming chunks' likely
         did too. Planning their disk reads now, in one plan, keeps the disk busy; trusting the index
-        read them one fetch after another (a 32 MiB load in 8 MiB fetches took 1.42 x as long).
+        would read them one fetch after another, each waiting for the one before.
         """
         return {key for key, held in zip(keys, self.dram.contains(keys), strict=True) if not held}
 

