@@ -3,7 +3,7 @@
 For 1 MiB and 8 MiB chunks:
 
 * DRAM tier: this process attaches (``setup_dummy``) to a segment owner of its own (a 1 GiB segment,
-  warmed first as the daemon does: first-touch faults make fresh shared memory ~4x slower) and moves
+  warmed first as the daemon does: first-touch faults slow fresh shared memory) and moves
   objects built in arena slots (the zero-copy path clients use), 128 MiB per ``put``/``get_into``
   call, 512 MiB of fresh keys per round, deleted before the next. Anchor: numpy copies of chunk-sized
   slices of a 512 MiB array into another (so nothing is cache-resident), as many bytes.
@@ -72,7 +72,7 @@ def gbps(nbytes: int, fn: Callable[[], None]) -> float:
 
 def interleaved(n: int, tier: Callable[[int], None], anchor: Callable[[int], None]) -> tuple[float, float]:
     """Seconds spent in ``tier(i)`` and in ``anchor(i)`` for i < n, run in pairs, alternately first: the
-    two then see the same machine (a virtual disk swings between ~1 and ~2 GB/s for tens of seconds)."""
+    two then see the same machine (a virtual disk's speed can swing for tens of seconds)."""
     spent = [0.0, 0.0]
     for i in range(n):
         for which in (0, 1) if i % 2 == 0 else (1, 0):
@@ -191,7 +191,7 @@ def nvme_round(store: NvmeStore, sources: list[memoryview], dests: list[memoryvi
     def get(i: int) -> None:
         assert store.get_into(batches[i], dests) == [chunk] * per_call, "NVMe get missed"
 
-    def odirect(i: int) -> None:  # into the very buffers get_into fills: on this VM they change the speed
+    def odirect(i: int) -> None:  # into the very buffers get_into fills: the buffers can change the speed
         for j, buffer in enumerate(dests):
             assert os.preadv(fd, [buffer], i * BATCH + j * chunk) == chunk
 

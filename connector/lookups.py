@@ -1,8 +1,8 @@
 """Index lookups of the requests vLLM adds together, made together: one round trip for a burst of them.
 
 vLLM asks the scheduler side about each waiting request in turn (``get_num_new_matched_tokens``) while
-it schedules a step, on its one scheduling thread, and each lookup is a Redis round trip (0.2-0.6 ms in
-a CPU engine, more where Redis runs on another host). A burst of requests that all hit, which vLLM
+it schedules a step, on its one scheduling thread, and each lookup is a Redis round trip (longer where
+Redis runs on another host). A burst of requests that all hit, which vLLM
 schedules in one pass since each computes one token, would hold that pass up by a round trip per
 request. vLLM tells the connector of each request as it adds it (``on_new_request``), before the pass
 that schedules it. So the scheduler side notes each new request's queries here, and the first lookup
@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 from prefixcache.indexer.index import PrefixIndex, PrefixMatch
 from prefixcache.indexer.keys import PrefixQuery
 
-#: Requests looked up in one call at most: a Lua script holds Redis up while it runs (64 cached requests of 4k
-#: tokens, 16 chunks each, took ~4 ms in one call here, the client's parsing of the replies included).
+#: Requests looked up in one call at most: a Lua script holds Redis up while it runs, so a burst is split into
+#: calls short enough not to stall the index's other clients.
 MAX_BATCH = 64
 
 _Noted = tuple[int, Sequence[PrefixQuery]]  # the request's length when noted, and its queries (one per shard)

@@ -94,8 +94,8 @@ class HostPageCopies:
     """A CPU cache: a copy is over when it returns.
 
     Placing is a memcpy on the cores the reads and checks use too, so groups stay small and the fetch thread
-    checks: its spare cores also run the segment owner's copy, and on 2 cores four check threads made loads
-    through slots slower (97 against 86 ms for 256 MiB, benchmarks/windows.py)."""
+    checks: its spare cores also run the segment owner's copy, and where cores are few, more check threads
+    make loads through slots slower, not faster (``benchmarks/windows.py`` measures it)."""
 
     load_group_bytes = 8 << 20
     check_threads = 0
@@ -138,9 +138,9 @@ class CudaPageCopies:
     is the compute stream. Loads on other threads (asynchronous ones) go into blocks no running request
     uses, so they wait for our own publishes only.
 
-    Placing is a DMA here, so fewer Mooncake calls won: a 256 MiB hit of 2 MiB chunks into an H100's cache
-    loaded in 50-61 ms with 32 MiB groups against 81-87 ms with 8 MiB ones (benchmarks/windows.py). On that
-    host one thread checked chunks in three quarters of the time Mooncake took to copy them; four, in a sixth."""
+    Placing is a DMA here, so fewer, larger Mooncake calls win: larger groups load a hit of many chunks sooner
+    (``benchmarks/windows.py`` measures it). One thread checks chunks in not much less time than Mooncake takes to
+    copy them, so several check threads keep the checks off the load's path."""
 
     load_group_bytes = 32 << 20
     check_threads = 4

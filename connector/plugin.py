@@ -220,7 +220,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         return client.spec if client is not None else None
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        """vLLM's first hook of every step, about 1 ms before ``start_load_kv``: DRAM hits start here."""
+        """vLLM's first hook of every step, ahead of ``start_load_kv``: DRAM hits start here."""
         self._adopt_client()
         if self._worker is not None and isinstance(kv_connector_metadata, _metadata_type()):
             self._worker.begin_step(kv_connector_metadata)

@@ -130,7 +130,7 @@ class SchedulerSide:
         self._sync_bytes_in_pass = 0  # what the step being scheduled loads synchronously so far, per rank
         self.requests: dict[str, RequestState] = {}
         # Promised chunks must still be there when the worker loads them. Leases are granted off the
-        # scheduler's thread: a Redis round trip there took 0.4-2 ms of every hit's TTFT on 2 cores.
+        # scheduler's thread: a Redis round trip there would add to every hit's TTFT.
         self._to_lease: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
         self._leaser = threading.Thread(target=self._lease_loop, name="prefixcache-lease", daemon=True)
         self._leaser.start()

@@ -87,8 +87,8 @@ class ConnectorSettings(BaseModel):
         "runs, and chunks only this node's NVMe holds are read from their pack files straight into the "
         "pages, one layer after another, while the forward pass computes the layers already in (each attention "
         "layer waits for its own). It costs no extra memory; the owner writes every page once at start-up "
-        "(about 0.5 s per GiB of KV cache), so that first hits into fresh pages copy at full speed. `false`: "
-        "loads go through the arena (connector/shared_kv.py).",
+        "(in time proportional to the KV cache's size), so that first hits into fresh pages copy at full speed. "
+        "`false`: loads go through the arena (connector/shared_kv.py).",
     )
 
     @classmethod

@@ -1,7 +1,7 @@
 """Token ids to the packed little-endian uint32 values that keys are computed over.
 
 Packing is the only per-token work on the lookup path, so it is done once per token:
-``array('I').fromlist`` converts a Python list 3x faster than numpy (0.14 ms per 32k tokens here),
+``array('I').fromlist`` converts a Python list faster than numpy does,
 and the hasher hashes slices of that array in place, without further copies.
 """
 

@@ -87,7 +87,7 @@ def test_the_fresh_series_is_apart_from_every_other_prompt_and_from_the_cold_row
 
 
 def test_the_run_says_how_far_lmcache_over_ours_could_reach():
-    # stop 47's full run at 1025 tokens: LMCache 37 ms, vLLM's own hit 12.3 ms, ours 14.9 ms
+    # LMCache's hits far slower than vLLM's own, ours close to it: LMCache over ours stays below its reach
     run = [
         *cases("lmcache-mp", [0.037], 1025),
         *cases(CEILING, [0.0123], 1025),

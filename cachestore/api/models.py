@@ -21,7 +21,7 @@ MAX_PAGE = 1000
 SAMPLE_KEYS = 20
 MAX_TTL_S = 10 * 365 * 86400
 #: Smallest chunk a spec given in a request may have: the work of a lookup, eviction or pin grows with the
-#: chunks of its prompt (a 1M-token prompt in 1-token chunks took 25 s; in 16-token chunks it is 65,536 keys).
+#: chunks of its prompt (a 1M-token prompt in 1-token chunks is a million keys; in 16-token chunks 65,536).
 MIN_SPEC_CHUNK_TOKENS = 16
 
 HexDigest = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{32}$", to_lower=True)]

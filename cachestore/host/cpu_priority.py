@@ -4,10 +4,10 @@ The owner copies every DRAM hit into a vLLM worker's pages while the step waits.
 shares the cores vLLM reserves with vLLM's engine-core process, which busy-polls (``sched_yield``) for its worker's
 reply for a second after each one. With autogroups on (``/proc/sys/kernel/sched_autogroup_enabled``, for processes
 in the root cgroup) the kernel shares a core between sessions first, and the owner runs in a session of its own, so
-it got about half the core: in the engine a 4097-token hit's 32 MiB copy took ~10 ms against 3.2 ms alone
-(connector/DESIGN.md §11). A lower nice for the owner's session, and for its threads where autogroups do not apply,
-lets it have the core while it copies. Lowering a nice needs CAP_SYS_NICE (or RLIMIT_NICE); without it the owner
-keeps the default.
+it gets only part of the core and a hit's copy takes much longer than alone (docs/decisions.md, "The segment owner
+runs at nice -10, threads and autogroup"). A lower nice for the owner's session, and for its threads where
+autogroups do not apply, lets it have the core while it copies. Lowering a nice needs CAP_SYS_NICE (or
+RLIMIT_NICE); without it the owner keeps the default.
 """
 
 from __future__ import annotations

@@ -355,7 +355,7 @@ class NodeDaemon:
         return self.metrics_url.rsplit("/", 1)[0] if self.metrics_url else None
 
     def _warm_segment(self) -> None:
-        """Touch the new segment's pages once: first writes to fresh shared memory run ~4x slower."""
+        """Touch the new segment's pages once: first writes to fresh shared memory run several times slower."""
         started = time.monotonic()
         slot = self.dram.arena.alloc(WARMUP_OBJECT_BYTES)
         count = int(self.settings.dram_bytes * 0.8) // WARMUP_OBJECT_BYTES

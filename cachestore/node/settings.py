@@ -67,7 +67,7 @@ class Settings(BaseSettings):
     redis_url: str | None = Field(
         default=None,
         description="The shared index: `redis://[user:password@]host:6379/0`, `rediss://` (TLS) or `unix://`; "
-        "give prefixcache a Redis user of its own (deploy/GUIDE.md, Security). Never echoed, since it may hold "
+        "give prefixcache a Redis user of its own (docs/operations.md, Security). Never echoed, since it may hold "
         "a password. Unset: the daemon starts an embedded redis-server under `data_dir`.",
     )
     redis_port: int | None = Field(
@@ -250,7 +250,7 @@ class Settings(BaseSettings):
         le=19,
         description="Nice of the segment owner, for its threads and its session (autogroup). It copies every "
         "DRAM hit into vLLM's pages while the step waits, on the cores vLLM reserves, where vLLM's engine core "
-        "busy-polls; at the default priority it got about half a core there. It works where the daemon and vLLM "
+        "busy-polls; at the default priority it gets only part of a core there. It works where the daemon and vLLM "
         "share the root cgroup, as on a plain host or VM (the kernel then shares a core between sessions, and "
         "the owner runs in one of its own); in containers and systemd services, cgroups share the cores (CPU "
         "requests, `CPUWeight=`), so the shipped files set it to 0. Below 0 needs CAP_SYS_NICE; without it the "

@@ -11,9 +11,9 @@ and its DRAM copy; the failure is counted and the pending events are replayed af
 
 A chunk is held back ``hold_s`` after its publish (the publisher's clock, ``ChunkEntry.created_s``) before it
 is copied. The first reads of a chunk come right after its publish (a decode instance loading what a prefill
-instance just computed, an agent's next turn), and the copy would share the node with them: on a 2-core VM,
-vLLM's own prefix-cache hit on a 4097-token prompt that the engine had just published took 21-35 ms with the
-copy running and 19-21 ms with it held 0.25-0.3 s (connector/DESIGN.md §11). Chunks already older than that (a
+instance just computed, an agent's next turn), and the copy would share the node with them: on a host with
+few cores it slows the hits that follow a publish, and holding it back a moment keeps it out of their way
+(docs/decisions.md, "The write-behind holds fresh chunks back 0.25 s"). Chunks already older than that (a
 backlog) are copied at once, so the hold costs no throughput, only ``hold_s`` of persistence delay.
 
 It also keeps the set of chunks resident in this node's DRAM (from the same feed), in publish order,

@@ -88,8 +88,8 @@ class MooncakeTier:
         if not base or self._store.register_buffer(base, registered) != 0:
             self.close()
             raise TierUnavailableError(f"cannot allocate and register a {arena_bytes}-byte shared-memory arena")
-        # Touch every page now: a fresh shared-memory page faults on first use, which would cap the first
-        # loads through each part of the arena near 2 GB/s (about 0.1 s per 512 MiB here, once).
+        # Touch every page now: a fresh shared-memory page faults on first use, which would slow the first
+        # loads through each part of the arena; paying it once here keeps it out of every hit's path.
         ctypes.memset(base, 0, registered)
         self.arena = Arena(base, arena_bytes)
         self._probe_address = base + arena_bytes
@@ -131,11 +131,10 @@ class MooncakeTier:
 
         The owner process does the copies, through its own mapping of our memory, and that mapping
         faults page by page too, on the first write to a page even where the owner has read it
-        before: measured here, a first get into a part of the arena ran at ~1.8 GB/s and a second one
-        at 5-6 GB/s. Putting distinct warm-up objects from every window and reading them back into it
-        (~0.5 s per GiB, once) moves that cost out of the first loads; it rewrites what it read, so it
-        runs before the memory is handed out. (Reading one object into many windows does not: Mooncake
-        serves such repeats without the owner.) Best effort: a full pool only means the first loads pay it.
+        before, so a first get into a part of the arena runs several times slower than a second one.
+        cost out of the first loads; it rewrites what it read, so it runs before the memory is handed out.
+        (Reading one object into many windows does not: Mooncake serves such repeats without the owner.)
+        Best effort: a full pool only means the first loads pay it.
         """
         window = min(PREFAULT_WINDOW_BYTES, size)
         offsets = list(range(0, size - window + 1, window))
@@ -156,10 +155,9 @@ class MooncakeTier:
 
         Gets write straight into it (``get_scattered``): a caller whose own buffers live here, such as
         the connector's KV cache, receives chunks with no copy of its own. Before it is handed out, the
-        owner writes every page of it once (``_prefault_owner_side``, ~0.5 s per GiB): measured here,
-        32 MiB gets into fresh pages took 15-16 ms, 8-11 ms where the owner had only read them (a
-        background pre-fault by puts alone, which this replaces) and 4.6-5 ms where it had written
-        them, as fast as a second get.
+        owner writes every page of it once (``_prefault_owner_side``): gets into pages the owner has only
+        read are still slower than a second get, and only pages it has written are as fast (docs/decisions.md,
+        "The segment is warmed at start; the KV cache in shared memory is written once").
         """
         address = self._store.alloc_from_mem_pool(size)
         if not address or self._store.register_buffer(address, size) != 0:
@@ -242,7 +240,7 @@ class MooncakeTier:
 
     def _put_each(self, names: Sequence[str], put: Callable[[list[str], list[int]], list[int]]) -> list[bool]:
         """Run ``put(names, positions)`` over the objects not stored yet, again while the pool is full (the
-        master evicts every ~10 ms above its watermark) until ``put_retry_s`` has passed; which were stored."""
+        master evicts on a short period above its watermark) until ``put_retry_s`` has passed; which were stored."""
         done = [False] * len(names)
         pending = list(range(len(names)))
         deadline = time.monotonic() + self._put_retry_s
@@ -466,10 +464,9 @@ def split_at(payload_offset: int, rows: int, payload_bytes: int) -> int | None:
 def first_part_rows(rows: int) -> int:
     """How many of a payload's ``rows`` leading rows the first part of its DRAM copy holds (0: not cut): a quarter,
     rounded up. The forward pass waits for the first part's copy, then computes those layers while the owner
-    copies the rest, which a one-token step's first quarter of layers outlasted where measured: a layer's
-    compute took 3-4 times its copy. In vLLM on a 2-core AVX2 EPYC (float32, 4097-token hits, our hit's
-    excess over vLLM's own hit in one engine, medians of 9 pairs per run): 23.0 and 12.9 ms for whole
-    copies (two runs), 12.9 ms cut after half the layers, 6.8 ms after a quarter."""
+    copies the rest, which the first quarter of layers' compute outlasts, since a layer's compute takes longer
+    than its copy. A quarter left less of the copy in the hit's path than a half or no cut (docs/decisions.md,
+    "A chunk's DRAM copy is two objects")."""
     return -(-rows // 4) if rows > 1 else 0
 
 

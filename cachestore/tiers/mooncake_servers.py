@@ -2,7 +2,7 @@
 
 The segment owner is a standalone ``mooncake_client`` that contributes this node's DRAM to the pool.
 Every local process (vLLM workers, the daemon itself) attaches to it with ``setup_dummy`` and moves
-bytes through shared memory at memcpy speed (~6 GB/s here, against ~1.5 GB/s over TCP). Because the
+bytes through shared memory at memcpy speed, several times what TCP moves. Because the
 owner is a process of its own, objects outlive whichever process put them.
 
 Both listen only on the host they are given: Mooncake binds some of its listeners to the wildcard whatever

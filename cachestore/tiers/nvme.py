@@ -1,7 +1,7 @@
 """The persistent NVMe tier: chunk objects in append-only pack files, located by a RocksDB manifest.
 
-Why not RocksDB for the bytes: storing 1-8 MiB values it reads cold at ~0.9 GB/s, while O_DIRECT reads
-of the same disk reach ~2 GB/s. So objects live in append-only pack files, ``<dir>/segments/<id>.seg`` (the
+Why not RocksDB for the bytes: it reads 1-8 MiB values cold at about half the speed of O_DIRECT reads of
+the same disk (docs/decisions.md). So objects live in append-only pack files, ``<dir>/segments/<id>.seg`` (the
 names on disk predate the term), each at a 4096-aligned offset and padded to 4096, so that reading one is a
 single O_DIRECT ``preadv``, straight into the caller's buffer when that buffer is page-aligned.
 RocksDB (``<dir>/manifest``) only maps key -> (pack file, offset, length, created).
@@ -81,8 +81,8 @@ def failure_of(error: OSError) -> WriteFailure:
     return "enospc" if error.errno in (errno.ENOSPC, errno.EDQUOT) else "eio"
 
 
-#: Reads in flight for a multi-object ``get_into``: one O_DIRECT read at a time reached 0.3-0.9 GB/s on
-#: this machine's disk, four 1.0-1.2 GB/s.
+#: Reads in flight for a multi-object ``get_into``: a disk moves more with several O_DIRECT reads in flight
+#: than with one at a time.
 _READERS = 4
 
 

@@ -179,7 +179,9 @@ def _folder_files(root: Path) -> list[tuple[str, bytes | OSError]]:
                 found.append((name, exc))
             finally:
                 os.close(fd)
-    return sorted(found, key=lambda item: Path(item[0]).parts)  # the order (and digest) of earlier versions
+    return sorted(
+        found, key=lambda item: Path(item[0]).parts
+    )  # by path parts: the job digest's order, stable across releases
 
 
 def _hidden(relative: Path) -> bool:

@@ -59,8 +59,8 @@ class DramInPlace:
         # computes those, until a step shows vLLM does not wait for its layers
         self._first_layers = first_part_rows(layout.layers)
         self._later_layers_behind = self._first_layers > 0
-        # A thread on the worker's own core (it only waits for the segment owner; on the reserved core it waited up
-        # to 1 ms behind vLLM's busy-polling engine core to be scheduled): the later layers' copies, and begin_load's
+        # A thread on the worker's own core (it only waits for the segment owner; on the reserved core it would wait
+        # behind vLLM's busy-polling engine core to be scheduled): the later layers' copies, and begin_load's
         # reads (``run_early``)
         self._early = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixcache-early")
         self.verifier = ThreadPoolExecutor(
@@ -183,11 +183,11 @@ class DramInPlace:
         deleted: they are read from NVMe instead, in the same load).
 
         vLLM writes the step's first computed token into that block during the forward pass. Verified there
-        behind it, an intact chunk failed its check whenever that token's last bits differed from the stored
-        one's (seen in a multimodal e2e run, where the recompute then stopped vLLM on an encoder cache miss).
+        behind it, an intact chunk would fail its check whenever that token's last bits differed from the stored
+        one's (and in a multimodal request the recompute can then stop vLLM on an encoder cache miss).
         So that block's pages land in the chunk's slot, where nothing writes, and the rest in their pages as
         usual: the copy before the forward pass is one block per layer, not the whole chunk (through a slot,
-        a 4 MiB chunk's own fetch and placing cost the step ~3 ms)."""
+        the whole chunk's fetch and placing would be in the step's path)."""
         if not items:
             return []
         try:
@@ -203,10 +203,9 @@ class DramInPlace:
 
     def verify(self, read: DramRead, errors: set[int]) -> None:
         """Verify the chunks ``read`` put straight into their pages; a chunk whose later layers did not arrive is a
-        miss, never verified. On the verifier thread while the forward pass reads them (on 2 cores, 4097-token
-        hits took 29.0 ms verifying first and 25.3 ms this way, against 21.3 and 19.0 ms for vLLM's own prefix
-        cache), or on the thread of a load nothing computes behind. Never raises: a chunk that fails goes to
-        ``errors``."""
+        miss, never verified. On the verifier thread while the forward pass reads them (so the check is off the
+        hit's path rather than before the forward pass), or on the thread of a load nothing computes behind.
+        Never raises: a chunk that fails goes to ``errors``."""
         placed = read.placed
         if read.later_copy is not None:
             missed = [item for item, ok in zip(read.later, read.later_copy.result(), strict=True) if not ok]

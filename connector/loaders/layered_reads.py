@@ -1,8 +1,8 @@
 """NVMe-only chunks read from this node's pack files straight into vLLM's pages, layer by layer.
 
 Why: through arena slots, an NVMe-only hit read every chunk into a slot, verified it and copied it into its
-pages before the forward pass began, so the disk's time (64 MiB in ~30 ms at ~2 GB/s) and the forward
-pass's (~25 ms for an 8k-token prompt on this CPU) added up. Each object holds its payload layer by layer
+pages before the forward pass began, so the disk's time and the forward pass's, of the same order for
+a long prompt, added up. Each object holds its payload layer by layer
 from a 4 KiB boundary (cachestore/chunks/codec.py), and the NVMe tier stores objects at 4 KiB
 boundaries of its pack files, so one layer's pages of a chunk are one aligned range of its file: a single
 O_DIRECT ``preadv`` puts them into their pages (and the scratch for pages the load does not take). The reads
@@ -56,14 +56,14 @@ class LayeredRead:
     chunk's header and tokens that lie just before it, then layer 1 of every chunk, and so on. ``parallel``
     tasks on ``readers`` take them from one queue in that order.
 
-    Why one queue rather than a future per read: an 8k-token hit is ~290 reads, and submitting each to the pool
-    took 2-5 ms of the worker's thread (one future, one lock and one thread wake-up per read, beside the
+    Why one queue rather than a future per read: a long hit is hundreds of reads, and submitting each to the pool
+    held up the worker's thread (one future, one lock and one thread wake-up per read, beside the
     readers already holding the GIL) before the forward pass could begin. Each layer counts down instead.
 
     Why each header rides with its layer 0 (they are contiguous on disk): the forward pass waits for layer 0
-    alone (3.7-7 ms of a 4097-token hit in stop 50's trace; later layers ~0.1 ms), and 16 heads read on their
-    own first held its reads back. Outside vLLM, 16 chunks of 4 MiB, 30 loads per arm alternating, a disk
-    giving ~0.65 GB/s: layer 0 was in 0.6-0.8 ms sooner (medians 13.4-13.6 against 14.0-14.5 ms)."""
+    alone (later layers are read while earlier ones compute), and headers read on their own first would hold
+    its reads back, so layer 0 arrives sooner with each header in its read (docs/decisions.md, "NVMe-only
+    chunks are read into the pages layer by layer")."""
 
     def __init__(self, chunks: Sequence[LayeredChunk], readers: Executor, parallel: int) -> None:
         self.chunks = list(chunks)

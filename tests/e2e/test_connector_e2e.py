@@ -2,7 +2,7 @@
 
 Every vLLM instance is a fresh process: instance A publishes and exits; instance B, with vLLM's own
 prefix cache off, must load the prefixes from the store and produce the outputs of a run without
-the connector. Engines take ~40 s to start here, so each runs several prompts.
+the connector. Engines are slow to start, so each runs several prompts.
 """
 
 from __future__ import annotations

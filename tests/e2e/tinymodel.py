@@ -20,9 +20,8 @@ top-2 gap is usually far above the noise. Measured on random prompts, last 48 po
 Reproduce them with ``python -m tests.e2e.tinymodel 0.02 0.2`` (``logit_gap_stats``).
 
 Engines run it in bf16, as models are served, where the CPU computes bf16 itself (AVX-512 BF16 or AMX), and in
-float32 elsewhere (``ENGINE_DTYPE``): on an AVX2-only machine here a bf16 matmul of the model's shape ran at a
-seventh of float32's speed (emulated), and a 1100-token prefill took 25 s in bf16 against 5.5 s in float32; the
-first three engines of the connector's e2e module took 7.1 min against about 3.5. Every comparison is between
+float32 elsewhere (``ENGINE_DTYPE``): on an AVX2-only CPU, bf16 is emulated and several times slower than float32,
+which would double the e2e modules' time. Every comparison is between
 engines of one dtype on one machine.
 """
 
