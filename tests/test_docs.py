@@ -295,3 +295,16 @@ def test_the_results_tables_are_rendered_from_the_results_files():
 
     out_of_date = stale()
     assert not out_of_date, f"{out_of_date}: run python -m benchmarks.render"
+
+
+#: Where a document's file path may be relative to: the repository, or a package folder it is describing.
+PATH_BASES = (ROOT, ROOT / "cachestore", ROOT / "connector", ROOT / "indexer", ROOT / "tests")
+#: Documents about other projects' files (vLLM's, with file:line), whose paths are not this repository's.
+FOREIGN_PATHS = {ROOT / "docs" / "vllm-notes.md"}
+
+
+@pytest.mark.parametrize("doc", [doc for doc in DOCS if doc not in FOREIGN_PATHS], ids=_rel)
+def test_every_file_named_exists(doc):
+    named = set(re.findall(r"`([\w./-]+/[\w.-]+\.(?:py|sh|lua|c|md|toml|ya?ml|json))(?::\d[\d-]*)?`", _text(doc)))
+    missing = {path for path in named if not any((base / path).exists() for base in PATH_BASES)}
+    assert not missing, f"{_rel(doc)} names files that do not exist: {sorted(missing)}"
