@@ -43,6 +43,7 @@ lint: setup
 bench: setup
 	$(PY) -m pip install -q --no-deps lmcache==0.5.6 sortedcontainers aiofile caio
 	$(PY) -m benchmarks.lookup
+	$(PY) -m benchmarks.index_scale
 	$(PY) -m benchmarks.tiers
 	$(PY) -m benchmarks.ttft
 	$(PY) -m benchmarks.burst

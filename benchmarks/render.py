@@ -331,6 +331,71 @@ def _lookup_section(lookup: dict[str, Any]) -> str:
     )
 
 
+def _index_scale_section(scale: dict[str, Any]) -> str:
+    memory = [
+        [m["deployment"], m["chunks"], f"{m['bytes_per_chunk']:.0f}", f"{m['register_chunks_per_s']:.0f}"]
+        for m in scale["memory"]
+    ]
+    latency = [
+        [r["deployment"], r["indexed_chunks"], f"{r['p50_ms']:.3f}", f"{r['p99_ms']:.3f}"] for r in scale["latency"]
+    ]
+    throughput = [
+        [
+            r["deployment"],
+            r["clients"],
+            f"{r['lookups_per_s']:.0f}",
+            f"{r['redis_cpu_us_per_lookup']:.1f}",
+            f"{r['commands_per_lookup']:.0f}",
+            r["round_trips_per_lookup"],
+        ]
+        for r in scale["throughput"]
+    ]
+    slots = scale["slots"]
+    at_scale = scale["at_scale"]
+    return "\n\n".join(
+        [
+            "### The index on one Redis (`benchmarks.index_scale`)",
+            f"Chunks of {scale['chunk_tokens']} tokens; Redis memory per chunk "
+            f"({at_scale['used_memory_bytes'] / 2**30:.2f} GiB used at {at_scale['indexed_chunks']} chunks):",
+            table(["deployment", "chunks", "bytes per chunk", "registered chunks/s"], memory),
+            f"Lookup of a cached {scale['prompt_chunks']}-chunk prompt, hashed beforehand "
+            f"(hashing alone: {scale['hashing']['p50_ms']:.3f} ms p50), ms:",
+            table(["deployment", "indexed chunks", "p50", "p99"], latency),
+            f"Concurrent client processes, {scale['cpus']} CPUs shared with Redis:",
+            table(
+                [
+                    "deployment",
+                    "clients",
+                    "lookups/s",
+                    "Redis CPU µs per lookup",
+                    "Redis commands per lookup",
+                    "round trips",
+                ],
+                throughput,
+            ),
+            f"Keys one lookup reads ({slots['keys_per_lookup']}), {slots['prompts']} prompts, "
+            "by Redis Cluster hash slot:",
+            table(
+                [
+                    "deployment",
+                    "shards a lookup touches (min, mean, max)",
+                    "shards a register touches",
+                    "keys per shard",
+                ],
+                [
+                    [
+                        slots["deployment"],
+                        f"{slots['shards_touched_min']}, {slots['shards_touched_mean']:.2f}, "
+                        f"{slots['shards_touched_max']}",
+                        f"{slots['register_shards_touched_mean']:.2f}",
+                        " / ".join(map(str, slots["keys_per_shard"])),
+                    ]
+                ],
+            ),
+        ]
+    )
+
+
 def _tiers_section(tiers: dict[str, Any]) -> str:
     columns = [
         ("DRAM put", "dram_put_gbps"),
@@ -416,6 +481,7 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("burst", _burst_section),
     ("stall", _stall_section),
     ("lookup", _lookup_section),
+    ("index_scale", _index_scale_section),
     ("tiers", _tiers_section),
     ("dram_parts", _dram_parts_section),
     ("windows", lambda r: _windows_section(r, "### Loads in windows (`benchmarks.windows`)")),
