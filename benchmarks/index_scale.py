@@ -45,7 +45,7 @@ from prefixcache.indexer.chunking import ChunkGeometry
 from prefixcache.indexer.index import ChunkRecord, Location
 from prefixcache.indexer.keys import PrefixHasher, PrefixQuery
 from prefixcache.indexer.namespace import NamespaceSpec
-from prefixcache.indexer.redis_index import RedisIndex
+from prefixcache.indexer.redis_index import RedisIndex, load_script, register_args
 from prefixcache.indexer.tokens import TOKEN_BYTES
 
 CHUNK_TOKENS = 256
@@ -100,17 +100,13 @@ def synthetic_records(ns: NamespaceSpec, count: int, seed: int) -> Iterator[list
         yield batch
 
 
-def fill(index: RedisIndex, raw: redis.Redis, ns: NamespaceSpec, count: int, seed: int) -> float:
-    """Register ``count`` synthetic chunks, several register calls per pipeline; returns the seconds taken."""
+def fill(raw: redis.Redis, ns: NamespaceSpec, count: int, seed: int) -> float:
+    """Register ``count`` synthetic chunks with the index's register script, ``PIPELINE`` calls per round trip
+    (``RedisIndex.register`` awaits each); returns the seconds taken."""
     started = time.perf_counter()
-    script = index._register  # the index's own register script, sent pipelined (RedisIndex.register waits each)
-    pipe = raw.pipeline(transaction=False)
+    script, pipe = load_script(raw, "register"), raw.pipeline(transaction=False)
     for queued, records in enumerate(synthetic_records(ns, count, seed), start=1):
-        args: list[object] = ["pc:"]
-        for r in records:
-            args += [r.key.hex(), r.parent.hex(), r.root.hex(), r.namespace.hex(), r.tenant, r.num_tokens]
-            args += [r.size_bytes, str(r.location), r.probe.hex() if r.probe else "", r.packed_tokens]
-        script(args=args, client=pipe)
+        script(args=register_args("pc:", records), client=pipe)
         if queued % PIPELINE == 0:
             pipe.execute()
     pipe.execute()
@@ -250,9 +246,9 @@ def main() -> None:
             index.register_namespace(ns)
             base = int(raw.info("memory")["used_memory"])
             index.register(chain_records(ns, tokens))
-            fill_s = fill(index, raw, ns, SMALL_INDEX - PROMPT_CHUNKS, seed=2)
+            fill_s = fill(raw, ns, SMALL_INDEX - PROMPT_CHUNKS, seed=2)
             small = latency(index, query, SMALL_INDEX)
-            fill_s += fill(index, raw, ns, args.memory_chunks - SMALL_INDEX, seed=3)
+            fill_s += fill(raw, ns, args.memory_chunks - SMALL_INDEX, seed=3)
             used = int(raw.info("memory")["used_memory"])
             memory = {
                 "deployment": DEPLOYMENT,
@@ -260,7 +256,7 @@ def main() -> None:
                 "bytes_per_chunk": (used - base) / args.memory_chunks,
                 "register_chunks_per_s": (args.memory_chunks - PROMPT_CHUNKS) / fill_s,
             }
-            large_fill_s = fill(index, raw, ns, args.chunks - args.memory_chunks, seed=4)
+            large_fill_s = fill(raw, ns, args.chunks - args.memory_chunks, seed=4)
             memory_info = raw.info("memory")
             assert raw.zcard("pc:keys") == args.chunks, raw.zcard("pc:keys")
             large = latency(index, query, args.chunks)

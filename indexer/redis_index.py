@@ -56,6 +56,25 @@ def load_script(client: redis.Redis, name: str, with_common: bool = True) -> red
     return client.register_script(source)
 
 
+def register_args(prefix: str, records: Sequence[ChunkRecord]) -> list[object]:
+    """The arguments of ``register.lua`` for ``records`` under ``prefix`` (e.g. ``"pc:"``)."""
+    args: list[object] = [prefix]
+    for r in records:
+        args += [
+            r.key.hex(),
+            r.parent.hex(),
+            r.root.hex(),
+            r.namespace.hex(),
+            r.tenant,
+            r.num_tokens,
+            r.size_bytes,
+            str(r.location),
+            r.probe.hex() if r.probe else "",
+            r.packed_tokens,
+        ]
+    return args
+
+
 class RedisIndex:
     """``PrefixIndex`` on one Redis server (standalone or replicated; Redis Cluster is not supported,
     because a lookup reads the keys of one chain, which Cluster would spread over shards)."""
@@ -168,22 +187,8 @@ class RedisIndex:
     def register(self, records: Sequence[ChunkRecord]) -> None:
         if not records:
             return
-        args: list[object] = [self._prefix]
-        for r in records:
-            args += [
-                r.key.hex(),
-                r.parent.hex(),
-                r.root.hex(),
-                r.namespace.hex(),
-                r.tenant,
-                r.num_tokens,
-                r.size_bytes,
-                str(r.location),
-                r.probe.hex() if r.probe else "",
-                r.packed_tokens,
-            ]
         with self._reachable():
-            self._register(args=args)
+            self._register(args=register_args(self._prefix, records))
 
     def get(self, keys: Sequence[bytes]) -> list[ChunkEntry | None]:
         with self._reachable():
