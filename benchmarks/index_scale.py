@@ -39,16 +39,14 @@ import redis
 from redis.crc import key_slot
 
 from benchmarks.common import percentile_ms, print_table, with_defaults, write_results
-from benchmarks.lookup import RoundTripCounter
+from benchmarks.lookup import CHUNK_TOKENS, RoundTripCounter, chain_records
 from prefixcache.cachestore.node.redis_server import EmbeddedRedis
 from prefixcache.indexer.chunking import ChunkGeometry
 from prefixcache.indexer.index import ChunkRecord, Location
 from prefixcache.indexer.keys import PrefixHasher, PrefixQuery
 from prefixcache.indexer.namespace import NamespaceSpec
 from prefixcache.indexer.redis_index import RedisIndex, load_script, register_args
-from prefixcache.indexer.tokens import TOKEN_BYTES
 
-CHUNK_TOKENS = 256
 PROMPT_CHUNKS = 16  # the cached prompt looked up: 4096 tokens
 FILL_CHAIN = 64  # chunks per synthetic chain
 BATCH = 2000  # records per register call
@@ -67,22 +65,9 @@ def spec() -> NamespaceSpec:
     )
 
 
-def chain_records(ns: NamespaceSpec, tokens: np.ndarray) -> list[ChunkRecord]:
-    """The records of one prompt's full chunks, as a producer registers them."""
-    packed, parent, records = tokens.astype("<u4").tobytes(), ns.root(), []
-    step = CHUNK_TOKENS * TOKEN_BYTES
-    for start in range(0, len(packed) - step + 1, step):
-        record = ChunkRecord.of(
-            parent=parent,
-            packed_tokens=packed[start : start + step],
-            root=ns.root(),
-            namespace=ns.digest,
-            size_bytes=2 << 20,
-            location=LOCATION,
-        )
-        records.append(record)
-        parent = record.key
-    return records
+def full_chunk_records(ns: NamespaceSpec, tokens: np.ndarray) -> list[ChunkRecord]:
+    """The records of a prompt of whole chunks (``tokens``: a multiple of ``CHUNK_TOKENS``)."""
+    return chain_records(ns, tokens.astype("<u4").tobytes())
 
 
 def synthetic_records(ns: NamespaceSpec, count: int, seed: int) -> Iterator[list[ChunkRecord]]:
@@ -91,7 +76,7 @@ def synthetic_records(ns: NamespaceSpec, count: int, seed: int) -> Iterator[list
     batch: list[ChunkRecord] = []
     while count > 0:
         chunks = min(FILL_CHAIN, count)
-        batch += chain_records(ns, rng.integers(0, 32000, chunks * CHUNK_TOKENS, dtype=np.uint32))
+        batch += full_chunk_records(ns, rng.integers(0, 32000, chunks * CHUNK_TOKENS, dtype=np.uint32))
         count -= chunks
         if len(batch) >= BATCH:
             yield batch
@@ -205,7 +190,7 @@ def slot_spread(ns: NamespaceSpec) -> dict:
     their lookups spread."""
     lookups, registers, per_shard = [], [], [0] * SHARDS
     for seed in range(SLOT_PROMPTS):
-        records = chain_records(ns, prompt_query(ns, 10_000 + seed)[0])
+        records = full_chunk_records(ns, prompt_query(ns, 10_000 + seed)[0])
         read = [f"pc:e:{r.key.hex()}" for r in records]  # a full hit reads no probe bucket
         written = read + [f"pc:k:{r.parent.hex()}" for r in records] + [f"pc:b:{r.probe.hex()}" for r in records]
         written += ["pc:keys", "pc:u", f"pc:f:{LOCATION.node}"]
@@ -245,7 +230,7 @@ def main() -> None:
             raw = redis.Redis.from_url(server.admin_url)
             index.register_namespace(ns)
             base = int(raw.info("memory")["used_memory"])
-            index.register(chain_records(ns, tokens))
+            index.register(full_chunk_records(ns, tokens))
             fill_s = fill(raw, ns, SMALL_INDEX - PROMPT_CHUNKS, seed=2)
             small = latency(index, query, SMALL_INDEX)
             fill_s += fill(raw, ns, args.memory_chunks - SMALL_INDEX, seed=3)

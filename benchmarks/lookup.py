@@ -66,8 +66,10 @@ class RoundTripCounter:
         redis.connection.AbstractConnection.send_packed_command = self._original
 
 
-def publish(index: RedisIndex, spec: NamespaceSpec, tokens: list[int]) -> None:
-    packed, parent, records = pack_tokens(tokens), spec.root(), []
+def chain_records(spec: NamespaceSpec, packed: bytes) -> list[ChunkRecord]:
+    """The records of one prompt's chunks (``packed`` tokens; a shorter tail chunk too), as a producer registers
+    them: 2 MiB each, in this node's DRAM."""
+    parent, records = spec.root(), []
     step = CHUNK_TOKENS * TOKEN_BYTES
     for start in range(0, len(packed), step):
         record = ChunkRecord.of(
@@ -80,7 +82,11 @@ def publish(index: RedisIndex, spec: NamespaceSpec, tokens: list[int]) -> None:
         )
         records.append(record)
         parent = record.key
-    index.register(records)
+    return records
+
+
+def publish(index: RedisIndex, spec: NamespaceSpec, tokens: list[int]) -> None:
+    index.register(chain_records(spec, pack_tokens(tokens)))
 
 
 def timed(fn: Callable[[], object], repeats: int) -> tuple[list[float], object]:
