@@ -7,20 +7,24 @@ ends by itself after its time to live, so an engine that dies mid-request never 
 long. Leases are kept apart from pins: a pin is an operator's decision, and neither may end the
 other.
 
-One sorted set per key prefix (``<prefix>:lease``) maps chunk key to expiry (Unix seconds). Expired
-members are dropped whenever a lease is granted, so the set stays as small as the leases in flight.
-Expiries are set and compared by Redis's clock (``lease.lua``, and ``TIME`` beside the read), never by a
+One sorted set per key prefix and shard (``<prefix>:lease`` on one Redis; on a Cluster one per master, under
+that master's tag, holding the keys whose own slot it serves) maps chunk key to expiry (Unix seconds). Expired
+members are dropped whenever a lease is granted, so a set stays as small as the leases in flight. Expiries
+are set and compared by the shard's clock (``lease.lua``, and ``TIME`` beside the read), never by a
 client's: a scheduler whose clock runs ahead would otherwise drop other engines' leases as expired.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import suppress
 
 import redis
 
 from prefixcache.indexer.errors import IndexUnavailableError
+from prefixcache.indexer.redis_clients import RedisClient
 from prefixcache.indexer.redis_index import load_script
+from prefixcache.indexer.redis_shards import Shard, shards_of
 
 #: Long enough to cover the step between the promise and the load many times over, short enough
 #: that a crashed engine's leases do not hold capacity for long.
@@ -28,28 +32,47 @@ DEFAULT_LEASE_S = 30.0
 
 
 class Leases:
-    def __init__(self, client: redis.Redis, key_prefix: str) -> None:
-        self._redis = client
-        self._key = f"{key_prefix}:lease"
+    def __init__(self, client: RedisClient, key_prefix: str) -> None:
+        self._shards = shards_of(client, f"{key_prefix}:")
         self._grant = load_script(client, "lease", with_common=False)
+
+    def _by_shard(self, keys: Sequence[bytes]) -> dict[str, tuple[Shard, list[int]]]:
+        """Positions of ``keys`` per shard: each key's lease lies on the shard of its own slot."""
+        groups: dict[str, tuple[Shard, list[int]]] = {}
+        for i, key in enumerate(keys):
+            shard = self._shards.of_anchor(key.hex() if self._shards.clustered else "")
+            groups.setdefault(shard.shared, (shard, []))[1].append(i)
+        return groups
 
     def grant(self, keys: Sequence[bytes], ttl_s: float = DEFAULT_LEASE_S) -> None:
         """Hold ``keys`` for ``ttl_s`` seconds (a longer lease already held is kept)."""
         if not keys:
             return
         try:
-            self._grant(keys=[self._key], args=[ttl_s, *keys])
-        except redis.RedisError as exc:
+            for shard, positions in self._by_shard(keys).values():
+                self._grant(
+                    keys=[shard.shared + "lease"], args=[ttl_s, *(keys[i] for i in positions)], client=shard.client
+                )
+        except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
+            self._shards_changed()
             raise IndexUnavailableError(f"cannot lease chunks: {exc}") from exc
 
     def held(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is under an unexpired lease."""
-        if not keys:
-            return []
+        held = [False] * len(keys)
         try:
-            with self._redis.pipeline(transaction=True) as pipe:
-                (seconds, microseconds), expiries = pipe.time().zmscore(self._key, list(keys)).execute()
-        except redis.RedisError as exc:
+            for shard, positions in self._by_shard(keys).values():
+                with shard.client.pipeline(transaction=True) as pipe:
+                    pipe.time().zmscore(shard.shared + "lease", [keys[i] for i in positions])
+                    (seconds, microseconds), expiries = pipe.execute()
+                now = seconds + microseconds / 1e6
+                for i, expiry in zip(positions, expiries, strict=True):
+                    held[i] = expiry is not None and expiry > now
+        except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
+            self._shards_changed()
             raise IndexUnavailableError(f"cannot read leases: {exc}") from exc
-        now = seconds + microseconds / 1e6
-        return [expiry is not None and expiry > now for expiry in expiries]
+        return held
+
+    def _shards_changed(self) -> None:
+        with suppress(redis.RedisError, redis.exceptions.RedisClusterException):  # still failing over: next time
+            self._shards.refresh()

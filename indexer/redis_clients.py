@@ -4,13 +4,27 @@ A connection without a socket timeout waits for ever on a Redis that is hung rat
 or behind a full network buffer), and what a client gets without naming one has changed between
 redis-py versions. So no caller builds ``redis.Redis`` itself: each names the timeouts its work needs,
 or takes the defaults, which make an unreachable index a quick miss.
+
+Three deployments, told apart by the URL's scheme:
+
+* ``redis://``, ``rediss://``, ``unix://``: one server (standalone, or a primary with replicas).
+* ``redis+sentinel://[user:password@]host:port[,host:port...]/SERVICE``: the primary that Redis Sentinel names
+  for SERVICE, found again after a failover; the password is the data nodes' (sentinels take none).
+* ``redis+cluster://[user:password@]host:port[,host:port...]``: a Redis (or Valkey) Cluster, through any of its
+  nodes; the client learns the others and which slots each serves.
 """
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit, urlunsplit
+from dataclasses import dataclass
+from typing import TypeAlias
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import redis
+import redis.cluster
+import redis.sentinel
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from prefixcache.indexer.errors import ConfigError
 
@@ -22,27 +36,113 @@ CONNECT_TIMEOUT_S = 1.0
 #: they ask Redis for, so that a wait never ends in a timeout of its own socket.
 WAITING_SOCKET_TIMEOUT_S = 10.0
 
-_SCHEMES = ("redis", "rediss", "unix")
+SENTINEL_SCHEME = "redis+sentinel"
+CLUSTER_SCHEME = "redis+cluster"
+SCHEMES = ("redis", "rediss", "unix", SENTINEL_SCHEME, CLUSTER_SCHEME)
+
+#: What ``redis_client`` returns: both offer the commands prefixcache sends (a cluster client routes each by key).
+RedisClient: TypeAlias = redis.Redis | redis.cluster.RedisCluster
+
+
+@dataclass(frozen=True)
+class ServerList:
+    """The hosts, credentials and path of a URL that names several servers (Sentinel or Cluster)."""
+
+    hosts: list[tuple[str, int]]
+    username: str | None
+    password: str | None
+    path: str
+
+
+def scheme_of(url: str) -> str:
+    return urlsplit(url).scheme
+
+
+def is_cluster_url(url: str) -> bool:
+    return scheme_of(url) == CLUSTER_SCHEME
+
+
+def check_redis_url(url: str) -> None:
+    """Raise ``ConfigError`` unless ``url`` names a Redis in one of the ``SCHEMES``."""
+    scheme = scheme_of(url)
+    if scheme not in SCHEMES:
+        schemes = ", ".join(s + "://" for s in SCHEMES)
+        raise ConfigError(f"redis URL must start with {schemes}, got {redact_url(url)!r}")
+    if scheme in (SENTINEL_SCHEME, CLUSTER_SCHEME):
+        servers = server_list(url)
+        if scheme == SENTINEL_SCHEME and not servers.path.strip("/"):
+            raise ConfigError(f"a Sentinel URL names its service after the hosts (…/mymaster), got {redact_url(url)!r}")
+
+
+def server_list(url: str) -> ServerList:
+    """The parts of a ``redis+sentinel://`` or ``redis+cluster://`` URL; ``ConfigError`` where one is wrong."""
+    parts = urlsplit(url)
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    username, _, password = userinfo.partition(":")
+    found = []
+    for item in filter(None, hosts.split(",")):
+        host, _, port = item.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"each server in a {parts.scheme}:// URL is host:port, got {item!r}")
+        found.append((host.strip("[]"), int(port)))
+    if not found:
+        raise ConfigError(f"a {parts.scheme}:// URL names at least one host:port, got {redact_url(url)!r}")
+    return ServerList(
+        hosts=found,
+        username=unquote(username) or None,
+        password=unquote(password) if userinfo and ":" in userinfo else None,
+        path=parts.path,
+    )
 
 
 def redis_client(
     url: str, *, socket_timeout_s: float = SOCKET_TIMEOUT_S, connect_timeout_s: float = CONNECT_TIMEOUT_S
-) -> redis.Redis:
-    """A client of the Redis at ``url`` (``redis://``, ``rediss://`` or ``unix://``); it connects at its first
+) -> RedisClient:
+    """A client of the Redis at ``url`` (see the module docstring for the schemes); it connects at its first
     command. Raises ``ConfigError`` for a URL that names no Redis."""
-    if urlsplit(url).scheme not in _SCHEMES:
-        raise ConfigError(f"redis URL must start with redis://, rediss:// or unix://, got {redact_url(url)!r}")
+    check_redis_url(url)
+    timeouts = {"socket_timeout": socket_timeout_s, "socket_connect_timeout": connect_timeout_s}
+    scheme = scheme_of(url)
+    if scheme == SENTINEL_SCHEME:
+        return _sentinel_primary(server_list(url), timeouts)
+    if scheme == CLUSTER_SCHEME:
+        return cluster_client(server_list(url), timeouts)
     try:
-        return redis.Redis.from_url(url, socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s)
+        return redis.Redis.from_url(url, **timeouts)
     except ValueError as exc:
         raise ConfigError(f"invalid redis URL {redact_url(url)!r}: {exc}") from exc
+
+
+def _sentinel_primary(servers: ServerList, timeouts: dict[str, float]) -> redis.Redis:
+    service, _, db = servers.path.strip("/").partition("/")
+    if db and not db.isdigit():
+        raise ConfigError(f"a Sentinel URL's database is a number, got {db!r}")
+    sentinel = redis.sentinel.Sentinel(servers.hosts, sentinel_kwargs=dict(timeouts), **timeouts)
+    return sentinel.master_for(
+        service, username=servers.username, password=servers.password, db=int(db or 0), **timeouts
+    )
+
+
+def cluster_client(servers: ServerList, timeouts: dict[str, float]) -> redis.cluster.RedisCluster:
+    """A cluster client that gives up quickly: a command routed to a failed master waits for the failover at most
+    one retry, and the caller treats what still fails as a miss."""
+    nodes = [redis.cluster.ClusterNode(host, port) for host, port in servers.hosts]
+    return redis.cluster.RedisCluster(
+        startup_nodes=nodes,
+        username=servers.username,
+        password=servers.password,
+        require_full_coverage=False,
+        retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), 1),
+        **timeouts,
+    )
 
 
 def with_password(url: str, password: str) -> str:
     """The URL with its password set to ``password`` (the user name and the rest kept)."""
     parts = urlsplit(url)
-    netloc = f"{parts.username or ''}:{password}@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    username = userinfo.partition(":")[0]
+    return urlunsplit(parts._replace(netloc=f"{username}:{password}@{hosts}"))
 
 
 def redact_url(url: str) -> str:
@@ -55,6 +155,6 @@ def public_redis_url(url: str) -> tuple[str, bool]:
     parts = urlsplit(url)
     if parts.password is None:
         return url, False
-    host = parts.netloc.rpartition("@")[2]
-    netloc = f"{parts.username}@{host}" if parts.username else host
-    return f"{parts.scheme}://{netloc}" + urlunsplit(parts._replace(scheme="", netloc="")), True
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    username = userinfo.partition(":")[0]
+    return urlunsplit(parts._replace(netloc=f"{username}@{hosts}" if username else hosts)), True

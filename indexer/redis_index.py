@@ -1,19 +1,26 @@
-"""The production index: entries in Redis, every multi-key operation one Lua script (one round trip).
+"""The production index: entries in Redis, every multi-key operation one Lua script per shard.
 
-Layout and scripts live in ``indexer/lua``; ``common.lua`` documents the keys. Scripts are sent by
-SHA (redis-py's ``Script`` reloads them after a Redis restart). All calls use short socket timeouts:
-an unreachable Redis surfaces as ``IndexUnavailableError`` quickly, which callers treat as a miss.
+Layout and scripts live in ``indexer/lua``; ``common.lua`` documents the keys, ``redis_shards.py`` how they
+are spread over a Redis Cluster's masters. A lookup is one round trip to the shard of the prompt's chain
+(one more, on a Cluster, where the chain breaks in its very first chunk: that chunk's probe bucket lies on
+the probe's own shard). Operations that name chunks by key alone ask every shard, which answers for the
+entries it holds. Scripts are sent by SHA (redis-py's ``Script`` reloads them after a Redis restart). All
+calls use short socket timeouts: an unreachable Redis, or a Cluster master between its failure and its
+replica's promotion, surfaces as ``IndexUnavailableError`` quickly, which callers treat as a miss.
 """
 
 from __future__ import annotations
 
 import math
+import threading
+import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from importlib import resources
 
 import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from prefixcache.indexer.access_log import AccessLog, Hits
@@ -33,10 +40,18 @@ from prefixcache.indexer.index import (
 )
 from prefixcache.indexer.keys import KEY_BYTES, PrefixQuery
 from prefixcache.indexer.namespace import NamespaceSpec
-from prefixcache.indexer.redis_clients import CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_S, redact_url, redis_client
+from prefixcache.indexer.redis_clients import CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_S, RedisClient, redact_url, redis_client
+from prefixcache.indexer.redis_shards import Shard, shards_of
 from prefixcache.indexer.unreadable_records import UnreadableRecords
 
 _NO_PROBE = bytes(KEY_BYTES)  # sent where the prompt has no probe; an all-zero digest is never a key
+#: Keys whose chain (anchor) this process remembers, to register the chunks that continue them; more are read
+#: from the shards' directories.
+_ANCHOR_MEMORY = 1 << 16
+#: Shortest time between two rebuilds of a Cluster's map, however many calls fail meanwhile.
+_REFRESH_INTERVAL_S = 0.5
+#: Replies of a Cluster node whose map of slots this process must learn again.
+_TOPOLOGY_ERRORS = ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN", "Script attempted to access a non local key")
 
 
 def _refuses_writes(error: redis.exceptions.ResponseError) -> bool:
@@ -47,8 +62,9 @@ def _refuses_writes(error: redis.exceptions.ResponseError) -> bool:
     ).startswith("MISCONF")
 
 
-def load_script(client: redis.Redis, name: str, with_common: bool = True) -> redis.commands.core.Script:
-    """The script ``indexer/lua/<name>.lua`` (after ``common.lua``'s shared functions, ``with_common``)."""
+def load_script(client: RedisClient, name: str, with_common: bool = True) -> redis.commands.core.Script:
+    """The script ``indexer/lua/<name>.lua`` (after ``common.lua``'s shared functions, ``with_common``); call it
+    with ``client=`` a shard's connection."""
     lua = resources.files("prefixcache.indexer") / "lua"
     source = lua.joinpath(f"{name}.lua").read_text()
     if with_common:
@@ -56,10 +72,13 @@ def load_script(client: redis.Redis, name: str, with_common: bool = True) -> red
     return client.register_script(source)
 
 
-def register_args(prefix: str, records: Sequence[ChunkRecord]) -> list[object]:
-    """The arguments of ``register.lua`` for ``records`` under ``prefix`` (e.g. ``"pc:"``)."""
-    args: list[object] = [prefix]
-    for r in records:
+def register_args(
+    prefix: str, records: Sequence[ChunkRecord], shared: str | None = None, anchors: Sequence[str] | None = None
+) -> list[object]:
+    """The arguments of ``register.lua`` for ``records`` under ``prefix`` (e.g. ``"pc:"``) on one Redis, or on a
+    Cluster shard whose shared prefix is ``shared``, each record in the chain of its anchor."""
+    args: list[object] = [prefix, shared or prefix]
+    for r, anchor in zip(records, anchors or [""] * len(records), strict=True):
         args += [
             r.key.hex(),
             r.parent.hex(),
@@ -71,13 +90,13 @@ def register_args(prefix: str, records: Sequence[ChunkRecord]) -> list[object]:
             str(r.location),
             r.probe.hex() if r.probe else "",
             r.packed_tokens,
+            anchor,
         ]
     return args
 
 
 class RedisIndex:
-    """``PrefixIndex`` on one Redis server (standalone or replicated; Redis Cluster is not supported,
-    because a lookup reads the keys of one chain, which Cluster would spread over shards)."""
+    """``PrefixIndex`` on one Redis (standalone, replicated, or found through Sentinel) or a Redis Cluster."""
 
     def __init__(
         self,
@@ -93,10 +112,19 @@ class RedisIndex:
         self.url = url
         self._prefix = key_prefix + ":"
         self._max_candidates = max_candidates
-        self._redis = redis_client(url, socket_timeout_s=socket_timeout_s, connect_timeout_s=connect_timeout_s)
+        try:
+            self._redis = redis_client(url, socket_timeout_s=socket_timeout_s, connect_timeout_s=connect_timeout_s)
+        except (RedisConnectionError, RedisTimeoutError, RedisClusterException) as exc:  # a Cluster connects at once
+            raise IndexUnavailableError(f"Redis index at {redact_url(url)} is unreachable: {exc}") from exc
+        self._shards = shards_of(self._redis, self._prefix)
+        self._refreshed_at = 0.0
+        self._refresh_lock = threading.Lock()
+        self._anchors: dict[str, str] = {}  # key hex -> anchor hex, Cluster only (see _ANCHOR_MEMORY)
         self._lookup = load_script(self._redis, "lookup", with_common=False)  # its first line is a shebang
         self._page = load_script(self._redis, "page", with_common=False)
-        self._touch = load_script(self._redis, "touch", with_common=False)
+        self._entries = load_script(self._redis, "entries", with_common=False)
+        self._children = load_script(self._redis, "children", with_common=False)
+        self._touch = load_script(self._redis, "touch")
         self._access = AccessLog(self._apply_access)
         self._unreadable = UnreadableRecords()
         self._feed_groups: dict[tuple[str, str, str], str] = {}
@@ -105,24 +133,47 @@ class RedisIndex:
         self._remove = load_script(self._redis, "remove")
         self._pin = load_script(self._redis, "pin")
 
+    @property
+    def clustered(self) -> bool:
+        """Whether the index spreads over a Redis Cluster's masters."""
+        return self._shards.clustered
+
     @contextmanager
     def _reachable(self) -> Iterator[None]:
         try:
             yield
-        except (RedisConnectionError, RedisTimeoutError) as exc:
+        except (RedisConnectionError, RedisTimeoutError, RedisClusterException) as exc:
+            self._topology_changed()
             raise IndexUnavailableError(f"Redis index at {redact_url(self.url)} is unreachable: {exc}") from exc
         except redis.exceptions.ResponseError as exc:
+            if str(exc).startswith(_TOPOLOGY_ERRORS) or _TOPOLOGY_ERRORS[-1] in str(exc):
+                self._topology_changed()
+                raise IndexUnavailableError(f"Redis index at {redact_url(self.url)} is moving: {exc}") from exc
             if not _refuses_writes(exc):
                 raise
             raise IndexUnavailableError(f"Redis index at {redact_url(self.url)} refuses writes: {exc}") from exc
 
+    def _topology_changed(self) -> None:
+        """Learn a Cluster's masters again, at most every ``_REFRESH_INTERVAL_S`` (the next call uses them)."""
+        if not self.clustered or time.monotonic() - self._refreshed_at < _REFRESH_INTERVAL_S:
+            return
+        with self._refresh_lock:
+            self._refreshed_at = time.monotonic()
+            # a cluster still electing fails again: the next failed call tries once more
+            with suppress(redis.exceptions.RedisError, RedisClusterException):
+                self._shards.refresh()
+
+    def _each_shard(self) -> list[Shard]:
+        return self._shards.all()
+
     def ping(self) -> None:
         with self._reachable():
-            self._redis.ping()
+            for shard in self._each_shard():
+                shard.client.ping()
 
     def clock_s(self) -> float:
         with self._reachable():
-            seconds, microseconds = self._redis.time()
+            seconds, microseconds = self._shards.all()[0].client.time()
         return seconds + microseconds / 1e6
 
     def register_namespace(self, spec: NamespaceSpec) -> NamespaceCheck:
@@ -149,15 +200,61 @@ class RedisIndex:
         return self.lookup_many([query], touch=touch)[0]
 
     def lookup_many(self, queries: Sequence[PrefixQuery], *, touch: bool = True) -> list[PrefixMatch]:
-        args: list[object] = [self._prefix, self._max_candidates]
-        for query in queries:
-            args += [b"".join(query.keys).hex(), b"".join(p or _NO_PROBE for p in query.probes).hex()]
+        replies: list[list | None] = [None] * len(queries)
+        by_shard: dict[str, tuple[Shard, list[int]]] = {}
+        for i, query in enumerate(queries):
+            if query.keys or not self.clustered:
+                anchor = query.keys[0].hex() if self.clustered else ""
+                shard = self._shards.of_anchor(anchor)
+                by_shard.setdefault(shard.shared, (shard, []))[1].append(i)
+            else:
+                replies[i] = [0, b""]  # no full chunk: only the first chunk's probe bucket can answer
+        heads_elsewhere = "1" if self.clustered else "0"
         with self._reachable():
-            replies = self._lookup(args=args)
+            for shard, positions in by_shard.values():
+                args: list[object] = [self._max_candidates, heads_elsewhere]
+                for i in positions:
+                    query = queries[i]
+                    anchor = query.keys[0].hex() if self.clustered else ""
+                    args += [
+                        self._shards.chain_prefix(anchor),
+                        b"".join(query.keys).hex(),
+                        b"".join(p or _NO_PROBE for p in query.probes).hex(),
+                    ]
+                for i, reply in zip(positions, self._lookup(args=args, client=shard.client), strict=True):
+                    replies[i] = reply
+            if self.clustered:
+                self._read_first_buckets(queries, replies)
         matches = [self._match(query, reply) for query, reply in zip(queries, replies, strict=True)]
+        if self.clustered:
+            for match in matches:
+                self._remember_chain(match.keys)
         if touch:
             self.touch(matches)
         return matches
+
+    def _read_first_buckets(self, queries: Sequence[PrefixQuery], replies: list) -> None:
+        """On a Cluster, the candidates of chains broken in their first chunk, from that chunk's probe bucket on the
+        probe's own shard (its candidates are other chains' heads, which live elsewhere: not checked for presence
+        here, and a vanished one is a miss when loaded)."""
+        wanted = [i for i, reply in enumerate(replies) if int(reply[0]) == 0 and queries[i].probes[0] is not None]
+        if not wanted:
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        for i in wanted:
+            probe = queries[i].probes[0].hex()  # type: ignore[union-attr]
+            pipe.hrandfield(f"{self._shards.chain_prefix(probe)}b:{probe}", self._max_candidates, withvalues=True)
+        for i, fields in zip(wanted, pipe.execute(), strict=True):
+            replies[i] = [0, b""] + [x for j in range(0, len(fields), 2) for x in (fields[j], fields[j + 1], b"1")]
+
+    def _remember_chain(self, keys: Sequence[bytes]) -> None:
+        if keys:
+            self._remember({key.hex(): keys[0].hex() for key in keys})
+
+    def _remember(self, anchors: dict[str, str]) -> None:
+        if len(self._anchors) + len(anchors) > _ANCHOR_MEMORY:
+            self._anchors.clear()
+        self._anchors.update(anchors)
 
     def touch(self, matches: Sequence[PrefixMatch]) -> None:
         for match in matches:
@@ -179,146 +276,292 @@ class RedisIndex:
         self._access.flush()
 
     def _apply_access(self, hits: Hits) -> None:
-        args: list[object] = [self._prefix]
+        """One call per shard that holds the hits: found by the chains lookups remembered, else every shard."""
+        pairs: dict[str, list[object]] = {}
+        shards: dict[str, Shard] = {}
         for hex_key, count in hits.items():
-            args += [hex_key, count]
-        self._touch(args=args)
+            anchor = self._anchors.get(hex_key) if self.clustered else ""
+            targets = self._each_shard() if anchor is None else [self._shards.of_anchor(anchor)]
+            for shard in targets:
+                shards[shard.shared] = shard
+                pairs.setdefault(shard.shared, []).extend((hex_key, count))
+        for shared, args in pairs.items():
+            self._touch(args=[self._prefix, shared, *args], client=shards[shared].client)
 
     def register(self, records: Sequence[ChunkRecord]) -> None:
         if not records:
             return
         with self._reachable():
-            self._register(args=register_args(self._prefix, records))
+            anchors = self._anchors_of(records)
+            by_shard: dict[str, tuple[Shard, list[int]]] = {}
+            for i, anchor in enumerate(anchors):
+                shard = self._shards.of_anchor(anchor)
+                by_shard.setdefault(shard.shared, (shard, []))[1].append(i)
+            elsewhere: list[bytes] = []
+            for shard, positions in by_shard.values():
+                args = register_args(
+                    self._prefix, [records[i] for i in positions], shard.shared, [anchors[i] for i in positions]
+                )
+                elsewhere += self._register(args=args, client=shard.client)
+            self._edit_first_buckets("add", elsewhere, 3)
+
+    def _anchors_of(self, records: Sequence[ChunkRecord]) -> list[str]:
+        """Each record's anchor ('' on one Redis): a chain's first chunk (its parent a root) anchors itself; any
+        other chunk takes its parent's anchor, from this call, this process's memory or the shards' directories.
+        A parent found nowhere is a media parent (``keys.media_parent``: a digest, never a key) or an evicted
+        chunk: the chunk then continues the record before it in this call, as publishers list a prompt's chunks
+        in order, or, first in its call, anchors itself (lookups then stop before it: a miss, never wrong KV)."""
+        if not self.clustered:
+            return [""] * len(records)
+        known = dict(self._anchors)
+        unknown = {r.parent.hex() for r in records if r.parent != r.root} - known.keys()
+        unknown -= {r.key.hex() for r in records}
+        if unknown:
+            known.update(self._directory(sorted(unknown)))
+        anchors: list[str] = []
+        for r in records:
+            if r.parent == r.root:
+                anchor = r.key.hex()
+            else:
+                anchor = known.get(r.parent.hex()) or (anchors[-1] if anchors else r.key.hex())
+            known[r.key.hex()] = anchor
+            anchors.append(anchor)
+        self._remember({r.key.hex(): a for r, a in zip(records, anchors, strict=True)})
+        return anchors
+
+    def _directory(self, hex_keys: Sequence[str]) -> dict[str, str]:
+        """The anchors of ``hex_keys`` that some shard's directory holds."""
+        found: dict[str, str] = {}
+        for shard in self._each_shard():
+            for key, anchor in zip(hex_keys, shard.client.hmget(shard.shared + "a", list(hex_keys)), strict=True):
+                if anchor is not None:
+                    found[key] = anchor.decode()
+        return found
+
+    def _edit_first_buckets(self, op: str, elsewhere: Sequence[bytes], stride: int) -> None:
+        """Make the probe-bucket changes of chain heads that their shard's script returned (Cluster only):
+        ``(probe, key, packed)`` triples to add, or ``(probe, key)`` pairs to drop."""
+        if not elsewhere:
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        for i in range(0, len(elsewhere), stride):
+            probe = elsewhere[i].decode()
+            bucket = f"{self._shards.chain_prefix(probe)}b:{probe}"
+            if op == "add":
+                pipe.hset(bucket, elsewhere[i + 1], elsewhere[i + 2])
+            else:
+                pipe.hdel(bucket, elsewhere[i + 1])
+        pipe.execute()
 
     def get(self, keys: Sequence[bytes]) -> list[ChunkEntry | None]:
+        found: list[dict[bytes, bytes] | None] = [None] * len(keys)
+        hex_keys = [k.hex() for k in keys]
         with self._reachable():
-            pipe = self._redis.pipeline(transaction=False)
-            for key in keys:
-                pipe.hgetall(self._prefix + "e:" + key.hex())
-            raw = pipe.execute()
-        return [self._entry(key.hex(), fields) if fields else None for key, fields in zip(keys, raw, strict=True)]
+            for shard in self._each_shard():
+                reply = self._entries(args=[self._prefix, shard.shared, *hex_keys], client=shard.client)
+                for i, flat in enumerate(reply):
+                    if flat and found[i] is None:
+                        found[i] = dict(zip(flat[::2], flat[1::2], strict=True))
+        return [self._entry(key.hex(), fields) if fields else None for key, fields in zip(keys, found, strict=True)]
 
     def add_location(self, keys: Sequence[bytes], location: Location) -> list[bytes]:
-        return self._change_locations("add", keys, location)
-
-    def drop_location(self, keys: Sequence[bytes], location: Location) -> list[bytes]:
-        return self._change_locations("drop", keys, location)
-
-    def _change_locations(self, op: str, keys: Sequence[bytes], location: Location) -> list[bytes]:
         if not keys:
             return []
-        with self._reachable():
-            reply = self._locations(args=[self._prefix, op, str(location), *(k.hex() for k in keys)])
-        return [bytes.fromhex(k.decode()) for k in reply]
+        replies = self._on_every_shard(self._locations, ["add", str(location), *(k.hex() for k in keys)])
+        missing = set.intersection(*({bytes.fromhex(k.decode()) for k in reply[0]} for reply in replies))
+        return [key for key in keys if key in missing]
+
+    def drop_location(self, keys: Sequence[bytes], location: Location) -> list[bytes]:
+        if not keys:
+            return []
+        replies = self._on_every_shard(self._locations, ["drop", str(location), *(k.hex() for k in keys)])
+        gone = {bytes.fromhex(k.decode()) for reply in replies for k in reply[0]}
+        return [key for key in keys if key in gone]
 
     def remove(self, keys: Sequence[bytes]) -> int:
         if not keys:
             return 0
+        return sum(int(reply[0]) for reply in self._on_every_shard(self._remove, [k.hex() for k in keys]))
+
+    def _on_every_shard(self, script: redis.commands.core.Script, args: list[object]) -> list[list]:
+        """``script`` run on each shard, which acts on the entries it holds; the probe-bucket drops of chain heads
+        that the replies (``{result, elsewhere}``) carry are made before returning."""
         with self._reachable():
-            return int(self._remove(args=[self._prefix, *(k.hex() for k in keys)]))
+            replies = [script(args=[self._prefix, s.shared, *args], client=s.client) for s in self._each_shard()]
+            self._edit_first_buckets("drop", [x for reply in replies for x in reply[1]], 2)
+        return replies
 
     def set_pin(self, keys: Sequence[bytes], until_s: float) -> int:
         if not keys:
             return 0
         until = "inf" if until_s == math.inf else str(int(until_s * 1000))
         with self._reachable():
-            return int(self._pin(args=[self._prefix, until, *(k.hex() for k in keys)]))
+            return sum(
+                int(self._pin(args=[self._prefix, s.shared, until, *(k.hex() for k in keys)], client=s.client))
+                for s in self._each_shard()
+            )
 
     def children(self, key: bytes) -> list[bytes]:
         with self._reachable():
-            members = self._redis.smembers(self._prefix + "k:" + key.hex())
+            replies = [
+                self._children(args=[self._prefix, s.shared, key.hex()], client=s.client) for s in self._each_shard()
+            ]
+        members = {m for reply in replies for m in reply}
         return sorted(bytes.fromhex(m.decode()) for m in members)
+
+    def stored_chunks(self, keys: Sequence[bytes]) -> dict[bytes, tuple[bytes | None, bytes]]:
+        """Parent (None for a prompt's first chunk) and packed tokens of each of ``keys`` still in the index.
+
+        The index keeps a chunk's tokens only in its probe bucket (``b:<probe>``, see ``indexer/lua/common.lua``),
+        so chunks shorter than the probe (tails of under 16 tokens) have none and are left out."""
+        described: dict[bytes, tuple[bytes | None, str]] = {}
+        hex_keys = [k.hex() for k in keys]
+        with self._reachable():
+            for shard in self._each_shard():
+                reply = self._entries(args=[self._prefix, shard.shared, *hex_keys], client=shard.client)
+                for key, flat in zip(keys, reply, strict=True):
+                    fields = dict(zip(flat[::2], flat[1::2], strict=True))
+                    parent, probe = fields.get(b"parent"), fields.get(b"probe")
+                    if parent is None or not probe or key in described:
+                        continue
+                    anchor = fields.get(b"anchor", b"").decode()
+                    tag = probe.decode() if self.clustered and anchor == key.hex() else anchor
+                    bucket = f"{self._shards.chain_prefix(tag)}b:{probe.decode()}"
+                    first = parent == fields.get(b"root")
+                    described[key] = (None if first else bytes.fromhex(parent.decode()), bucket)
+            pipe = self._redis.pipeline(transaction=False)
+            for key, (_, bucket) in described.items():
+                pipe.hget(bucket, key.hex())
+            packed = pipe.execute()
+        return {
+            key: (parent, tokens)
+            for (key, (parent, _)), tokens in zip(described.items(), packed, strict=True)
+            if tokens
+        }
 
     def read_feed(
         self, node: str, group: str, consumer: str, count: int = 256, block_s: float = 0.0
     ) -> list[FeedEvent]:
-        stream = self._prefix + "f:" + node
-        cursor = (stream, group, consumer)
         with self._reachable():
-            if cursor not in self._feed_groups:
-                try:  # from the stream's start: changes made before the first consumer existed count too
-                    self._redis.xgroup_create(stream, group, id="0", mkstream=True)
-                except redis.exceptions.ResponseError as exc:
-                    if "BUSYGROUP" not in str(exc):
-                        raise
-                self._feed_groups[cursor] = "0"  # first: this consumer's unacknowledged events
-            start = self._feed_groups[cursor]
-            block = int(block_s * 1000) if start == ">" and block_s > 0 else None
-            reply = self._redis.xreadgroup(group, consumer, {stream: start}, count=count, block=block)
+            shards = self._shards.seen()
+            for shard in shards:
+                if events := self._read_stream(shard, node, group, consumer, count, 0.0):
+                    return events
+            if block_s > 0:  # nothing anywhere: wait on each shard in turn
+                for shard in shards:
+                    if events := self._read_stream(shard, node, group, consumer, count, block_s / len(shards)):
+                        return events
+        return []
+
+    def _read_stream(
+        self, shard: Shard, node: str, group: str, consumer: str, count: int, block_s: float
+    ) -> list[FeedEvent]:
+        stream = shard.shared + "f:" + node
+        cursor = (stream, group, consumer)
+        if cursor not in self._feed_groups:
+            try:  # from the stream's start: changes made before the first consumer existed count too
+                shard.client.xgroup_create(stream, group, id="0", mkstream=True)
+            except redis.exceptions.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+            self._feed_groups[cursor] = "0"  # first: this consumer's unacknowledged events
+        start = self._feed_groups[cursor]
+        block = int(block_s * 1000) if start == ">" and block_s > 0 else None
+        reply = shard.client.xreadgroup(group, consumer, {stream: start}, count=count, block=block)
         messages = reply[0][1] if reply else []
         if start != ">":  # replaying this consumer's pending events: continue after the last one, then go live
             if not messages:
                 self._feed_groups[cursor] = ">"
-                return self.read_feed(node, group, consumer, count, block_s)
+                return self._read_stream(shard, node, group, consumer, count, block_s)
             self._feed_groups[cursor] = messages[-1][0].decode()
-        return [_event(node, msg_id, fields) for msg_id, fields in messages]
+        tag = f"{shard.name}/" if shard.name else ""
+        return [_event(node, tag + msg_id.decode(), fields) for msg_id, fields in messages]
 
     def ack_feed(self, node: str, group: str, ids: Sequence[str]) -> None:
-        if ids:
-            with self._reachable():
-                self._redis.xack(self._prefix + "f:" + node, group, *ids)
+        if not ids:
+            return
+        by_tag: dict[str, list[str]] = {}
+        for event_id in ids:
+            tag, _, msg_id = event_id.rpartition("/")
+            by_tag.setdefault(tag, []).append(msg_id)
+        with self._reachable():
+            for shard in self._shards.seen():
+                if msg_ids := by_tag.get(shard.name):
+                    shard.client.xack(shard.shared + "f:" + node, group, *msg_ids)
 
     def rewind_feed(self, node: str, group: str, consumer: str) -> None:
-        cursor = (self._prefix + "f:" + node, group, consumer)
-        if cursor in self._feed_groups:
-            self._feed_groups[cursor] = "0"
+        for shard in self._shards.seen():
+            cursor = (shard.shared + "f:" + node, group, consumer)
+            if cursor in self._feed_groups:
+                self._feed_groups[cursor] = "0"
 
     def scan(self, batch: int = 512) -> Iterator[ChunkEntry]:
-        pattern = self._prefix + "e:*"
-        skip = len(self._prefix) + 2
+        pattern = self._prefix + ("{*}:e:*" if self.clustered else "e:*")
         with self._reachable():
-            cursor = 0
-            while True:
-                cursor, names = self._redis.scan(cursor=cursor, match=pattern, count=batch)
-                pipe = self._redis.pipeline(transaction=False)
-                for name in names:
-                    pipe.hgetall(name)
-                for name, fields in zip(names, pipe.execute(), strict=True):
-                    if fields and (entry := self._entry(name[skip:], fields)) is not None:
-                        yield entry
-                if cursor == 0:
-                    return
+            for shard in self._each_shard():
+                cursor = 0
+                while True:
+                    cursor, names = shard.client.scan(cursor=cursor, match=pattern, count=batch)
+                    pipe = shard.client.pipeline(transaction=False)
+                    for name in names:
+                        pipe.hgetall(name)
+                    for name, fields in zip(names, pipe.execute(), strict=True):
+                        if fields and (entry := self._entry(name.rpartition(b"e:")[2], fields)) is not None:
+                            yield entry
+                    if cursor == 0:
+                        break
 
     def page(self, after: bytes | None, count: int) -> list[ChunkEntry]:
+        found: list[tuple[bytes, dict[bytes, bytes]]] = []
         with self._reachable():
-            reply = self._page(args=[self._prefix, after.hex() if after else "", count])
+            for shard in self._each_shard():
+                reply = self._page(
+                    args=[self._prefix, shard.shared, after.hex() if after else "", count], client=shard.client
+                )
+                for i in range(0, len(reply), 2):
+                    found.append((reply[i], dict(zip(reply[i + 1][::2], reply[i + 1][1::2], strict=True))))
         entries = []
-        for i in range(0, len(reply), 2):
-            fields = dict(zip(reply[i + 1][::2], reply[i + 1][1::2], strict=True))
+        for name, fields in sorted(found)[:count]:  # each shard's first ``count``: the first ``count`` of all
             # empty: removed between the range and its read, inside the script: never, but cheap to skip
-            if fields and (entry := self._entry(reply[i], fields)) is not None:
+            if fields and (entry := self._entry(name, fields)) is not None:
                 entries.append(entry)
         return entries
 
     def usage(self) -> dict[bytes, NamespaceUsage]:
-        with self._reachable():
-            raw = self._redis.hgetall(self._prefix + "u")
         counts: dict[bytes, dict[str, int]] = {}
-        for name, value in raw.items():
+        with self._reachable():
+            raw = [shard.client.hgetall(shard.shared + "u") for shard in self._each_shard()]
+        for name, value in (item for shard_counts in raw for item in shard_counts.items()):
             namespace, _, field = name.decode(errors="replace").partition(":")
             try:
-                counts.setdefault(bytes.fromhex(namespace), {})[field] = int(value)
+                fields = counts.setdefault(bytes.fromhex(namespace), {})
+                fields[field] = fields.get(field, 0) + int(value)
             except ValueError as exc:
                 self._unreadable.skip("usage counter", name.decode(errors="replace"), exc)
         return {ns: usage_of(fields) for ns, fields in counts.items() if fields.get("chunks", 0) > 0}
 
     def feed_backlog(self, node: str, group: str) -> int:
-        stream = self._prefix + "f:" + node
         with self._reachable():
-            try:
-                groups = self._redis.xinfo_groups(stream)
-            except redis.exceptions.ResponseError:  # no feed yet
-                return 0
-            for info in groups:
-                if info["name"].decode() == group:  # lag is unknown (None) right after a trim: count pending only
-                    return int(info.get("pending") or 0) + int(info.get("lag") or 0)
-            return int(self._redis.xlen(stream))  # the group reads from the start once created
+            return sum(self._stream_backlog(shard, node, group) for shard in self._shards.seen())
+
+    def _stream_backlog(self, shard: Shard, node: str, group: str) -> int:
+        stream = shard.shared + "f:" + node
+        try:
+            groups = shard.client.xinfo_groups(stream)
+        except redis.exceptions.ResponseError:  # no feed yet
+            return 0
+        for info in groups:
+            if info["name"].decode() == group:  # lag is unknown (None) right after a trim: count pending only
+                return int(info.get("pending") or 0) + int(info.get("lag") or 0)
+        return int(shard.client.xlen(stream))  # the group reads from the start once created
 
     def flush(self) -> None:
         """Delete every key under this index's prefix (tests and `evict all`)."""
         with self._reachable():
-            for name in self._redis.scan_iter(match=self._prefix + "*", count=1000):
-                self._redis.unlink(name)
+            for shard in self._each_shard():
+                for name in shard.client.scan_iter(match=self._prefix + "*", count=1000):
+                    shard.client.unlink(name)
+        self._anchors.clear()
 
     def _entry(self, hex_key: bytes | str, fields: dict[bytes, bytes]) -> ChunkEntry | None:
         """The entry named ``hex_key`` from its hash; None if this version cannot read it."""
@@ -336,9 +579,9 @@ class RedisIndex:
             self._redis.close()
 
 
-def _event(node: str, msg_id: bytes, fields: dict[bytes, bytes]) -> FeedEvent:
+def _event(node: str, event_id: str, fields: dict[bytes, bytes]) -> FeedEvent:
     return FeedEvent(
-        id=msg_id.decode(),
+        id=event_id,
         op=fields[b"op"].decode(),  # type: ignore[arg-type]
         location=Location(fields[b"tier"].decode(), node),  # type: ignore[arg-type]
         key=bytes.fromhex(fields[b"key"].decode()),

@@ -22,6 +22,12 @@ def leases(redis_server) -> Leases:
     return Leases(redis_client(redis_server.url), f"lease{next(_prefixes)}")
 
 
+def lease_set(leases: Leases) -> str:
+    """The sorted set of a standalone Redis's leases."""
+    (shard,) = leases._shards.all()
+    return shard.shared + "lease"
+
+
 def test_a_lease_is_held_until_it_expires(leases):
     leases.grant([A, B], ttl_s=0.5)
     assert leases.held([A, B, C]) == [True, True, False]
@@ -40,20 +46,20 @@ def test_granting_drops_expired_leases(leases, redis_server):
     leases.grant([A], ttl_s=0.1)
     time.sleep(0.2)
     leases.grant([B], ttl_s=30)
-    members = redis.Redis.from_url(redis_server.url).zrange(leases._key, 0, -1)
+    members = redis.Redis.from_url(redis_server.url).zrange(lease_set(leases), 0, -1)
     assert members == [B]
 
 
 def test_a_client_whose_clock_runs_ahead_keeps_other_clients_leases(leases, redis_server, monkeypatch):
     """Expiry is Redis's clock: a scheduler an hour ahead neither drops another engine's lease nor holds its own
     an hour longer."""
-    other = Leases(redis_client(redis_server.url), leases._key.removesuffix(":lease"))
+    other = Leases(redis_client(redis_server.url), lease_set(leases).removesuffix(":lease"))
     other.grant([A], ttl_s=30)
     real = time.time
     monkeypatch.setattr(time, "time", lambda: real() + 3600)
     leases.grant([B], ttl_s=30)
     assert leases.held([A, B]) == [True, True]
-    expiries = redis.Redis.from_url(redis_server.url).zmscore(leases._key, [A, B])
+    expiries = redis.Redis.from_url(redis_server.url).zmscore(lease_set(leases), [A, B])
     assert all(abs(expiry - 30 - real()) < 5 for expiry in expiries)
 
 

@@ -32,7 +32,7 @@ def test_lookup_on_unreachable_redis_raises_quickly(spec):
         index.lookup(prompt_query(spec.root(), ChunkGeometry(64), list(range(100))))
 
 
-@pytest.mark.parametrize(("url", "message"), [("http://x:1", "must start with redis://"), ("", "must start")])
+@pytest.mark.parametrize(("url", "message"), [("http://x:1", "must start with redis://, rediss"), ("", "must start")])
 def test_bad_urls_and_prefixes(url, message):
     with pytest.raises(ConfigError, match=message):
         RedisIndex(url)

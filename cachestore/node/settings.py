@@ -21,7 +21,7 @@ from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource
 from prefixcache.cachestore.host.cpus import allowed_cpus, cpu_list, format_cpu_list
 from prefixcache.indexer.chunking import DEFAULT_CHUNK_TOKENS, MAX_CHUNK_TOKENS
 from prefixcache.indexer.errors import ConfigError
-from prefixcache.indexer.redis_clients import redact_url
+from prefixcache.indexer.redis_clients import check_redis_url
 
 #: Size of one NVMe pack file: large sequential writes, and the unit compaction works in.
 NVME_PACK_FILE_BYTES = 256 << 20
@@ -67,8 +67,10 @@ class Settings(BaseSettings):
     redis_url: str | None = Field(
         default=None,
         description="The shared index: `redis://[user:password@]host:6379/0`, `rediss://` (TLS) or `unix://`; "
-        "give prefixcache a Redis user of its own (docs/operations.md, Security). Never echoed, since it may hold "
-        "a password. Unset: the daemon starts an embedded redis-server under `data_dir`.",
+        "`redis+sentinel://[user:password@]host:26379[,host:port...]/SERVICE` for the primary Sentinel names; "
+        "`redis+cluster://[user:password@]host:port[,host:port...]` for a Redis or Valkey Cluster (any of its "
+        "nodes). Give prefixcache a Redis user of its own (docs/operations.md, Security). Never echoed, since it "
+        "may hold a password. Unset: the daemon starts an embedded redis-server under `data_dir`.",
     )
     redis_port: int | None = Field(
         default=None,
@@ -292,8 +294,11 @@ class Settings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, url: str | None) -> str | None:
-        if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"must start with redis://, rediss:// or unix:// (got {redact_url(url)!r})")
+        if url is not None:
+            try:
+                check_redis_url(url)
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
         return url
 
     @field_validator("cpus")

@@ -49,9 +49,11 @@ class EvictionOrders:
 
         Their orders stay queued: they take effect when those daemons next run."""
         pending: dict[str, str] = {}  # reply list -> node, until answered
+        # one hash tag for the order's replies: a single BLPOP waits on all of them, on a Cluster too
+        order = uuid.uuid4().hex[:16]
         pipe = self._client.pipeline(transaction=False)
         for node, keys in keys_by_node.items():
-            reply_id = uuid.uuid4().hex
+            reply_id = f"{{{order}}}{uuid.uuid4().hex}"
             pending[f"{self._prefix}dr:{reply_id}"] = node
             pipe.rpush(f"{self._prefix}dq:{node}", format_request(reply_id, keys))
         pipe.execute()

@@ -29,7 +29,6 @@ import zmq
 from prefixcache.cachestore.host.background_loop import BackgroundLoop
 from prefixcache.indexer.errors import ConfigError
 from prefixcache.indexer.index import FeedEvent
-from prefixcache.indexer.redis_clients import redis_client
 from prefixcache.indexer.redis_index import RedisIndex
 
 log = logging.getLogger("prefixcache.kv_events")
@@ -82,8 +81,6 @@ class KvEventPublisher(BackgroundLoop):
         super().__init__()
         self._redis_url, self._key_prefix = redis_url, key_prefix
         self.index = RedisIndex(redis_url, key_prefix=key_prefix)
-        self._redis = redis_client(redis_url)
-        self._prefix = key_prefix + ":"
         self.node = node
         self.block_size = block_size
         self.topic = topic.encode()
@@ -113,18 +110,18 @@ class KvEventPublisher(BackgroundLoop):
     def batch_of(self, events: list[FeedEvent]) -> KVEventBatch:
         """One message for a batch of feed events, in feed order."""
         added = [e.key for e in events if e.op == "add"]
-        chunks = self._chunks(added) if added else {}
+        chunks = self.index.stored_chunks(added) if added else {}
         out: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
         for event in events:
             medium = MEDIUM[event.location.tier]
             if event.op == "drop":
                 out.append(BlockRemoved(block_hashes=[event.key], medium=medium))
             elif (chunk := chunks.get(event.key)) is not None:
-                parent, tokens = chunk
+                parent, packed = chunk
                 stored = BlockStored(
                     block_hashes=[event.key],
                     parent_block_hash=parent,
-                    token_ids=tokens,
+                    token_ids=memoryview(packed).cast("I").tolist(),
                     block_size=self.block_size,
                     lora_id=None,
                     medium=medium,
@@ -139,29 +136,6 @@ class KvEventPublisher(BackgroundLoop):
         self._socket.send_multipart((self.topic, self.sequence.to_bytes(8, "big"), self._encoder.encode(batch)))
         self.sequence += 1
 
-    def _chunks(self, keys: list[bytes]) -> dict[bytes, tuple[bytes | None, list[int]]]:
-        """Parent (None for a prompt's first chunk) and tokens of each chunk still in the index.
-
-        The index keeps a chunk's tokens only in its probe bucket (``P:b:<probe>``, see
-        ``indexer/lua/common.lua``), so chunks shorter than the probe (tails of under 16 tokens)
-        have none and are not announced: no router could use a block without tokens.
-        """
-        pipe = self._redis.pipeline(transaction=False)
-        for key in keys:
-            pipe.hmget(f"{self._prefix}e:{key.hex()}", "parent", "root", "probe")
-        described = {}
-        for key, (parent, root, probe) in zip(keys, pipe.execute(), strict=True):
-            if parent is not None and probe:
-                described[key] = (None if parent == root else bytes.fromhex(parent.decode()), probe.decode())
-        pipe = self._redis.pipeline(transaction=False)
-        for key, (_, probe) in described.items():
-            pipe.hget(f"{self._prefix}b:{probe}", key.hex())
-        chunks = {}
-        for (key, (parent, _)), packed in zip(described.items(), pipe.execute(), strict=True):
-            if packed:
-                chunks[key] = (parent, memoryview(packed).cast("I").tolist())
-        return chunks
-
     def _feed_vanished(self) -> None:
         """The feed and its consumer group are gone (the index was flushed): nothing is cached any more."""
         log.warning("change feed of node %s vanished (index flushed?): publishing AllBlocksCleared", self.node)
@@ -175,6 +149,5 @@ class KvEventPublisher(BackgroundLoop):
 
     def _close_connections(self) -> None:
         self.index.close()
-        self._redis.close()
         self._socket.close(linger=0)
         self._context.term()

@@ -1,21 +1,46 @@
--- Shared by every prefixcache script. Key layout under the prefix P (e.g. "pc:"):
---   P e:<key>     HASH   one chunk entry: parent root ns tenant ntok size ctime atime hits pin probe,
+-- Shared by every prefixcache script. Key layout, where R is the index's prefix (e.g. "pc:"):
+--   C e:<key>     HASH   one chunk entry: parent root ns tenant ntok size ctime atime hits pin probe,
 --                        plus one field "l:<tier>@<node>" per location (value: ms it was added)
 --                        and "dram", how many of them are DRAM copies (lookups read that one field)
---   P k:<parent>  SET    keys of the chunks registered directly below <parent>
---   P b:<probe>   HASH   probe bucket: <key> -> packed tokens of chunks sharing parent and first tokens
---   P ns          HASH   namespace digest -> canonical description (JSON)
---   P keys        ZSET   every entry's key (score 0), so listings page through keys in order
---   P u           HASH   usage per namespace: "<ns>:chunks" and "<ns>:bytes" count entries,
+--   C k:<parent>  SET    keys of the chunks registered directly below <parent>
+--   C b:<probe>   HASH   probe bucket: <key> -> packed tokens of chunks sharing parent and first tokens
+--   R ns          HASH   namespace digest -> canonical description (JSON)
+--   S keys        ZSET   every entry's key (score 0), so listings page through keys in order
+--   S u           HASH   usage per namespace: "<ns>:chunks" and "<ns>:bytes" count entries,
 --                        "<ns>:<tier>:chunks" and "<ns>:<tier>:bytes" count copies in a tier
---   P f:<node>    STREAM change feed of the locations on <node>: entries {op=add|drop, tier, key}
+--   S f:<node>    STREAM change feed of the locations on <node>: entries {op=add|drop, tier, key}
 --                        (the node's daemon persists what lands in its DRAM; routers may subscribe)
---   P lease       ZSET   chunk key -> lease expiry, Unix seconds (indexer/leases.py)
--- All keys of one call live under one prefix on one Redis (standalone or replicated, not Cluster).
--- Times written (ctime, atime, a location's ms) are Redis's own clock, never a client's: every node reads
--- and compares them against one clock. Redis 7 replicates scripts by their effects, so TIME is allowed here.
+--   S lease       ZSET   chunk key -> lease expiry, Unix seconds (indexer/leases.py)
+--   S a           HASH   (Cluster only) key -> anchor: which chain holds the entries this shard has
+-- On one Redis, C = S = R. On a Cluster every key of one chain carries the chain's anchor, its first chunk's
+-- key, as hash tag (C = R{<anchor>}:), so a lookup reads one shard; S = R{<tag>}: names the keys shared by the
+-- chains of one shard, with a tag that shard serves (indexer/redis_shards.py), so no key is written by
+-- every registration of the fleet. The probe bucket of a chain's first chunk lies under the probe's own tag
+-- (R{<probe>}:), on whichever shard serves it: writes to it are returned as "elsewhere" for the client to make.
+-- Times written (ctime, atime, a location's ms) are the shard's own clock, never a client's. Redis 7
+-- replicates scripts by their effects, so TIME is allowed here.
 
 local FEED_MAXLEN = 1000000
+
+local function chain_of(R, anchor)
+  if anchor == '' then return R end
+  return R .. '{' .. anchor .. '}:'
+end
+
+-- The chain prefix under which this shard holds key's entry: R on one Redis; on a Cluster, from the shard's
+-- directory (nil when this shard holds no entry of key).
+local function resolve(R, S, key)
+  if R == S then return R end
+  local anchor = redis.call('HGET', S .. 'a', key)
+  if not anchor then return nil end
+  return chain_of(R, anchor)
+end
+
+-- Whether the entry of key, held under chain prefix C, begins its chain on a Cluster (its probe bucket and
+-- its parent's set of children lie under other tags).
+local function is_head(R, S, C, key)
+  return R ~= S and C == chain_of(R, key)
+end
 
 -- Redis's clock, in ms since the epoch, as a string (exact: no float on the way).
 local function now_ms()
@@ -23,16 +48,16 @@ local function now_ms()
   return t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
 end
 
-local function feed(P, op, location, key)
+local function feed(S, op, location, key)
   local at = string.find(location, '@', 1, true)
-  redis.call('XADD', P .. 'f:' .. string.sub(location, at + 1), 'MAXLEN', '~', FEED_MAXLEN, '*',
+  redis.call('XADD', S .. 'f:' .. string.sub(location, at + 1), 'MAXLEN', '~', FEED_MAXLEN, '*',
     'op', op, 'tier', string.sub(location, 1, at - 1), 'key', key)
 end
 
 -- Add sign * (1 chunk, size bytes) to a namespace's usage; scope is '' (entries) or '<tier>:' (copies).
-local function tally(P, ns, scope, size, sign)
-  redis.call('HINCRBY', P .. 'u', ns .. ':' .. scope .. 'chunks', sign)
-  redis.call('HINCRBY', P .. 'u', ns .. ':' .. scope .. 'bytes', sign * tonumber(size))
+local function tally(S, ns, scope, size, sign)
+  redis.call('HINCRBY', S .. 'u', ns .. ':' .. scope .. 'chunks', sign)
+  redis.call('HINCRBY', S .. 'u', ns .. ':' .. scope .. 'bytes', sign * tonumber(size))
 end
 
 -- Count an added (+1) or dropped (-1) location in the entry's "dram" field if it is a DRAM copy.
@@ -44,22 +69,33 @@ local function tier_of(location)
   return string.sub(location, 1, string.find(location, '@', 1, true) - 1) .. ':'
 end
 
-local function remove_entry(P, key)
-  local e = P .. 'e:' .. key
+-- Delete key's entry held under C; a head's probe bucket membership is appended to elsewhere as
+-- (probe, key) for the client to drop on the bucket's own shard.
+local function remove_entry(R, S, C, key, elsewhere)
+  local e = C .. 'e:' .. key
   local f = redis.call('HMGET', e, 'parent', 'probe', 'ns', 'size')
   if not f[1] then return 0 end
   local fields = redis.call('HKEYS', e)
   for i = 1, #fields do
     if string.sub(fields[i], 1, 2) == 'l:' then
-      feed(P, 'drop', string.sub(fields[i], 3), key)
-      tally(P, f[3], tier_of(string.sub(fields[i], 3)), f[4], -1)
+      feed(S, 'drop', string.sub(fields[i], 3), key)
+      tally(S, f[3], tier_of(string.sub(fields[i], 3)), f[4], -1)
     end
   end
-  tally(P, f[3], '', f[4], -1)
+  tally(S, f[3], '', f[4], -1)
   redis.call('DEL', e)
-  redis.call('ZREM', P .. 'keys', key)
-  redis.call('SREM', P .. 'k:' .. f[1], key)
-  if f[2] and f[2] ~= '' then redis.call('HDEL', P .. 'b:' .. f[2], key) end
+  redis.call('ZREM', S .. 'keys', key)
+  local head = is_head(R, S, C, key)
+  redis.call('SREM', (head and S or C) .. 'k:' .. f[1], key)
+  if R ~= S then redis.call('HDEL', S .. 'a', key) end
+  if f[2] and f[2] ~= '' then
+    if head then
+      elsewhere[#elsewhere + 1] = f[2]
+      elsewhere[#elsewhere + 1] = key
+    else
+      redis.call('HDEL', C .. 'b:' .. f[2], key)
+    end
+  end
   return 1
 end
 

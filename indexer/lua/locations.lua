@@ -1,28 +1,31 @@
 -- Add or drop one location on many entries.
--- ARGV: P, 'add'|'drop', location, key_1..key_n
--- add returns the keys without an entry; drop returns the keys whose entry went with its last location.
-local P, now, op, loc = ARGV[1], now_ms(), ARGV[2], 'l:' .. ARGV[3]
-local out = {}
-for i = 4, #ARGV do
-  local e = P .. 'e:' .. ARGV[i]
+-- ARGV: R, S, 'add'|'drop', location, key_1..key_n
+-- Returns {keys, elsewhere}. add: keys without an entry on this shard; drop: keys whose entry went with its
+-- last location. elsewhere: probe-bucket memberships of removed chain heads, {probe_1, key_1, ...}.
+local R, S, now, op, loc = ARGV[1], ARGV[2], now_ms(), ARGV[3], 'l:' .. ARGV[4]
+local out, elsewhere = {}, {}
+for i = 5, #ARGV do
+  local key = ARGV[i]
+  local C = resolve(R, S, key)
+  local e = C and C .. 'e:' .. key
   if op == 'add' then
-    if redis.call('EXISTS', e) == 0 then
-      out[#out + 1] = ARGV[i]
+    if not e or redis.call('EXISTS', e) == 0 then
+      out[#out + 1] = key
     elseif redis.call('HSET', e, loc, now) == 1 then
-      count_dram(e, ARGV[3], 1)
-      feed(P, 'add', ARGV[3], ARGV[i])
+      count_dram(e, ARGV[4], 1)
+      feed(S, 'add', ARGV[4], key)
       local meta = redis.call('HMGET', e, 'ns', 'size')
-      tally(P, meta[1], tier_of(ARGV[3]), meta[2], 1)
+      tally(S, meta[1], tier_of(ARGV[4]), meta[2], 1)
     end
-  elseif redis.call('HDEL', e, loc) == 1 then
-    count_dram(e, ARGV[3], -1)
-    feed(P, 'drop', ARGV[3], ARGV[i])
+  elseif e and redis.call('HDEL', e, loc) == 1 then
+    count_dram(e, ARGV[4], -1)
+    feed(S, 'drop', ARGV[4], key)
     local meta = redis.call('HMGET', e, 'ns', 'size')
-    tally(P, meta[1], tier_of(ARGV[3]), meta[2], -1)
+    tally(S, meta[1], tier_of(ARGV[4]), meta[2], -1)
     if not has_location(e) then
-      remove_entry(P, ARGV[i])
-      out[#out + 1] = ARGV[i]
+      remove_entry(R, S, C, key, elsewhere)
+      out[#out + 1] = key
     end
   end
 end
-return out
+return {out, elsewhere}

@@ -1,15 +1,18 @@
 #!lua flags=no-writes
 -- Longest cached prefixes of one or more chains in one round trip; read-only, so it may run on a replica.
--- ARGV: P, max_candidates, then keys_1, probes_1, keys_2, probes_2, ... keys concatenates a chain's n
+-- ARGV: max_candidates, heads_elsewhere, then C_1, keys_1, probes_1, C_2, ... where C is the chain's prefix
+-- (common.lua: R on one Redis, R{<anchor>}: on a Cluster) and heads_elsewhere '1' where the probe bucket of a
+-- chain's first chunk lies on another shard (a Cluster): a chain broken in its first chunk then returns no
+-- candidates, and the client reads that bucket itself. keys concatenates a chain's n
 -- keys (32 hex chars each); probes concatenates the probe bucket of positions 0..n (32 '0's where the
 -- prompt has none). Returns one reply per chain, {hits, in_dram, cand_key_1, cand_tokens_1, cand_in_dram_1,
 -- ...}: the number of leading keys present; per such key '1' if it has a DRAM location, else '0'; then the
 -- chunks in the probe bucket at the break point (the client picks the longest token match), each with its
 -- own '1' or '0'. Several chains are the shards of one prompt under tensor parallelism.
-local P = ARGV[1]
-local max_candidates = tonumber(ARGV[2])
+local max_candidates = tonumber(ARGV[1])
+local heads_elsewhere = ARGV[2] == '1'
 
-local function longest(keys, probes)
+local function longest(P, keys, probes)
   local n = #keys / 32
   local names = {}
   for i = 1, n do names[i] = P .. 'e:' .. string.sub(keys, i * 32 - 31, i * 32) end
@@ -46,14 +49,9 @@ local function longest(keys, probes)
   end
   local out = {hits, table.concat(in_dram)}
   local probe = string.sub(probes, hits * 32 + 1, hits * 32 + 32)
-  if probe ~= '' and probe ~= string.rep('0', 32) then
-    local b = P .. 'b:' .. probe
-    local fields
-    if redis.call('HLEN', b) <= max_candidates then
-      fields = redis.call('HGETALL', b)
-    else
-      fields = redis.call('HRANDFIELD', b, max_candidates, 'WITHVALUES')
-    end
+  if probe ~= '' and probe ~= string.rep('0', 32) and not (hits == 0 and heads_elsewhere) then
+    -- a positive count returns distinct fields: the whole bucket when it holds no more than that
+    local fields = redis.call('HRANDFIELD', P .. 'b:' .. probe, max_candidates, 'WITHVALUES')
     for j = 1, #fields, 2 do
       local name = P .. 'e:' .. fields[j]
       if redis.call('EXISTS', name) == 1 then
@@ -67,5 +65,5 @@ local function longest(keys, probes)
 end
 
 local replies = {}
-for q = 3, #ARGV, 2 do replies[#replies + 1] = longest(ARGV[q], ARGV[q + 1]) end
+for q = 3, #ARGV, 3 do replies[#replies + 1] = longest(ARGV[q], ARGV[q + 1], ARGV[q + 2]) end
 return replies

@@ -1,24 +1,38 @@
 -- Register stored chunks atomically. A chunk already present keeps its entry and gains the location.
--- ARGV: P, then per record: key parent root ns tenant ntok size location probe packed_tokens
-local P = ARGV[1]
+-- ARGV: R, S, then per record: key parent root ns tenant ntok size location probe packed_tokens anchor
+-- (anchor: '' on one Redis). Returns the probe-bucket writes of chain heads, to be made on the bucket's
+-- shard: {probe_1, key_1, packed_1, ...}.
+local R, S = ARGV[1], ARGV[2]
 local now = now_ms()
-for i = 2, #ARGV, 10 do
-  local key, parent, probe = ARGV[i], ARGV[i + 1], ARGV[i + 8]
-  local e = P .. 'e:' .. key
+local elsewhere = {}
+for i = 3, #ARGV, 11 do
+  local key, parent, probe, anchor = ARGV[i], ARGV[i + 1], ARGV[i + 8], ARGV[i + 10]
+  local C = resolve(R, S, key) or chain_of(R, anchor)  -- an entry this shard holds keeps its chain
+  local e = C .. 'e:' .. key
   if redis.call('EXISTS', e) == 0 then
     redis.call('HSET', e, 'parent', parent, 'root', ARGV[i + 2], 'ns', ARGV[i + 3], 'tenant', ARGV[i + 4],
       'ntok', ARGV[i + 5], 'size', ARGV[i + 6], 'ctime', now, 'atime', now, 'hits', 0, 'pin', 0, 'probe', probe,
       'dram', 0)
-    redis.call('SADD', P .. 'k:' .. parent, key)
-    redis.call('ZADD', P .. 'keys', 0, key)
-    if probe ~= '' then redis.call('HSET', P .. 'b:' .. probe, key, ARGV[i + 9]) end
-    tally(P, ARGV[i + 3], '', ARGV[i + 6], 1)
+    local head = is_head(R, S, C, key)
+    redis.call('SADD', (head and S or C) .. 'k:' .. parent, key)
+    redis.call('ZADD', S .. 'keys', 0, key)
+    if R ~= S then redis.call('HSET', S .. 'a', key, string.sub(C, #R + 2, -3)) end
+    if probe ~= '' then
+      if head then
+        elsewhere[#elsewhere + 1] = probe
+        elsewhere[#elsewhere + 1] = key
+        elsewhere[#elsewhere + 1] = ARGV[i + 9]
+      else
+        redis.call('HSET', C .. 'b:' .. probe, key, ARGV[i + 9])
+      end
+    end
+    tally(S, ARGV[i + 3], '', ARGV[i + 6], 1)
   end
   if redis.call('HSET', e, 'l:' .. ARGV[i + 7], now) == 1 then
     count_dram(e, ARGV[i + 7], 1)
-    feed(P, 'add', ARGV[i + 7], key)
+    feed(S, 'add', ARGV[i + 7], key)
     local meta = redis.call('HMGET', e, 'ns', 'size')
-    tally(P, meta[1], tier_of(ARGV[i + 7]), meta[2], 1)
+    tally(S, meta[1], tier_of(ARGV[i + 7]), meta[2], 1)
   end
 end
-return 1
+return elsewhere

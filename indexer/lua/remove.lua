@@ -1,4 +1,9 @@
--- Delete entries outright. ARGV: P, key_1..key_n. Returns how many existed.
-local removed = 0
-for i = 2, #ARGV do removed = removed + remove_entry(ARGV[1], ARGV[i]) end
-return removed
+-- Delete entries outright. ARGV: R, S, key_1..key_n. Returns {how many existed on this shard, elsewhere}
+-- (see remove_entry).
+local R, S = ARGV[1], ARGV[2]
+local removed, elsewhere = 0, {}
+for i = 3, #ARGV do
+  local C = resolve(R, S, ARGV[i])
+  if C then removed = removed + remove_entry(R, S, C, ARGV[i], elsewhere) end
+end
+return {removed, elsewhere}
