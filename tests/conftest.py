@@ -18,6 +18,7 @@ from prefixcache.indexer.redis_index import RedisIndex
 from tests.daemon_harness import Daemon, connect
 from tests.in_memory_index import InMemoryIndex
 from tests.mooncake_pool import LocalMooncakePool
+from tests.redis_topologies import RedisClusterServers, RedisSentinelServers
 
 _prefixes = itertools.count()
 
@@ -82,6 +83,7 @@ MODULE_TIERS = {
         "test_proxy",
         "test_redis_acl",
         "test_redis_index",
+        "test_redis_topologies",
         "test_serve",
         "test_supervision",
         "test_supervisor",
@@ -122,6 +124,40 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterServers]:
+    """A Redis Cluster of 3 masters and 3 replicas shared by the session: tests that kill nodes take
+    ``private_redis_cluster``."""
+    cluster = RedisClusterServers(tmp_path_factory.mktemp("redis-cluster"))
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def private_redis_cluster(tmp_path: Path) -> Iterator[RedisClusterServers]:
+    """A Redis Cluster of the test's own, for tests that break it."""
+    cluster = RedisClusterServers(tmp_path / "redis-cluster")
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisSentinelServers]:
+    """A primary, its replica and three sentinels shared by the session: tests that kill the primary take
+    ``private_redis_sentinel``."""
+    servers = RedisSentinelServers(tmp_path_factory.mktemp("redis-sentinel"))
+    yield servers
+    servers.stop()
+
+
+@pytest.fixture
+def private_redis_sentinel(tmp_path: Path) -> Iterator[RedisSentinelServers]:
+    """A primary, its replica and three sentinels of the test's own, for tests that fail the primary over."""
+    servers = RedisSentinelServers(tmp_path / "redis-sentinel")
+    yield servers
+    servers.stop()
 
 
 class MooncakeNode(LocalMooncakePool):
