@@ -207,18 +207,36 @@ def private_mooncake(tmp_path: Path) -> Iterator[MooncakeNode]:
 @pytest.fixture
 def redis_index(redis_server: EmbeddedRedis) -> Iterator[RedisIndex]:
     """A Redis index under a key prefix of its own, so tests share one server without sharing keys."""
-    index = RedisIndex(redis_server.url, key_prefix=f"t{next(_prefixes)}")
+    yield from _own_prefix(redis_server.url)
+
+
+@pytest.fixture(params=["embedded", "redis", "cluster", "sentinel"])
+def index(request: pytest.FixtureRequest) -> PrefixIndex:
+    """Each index test runs against every backend and deployment: they must behave the same."""
+    if request.param == "embedded":
+        return InMemoryIndex()
+    return request.getfixturevalue(
+        {"redis": "redis_index", "cluster": "cluster_index", "sentinel": "sentinel_index"}[request.param]
+    )
+
+
+def _own_prefix(url: str) -> Iterator[RedisIndex]:
+    index = RedisIndex(url, key_prefix=f"t{next(_prefixes)}")
     yield index
     index.flush()
     index.close()
 
 
-@pytest.fixture(params=["embedded", "redis"])
-def index(request: pytest.FixtureRequest) -> PrefixIndex:
-    """Each index test runs against both backends: they must behave the same."""
-    if request.param == "embedded":
-        return InMemoryIndex()
-    return request.getfixturevalue("redis_index")
+@pytest.fixture
+def cluster_index(redis_cluster: RedisClusterServers) -> Iterator[RedisIndex]:
+    """A Redis index on the session's Redis Cluster, under a key prefix of its own."""
+    yield from _own_prefix(redis_cluster.url)
+
+
+@pytest.fixture
+def sentinel_index(redis_sentinel: RedisSentinelServers) -> Iterator[RedisIndex]:
+    """A Redis index on the primary the session's sentinels name, under a key prefix of its own."""
+    yield from _own_prefix(redis_sentinel.url)
 
 
 @pytest.fixture
