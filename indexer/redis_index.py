@@ -50,8 +50,15 @@ _NO_PROBE = bytes(KEY_BYTES)  # sent where the prompt has no probe; an all-zero 
 _ANCHOR_MEMORY = 1 << 16
 #: Shortest time between two rebuilds of a Cluster's map, however many calls fail meanwhile.
 _REFRESH_INTERVAL_S = 0.5
-#: Replies of a Cluster node whose map of slots this process must learn again.
-_TOPOLOGY_ERRORS = ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN", "Script attempted to access a non local key")
+#: Replies of a Cluster node that mean this process's map of slots is out of date (a failover, a resharding).
+_TOPOLOGY_ERRORS = (
+    redis.exceptions.AskError,  # MovedError too
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ClusterDownError,  # MasterDownError too
+    redis.exceptions.ReadOnlyError,  # a master that became a replica
+)
+#: What a script's error says when its shard no longer serves its keys, or the cluster lost a master meanwhile.
+_SCRIPT_TOPOLOGY_ERRORS = ("non local key", "cluster is down")
 
 
 def _refuses_writes(error: redis.exceptions.ResponseError) -> bool:
@@ -146,9 +153,10 @@ class RedisIndex:
             self._topology_changed()
             raise IndexUnavailableError(f"Redis index at {redact_url(self.url)} is unreachable: {exc}") from exc
         except redis.exceptions.ResponseError as exc:
-            if str(exc).startswith(_TOPOLOGY_ERRORS) or _TOPOLOGY_ERRORS[-1] in str(exc):
+            moved = isinstance(exc, _TOPOLOGY_ERRORS) or any(m in str(exc) for m in _SCRIPT_TOPOLOGY_ERRORS)
+            if self.clustered and moved:
                 self._topology_changed()
-                raise IndexUnavailableError(f"Redis index at {redact_url(self.url)} is moving: {exc}") from exc
+                raise IndexUnavailableError(f"Redis index at {redact_url(self.url)} is moving: {exc!r}") from exc
             if not _refuses_writes(exc):
                 raise
             raise IndexUnavailableError(f"Redis index at {redact_url(self.url)} refuses writes: {exc}") from exc

@@ -64,6 +64,7 @@ MODULE_TIERS = {
         "test_api_schema",
         "test_api_security",
         "test_cachestore",
+        "test_clustered_index",
         "test_cuda_copies",
         "test_data_dir_lock",
         "test_deploy_files",

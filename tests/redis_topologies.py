@@ -169,8 +169,10 @@ class RedisClusterServers:
 
     @property
     def url(self) -> str:
-        """``redis+cluster://`` with the password and one live node: the client discovers the others."""
-        return with_password(f"redis+cluster://{HOST}:{self.live_nodes()[0].port}", self.password)
+        """``redis+cluster://`` with the password and every live node: a client started from it discovers the cluster
+        while any of them answers."""
+        nodes = ",".join(f"{HOST}:{node.port}" for node in self.live_nodes())
+        return with_password(f"redis+cluster://{nodes}", self.password)
 
     def live_nodes(self) -> list[RedisNode]:
         return [node for node in self.nodes if node.alive()]

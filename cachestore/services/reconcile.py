@@ -57,6 +57,8 @@ def drop_locations(index: PrefixIndex, keys: list[bytes], location: Location) ->
 
 
 def _rebuild(index: PrefixIndex, nvme: NvmeStore, keys: list[bytes], location: Location) -> tuple[int, int]:
+    """Register the chunks of ``keys`` from their objects, each after its parent where both are rebuilt: on a
+    Cluster a chunk joins its parent's chain (``RedisIndex``), which must be known by then."""
     records, unreadable = [], []
     for key in keys:
         data = nvme.get(key)
@@ -81,10 +83,23 @@ def _rebuild(index: PrefixIndex, nvme: NvmeStore, keys: list[bytes], location: L
                 tenant=tenant,
             )
         )
-        if len(records) == BATCH:
-            index.register(records)
-            records = []
-    index.register(records)
+    ordered = parents_first(records)
+    for start in range(0, len(ordered), BATCH):
+        index.register(ordered[start : start + BATCH])
     if unreadable:
         nvme.delete(unreadable)
     return len(keys) - len(unreadable), len(unreadable)
+
+
+def parents_first(records: list[ChunkRecord]) -> list[ChunkRecord]:
+    """``records`` ordered by their depth below the first one of their chain among them: parents before children."""
+    parent_of = {r.key: r.parent for r in records}
+    depth: dict[bytes, int] = {}
+    for record in records:
+        path = [record.key]
+        while (parent := parent_of.get(path[-1])) is not None and parent in parent_of and parent not in depth:
+            path.append(parent)
+        base = depth.get(parent_of[path[-1]], -1)
+        for i, key in enumerate(reversed(path)):
+            depth[key] = base + 1 + i
+    return sorted(records, key=lambda r: depth[r.key])
