@@ -1,12 +1,13 @@
-"""The results tables of README.md and docs/benchmarks.md, rendered from ``benchmarks/results/*.json``.
+"""The results tables of README.md, docs/benchmarks.md and deploy/GUIDE.md, from ``benchmarks/results/*.json``.
 
     python -m benchmarks.render          # rewrite the tables between the marker comments
     python -m benchmarks.render --check  # exit 1 when a table differs from what the JSON files give
 
 Each document holds one block between ``<!-- results:begin -->`` and ``<!-- results:end -->``; everything
-between the markers is replaced. README.md gets the headline ratios, docs/benchmarks.md every table. A
-benchmark whose results file is missing is left out of both. Figures are printed as the benchmarks wrote
-them: ratios are those of one run of each benchmark (see docs/benchmarks.md for how each is formed).
+between the markers is replaced. README.md gets the headline ratios, docs/benchmarks.md every table,
+deploy/GUIDE.md the index's sizing figures. A benchmark whose results file is missing is left out of them. Figures
+are printed as the benchmarks wrote them: ratios are those of one run of each benchmark (see docs/benchmarks.md
+for how each is formed).
 """
 
 from __future__ import annotations
@@ -494,7 +495,75 @@ def benchmarks_block(results: Results) -> str:
     return "\n\n".join(render(results[name]) for name, render in SECTIONS if name in results)
 
 
-TARGETS: dict[str, Callable[[Results], str]] = {"README.md": readme_block, "docs/benchmarks.md": benchmarks_block}
+# deploy/GUIDE.md: the index's size and load, from benchmarks.index_scale
+
+#: The deployment the guide sizes: one node's NVMe tier, the bytes of one chunk, how many such nodes, and the
+#: masters of a Redis Cluster.
+SIZING_NVME_BYTES = 10**12
+SIZING_CHUNK_BYTES = 8 << 20
+SIZING_NODES = 64
+SIZING_MASTERS = 3
+
+
+def guide_block(results: Results) -> str:
+    """The guide's "Sizing the index" figures: memory per chunk and a worked example of it, lookup latency, and the
+    lookups per second one shard's CPU allows, from one Redis's ``benchmarks.index_scale`` rows."""
+    scale = results.get("index_scale")
+    if not scale:
+        return ""
+    single = "single Redis"
+    (memory,) = [m for m in scale["memory"] if m["deployment"] == single]
+    latency = [r for r in scale["latency"] if r["deployment"] == single]
+    throughput = [r for r in scale["throughput"] if r["deployment"] == single]
+    per_chunk = memory["bytes_per_chunk"]
+    node_chunks = SIZING_NVME_BYTES // SIZING_CHUNK_BYTES
+    fleet_chunks = node_chunks * SIZING_NODES
+    fleet_gib = fleet_chunks * per_chunk / 2**30
+    cpu = [r["redis_cpu_us_per_lookup"] for r in throughput]
+    slowest, fastest = (round(1e6 / us, -2) for us in (max(cpu), min(cpu)))  # lookups/s one core's CPU allows
+    at_scale = scale["at_scale"]
+    largest = max(latency, key=lambda r: r["indexed_chunks"])
+    return "\n\n".join(
+        [
+            f"From `benchmarks.index_scale` on one Redis (`benchmarks/results/index_scale.json`; chunks of "
+            f"{scale['chunk_tokens']} tokens, lookups of a cached {scale['prompt_chunks']}-chunk prompt; how it "
+            "measures: [docs/benchmarks.md](../docs/benchmarks.md#how-the-index-benchmark-measures)):",
+            "\n".join(
+                [
+                    f"- **Memory**: {per_chunk:.0f} bytes of Redis memory per chunk with one location "
+                    f"({at_scale['used_memory_bytes'] / 2**30:.2f} GiB used at {at_scale['indexed_chunks']} chunks).",
+                    f"- **Example**: a {SIZING_NVME_BYTES / 10**12:.0f} TB NVMe tier of "
+                    f"{SIZING_CHUNK_BYTES >> 20} MiB chunks holds {node_chunks} chunks, "
+                    f"{node_chunks * per_chunk / 2**30:.2f} GiB of index; {SIZING_NODES} such nodes holding "
+                    f"different chunks, {fleet_chunks} chunks: {fleet_gib:.1f} GiB on one Redis, or "
+                    f"{fleet_gib / SIZING_MASTERS:.1f} GiB on each master of a {SIZING_MASTERS}-master cluster "
+                    f"({2 * fleet_gib:.1f} GiB in all with a replica each).",
+                    f"- **Latency**: {largest['p50_ms']:.3f} ms p50, {largest['p99_ms']:.3f} ms p99 a lookup at "
+                    f"{largest['indexed_chunks']} indexed chunks (round trips a lookup: "
+                    f"{throughput[0]['round_trips_per_lookup']}).",
+                    f"- **CPU**: {min(cpu):.1f} to {max(cpu):.1f} µs of Redis CPU a lookup (from "
+                    f"{throughput[0]['clients']} to {throughput[-1]['clients']} clients): one shard, which runs "
+                    f"commands on one core, serves at most about {slowest:.0f} to {fastest:.0f} lookups per second.",
+                ]
+            ),
+            f"Lookups per second measured with concurrent client processes, {scale['cpus']} CPUs shared with "
+            "Redis (a bound of the machine more than of Redis):",
+            table(
+                ["clients", "lookups/s", "Redis CPU µs per lookup"],
+                [
+                    [r["clients"], f"{r['lookups_per_s']:.0f}", f"{r['redis_cpu_us_per_lookup']:.1f}"]
+                    for r in throughput
+                ],
+            ),
+        ]
+    )
+
+
+TARGETS: dict[str, Callable[[Results], str]] = {
+    "README.md": readme_block,
+    "docs/benchmarks.md": benchmarks_block,
+    "deploy/GUIDE.md": guide_block,
+}
 
 
 def replaced(text: str, block: str, where: str) -> str:

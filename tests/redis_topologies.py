@@ -25,7 +25,7 @@ from prefixcache.indexer.redis_clients import CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_
 HOST = "127.0.0.1"
 CLUSTER_SLOTS = 16384
 #: How long a cluster node may be unreachable before the others mark it failed and one of its replicas takes over.
-CLUSTER_NODE_TIMEOUT_MS = 1000
+CLUSTER_NODE_TIMEOUT_MS = 2000
 #: The name the sentinels monitor the primary under: the service name of the ``redis+sentinel://`` URL.
 SENTINEL_SERVICE = "prefixcache"
 #: How long the primary may be unreachable before a sentinel calls it down.

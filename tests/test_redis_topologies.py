@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
+from redis.retry import Retry
 
 from tests.redis_topologies import (
     CLUSTER_SLOTS,
@@ -47,7 +49,8 @@ def test_cluster_has_three_masters_and_three_replicas_covering_every_slot(redis_
 
 def test_cluster_refuses_clients_without_the_password(redis_cluster):
     node = redis_cluster.masters()[0]
-    with redis.Redis(HOST, node.port) as client, pytest.raises(redis.exceptions.AuthenticationError):
+    no_retries = Retry(NoBackoff(), 0)  # redis-py retries an authentication error as a connection error
+    with redis.Redis(HOST, node.port, retry=no_retries) as client, pytest.raises(redis.exceptions.AuthenticationError):
         client.get("k")
 
 
