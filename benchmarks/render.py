@@ -334,64 +334,75 @@ def _lookup_section(lookup: dict[str, Any]) -> str:
 
 def _index_scale_section(scale: dict[str, Any]) -> str:
     memory = [
-        [m["deployment"], m["chunks"], f"{m['bytes_per_chunk']:.0f}", f"{m['register_chunks_per_s']:.0f}"]
+        [
+            m["deployment"],
+            m["chunks"],
+            f"{m['bytes_per_chunk']:.0f}",
+            f"{m['register_chunks_per_s']:.0f}",
+            f"{m['used_memory_bytes'] / 2**30:.2f} GiB at {m['indexed_chunks']} chunks",
+        ]
         for m in scale["memory"]
     ]
     latency = [
         [r["deployment"], r["indexed_chunks"], f"{r['p50_ms']:.3f}", f"{r['p99_ms']:.3f}"] for r in scale["latency"]
     ]
+    over_single = {r["clients"]: r["cluster_over_single"] for r in scale["throughput_ratios"]}
+    single = scale["memory"][0]["deployment"]
     throughput = [
         [
             r["deployment"],
             r["clients"],
             f"{r['lookups_per_s']:.0f}",
-            f"{r['redis_cpu_us_per_lookup']:.1f}",
+            "" if r["deployment"] == single else ratio_x(over_single[r["clients"]]),
+            " / ".join(f"{cpu:.1f}" for cpu in r["shard_cpu_us_per_lookup"]),
             f"{r['commands_per_lookup']:.0f}",
             r["round_trips_per_lookup"],
         ]
         for r in scale["throughput"]
     ]
-    slots = scale["slots"]
-    at_scale = scale["at_scale"]
+    shards = [
+        [
+            s["deployment"],
+            " / ".join(str(m["chains"]) for m in s["masters"]),
+            " / ".join(str(m["keys"]) for m in s["masters"]),
+            f"{s['register_masters_touched_mean']:.2f}",
+            f"{s['lookup_masters_touched_min']}, {s['lookup_masters_touched_max']}",
+            s["round_trips_per_lookup_max"],
+        ]
+        for s in scale["shards"]
+    ]
     return "\n\n".join(
         [
-            "### The index on one Redis (`benchmarks.index_scale`)",
-            f"Chunks of {scale['chunk_tokens']} tokens; Redis memory per chunk "
-            f"({at_scale['used_memory_bytes'] / 2**30:.2f} GiB used at {at_scale['indexed_chunks']} chunks):",
-            table(["deployment", "chunks", "bytes per chunk", "registered chunks/s"], memory),
+            "### The index on one Redis and on a Redis Cluster (`benchmarks.index_scale`)",
+            f"Chunks of {scale['chunk_tokens']} tokens; Redis memory per chunk, all masters together:",
+            table(["deployment", "chunks", "bytes per chunk", "registered chunks/s", "used_memory"], memory),
             f"Lookup of a cached {scale['prompt_chunks']}-chunk prompt, hashed beforehand "
             f"(hashing alone: {scale['hashing']['p50_ms']:.3f} ms p50), ms:",
             table(["deployment", "indexed chunks", "p50", "p99"], latency),
-            f"Concurrent client processes, {scale['cpus']} CPUs shared with Redis:",
+            f"Concurrent client processes, {scale['cpus']} CPUs shared with every master:",
             table(
                 [
                     "deployment",
                     "clients",
                     "lookups/s",
-                    "Redis CPU µs per lookup",
+                    "cluster / single Redis",
+                    "Redis CPU µs per lookup, each master",
                     "Redis commands per lookup",
                     "round trips",
                 ],
                 throughput,
             ),
-            f"Keys one lookup reads ({slots['keys_per_lookup']}), {slots['prompts']} prompts, "
-            "by Redis Cluster hash slot:",
+            f"{scale['shards'][0]['prompts']} system prompts with different first chunks, on an empty index:",
             table(
                 [
                     "deployment",
-                    "shards a lookup touches (min, mean, max)",
-                    "shards a register touches",
-                    "keys per shard",
+                    "chains per master",
+                    "keys per master",
+                    "masters a register touches (mean)",
+                    "masters a lookup touches (min, max)",
+                    "round trips per lookup",
                 ],
-                [
-                    [
-                        slots["deployment"],
-                        f"{slots['shards_touched_min']}, {slots['shards_touched_mean']:.2f}, "
-                        f"{slots['shards_touched_max']}",
-                        f"{slots['register_shards_touched_mean']:.2f}",
-                        " / ".join(map(str, slots["keys_per_shard"])),
-                    ]
-                ],
+                shards,
             ),
         ]
     )
