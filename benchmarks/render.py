@@ -532,7 +532,6 @@ def guide_block(results: Results) -> str:
     fleet_gib = fleet_chunks * per_chunk / 2**30
     cpu = [r["redis_cpu_us_per_lookup"] for r in throughput]
     slowest, fastest = (round(1e6 / us, -2) for us in (max(cpu), min(cpu)))  # lookups/s one core's CPU allows
-    at_scale = scale["at_scale"]
     largest = max(latency, key=lambda r: r["indexed_chunks"])
     return "\n\n".join(
         [
@@ -542,7 +541,13 @@ def guide_block(results: Results) -> str:
             "\n".join(
                 [
                     f"- **Memory**: {per_chunk:.0f} bytes of Redis memory per chunk with one location "
-                    f"({at_scale['used_memory_bytes'] / 2**30:.2f} GiB used at {at_scale['indexed_chunks']} chunks).",
+                    f"({memory['used_memory_bytes'] / 2**30:.2f} GiB used at {memory['indexed_chunks']} chunks; "
+                    + "; ".join(
+                        f"{m['bytes_per_chunk']:.0f} bytes on a {m['deployment']}, summed over its masters"
+                        for m in scale["memory"]
+                        if m["deployment"] != single
+                    )
+                    + ").",
                     f"- **Example**: a {SIZING_NVME_BYTES / 10**12:.0f} TB NVMe tier of "
                     f"{SIZING_CHUNK_BYTES >> 20} MiB chunks holds {node_chunks} chunks, "
                     f"{node_chunks * per_chunk / 2**30:.2f} GiB of index; {SIZING_NODES} such nodes holding "
