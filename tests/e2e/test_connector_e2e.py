@@ -154,6 +154,37 @@ def test_a_fresh_instance_loads_every_cached_token_and_answers_the_same(referenc
         assert ok, reason  # publishing never changes an answer either
 
 
+@pytest.fixture(scope="module")
+def through_a_cluster(run_vllm, tiny_model, redis_cluster, tmp_path_factory):
+    """Instance A publishes P1 and P2 through a daemon whose index is a Redis Cluster of 3 masters and 3 replicas;
+    instance B (fresh process, vLLM's own prefix cache off) runs them again."""
+    d = Daemon(tmp_path_factory.mktemp("cluster") / "data", "--redis-url", redis_cluster.url).start()
+    config = connector_config(d, redis_password=redis_cluster.password)
+    try:
+        a = run_vllm({"model": str(tiny_model), "prompts": [P1, P2], "max_tokens": 16, "kv_transfer_config": config})
+        b = run_vllm(
+            {
+                "model": str(tiny_model),
+                "prompts": [P1, P2],
+                "max_tokens": 16,
+                "prefix_caching": False,
+                "kv_transfer_config": config,
+            }
+        )
+    finally:
+        d.stop()
+    return a, b
+
+
+def test_through_a_redis_cluster_a_fresh_instance_loads_every_cached_token(reference, through_a_cluster):
+    a, b = through_a_cluster
+    assert [r["num_cached_tokens"] for r in a["outputs"]] == [0, 0]
+    assert [r["num_cached_tokens"] for r in b["outputs"]] == [len(P1) - 1, len(P2) - 1]
+    for ref, got in zip(reference["outputs"][:2], b["outputs"], strict=True):
+        ok, reason = same_greedy_output(ref, got)
+        assert ok, reason
+
+
 def test_a_request_can_keep_its_prompt_out_of_the_store_or_refuse_hits(reference, producer_then_consumer, probes):
     """P6, which A ran asking not to publish it, is not found by B; P1 asking not to load, and P2 with a misspelt
     ``prefixcache`` entry, are computed whole although both are stored, and answer as a run without the cache."""
