@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from prefixcache.cachestore.client.cache_client import CacheClient
 from prefixcache.cachestore.node.redis_server import EmbeddedRedis
@@ -127,38 +128,48 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
     server.stop()
 
 
+def _until_stopped(servers: RedisClusterServers | RedisSentinelServers) -> Iterator:
+    yield servers
+    servers.stop()
+
+
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterServers]:
     """A Redis Cluster of 3 masters and 3 replicas shared by the session: tests that kill nodes take
     ``private_redis_cluster``."""
-    cluster = RedisClusterServers(tmp_path_factory.mktemp("redis-cluster"))
-    yield cluster
-    cluster.stop()
+    yield from _until_stopped(RedisClusterServers(tmp_path_factory.mktemp("redis-cluster")))
 
 
 @pytest.fixture
 def private_redis_cluster(tmp_path: Path) -> Iterator[RedisClusterServers]:
     """A Redis Cluster of the test's own, for tests that break it."""
-    cluster = RedisClusterServers(tmp_path / "redis-cluster")
-    yield cluster
-    cluster.stop()
+    yield from _until_stopped(RedisClusterServers(tmp_path / "redis-cluster"))
 
 
 @pytest.fixture(scope="session")
 def redis_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisSentinelServers]:
     """A primary, its replica and three sentinels shared by the session: tests that kill the primary take
     ``private_redis_sentinel``."""
-    servers = RedisSentinelServers(tmp_path_factory.mktemp("redis-sentinel"))
-    yield servers
-    servers.stop()
+    yield from _until_stopped(RedisSentinelServers(tmp_path_factory.mktemp("redis-sentinel")))
 
 
 @pytest.fixture
 def private_redis_sentinel(tmp_path: Path) -> Iterator[RedisSentinelServers]:
     """A primary, its replica and three sentinels of the test's own, for tests that fail the primary over."""
-    servers = RedisSentinelServers(tmp_path / "redis-sentinel")
-    yield servers
-    servers.stop()
+    yield from _until_stopped(RedisSentinelServers(tmp_path / "redis-sentinel"))
+
+
+@pytest.fixture
+def sent_commands(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Every command any Redis connection of this process sends from now on, as sent: round trips counted."""
+    sent: list[bytes] = []
+    original = redis.connection.AbstractConnection.send_packed_command
+    monkeypatch.setattr(
+        redis.connection.AbstractConnection,
+        "send_packed_command",
+        lambda conn, command, check_health=True: sent.append(command) or original(conn, command, check_health),
+    )
+    return sent
 
 
 class MooncakeNode(LocalMooncakePool):

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
 from redis.crc import key_slot
 
 from prefixcache.cachestore.client.cache_client import CacheClient
@@ -236,7 +235,7 @@ def test_an_index_behind_sentinel_fails_over_to_the_replica(private_redis_sentin
         index.close()
 
 
-def test_a_lookup_is_one_round_trip_and_a_first_chunk_break_one_more(redis_cluster, monkeypatch):
+def test_a_lookup_is_one_round_trip_and_a_first_chunk_break_one_more(redis_cluster, request):
     index = RedisIndex(redis_cluster.url, key_prefix="trips")
     geometry = ChunkGeometry(chunk_tokens=64)
     try:
@@ -245,18 +244,11 @@ def test_a_lookup_is_one_round_trip_and_a_first_chunk_break_one_more(redis_clust
         broken = prompt_query(make_spec().root(), geometry, PROMPT[:40] + [9] * 300)  # differs at token 40
         index.lookup(cached, touch=False)  # loads the script on the master
         index.lookup(broken, touch=False)
-        sent = []
-        original = redis.connection.AbstractConnection.send_packed_command
-        monkeypatch.setattr(
-            redis.connection.AbstractConnection,
-            "send_packed_command",
-            lambda conn, command, check_health=True: sent.append(command) or original(conn, command, check_health),
-        )
+        sent = request.getfixturevalue("sent_commands")  # from here on: the lookups above loaded the script
         assert index.lookup(cached, touch=False).full_tokens == 320
         assert len(sent) == 1
         assert index.lookup(broken, touch=False).matched_tokens == 40  # from the first chunk's probe bucket
         assert len(sent) == 3
     finally:
-        monkeypatch.undo()
         index.flush()
         index.close()

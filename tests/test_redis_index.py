@@ -45,18 +45,12 @@ def test_redact_url():
     assert redact_url("redis://host:6379/0") == "redis://host:6379/0"
 
 
-def test_lookup_is_one_round_trip(redis_index, spec, geometry, monkeypatch):
+def test_lookup_is_one_round_trip(redis_index, spec, geometry, request):
     publish(redis_index, spec, list(range(64 * 40)))
     query = prompt_query(spec.root(), geometry, list(range(64 * 40 + 10)))
     redis_index.lookup(query)  # loads the script
     redis_index.flush_access()
-    sent = []
-    original = redis.connection.AbstractConnection.send_packed_command
-    monkeypatch.setattr(
-        redis.connection.AbstractConnection,
-        "send_packed_command",
-        lambda conn, command, check_health=True: sent.append(command) or original(conn, command, check_health),
-    )
+    sent = request.getfixturevalue("sent_commands")
     match = redis_index.lookup(query)
     assert match.matched_tokens == 64 * 40
     assert len(sent) == 1
