@@ -82,6 +82,7 @@ MODULE_TIERS = {
         "test_proxy",
         "test_redis_acl",
         "test_redis_index",
+        "test_separate_hosts",
         "test_serve",
         "test_supervision",
         "test_supervisor",
