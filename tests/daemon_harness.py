@@ -33,6 +33,7 @@ from prefixcache.indexer.chunking import ChunkGeometry
 from prefixcache.indexer.keys import PrefixHasher, chunk_key
 from prefixcache.indexer.namespace import NamespaceSpec
 from prefixcache.indexer.tokens import pack_tokens
+from tests.netns import Host
 
 
 @dataclass(frozen=True)
@@ -206,6 +207,14 @@ class Daemon:
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
+
+
+def node_on(host: Host, servers: ClusterServers, data_dir: Path, *extra: str, **options: Any) -> Daemon:
+    """A node of the cluster of ``servers`` on ``host`` (tests/netns.py), at the host's address, named
+    ``node-<host>``."""
+    return Daemon.joining(
+        servers, data_dir, f"node-{host.name}", *extra, host=host.address, launcher=host.launcher, **options
+    )
 
 
 def run_cli(daemon: Daemon, *args: str, token: str | None = None) -> subprocess.CompletedProcess:

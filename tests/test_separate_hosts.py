@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.daemon_harness import ClusterServers, Daemon, cluster_servers, wait_for
+from tests.daemon_harness import ClusterServers, cluster_servers, node_on, wait_for
 from tests.host_client import HostClient
 from tests.netns import Host, Network, unusable
 from tests.test_kv_events import Subscriber
@@ -42,20 +42,6 @@ def usable() -> None:
         pytest.skip(reason)
 
 
-def node_on(host: Host, servers: ClusterServers, data_dir: Path, *extra: str) -> Daemon:
-    """A node of the cluster of ``servers`` on ``host``, at the host's address, named ``node-<host>``."""
-    return Daemon.joining(
-        servers,
-        data_dir,
-        f"node-{host.name}",
-        "--chunk-tokens",
-        str(CHUNK),
-        *extra,
-        host=host.address,
-        launcher=host.launcher,
-    )
-
-
 class Cluster:
     """Nodes A and B on hosts of their own, joined to the cluster's servers in the root namespace; A publishes
     KV events on its address, to ``subscriber``."""
@@ -64,8 +50,9 @@ class Cluster:
         self.servers = servers
         self.host_a, self.host_b = network.host("a"), network.host("b")
         events = f"tcp://{self.host_a.address}:{KV_EVENTS_PORT}"
-        self.a = node_on(self.host_a, servers, directory / "a", "--kv-events-endpoint", events)
-        self.b = node_on(self.host_b, servers, directory / "b")
+        chunks = ("--chunk-tokens", str(CHUNK))
+        self.a = node_on(self.host_a, servers, directory / "a", *chunks, "--kv-events-endpoint", events)
+        self.b = node_on(self.host_b, servers, directory / "b", *chunks)
         self.subscriber = Subscriber(events)
 
     def client_a(self) -> closing[HostClient]:
