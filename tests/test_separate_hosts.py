@@ -18,7 +18,7 @@ shared memory. The hosts' traffic counters show the chunks crossing.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from pathlib import Path
 
@@ -156,15 +156,16 @@ def test_an_eviction_asked_of_one_host_deletes_the_copies_another_hosts_nvme_hol
         assert on_b.fetch(kept) == kept_payloads
 
 
-def lose_a(cluster: Cluster, lose) -> None:
-    """Publish a prompt on each node, lose A (``lose(host_a)``), and check what B serves then: A's chunks miss
-    (no error, no bytes of another chunk), before and after the master expires A's segment; B's own chunks hit,
-    and B publishes and reads new ones."""
+def lose_a(cluster: Cluster, lose: Callable[[Host], None]) -> None:
+    """Publish a prompt on each node, B reading A's too (its owner then holds connections to A's), lose A
+    (``lose(host_a)``), and check what B serves then: A's chunks miss (no error, no bytes of another chunk),
+    before and after the master expires A's segment; B's own chunks hit, and B publishes and reads new ones."""
     with cluster.client_a() as on_a:
-        a_keys, _ = on_a.publish(prompt(7, chunks=3), seed=7)
+        a_keys, a_payloads = on_a.publish(prompt(7, chunks=3), seed=7)
         on_a.wait_persisted(a_keys)
     with cluster.client_b() as on_b:
         b_keys, b_payloads = on_b.publish(prompt(8, chunks=3), seed=8)
+        assert on_b.fetch(a_keys) == a_payloads
         lose(cluster.host_a)
         assert on_b.fetch(a_keys) == [None] * len(a_keys)
         assert on_b.fetch(b_keys) == b_payloads
