@@ -87,7 +87,7 @@ class Daemon:
     ) -> None:
         """``env``: variables set for the daemon on top of this process's. ``host``: the node's address, its REST
         API's and its Mooncake segment's (loopback unless given); ``launcher``: what the command runs under (a
-        host of tests/netns.py's, ``Host.command``'s prefix)."""
+        host of tests/netns.py's: ``Host.launcher``)."""
         self.data_dir = data_dir
         self.host = host
         self.port = free_port_block(7)
