@@ -86,6 +86,7 @@ MODULE_TIERS = {
         "test_redis_acl",
         "test_redis_index",
         "test_redis_topologies",
+        "test_separate_hosts",
         "test_serve",
         "test_supervision",
         "test_supervisor",

@@ -7,7 +7,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +24,53 @@ from prefixcache.cachestore.client.config import fetch_config, index_url
 from prefixcache.cachestore.client.node_requests import locate
 from prefixcache.cachestore.host.processes import free_port_block
 from prefixcache.cachestore.host.secret_files import read_secret, secrets_dir
+from prefixcache.cachestore.node.redis_server import EmbeddedRedis
 from prefixcache.cachestore.tiers.dram import MooncakeTier, split_offset
+from prefixcache.cachestore.tiers.mooncake_servers import MooncakeMaster
 from prefixcache.cachestore.tiers.nvme import Extent
 from prefixcache.cachestore.warmup.plan import storable_tokens
 from prefixcache.indexer.chunking import ChunkGeometry
 from prefixcache.indexer.keys import PrefixHasher, chunk_key
 from prefixcache.indexer.namespace import NamespaceSpec
 from prefixcache.indexer.tokens import pack_tokens
+from tests.netns import Host
+
+
+@dataclass(frozen=True)
+class ClusterServers:
+    """What every node of a cluster joins: the index's Redis, the Mooncake master (its RPC, metadata and metrics
+    ports) on ``host``, and the chunk-signing key file every node is given."""
+
+    host: str
+    redis_port: int
+    redis_password: str
+    master_port: int
+    metadata_port: int
+    metrics_port: int
+    chunk_key_file: Path
+
+
+@contextmanager
+def cluster_servers(directory: Path, host: str) -> Iterator[ClusterServers]:
+    """A cluster's Redis and Mooncake master of their own on ``host``, outside every node (as a deployment with
+    an external index and master runs them), and a chunk-signing key file; stopped on exit."""
+    redis_server = EmbeddedRedis(directory / "redis", host=host)
+    master = MooncakeMaster(directory / "mooncake", host=host)
+    key_file = directory / "chunk-key"
+    ChunkMacKey.load_or_create(key_file)
+    with ExitStack() as running:
+        for server in (redis_server, master):
+            server.start()
+            running.callback(server.stop)
+        yield ClusterServers(
+            host,
+            redis_server.port,
+            redis_server.password,
+            master.rpc_port,
+            master.metadata_port,
+            master.metrics_port,
+            key_file,
+        )
 
 
 class Daemon:
@@ -40,11 +82,18 @@ class Daemon:
         nvme: str = "512MiB",
         node: str = "node-a",
         env: dict[str, str] | None = None,
+        host: str = "127.0.0.1",
+        launcher: Sequence[str] = (),
     ) -> None:
-        """``env``: variables set for the daemon on top of this process's."""
+        """``env``: variables set for the daemon on top of this process's. ``host``: the node's address, its REST
+        API's and its Mooncake segment's (loopback unless given); ``launcher``: what the command runs under (a
+        host of tests/netns.py's: ``Host.launcher``)."""
         self.data_dir = data_dir
+        self.host = host
         self.port = free_port_block(7)
+        addresses = ["--host", host, "--mooncake-host", host] if host != "127.0.0.1" else []
         self.args = [
+            *launcher,
             sys.executable,
             "-m",
             "prefixcache.cachestore",
@@ -59,32 +108,48 @@ class Daemon:
             nvme,
             "--node",
             node,
+            *addresses,
             *extra,
         ]
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.index_password: str | None = None  # what its clients pass as redis_password, where they need one
 
+    @classmethod
+    def joining(cls, servers: ClusterServers, data_dir: Path, node: str, *extra: str, **options: Any) -> Daemon:
+        """A node of the cluster of ``servers``: its own DRAM segment and NVMe tier, their Redis and master."""
+        at = servers.host
+        joined = cls(
+            data_dir,
+            "--redis-url",
+            f"redis://:{servers.redis_password}@{at}:{servers.redis_port}/0",
+            "--mooncake-master",
+            f"{at}:{servers.master_port}",
+            "--chunk-key-file",
+            str(servers.chunk_key_file),
+            "--mooncake-metadata-url",
+            f"http://{at}:{servers.metadata_port}/metadata",
+            *extra,
+            node=node,
+            env={"PREFIXCACHE_MOONCAKE_METRICS_URL": f"http://{at}:{servers.metrics_port}/metrics"},
+            **options,
+        )
+        joined.index_password = servers.redis_password  # its clients are given it: the index is not its own
+        return joined
+
     def joined_by(self, data_dir: Path, node: str) -> Daemon:
         """Another node of this daemon's cluster: its own DRAM segment and NVMe tier, this daemon's Redis
         and Mooncake master (ports ``PORT+1``, ``+4``, ``+5``, ``+6``, as ``serve`` derives them)."""
-        host = "127.0.0.1"
-        password = self.redis_password()
-        joined = Daemon(
-            data_dir,
-            "--redis-url",
-            f"redis://:{password}@{host}:{self.port + 1}/0",
-            "--mooncake-master",
-            f"{host}:{self.port + 4}",
-            "--chunk-key-file",
-            str(self.chunk_key_file),
-            "--mooncake-metadata-url",
-            f"http://{host}:{self.port + 5}/metadata",
-            node=node,
-            env={"PREFIXCACHE_MOONCAKE_METRICS_URL": f"http://{host}:{self.port + 6}/metrics"},
+        servers = ClusterServers(
+            "127.0.0.1",
+            self.port + 1,
+            self.redis_password(),
+            self.port + 4,
+            self.port + 5,
+            self.port + 6,
+            self.chunk_key_file,
         )
-        joined.index_password = password  # its clients are given it: the index is not its own, it names no file
-        return joined
+        return Daemon.joining(servers, data_dir, node)
 
     @property
     def chunk_key_file(self) -> Path:
@@ -93,7 +158,7 @@ class Daemon:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def redis_password(self) -> str:
         """The embedded redis-server's password, which the daemon generated at its first start."""
@@ -142,6 +207,14 @@ class Daemon:
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
+
+
+def node_on(host: Host, servers: ClusterServers, data_dir: Path, *extra: str, **options: Any) -> Daemon:
+    """A node of the cluster of ``servers`` on ``host`` (tests/netns.py), at the host's address, named
+    ``node-<host>``."""
+    return Daemon.joining(
+        servers, data_dir, f"node-{host.name}", *extra, host=host.address, launcher=host.launcher, **options
+    )
 
 
 def run_cli(daemon: Daemon, *args: str, token: str | None = None) -> subprocess.CompletedProcess:

@@ -30,6 +30,11 @@ RPC_TIMEOUT_MS = 3000
 #: How long a start waits for the master to forget this node's previous segment owner: the master
 #: expires a client it has not heard from for 10 s (its default client TTL).
 PREVIOUS_OWNER_WAIT_S = 30.0
+#: How often a segment owner fetches again, from the metadata server, the transfer endpoints of the other nodes'
+#: segments it has read from (``MC_TE_METADATA_REFRESH_INTERVAL_SECONDS``; a user's value wins). Mooncake
+#: otherwise keeps the first endpoints it got for good: a node whose owner restarted (the same segment name, new
+#: ports) could never again be read by a node that had read from it before, every such read a failed transfer.
+PEER_ENDPOINTS_REFRESH_S = 2
 _PACKAGE_DIR = Path(mooncake.__file__).parent
 log = logging.getLogger("prefixcache.daemon")
 
@@ -117,7 +122,8 @@ class SegmentOwner(ManagedProcess):
     the owner (any master but the daemon's embedded one) also keeps the old owner's segment mounted
     until it expires that client; an owner started before then mounts a name that exists already, and
     the expiry then unmounts it under the new owner, which exits. So a start first waits until the
-    master, asked at ``master_admin_url`` (its HTTP port, beside ``/metrics``), no longer lists the name.
+    master, asked at ``master_admin_url`` (its HTTP port, beside ``/metrics``), no longer lists the name. The
+    other nodes' owners learn the new owner's ports within ``PEER_ENDPOINTS_REFRESH_S``.
     """
 
     def __init__(
@@ -153,12 +159,14 @@ class SegmentOwner(ManagedProcess):
             f"-device_names={device_names}",
             "-logtostderr",
         ]
+        env = mooncake_env(host)
+        env.setdefault("MC_TE_METADATA_REFRESH_INTERVAL_SECONDS", str(PEER_ENDPOINTS_REFRESH_S))
         super().__init__(
             "mooncake_client",
             argv,
             Path(log_dir) / "mooncake_client.log",
             self._answers,
-            env=mooncake_env(host),
+            env=env,
             listens_on=[(host, self.shm_port)],
             nice=nice,
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -33,7 +33,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def run_vllm(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict]:
-    """``run_vllm(spec, timeout_s=600, env=None) -> dict``: one engine in a fresh process, its OUT.json.
+    """``run_vllm(spec, timeout_s=600, env=None, launcher=()) -> dict``: one engine in a fresh process, its OUT.json
+    (``launcher``: what the process runs under, as ``run_engine`` takes it).
 
     The spec and result formats are in tests/e2e/run_vllm.py; the model's dtype is ``ENGINE_DTYPE`` unless the
     spec names one (tests/e2e/tinymodel.py), and reference engines run in one process (``is_reference``). The
@@ -44,9 +45,11 @@ def run_vllm(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict]:
     workdir = tmp_path_factory.mktemp("vllm-runs")
     counter = itertools.count()
 
-    def run(spec: dict, timeout_s: float = 600, env: dict[str, str] | None = None) -> dict:
+    def run(
+        spec: dict, timeout_s: float = 600, env: dict[str, str] | None = None, launcher: Sequence[str] = ()
+    ) -> dict:
         defaults = {"dtype": ENGINE_DTYPE, "in_process": is_reference(spec)}
-        return run_engine({**defaults, **spec}, workdir, f"run-{next(counter)}", timeout_s, env)
+        return run_engine({**defaults, **spec}, workdir, f"run-{next(counter)}", timeout_s, env, launcher)
 
     return run
 

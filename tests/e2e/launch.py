@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,13 +42,21 @@ def vllm_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     }
 
 
-def run_engine(spec: dict, workdir: Path, name: str, timeout_s: float = 600, env: dict[str, str] | None = None) -> dict:
-    """Run ``spec`` (format in tests/e2e/run_vllm.py) in a fresh process; its OUT.json plus ``log_path``."""
+def run_engine(
+    spec: dict,
+    workdir: Path,
+    name: str,
+    timeout_s: float = 600,
+    env: dict[str, str] | None = None,
+    launcher: Sequence[str] = (),
+) -> dict:
+    """Run ``spec`` (format in tests/e2e/run_vllm.py) in a fresh process; its OUT.json plus ``log_path``.
+    ``launcher``: what the process runs under (a host of tests/netns.py's, ``Host.launcher``), which execs it."""
     spec_path, out_path, log_path = (workdir / f"{name}.{ext}" for ext in ("spec.json", "out.json", "log.txt"))
     spec_path.write_text(json.dumps(spec))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.e2e.run_vllm", str(spec_path), str(out_path)],
+            [*launcher, sys.executable, "-m", "tests.e2e.run_vllm", str(spec_path), str(out_path)],
             cwd=REPO,
             env=vllm_env(env),
             stdout=log,
