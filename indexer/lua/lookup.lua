@@ -1,5 +1,6 @@
-#!lua flags=no-writes
--- Longest cached prefixes of one or more chains in one round trip; read-only, so it may run on a replica.
+#!lua flags=no-writes,allow-cross-slot-keys
+-- Longest cached prefixes of one or more chains in one round trip; read-only, so it may run on a replica. On a
+-- Cluster the chains of one call are those one master holds: each in a slot of its own.
 -- ARGV: max_candidates, heads_elsewhere, then C_1, keys_1, probes_1, C_2, ... where C is the chain's prefix
 -- (common.lua: R on one Redis, R{<anchor>}: on a Cluster) and heads_elsewhere '1' where the probe bucket of a
 -- chain's first chunk lies on another shard (a Cluster): a chain broken in its first chunk then returns no
