@@ -13,9 +13,11 @@ copy kept it waiting for every layer's bytes (connector/loaders/dram_in_place.py
 from whole objects (``<prefix>:<key>:0`` and ``:1``), so a build that stored chunks whole and this one
 find each other's copies missing, never of another size.
 
-Errors are misses, never exceptions: an unreachable master or owner (-800, -900, -901) opens a short
+Errors are misses, never exceptions: an unreachable master or owner (-900, -901) opens a short
 circuit breaker so that further calls return misses at once instead of each waiting for an RPC
-timeout, and Mooncake reconnects by itself when the master is back. An owner that dropped this
+timeout, and Mooncake reconnects by itself when the master is back. A failed transfer (-800) is a miss
+of that call alone: it is what a read from another node that died answers, and this node's own
+copies must go on hitting meanwhile. An owner that dropped this
 process (no heartbeat for 10 s) is made to take it back (cachestore/tiers/mooncake_attachment.py).
 """
 
@@ -43,7 +45,7 @@ log = logging.getLogger("prefixcache.dram")
 OK, MISS, FULL = 0, -704, -200
 #: What every call answers once the segment owner has dropped this process (and a get into parts of the wrong size).
 INVALID_PARAMS = -600
-UNREACHABLE = frozenset({-1, -800, -900, -901})
+UNREACHABLE = frozenset({-1, -900, -901})
 LOCAL_BUFFER_BYTES = 16 << 20
 #: Warm-up objects of the owner-side pre-fault (``_prefault_owner_side``): size, and how many at once.
 PREFAULT_WINDOW_BYTES = 4 << 20
