@@ -97,12 +97,12 @@ def vllm_server(name: str, model: Path, transfer: dict, log_dir: Path, *extra: s
     return Server(name, args, log_dir, "/health", env=vllm_env())
 
 
-def counter(server: Server, name: str) -> float:
-    """A counter of the server's ``/metrics`` (``name``, without ``_total``), summed over its labels."""
+def metric(server: Server, name: str) -> float:
+    """A metric of the server's ``/metrics`` (a counter's name ends in ``_total``), summed over its labels."""
     text = httpx.get(server.url + "/metrics", timeout=10).text
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}_total\{{[^}}]*\}} (\S+)$", text, re.M))
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M))
 
 
 def external_hits(server: Server) -> float:
     """vLLM's counter of prompt tokens its KV connector loaded (``vllm:external_prefix_cache_hits``)."""
-    return counter(server, "vllm:external_prefix_cache_hits")
+    return metric(server, "vllm:external_prefix_cache_hits_total")

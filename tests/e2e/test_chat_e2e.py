@@ -1,6 +1,8 @@
-"""A three-turn chat through vLLM's OpenAI server, each turn's prompt the last one's, its answer and a new message:
-the KV of an answer, published when its request finished (the connector's ``publish_output``), is loaded by the next
-turn, on the instance that computed it and on a fresh one.
+"""A chat through vLLM's OpenAI server, each turn's prompt the last one's, its answer and a new message: the KV of
+an answer, published when its request finished (the connector's ``publish_output``), is loaded by the next turn, on
+the instance that computed it (turns 2 and 3) and on a fresh one of the same daemon (turn 4). The third answer is in
+the store only because its request's finish published it; each earlier one is in the next turn's prompt too, which
+the first instance published as it computed it, so the fresh instance would find those whole.
 
 The model is the tiny Llama with a word-level tokenizer and a chat template (``build_tiny_chat_llama``), so that an
 answer is tokenized in the next turn's prompt as it was generated. Both instances run with vLLM's own prefix cache
@@ -20,7 +22,7 @@ import pytest
 
 from tests.daemon_harness import Daemon, connector_config, wait_for
 from tests.e2e.compare import same_greedy_output
-from tests.e2e.openai_server import MODEL, Server, counter, external_hits, vllm_server
+from tests.e2e.openai_server import MODEL, Server, external_hits, metric, vllm_server
 from tests.e2e.tinymodel import build_tiny_chat_llama, chat_words
 
 pytestmark = pytest.mark.e2e
@@ -29,9 +31,11 @@ CHUNK = 256  # the daemon's default chunk size: two 128-token CPU blocks
 #: Every answer's length: the first turn's answer completes the first chunk (its prompt is 205 tokens)
 ANSWER_TOKENS = 128
 _rng = random.Random("chat-e2e")
-#: The user's three messages, of 200, 40 and 40 words (a token each)
-MESSAGES = [" ".join(_rng.choices(chat_words(), k=words)) for words in (200, 40, 40)]
+#: The user's messages, of 200, 40, 40 and 40 words (a token each): three turns on one instance, one on the fresh one
+MESSAGES = [" ".join(_rng.choices(chat_words(), k=words)) for words in (200, 40, 40, 40)]
+FIRST_INSTANCE_TURNS = 3
 NO_CACHE = {"prefixcache": {"load": False, "publish": False}}
+LOADED_CHUNKS = "vllm:prefixcache_loaded_chunks_total"
 
 
 @dataclass
@@ -49,8 +53,8 @@ def chat_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def conversations(chat_model, tmp_path_factory) -> dict[str, list[Turn]]:
-    """The conversation without the cache and with it on one instance, then with it on a fresh instance of the
-    same daemon (one instance at a time)."""
+    """The conversation without the cache, then with it for three turns, on one instance; then its fourth turn on a
+    fresh instance of the same daemon (one instance at a time)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(chat_model)
@@ -60,30 +64,40 @@ def conversations(chat_model, tmp_path_factory) -> dict[str, list[Turn]]:
     try:
         first = vllm_server("first", chat_model, transfer, logs).wait_ready()
         try:
-            reference = converse(first, tokenizer, None, NO_CACHE)
-            cached = converse(first, tokenizer, daemon)
+            reference = converse(first, tokenizer, [], MESSAGES, None, NO_CACHE)
+            history: list[dict[str, str]] = []
+            cached = converse(first, tokenizer, history, MESSAGES[:FIRST_INSTANCE_TURNS], daemon)
         finally:
             first.kill()
         fresh_server = vllm_server("fresh", chat_model, transfer, logs).wait_ready()
         try:
-            fresh = converse(fresh_server, tokenizer, daemon)
+            fresh = converse(fresh_server, tokenizer, history, MESSAGES[FIRST_INSTANCE_TURNS:], daemon)
         finally:
             fresh_server.kill()
     finally:
         daemon.stop()
-    return {"reference": reference, "cached": cached, "fresh": fresh}
+    return {"reference": reference, "cached": cached + fresh}
 
 
-def converse(server: Server, tokenizer, daemon: Daemon | None, params: dict | None = None) -> list[Turn]:
-    """The three turns, each answer sent back as the assistant's message. With ``daemon``, each turn waits until
-    the daemon finds its prompt and answer stored (all but the answer's last token, whose KV no step computed):
-    the request's finish is published a step after its answer came back."""
-    history: list[dict[str, str]] = []
+def converse(
+    server: Server,
+    tokenizer,
+    history: list[dict[str, str]],
+    messages: list[str],
+    daemon: Daemon | None,
+    params: dict | None = None,
+) -> list[Turn]:
+    """A turn per user message after ``history``, each answer sent back as the assistant's message (both added to
+    ``history``). With ``daemon``, each turn waits until the daemon finds its prompt and answer stored (all but the
+    answer's last token, whose KV no step computed): the request's finish is published a step after its answer came
+    back; and until vLLM has freed the blocks it kept for that (its KV cache is empty again, as no other request
+    runs and its own prefix cache is off)."""
     turns = []
-    for message in MESSAGES:
+    for message in messages:
         history.append({"role": "user", "content": message})
-        prompt_ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
-        hits, loaded = external_hits(server), counter(server, "vllm:prefixcache_loaded_chunks")
+        prompt = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        hits, loaded = external_hits(server), metric(server, LOADED_CHUNKS)
         response = chat(server, history, params)
         assert response["usage"]["prompt_tokens"] == len(prompt_ids)
         output = as_output(response["choices"][0]["logprobs"]["content"])
@@ -92,13 +106,14 @@ def converse(server: Server, tokenizer, daemon: Daemon | None, params: dict | No
                 prompt_ids,
                 output,
                 external_hits(server) - hits,
-                counter(server, "vllm:prefixcache_loaded_chunks") - loaded,
+                metric(server, LOADED_CHUNKS) - loaded,
             )
         )
         history.append({"role": "assistant", "content": response["choices"][0]["message"]["content"]})
         if daemon is not None:
             stored = prompt_ids + output["token_ids"][:-1]
             assert wait_for(lambda stored=stored: stored_tokens(daemon, stored) == len(stored), timeout_s=30)
+            assert wait_for(lambda: metric(server, "vllm:kv_cache_usage_perc") == 0, timeout_s=30)
     return turns
 
 
@@ -140,29 +155,30 @@ def stored_tokens(daemon: Daemon, token_ids: list[int]) -> int:
     return httpx.post(daemon.url + "/v1/lookup", json=body, headers=daemon.headers).json()["matched_tokens"]
 
 
-def test_each_turn_loads_the_previous_prompt_and_answer(conversations):
+def loads_the_previous_turn(before: Turn, turn: Turn) -> None:
+    """``turn``'s prompt begins with ``before``'s prompt and answer, and its hit is all of them but the answer's last
+    token, loaded in as many chunks as cover it."""
+    answer = before.output["token_ids"]
+    assert turn.prompt_ids[: len(before.prompt_ids) + len(answer)] == before.prompt_ids + answer
+    assert turn.hits == len(before.prompt_ids) + len(answer) - 1
+    assert turn.loaded_chunks == -(-turn.hits // CHUNK)
+
+
+def test_each_turn_loads_the_previous_prompt_and_answer_on_either_instance(conversations):
     turns = conversations["cached"]
+    assert (turns[0].hits, turns[0].loaded_chunks) == (0, 0)
     for before, turn in itertools.pairwise(turns):
         answer = before.output["token_ids"]
         assert turn.prompt_ids[: len(before.prompt_ids) + len(answer)] == before.prompt_ids + answer
-    assert [turn.hits for turn in turns] == [0] + [
-        len(before.prompt_ids) + len(before.output["token_ids"]) - 1 for before in turns[:-1]
-    ]
+        assert turn.hits == len(before.prompt_ids) + len(answer) - 1  # all but the answer's last token
+        assert turn.loaded_chunks == -(-turn.hits // CHUNK)
     # the second turn loaded the whole first prompt and past the end of the chunk its answer completed
     first_boundary = -(-len(turns[0].prompt_ids) // CHUNK) * CHUNK
     assert turns[1].hits > first_boundary > len(turns[0].prompt_ids)
-    assert [turn.loaded_chunks for turn in turns] == [-(-turn.hits // CHUNK) for turn in turns]
 
 
 def test_answers_are_those_of_the_conversation_without_the_cache(conversations):
-    for name in ("cached", "fresh"):
-        for reference, turn in zip(conversations["reference"], conversations[name], strict=True):
-            assert reference.hits == 0
-            ok, reason = same_greedy_output(reference.output, turn.output)
-            assert ok, f"{name}: {reason}"
-
-
-def test_a_fresh_instance_gets_the_same_hits(conversations):
-    cached, fresh = conversations["cached"], conversations["fresh"]
-    assert fresh[0].hits == len(fresh[0].prompt_ids) - 1  # the first prompt, published by the first instance
-    assert [turn.hits for turn in fresh[1:]] == [turn.hits for turn in cached[1:]]
+    for reference, turn in zip(conversations["reference"], conversations["cached"], strict=True):
+        assert reference.hits == 0
+        ok, reason = same_greedy_output(reference.output, turn.output)
+        assert ok, reason
