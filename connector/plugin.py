@@ -105,6 +105,10 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids), None
 
+    def has_pending_block_frees(self) -> bool:
+        assert self._scheduler is not None
+        return self._scheduler.has_pending_block_frees()
+
     # -- worker side ---------------------------------------------------------------------------------
 
     def get_mem_pool_context(self) -> AbstractContextManager | None:

@@ -135,6 +135,7 @@ class SchedulerSide:
         self.requests: dict[str, RequestState] = {}
         # what finished requests generated, to publish in the next step from the blocks vLLM keeps for it
         self._finished_saves: dict[str, list[SaveChunk]] = {}
+        self._holding: set[str] = set()  # finished requests whose blocks vLLM keeps until finished_sending names them
         # Promised chunks must still be there when the worker loads them. Leases are granted off the
         # scheduler's thread: a Redis round trip there would add to every hit's TTFT.
         self._to_lease: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
@@ -282,6 +283,7 @@ class SchedulerSide:
         }
         reported.update(self._loading_in_step)
         self._loading_in_step = {}
+        self._holding.difference_update(connector_output.finished_sending or ())
         failed = connector_output.invalid_block_ids or set()
         for req_id, blocks in reported.items():
             if not failed.isdisjoint(blocks) and (state := self.requests.get(req_id)) is not None:
@@ -306,7 +308,15 @@ class SchedulerSide:
         if state is not None and (store := self._attachment.value) is not None:
             store.lookups.forget(request.request_id)
         self._running.discard(request.request_id)
-        return state is not None and self._plan_finish_saves(request, state, block_ids)
+        holds = state is not None and self._plan_finish_saves(request, state, block_ids)
+        if holds:
+            self._holding.add(request.request_id)
+        return holds
+
+    def has_pending_block_frees(self) -> bool:
+        """Whether blocks vLLM keeps for a finished request's publishing come back within a step: a request that
+        finds no free block then waits for them rather than have vLLM preempt another."""
+        return bool(self._holding)
 
     def close(self) -> None:
         self._to_lease.put(None)
