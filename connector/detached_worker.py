@@ -2,7 +2,8 @@
 
 It loads and publishes nothing. The scheduler side attaches on its own, so it may plan loads before this
 worker has a client: each such load is reported failed, whole (its blocks as load errors, an asynchronous
-one over in the same step), and vLLM computes those blocks instead of reading pages nobody wrote.
+one over in the same step), and vLLM computes those blocks instead of reading pages nobody wrote; the blocks of a
+finished request whose output the scheduler side planned to publish are given back at once, unpublished.
 Everything is reported in the step that planned it, so that between steps this side holds nothing and the
 connector can swap in the real worker side once the store is attached.
 """
@@ -18,11 +19,12 @@ class DetachedWorker:
         self.transfers = TransferCounts()
         self._errors: set[int] = set()
         self._finished: set[str] = set()
+        self._released: set[str] = set()  # finished requests whose blocks vLLM may free
 
     @property
     def idle(self) -> bool:
         """Nothing planned is still to report: the worker side may take over from here."""
-        return not self._errors and not self._finished
+        return not self._errors and not self._finished and not self._released
 
     def begin_step(self, meta: PrefixCacheMetadata) -> None:
         """Nothing starts early: nothing loads."""
@@ -38,7 +40,12 @@ class DetachedWorker:
         """No load is in flight."""
 
     def save(self, meta: PrefixCacheMetadata) -> None:
-        """Nothing is published."""
+        """Nothing is published: the finished requests' blocks may go."""
+        self._released.update(meta.finished)
+
+    def finished_saves(self) -> set[str]:
+        released, self._released = self._released, set()
+        return released
 
     def finished_async_loads(self) -> set[str]:
         finished, self._finished = self._finished, set()

@@ -48,12 +48,16 @@ class PrefixCacheMetadata(KVConnectorMetadata):
 
     ``load_async``: requests of ``loads`` that vLLM holds in ``WAITING_FOR_REMOTE_KVS`` while they load:
     the worker loads them on a thread of its own and reports each in ``finished_recving`` once its pages
-    are in and verified (connector/load_policy.py says which)."""
+    are in and verified (connector/load_policy.py says which).
+
+    ``finished``: requests that have finished, whose ``saves`` (what they generated) are copied out of blocks that
+    vLLM keeps until every worker has reported the request in ``finished_sending``."""
 
     loads: list[dict[str, list[LoadChunk]]] = field(default_factory=list)
     saves: list[SaveChunk] = field(default_factory=list)
     load_early: bool = False
     load_async: set[str] = field(default_factory=set)
+    finished: set[str] = field(default_factory=set)
 
     def loads_of(self, shard: int, *, asynchronous: bool = False) -> dict[str, list[LoadChunk]]:
         """Shard ``shard``'s loads of this step that are synchronous (or, with ``asynchronous``, the others)."""

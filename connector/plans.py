@@ -1,4 +1,5 @@
-"""Pure arithmetic of the connector's plans: which stored pages go to which blocks, which chunks to publish."""
+"""Pure arithmetic of the connector's plans: which stored pages go to which blocks, which chunks to publish (as a
+prompt is computed, and when a request finishes)."""
 
 from __future__ import annotations
 
@@ -91,6 +92,24 @@ def chunks_to_publish(
             ranges.append((full * c, prompt_tokens))
         return ranges, True
     return ranges, tail_done
+
+
+def chunks_at_finish(stored_chunks: int, computed: int, prompt_tokens: int, g: Geometry) -> list[tuple[int, int]]:
+    """Token ranges to publish when a request finishes with the KV of its first ``computed`` tokens in its pages
+    (its prompt and every generated token but the last, whose KV no step computed): the full chunks past the
+    ``stored_chunks`` known to be stored, and the tail if it is at least PROBE_TOKENS long.
+
+    A request that generated nothing past its prompt has nothing left to publish: its prompt's chunks and tail went
+    as they were computed (``chunks_to_publish``).
+    """
+    if computed <= prompt_tokens:
+        return []
+    c = g.chunk_tokens
+    full = computed // c
+    ranges = [(i * c, (i + 1) * c) for i in range(stored_chunks, full)]
+    if full >= stored_chunks and computed - full * c >= PROBE_TOKENS:
+        ranges.append((full * c, computed))
+    return ranges
 
 
 def chunks_before_failure(blocks: Sequence[int], failed: Collection[int], g: Geometry) -> int:

@@ -99,11 +99,15 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Blocks are never held past the request: vLLM itself keeps those of a request aborted while it
-        loads asynchronously until the workers report that load over."""
+        """Blocks are held past the request only while what it generated is copied out, a step later (setting
+        ``publish_output``), until every worker reports it in ``finished_sending``. vLLM itself keeps the blocks of a
+        request aborted while it loads asynchronously until the workers report that load over."""
         assert self._scheduler is not None
-        self._scheduler.request_finished(request)
-        return False, None
+        return self._scheduler.request_finished(request, block_ids), None
+
+    def has_pending_block_frees(self) -> bool:
+        assert self._scheduler is not None
+        return self._scheduler.has_pending_block_frees()
 
     # -- worker side ---------------------------------------------------------------------------------
 
@@ -249,11 +253,12 @@ class PrefixCacheConnector(KVConnectorBase_V1):
                 self._worker.save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Requests whose asynchronous loads are over; their failed blocks go to the load errors vLLM asks
-        for next, in the same pass."""
+        """Finished requests whose generated tokens' pages are copied out (vLLM frees their blocks once every worker
+        says so), and requests whose asynchronous loads are over; their failed blocks go to the load errors vLLM
+        asks for next, in the same pass."""
         if self._worker is None:
             return None, None
-        return None, self._worker.finished_async_loads() or None
+        return self._worker.finished_saves() or None, self._worker.finished_async_loads() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

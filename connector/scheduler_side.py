@@ -14,7 +14,9 @@ one token), so a hit is token-granular up to ``L-1``. They run before the step's
 asynchronously where other requests would wait on them, and under vLLM's asynchronous scheduling or pipeline
 parallelism (connector/load_policy.py). A load that fails has vLLM compute the request from its first failed
 block, and what it computes is published again; a request whose asynchronous load fails is tried once more,
-then computed. A request's LoRA adapter gives it a key space of its own, and its media key its chunks from the
+then computed. When a request finishes, what it generated is published under the same key chain, continued over
+its output (setting ``publish_output``): vLLM keeps its blocks until the workers have copied those pages out, a
+step later. A request's LoRA adapter gives it a key space of its own, and its media key its chunks from the
 chunk where the first item begins (connector/request_identity.py); a prompt given as embeddings is neither
 looked up nor published. A request can turn loading or publishing off for itself (cachestore/client/request_params.py).
 Until the store is attached (connector/attachment.py), requests are neither looked up nor published.
@@ -43,6 +45,7 @@ from prefixcache.connector.load_policy import (
 from prefixcache.connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from prefixcache.connector.plans import (
     blocks_of,
+    chunks_at_finish,
     chunks_before_failure,
     chunks_to_publish,
     load_plan,
@@ -118,6 +121,7 @@ class SchedulerSide:
             lambda: SchedulerStore.attach(vllm_config, spec, settings), SchedulerStore.close, "scheduler side"
         )
         self.load_enabled, self.publish_enabled = directions  # what the engine's kv_role allows
+        self.publish_output = settings.publish_output
         self.min_hit_tokens = settings.min_hit_tokens
         self.async_loads, self.async_bytes = settings.async_loads, settings.async_load_mib << 20
         # per shard, as vLLM gives the scheduler the first rank's layers: ranks load their shards side by side
@@ -129,6 +133,9 @@ class SchedulerSide:
         self._loading_in_step: dict[str, frozenset[int]] = {}
         self._sync_bytes_in_pass = 0  # what the step being scheduled loads synchronously so far, per rank
         self.requests: dict[str, RequestState] = {}
+        # what finished requests generated, to publish in the next step from the blocks vLLM keeps for it
+        self._finished_saves: dict[str, list[SaveChunk]] = {}
+        self._holding: set[str] = set()  # finished requests whose blocks vLLM keeps until finished_sending names them
         # Promised chunks must still be there when the worker loads them. Leases are granted off the
         # scheduler's thread: a Redis round trip there would add to every hit's TTFT.
         self._to_lease: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
@@ -262,6 +269,9 @@ class SchedulerSide:
             elif added:
                 state.blocks.extend(added[0])
             self._plan_saves(req_id, state, cached.num_computed_tokens[i], scheduler_output, meta)
+        for saves in self._finished_saves.values():
+            meta.saves.extend(saves)
+        meta.finished, self._finished_saves = set(self._finished_saves), {}
         self._running = set(scheduler_output.num_scheduled_tokens)
         return meta
 
@@ -273,6 +283,7 @@ class SchedulerSide:
         }
         reported.update(self._loading_in_step)
         self._loading_in_step = {}
+        self._holding.difference_update(connector_output.finished_sending or ())
         failed = connector_output.invalid_block_ids or set()
         for req_id, blocks in reported.items():
             if not failed.isdisjoint(blocks) and (state := self.requests.get(req_id)) is not None:
@@ -289,10 +300,23 @@ class SchedulerSide:
         state.stored_chunks = min(state.stored_chunks, before)
         state.tail_done = False
 
-    def request_finished(self, request: Any) -> None:
-        if self.requests.pop(request.request_id, None) is not None and (store := self._attachment.value) is not None:
+    def request_finished(self, request: Any, block_ids: list[int]) -> bool:
+        """Forget the request; plan the publishing of what it generated (``_plan_finish_saves``). Returns whether
+        vLLM is to keep its blocks (``block_ids``, those of its computed tokens) until the workers report the pages
+        copied out."""
+        state = self.requests.pop(request.request_id, None)
+        if state is not None and (store := self._attachment.value) is not None:
             store.lookups.forget(request.request_id)
         self._running.discard(request.request_id)
+        holds = state is not None and self._plan_finish_saves(request, state, block_ids)
+        if holds:
+            self._holding.add(request.request_id)
+        return holds
+
+    def has_pending_block_frees(self) -> bool:
+        """Whether blocks vLLM keeps for a finished request's publishing come back within a step: a request that
+        finds no free block then waits for them rather than have vLLM preempt another."""
+        return bool(self._holding)
 
     def close(self) -> None:
         self._to_lease.put(None)
@@ -347,21 +371,45 @@ class SchedulerSide:
             state.stored_chunks, done, state.prompt_tokens, state.tail_done, self.store.plan_geometry
         )
         for start, end in ranges:
+            meta.saves.append(self._save(req_id, state, state.prompt, start, end, state.blocks))
             chunk = start // self.store.geometry.chunk_tokens
-            parents = [hasher.parent(chunk) for hasher in state.hashers]
-            meta.saves.append(
-                SaveChunk(
-                    request=req_id,
-                    parents=parents,
-                    tokens=state.prompt[start * TOKEN_BYTES : end * TOKEN_BYTES],
-                    blocks=state.blocks[self.store.plan_geometry.blocks(start, end)],
-                    tenant_salt=state.tenant_salt,
-                    variant=state.variant,
-                )
-            )
             state.stored_chunks = max(
                 state.stored_chunks, chunk + 1 if end - start == self.store.geometry.chunk_tokens else 0
             )
+
+    def _plan_finish_saves(self, request: Any, state: RequestState, block_ids: list[int]) -> bool:
+        """Plan the publishing of the chunks a finished request's generated tokens completed, and its tail, for the
+        next step (``chunks_at_finish``); whether there are any. Only tokens whose KV a step computed count: all but
+        the last generated one. A request vLLM still holds for an asynchronous load keeps its blocks anyway (vLLM
+        frees them once the load is over) and has generated nothing."""
+        if not (self.publish_output and state.publishes and state.hashers) or request.request_id in self._loading_async:
+            return False
+        computed = min(request.num_computed_tokens, request.num_tokens)
+        ranges = chunks_at_finish(state.stored_chunks, computed, state.prompt_tokens, self.store.plan_geometry)
+        if not ranges:
+            return False
+        if state.hashers[0].num_tokens < computed:
+            extend_all(state.hashers, request.all_token_ids[state.hashers[0].num_tokens : computed])
+        tokens = state.hashers[0].packed()
+        self._finished_saves[request.request_id] = [
+            self._save(request.request_id, state, tokens, start, end, block_ids) for start, end in ranges
+        ]
+        return True
+
+    def _save(
+        self, req_id: str, state: RequestState, tokens: bytes, start: int, end: int, blocks: list[int]
+    ) -> SaveChunk:
+        """The save of the request's tokens [start, end) (``tokens``: packed, from the first), a chunk or its tail,
+        from the request's ``blocks``."""
+        chunk = start // self.store.geometry.chunk_tokens
+        return SaveChunk(
+            request=req_id,
+            parents=[hasher.parent(chunk) for hasher in state.hashers],
+            tokens=tokens[start * TOKEN_BYTES : end * TOKEN_BYTES],
+            blocks=blocks[self.store.plan_geometry.blocks(start, end)],
+            tenant_salt=state.tenant_salt,
+            variant=state.variant,
+        )
 
 
 def blocks_vllm_writes_first(scheduler_output: Any) -> set[int]:

@@ -36,6 +36,15 @@ class ConnectorSettings(BaseModel):
         ge=1,
         description="External hits shorter than this many tokens are not worth a load: vLLM computes them.",
     )
+    publish_output: bool = Field(
+        default=True,
+        description="Publish, when a request finishes, the KV of the tokens it generated (all but the last, whose KV "
+        "no step computed), under the same chained keys as its prompt: the next turn of a conversation, whose prompt "
+        "is this one's, the answer and a new message, then loads the answer instead of computing it again. vLLM keeps "
+        "the request's blocks one step longer, while their pages are copied out. Only where `kv_role` publishes; a "
+        'request turns it off with the rest of its publishing (`{"prefixcache": {"publish": false}}`); `false`: '
+        "prompts only.",
+    )
     redis_password: str | None = Field(
         default=None,
         description="The index's password, if it needs one (never logged). Unset: the embedded index's, read "

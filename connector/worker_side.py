@@ -107,6 +107,9 @@ class WorkerSide:
         self._async_begun: PrefixCacheMetadata | None = None  # the step whose asynchronous loads begin_load started
         # Stores into DRAM of what this step's load read from NVMe, started after the forward pass.
         self._after_forward: list[Store] = []
+        # Finished requests whose generated tokens' pages are copied out (or being copied, on a GPU's save streams,
+        # which the next step's kernels wait for): vLLM may free their blocks.
+        self._saved_finished: set[str] = set()
 
     @property
     def in_shared_memory(self) -> bool:
@@ -284,12 +287,19 @@ class WorkerSide:
 
         A request whose load failed this step computed its new pages over KV that did not arrive
         intact: vLLM recomputes them, and they are not published. A worker that does not publish
-        (``directions``) stores only those NVMe reads."""
+        (``directions``) stores only those NVMe reads. The finished requests among the saves are reported
+        (``finished_saves``) once their pages are copied out, whether this worker publishes or not."""
         self.finish_load()
         for store in self._after_forward:
             self._publisher.store(store)
         self._after_forward = []
         self._publisher.publish(meta.saves, self._failed_requests)
+        self._saved_finished.update(meta.finished)
+
+    def finished_saves(self) -> set[str]:
+        """Finished requests whose blocks vLLM may free now (``save``)."""
+        saved, self._saved_finished = self._saved_finished, set()
+        return saved
 
     def close(self) -> None:
         if self._begun is not None:

@@ -412,7 +412,8 @@ def connector_config(
     """The connector's kv_transfer_config, as the README gives it (the class and the installed module); ``probe``
     loads the recording subclass (tests/e2e/probe_connector.py) instead; ``by_entry_point`` names the class alone,
     which vLLM then finds through prefixcache's ``vllm.general_plugins`` entry point (connector/registration.py);
-    ``extra``: more of its settings."""
+    ``extra``: more of its settings. ``publish_output`` is off unless ``extra`` turns it on: the e2e tests count and
+    compare what prompts publish, and tests/e2e/test_chat_e2e.py what finished requests do."""
     if probe and by_entry_point:
         raise ValueError("the probe connector has no entry point: it is loaded by its module path")
     if probe:
@@ -424,7 +425,7 @@ def connector_config(
     return {
         **named,
         "kv_role": role,
-        "kv_connector_extra_config": {"service_url": daemon.url, "arena_mb": 128, **extra},
+        "kv_connector_extra_config": {"service_url": daemon.url, "arena_mb": 128, "publish_output": False, **extra},
     }
 
 

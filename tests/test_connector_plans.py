@@ -16,6 +16,7 @@ from prefixcache.connector.load_policy import (
 )
 from prefixcache.connector.plans import (
     Geometry,
+    chunks_at_finish,
     chunks_before_failure,
     chunks_to_publish,
     load_plan,
@@ -94,6 +95,23 @@ def test_what_every_rank_has_stored_is_not_published_again():
     assert stored_prefix([match(4)], [None]) == (4, False)  # a prompt of whole chunks
     # a repeat vLLM's own prefix cache holds whole (4 chunks and 1 token) publishes none of it again
     assert chunks_to_publish(4, 1025, 1025, False, G) == ([], True)
+
+
+def test_at_finish_the_chunks_the_answer_completed_and_its_tail_are_published():
+    # a 300-token prompt (chunk 0 published as prefilled) and 300 generated tokens: the KV of 599 exists
+    assert chunks_at_finish(1, 599, 300, G) == [(256, 512), (512, 599)]
+    # a 200-token prompt, published only as a tail, and 100 generated tokens: the answer completes chunk 0
+    assert chunks_at_finish(0, 299, 200, G) == [(0, 256), (256, 299)]
+    # what the lookup found stored is not published again, and the tail is there already
+    assert chunks_at_finish(2, 599, 300, G) == [(512, 599)]
+    assert chunks_at_finish(3, 599, 300, G) == []
+
+
+def test_at_finish_a_tail_shorter_than_the_probe_and_a_request_that_generated_nothing_publish_nothing_more():
+    assert chunks_at_finish(1, 520, 300, G) == [(256, 512)]  # an 8-token tail could never be found
+    assert chunks_at_finish(0, 512, 300, G) == [(0, 256), (256, 512)]  # no tail at all
+    assert chunks_at_finish(0, 300, 300, G) == []  # one token generated: its prompt went as it was computed
+    assert chunks_at_finish(0, 120, 300, G) == []  # aborted mid-prefill
 
 
 def test_after_a_failed_load_chunks_from_the_one_holding_the_first_failed_block_are_published_again():

@@ -30,6 +30,7 @@ def test_defaults_need_no_setting_at_all():
     assert settings.service_url == "http://127.0.0.1:8600"
     assert settings.io_cpus == "auto" and settings.arena_mb == "auto"
     assert settings.async_loads == "auto" and settings.async_load_mib == 64 and settings.check_threads == "auto"
+    assert settings.publish_output  # what finished requests generated is published wherever kv_role publishes
 
 
 @pytest.mark.parametrize(
@@ -47,6 +48,7 @@ def test_defaults_need_no_setting_at_all():
         ({"service_url": "http://x", "check_threads": -1}, "check_threads"),
         ({"service_url": "http://x", "check_threads": 65}, "check_threads"),
         ({"service_url": "http://x", "check_threads": "many"}, "check_threads"),
+        ({"service_url": "http://x", "publish_output": "sometimes"}, "publish_output"),
     ],
 )
 def test_bad_settings_are_named_in_the_error(extra, problem):

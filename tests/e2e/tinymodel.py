@@ -1,6 +1,7 @@
 """A tiny random-weight Llama that vLLM loads offline, and deterministic prompts for it; and a tiny DeepSeek-V2, for
-Multi-head Latent Attention (``build_tiny_mla``), and Mistrals of its shape with sliding-window attention
-(``build_tiny_sliding``).
+Multi-head Latent Attention (``build_tiny_mla``), Mistrals of its shape with sliding-window attention
+(``build_tiny_sliding``), and the same Llama with a word-level tokenizer and a chat template, for conversations
+(``build_tiny_chat_llama``).
 
 Recipe (docs/vllm-notes.md §7): 8 layers, hidden 1024, intermediate 2816, 16 heads (head_dim 64),
 4 KV heads, vocab 2048, bf16, max_position_embeddings 8192, untied embeddings; a byte-level BPE tokenizer
@@ -209,14 +210,64 @@ def build_tiny_sliding(directory: Path, every_layer: bool, seed: int = 0) -> Pat
     return _build(Path(directory), want, lambda tokenizer: _random_model(tokenizer, "Mistral", arch, seed))
 
 
-def _build(directory: Path, want: dict, make_model: Callable) -> Path:
-    """Build a model of recipe ``want`` (``make_model(tokenizer)``) and the tokenizer into ``directory``, unless
-    a complete build of that recipe is there already; the recipe marker is written last."""
+#: The chat model's roles, words of its vocabulary; its template puts every message between ``<s>`` and ``</s>``.
+CHAT_ROLES = ("system", "user", "assistant")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<s> {{ message['role'] }} {{ message['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}<s> assistant{% endif %}"
+)
+
+
+def chat_words(seed: int = 0) -> list[str]:
+    """The chat model's ordinary words: its vocabulary after the special tokens, ``<unk>`` and the roles."""
+    rng = random.Random(f"chat-words-{seed}")
+    words: dict[str, None] = dict.fromkeys(CHAT_ROLES)
+    while len(words) < VOCAB - len(SPECIAL_TOKENS) - 1:
+        words.setdefault("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))))
+    return list(words)[len(CHAT_ROLES) :]
+
+
+def _build_word_tokenizer(seed: int):
+    """A tokenizer of whole words split at whitespace, whose decoding joins them with spaces: any token sequence,
+    decoded and encoded again (special tokens included), gives itself back, so an answer the model generated is
+    tokenized in the next turn's prompt as it was generated. With the byte-level BPE of ``build_tiny_llama`` a
+    random model's output is seldom the BPE's own tokenization of its text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    names = [*SPECIAL_TOKENS, "<unk>", *CHAT_ROLES, *chat_words(seed)]
+    tok = Tokenizer(models.WordLevel({name: i for i, name in enumerate(names)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", model_max_length=8192
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_chat_llama(directory: Path, seed: int = 0) -> Path:
+    """The tiny Llama's weights (``build_tiny_llama``'s of the same seed) with the word-level tokenizer and
+    ``CHAT_TEMPLATE``, into ``directory``; built as ``build_tiny_llama``."""
+    want = {**recipe(seed), "tokenizer": "word-level", "chat_template": CHAT_TEMPLATE}
+    return _build(
+        Path(directory),
+        want,
+        lambda tokenizer: _build_model(tokenizer, seed, DEFAULT_INITIALIZER_RANGE),
+        _build_word_tokenizer,
+    )
+
+
+def _build(
+    directory: Path, want: dict, make_model: Callable, make_tokenizer: Callable[[int], object] | None = None
+) -> Path:
+    """Build a model of recipe ``want`` (``make_model(tokenizer)``) and the tokenizer (``make_tokenizer(seed)``, the
+    byte-level BPE unless given) into ``directory``, unless a complete build of that recipe is there already; the
+    recipe marker is written last."""
     if _is_built(directory, want):
         return directory
     directory.mkdir(parents=True, exist_ok=True)
     (directory / MARKER).unlink(missing_ok=True)
-    tokenizer = _build_tokenizer(want["seed"])
+    tokenizer = (make_tokenizer or _build_tokenizer)(want["seed"])
     model = make_model(tokenizer)
     tokenizer.save_pretrained(directory)
     model.save_pretrained(directory, safe_serialization=True)
