@@ -314,7 +314,7 @@ def measure(deployment: Deployment, ns: NamespaceSpec, args: argparse.Namespace)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--chunks", type=int, default=300_000, help="chunks indexed for the large-index rows")
+    parser.add_argument("--chunks", type=int, default=1_000_000, help="chunks indexed for the large-index rows")
     parser.add_argument("--memory-chunks", type=int, default=100_000, help="realistic chunks measured for memory")
     parser.add_argument("--seconds", type=float, default=4.0, help="seconds of lookups per client count")
     args = parser.parse_args()
