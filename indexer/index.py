@@ -283,6 +283,10 @@ class PrefixIndex(Protocol):
     def usage(self) -> dict[bytes, NamespaceUsage]:
         """Per namespace digest: its entries and its copies per tier, kept up to date by every change."""
 
+    def tenant_usage(self) -> dict[str, Usage]:
+        """Per tenant id (``""``: chunks without a tenant), its entries over every namespace, kept up to date by
+        every change; tenants holding nothing are left out."""
+
     def feed_backlog(self, node: str, group: str) -> int:
         """Events on ``node``'s feed that ``group`` has not acknowledged yet (its queue depth)."""
 

@@ -34,6 +34,7 @@ from prefixcache.indexer.index import (
     NamespaceCheck,
     NamespaceUsage,
     PrefixMatch,
+    Usage,
     best_partial,
     check_namespace,
     usage_of,
@@ -547,6 +548,20 @@ class RedisIndex:
             except ValueError as exc:
                 self._unreadable.skip("usage counter", name.decode(errors="replace"), exc)
         return {ns: usage_of(fields) for ns, fields in counts.items() if fields.get("chunks", 0) > 0}
+
+    def tenant_usage(self) -> dict[str, Usage]:
+        counts: dict[str, dict[str, int]] = {}
+        with self._reachable():
+            raw = [shard.client.hgetall(shard.shared + "t") for shard in self._each_shard()]
+        for name, value in (item for shard_counts in raw for item in shard_counts.items()):
+            tenant, _, field = name.decode(errors="replace").rpartition(":")
+            fields = counts.setdefault(tenant, {})
+            fields[field] = fields.get(field, 0) + int(value)
+        return {
+            tenant: Usage(fields.get("chunks", 0), fields.get("bytes", 0))
+            for tenant, fields in counts.items()
+            if fields.get("chunks", 0) > 0
+        }
 
     def feed_backlog(self, node: str, group: str) -> int:
         with self._reachable():

@@ -22,6 +22,7 @@ from prefixcache.indexer.index import (
     NamespaceCheck,
     NamespaceUsage,
     PrefixMatch,
+    Usage,
     best_partial,
     check_namespace,
     usage_of,
@@ -226,6 +227,16 @@ class InMemoryIndex:
                     tally[location.tier + ":chunks"] += 1
                     tally[location.tier + ":bytes"] += entry.size_bytes
         return {ns: usage_of(tally) for ns, tally in counts.items()}
+
+    def tenant_usage(self) -> dict[str, Usage]:
+        """Counted on demand, as ``usage``."""
+        counts: Counter[str] = Counter()
+        sizes: Counter[str] = Counter()
+        with self._lock:
+            for slot in self._slots.values():
+                counts[slot.entry.tenant] += 1
+                sizes[slot.entry.tenant] += slot.entry.size_bytes
+        return {tenant: Usage(counts[tenant], sizes[tenant]) for tenant in counts}
 
     def feed_backlog(self, node: str, group: str) -> int:
         with self._lock:

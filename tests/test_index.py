@@ -10,7 +10,7 @@ import pytest
 from prefixcache.indexer.errors import InvalidTokensError
 from prefixcache.indexer.index import ChunkRecord, Location, PrefixIndex, attach_namespace
 from prefixcache.indexer.keys import media_parent, prompt_query
-from prefixcache.indexer.namespace import NamespaceSpec
+from prefixcache.indexer.namespace import NamespaceSpec, tenant_id
 from prefixcache.indexer.tokens import TOKEN_BYTES, pack_tokens
 
 DRAM = Location("dram", "node-a")
@@ -33,6 +33,7 @@ def publish(
             namespace=spec.digest,
             size_bytes=1000,
             location=location,
+            tenant=tenant_id(tenant),
         )
         records.append(record)
         parent = record.key
@@ -193,7 +194,7 @@ def test_entry_metadata_round_trips(index, spec):
     entry = index.get([tail])[0]
     assert entry.parent == key and entry.root == spec.root("t1") and entry.namespace == spec.digest
     assert entry.num_tokens == 36 and entry.size_bytes == 1000 and entry.locations == {DRAM}
-    assert entry.tenant == "" and not entry.pinned(index.clock_s())
+    assert entry.tenant == tenant_id("t1") and not entry.pinned(index.clock_s())
     assert index.get([b"\x00" * 16]) == [None]
 
 

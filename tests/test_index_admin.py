@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prefixcache.indexer.index import Location, Usage, subtree
 from prefixcache.indexer.keys import prompt_query
+from prefixcache.indexer.namespace import tenant_id
 from tests.test_index import DRAM, NVME, lookup, publish
 
 
@@ -43,6 +44,23 @@ def test_usage_counts_entries_and_copies_per_tier_through_every_change(index, sp
     assert usage.entries == Usage(1, 1000) and usage.tiers == {"dram": Usage(1, 1000), "nvme": Usage(1, 1000)}
     index.remove(keys)
     assert spec.digest not in index.usage()
+
+
+def test_tenant_usage_counts_each_tenants_entries_over_every_namespace(index, spec):
+    other = spec.model_copy(update={"kv_dtype": "float16"})
+    a, b = tenant_id("salt-a"), tenant_id("salt-b")
+    keys = publish(index, spec, list(range(64 * 3)), tenant="salt-a")
+    publish(index, other, list(range(64 * 2)), tenant="salt-a")
+    publish(index, spec, list(range(64)), tenant="salt-b")
+    publish(index, spec, list(range(64 * 2)))
+    publish(index, spec, list(range(64 * 3)), NVME, tenant="salt-a")  # another copy of the same three: no new entry
+    assert index.tenant_usage() == {a: Usage(5, 5000), b: Usage(1, 1000), "": Usage(2, 2000)}
+    index.remove(keys[:1])
+    index.drop_location(keys[1:], DRAM)  # an NVMe copy remains: still counted
+    assert index.tenant_usage()[a] == Usage(4, 4000)
+    index.drop_location(keys[1:], NVME)
+    index.remove(publish(index, spec, list(range(64)), tenant="salt-b"))
+    assert index.tenant_usage() == {a: Usage(2, 2000), "": Usage(2, 2000)}
 
 
 def test_an_inspecting_lookup_leaves_access_statistics_alone(index, spec, geometry):

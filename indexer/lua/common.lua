@@ -8,6 +8,8 @@
 --   S keys        ZSET   every entry's key (score 0), so listings page through keys in order
 --   S u           HASH   usage per namespace: "<ns>:chunks" and "<ns>:bytes" count entries,
 --                        "<ns>:<tier>:chunks" and "<ns>:<tier>:bytes" count copies in a tier
+--   S t           HASH   usage per tenant id, over every namespace: "<tenant>:chunks" and "<tenant>:bytes"
+--                        count entries ("" is the tenant of chunks without a salt)
 --   S f:<node>    STREAM change feed of the locations on <node>: entries {op=add|drop, tier, key}
 --                        (the node's daemon persists what lands in its DRAM; routers may subscribe)
 --   S lease       ZSET   chunk key -> lease expiry, Unix seconds (indexer/leases.py)
@@ -60,6 +62,13 @@ local function tally(S, ns, scope, size, sign)
   redis.call('HINCRBY', S .. 'u', ns .. ':' .. scope .. 'bytes', sign * tonumber(size))
 end
 
+-- Add sign * (1 entry, size bytes) to its namespace's and its tenant's usage.
+local function tally_entry(S, ns, tenant, size, sign)
+  tally(S, ns, '', size, sign)
+  redis.call('HINCRBY', S .. 't', tenant .. ':chunks', sign)
+  redis.call('HINCRBY', S .. 't', tenant .. ':bytes', sign * tonumber(size))
+end
+
 -- Count an added (+1) or dropped (-1) location in the entry's "dram" field if it is a DRAM copy.
 local function count_dram(e, location, sign)
   if string.sub(location, 1, 5) == 'dram@' then redis.call('HINCRBY', e, 'dram', sign) end
@@ -73,7 +82,7 @@ end
 -- (probe, key) for the client to drop on the bucket's own shard.
 local function remove_entry(R, S, C, key, elsewhere)
   local e = C .. 'e:' .. key
-  local f = redis.call('HMGET', e, 'parent', 'probe', 'ns', 'size')
+  local f = redis.call('HMGET', e, 'parent', 'probe', 'ns', 'size', 'tenant')
   if not f[1] then return 0 end
   local fields = redis.call('HKEYS', e)
   for i = 1, #fields do
@@ -82,7 +91,7 @@ local function remove_entry(R, S, C, key, elsewhere)
       tally(S, f[3], tier_of(string.sub(fields[i], 3)), f[4], -1)
     end
   end
-  tally(S, f[3], '', f[4], -1)
+  tally_entry(S, f[3], f[5], f[4], -1)
   redis.call('DEL', e)
   redis.call('ZREM', S .. 'keys', key)
   local head = is_head(R, S, C, key)

@@ -26,7 +26,7 @@ for i = 3, #ARGV, 11 do
         redis.call('HSET', C .. 'b:' .. probe, key, ARGV[i + 9])
       end
     end
-    tally(S, ARGV[i + 3], '', ARGV[i + 6], 1)
+    tally_entry(S, ARGV[i + 3], ARGV[i + 4], ARGV[i + 6], 1)
   end
   if redis.call('HSET', e, 'l:' .. ARGV[i + 7], now) == 1 then
     count_dram(e, ARGV[i + 7], 1)
