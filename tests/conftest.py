@@ -49,6 +49,7 @@ MODULE_TIERS = {
         "test_log_limits",
         "test_missing_extra",  # fresh interpreters without Mooncake
         "test_pages",
+        "test_quota_scopes",
         "test_promotion_stream",
         "test_redis_clients",
         "test_request_identity",
@@ -83,6 +84,7 @@ MODULE_TIERS = {
         "test_private_node",
         "test_processes",
         "test_proxy",
+        "test_quotas",
         "test_redis_acl",
         "test_redis_index",
         "test_redis_topologies",

@@ -217,15 +217,22 @@ def node_on(host: Host, servers: ClusterServers, data_dir: Path, *extra: str, **
     )
 
 
-def run_cli(daemon: Daemon, *args: str, token: str | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    daemon: Daemon, *args: str, token: str | None = None, stdin: str | None = None
+) -> subprocess.CompletedProcess:
     """``prefixcache ARGS`` against ``daemon``, with ``token`` as PREFIXCACHE_ADMIN_TOKEN (none: the CLI finds
-    its own)."""
+    its own) and ``stdin`` as its standard input."""
     env = {**os.environ, "COLUMNS": "200", "PREFIXCACHE_URL": daemon.url}
     env.pop("PREFIXCACHE_ADMIN_TOKEN", None)
     if token:
         env["PREFIXCACHE_ADMIN_TOKEN"] = token
     return subprocess.run(
-        [sys.executable, "-m", "prefixcache.cachestore", *args], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "prefixcache.cachestore", *args],
+        env=env,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -235,12 +242,17 @@ def connect(daemon: Daemon, spec: NamespaceSpec | None = None) -> CacheClient:
 
 
 def make_chunk(
-    client: CacheClient, parent: bytes, tokens: list[int], seed: int, bytes_per_token: int = 2048
+    client: CacheClient,
+    parent: bytes,
+    tokens: list[int],
+    seed: int,
+    bytes_per_token: int = 2048,
+    tenant_salt: str | None = None,
 ) -> tuple[ChunkMeta, memoryview, bytes]:
     """A chunk of ``tokens`` after ``parent`` with a random payload, staged in an arena slot."""
     meta = ChunkMeta(
         namespace=client.spec.digest,
-        root=client.spec.root(),
+        root=client.spec.root(tenant_salt),
         parent=parent,
         tokens=pack_tokens(tokens),
         dtype="uint8",
@@ -253,17 +265,28 @@ def make_chunk(
 
 
 def publish_prompt(
-    client: CacheClient, tokens: list[int], seed: int = 0, bytes_per_token: int = 2048
+    client: CacheClient,
+    tokens: list[int],
+    seed: int = 0,
+    bytes_per_token: int = 2048,
+    tenant_salt: str | None = None,
+    stored: list[bool] | None = None,
 ) -> tuple[list[bytes], list[bytes]]:
-    """Publish every chunk of a prompt (full chunks and the tail); returns keys and payloads."""
+    """Publish every chunk of a prompt (full chunks and the tail); returns keys and payloads. Every chunk must be
+    stored, unless ``stored`` is given: it receives what the publish says of each."""
     c = client.spec.chunk_tokens
-    parent, chunks = client.spec.root(), []
+    parent, chunks = client.spec.root(tenant_salt), []
     for start in range(0, len(tokens), c):
-        meta, slot, payload = make_chunk(client, parent, tokens[start : start + c], seed + start, bytes_per_token)
+        part = tokens[start : start + c]
+        meta, slot, payload = make_chunk(client, parent, part, seed + start, bytes_per_token, tenant_salt)
         chunks.append((meta, slot, payload))
         parent = chunk_key(parent, meta.tokens)
     try:
-        assert all(client.publish([(m, s) for m, s, _ in chunks]))
+        outcome = client.publish([(m, s) for m, s, _ in chunks], tenant_salt)
+        if stored is None:
+            assert all(outcome)
+        else:
+            stored[:] = outcome
     finally:
         for _, slot, _ in chunks:
             client.release(slot)

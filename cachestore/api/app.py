@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field
 from prefixcache.cachestore.api.admin_routes import install_error_handlers
 from prefixcache.cachestore.api.auth import AccessPolicy, install_access_policy, require_reader
 from prefixcache.cachestore.api.http_guards import LOOPBACK_HOSTS, install_http_guards
-from prefixcache.cachestore.api.models import TierUse
+from prefixcache.cachestore.api.models import Quota, TierUse
 from prefixcache.cachestore.client.config import ClientConfig
 from prefixcache.cachestore.node.settings import DEFAULT_MAX_BODY_BYTES
 from prefixcache.indexer.index import Tier
@@ -63,6 +63,9 @@ class ClientStats(BaseModel):
     mac_failures: int = Field(description="fetched chunks whose MAC did not verify: forged, or altered since signed")
     published_chunks: int
     publish_failures: int
+    over_quota_chunks: int = Field(
+        default=0, description="chunks publishes left out: their tenant or namespace was at quota"
+    )
 
 
 class EvictionStats(BaseModel):
@@ -106,6 +109,10 @@ class Stats(BaseModel):
     queues: QueueDepths
     clients: ClientStats
     namespaces: dict[str, NamespaceStats]
+    tenants: dict[str, TierUse] = Field(
+        default_factory=dict, description="what each tenant holds (by tenant id; 'none': no cache_salt), over all nodes"
+    )
+    quotas: list[Quota] = Field(default_factory=list, description="every quota and what its scope holds (/v1/quotas)")
     child_restarts: dict[str, int] = Field(
         default_factory=dict, description="restarts of each server the daemon started (cachestore/node/supervisor.py)"
     )

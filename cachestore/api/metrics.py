@@ -33,6 +33,7 @@ CLIENT_COUNTERS = {
     "mac_failures": "fetched chunks whose MAC did not verify (forged or altered)",
     "published_chunks": "chunks published",
     "publish_failures": "chunks a publish could not store",
+    "over_quota_chunks": "chunks a publish left out, their tenant or namespace being at its quota",
 }
 
 
@@ -45,6 +46,7 @@ class CacheCollector(Collector):
         s = self._stats()
         yield from _tier_metrics(s)
         yield from _namespace_metrics(s)
+        yield from _quota_metrics(s)
         evicted = CounterMetricFamily("prefixcache_evicted_chunks", "chunks evicted, by reason", labels=["reason"])
         evicted.add_metric(["requested"], s.evictions.requested_chunks)
         evicted.add_metric(["nvme_capacity"], s.evictions.nvme_capacity)
@@ -114,6 +116,25 @@ def _namespace_metrics(s: Stats) -> Iterator[Metric]:
         for name, family in counters.items():
             family.add_metric([ns], getattr(stats.clients, name))
     yield from (chunks, size, *counters.values())
+
+
+def _quota_metrics(s: Stats) -> Iterator[Metric]:
+    """Per scope with a quota (a tenant's usage without one is in ``/v1/stats``: tenants may be many)."""
+    labels = ["scope", "id"]
+    limit = GaugeMetricFamily("prefixcache_quota_limit_bytes", "bytes the scope may hold", labels=labels)
+    used = GaugeMetricFamily(
+        "prefixcache_quota_used_bytes", "bytes the scope's chunks hold, pins included", labels=labels
+    )
+    full = GaugeMetricFamily("prefixcache_quota_at_limit", "1 while the scope's publishes are skipped", labels=labels)
+    evicted = CounterMetricFamily(
+        "prefixcache_quota_evicted_chunks", "chunks this node evicted to keep the scope within its quota", labels=labels
+    )
+    for q in s.quotas:
+        limit.add_metric([q.scope, q.id], q.limit_bytes)
+        used.add_metric([q.scope, q.id], q.used_bytes)
+        full.add_metric([q.scope, q.id], int(q.at_quota))
+        evicted.add_metric([q.scope, q.id], q.evicted_chunks)
+    yield from (limit, used, full, evicted)
 
 
 def _latency_metrics(records: dict[bytes, ClientStatsRecord]) -> Iterator[Metric]:

@@ -1,12 +1,12 @@
 """Bodies and answers of the admin API (``/v1/namespaces``, ``/v1/lookup``, ``/v1/chunks``, ``/v1/evict``,
-``/v1/pin``, ``/v1/unpin``). Every limit a client could exceed is declared here, so a bad body is a 422
+``/v1/pin``, ``/v1/unpin``, ``/v1/quotas``). Every limit a client could exceed is declared here, so a bad body is a 422
 that names the field before any work starts."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, StringConstraints, model_validator
 
 from prefixcache.indexer.index import NamespaceUsage, Tier
 from prefixcache.indexer.namespace import NamespaceSpec
@@ -186,6 +186,26 @@ class PinResult(BaseModel):
     chunks: int = Field(description="chunks that exist and were (un)pinned")
     pinned_until_s: float | None
     keys: list[str]
+
+
+class QuotaRequest(Strict):
+    limit_bytes: ByteSize = Field(
+        ge=0, le=2**62, description="bytes the scope may hold: a number, or a size such as '8GiB' (0: nothing)"
+    )
+
+
+class Quota(BaseModel):
+    scope: Literal["tenant", "namespace"]
+    id: str = Field(description="tenant id (16 hex, or 'none') or namespace digest (32 hex)")
+    limit_bytes: int
+    source: Literal["api", "settings", "default"] = Field(
+        description="api: set through /v1/quotas; settings: tenant_quotas or namespace_quotas; default: "
+        "default_tenant_quota"
+    )
+    used_chunks: int
+    used_bytes: int = Field(description="bytes of the scope's chunks, each counted once, pinned ones included")
+    at_quota: bool = Field(description="publishes of the scope are skipped until it is below its quota again")
+    evicted_chunks: int = Field(description="chunks this node evicted to keep the scope within its quota")
 
 
 def tier_use(held: NamespaceUsage | None) -> dict[Tier, TierUse]:

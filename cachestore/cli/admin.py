@@ -1,4 +1,4 @@
-"""``prefixcache stats | ls | lookup | evict | pin | unpin``: the admin API from a terminal.
+"""``prefixcache stats | ls | lookup | evict | pin | unpin``: the admin API from a terminal (``quota``: quotas.py).
 
 Each command is one or a few HTTP calls to a daemon (``--url``, env ``PREFIXCACHE_URL``), with the
 admin token from ``--token`` or ``PREFIXCACHE_ADMIN_TOKEN``, else from the file the daemon generated
@@ -105,7 +105,7 @@ def _prompt(namespace: str | None, tokens: str | None, text: str | None, salt: s
     return {k: v for k, v in body.items() if v is not None}
 
 
-def _mib(n: int | None) -> str:
+def mib(n: int | None) -> str:
     return "-" if n is None else f"{n / (1 << 20):,.1f} MiB"
 
 
@@ -113,7 +113,7 @@ def _when(seconds: float) -> str:
     return datetime.fromtimestamp(seconds).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
+def table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     table = Table(title=title, title_justify="left")
     for column in columns:
         table.add_column(column)
@@ -127,21 +127,21 @@ def stats(url: Url = DEFAULT_URL, token: Token = None, as_json: AsJson = False) 
     s = Api(url, token).call("GET", "/v1/stats")
     if as_json:
         return out.print_json(data=s)
-    _table(
+    table(
         f"node {s['node']}",
         ["tier", "used", "capacity", "chunks"],
         [
             [
                 t,
-                _mib(s[t]["bytes_used"]),
-                _mib(s[t]["capacity_bytes"]),
+                mib(s[t]["bytes_used"]),
+                mib(s[t]["capacity_bytes"]),
                 s[t]["chunks"] if s[t]["chunks"] is not None else "-",
             ]
             for t in ("dram", "nvme")
         ],
     )
     c, e, q = s["clients"], s["evictions"], s["queues"]
-    _table(
+    table(
         "activity",
         ["what", "count"],
         [
@@ -157,7 +157,7 @@ def stats(url: Url = DEFAULT_URL, token: Token = None, as_json: AsJson = False) 
         ],
     )
     namespaces = {n["namespace"]: n for n in Api(url, token).call("GET", "/v1/namespaces")}
-    _table(
+    table(
         "namespaces",
         ["namespace", "model", "dtype", "chunk", "chunks", "bytes", "hits", "tokens served"],
         [
@@ -167,7 +167,7 @@ def stats(url: Url = DEFAULT_URL, token: Token = None, as_json: AsJson = False) 
                 namespaces.get(ns, {}).get("spec", {}).get("kv_dtype", "?"),
                 namespaces.get(ns, {}).get("spec", {}).get("chunk_tokens", "?"),
                 n["chunks"],
-                _mib(n["bytes"]),
+                mib(n["bytes"]),
                 n["clients"]["hits"],
                 n["clients"]["matched_tokens"],
             ]
@@ -207,7 +207,7 @@ def ls(
     page = Api(url, token).call("GET", "/v1/chunks", params={k: v for k, v in params.items() if v is not None})
     if as_json:
         return out.print_json(data=page)
-    _table(
+    table(
         f"{len(page['chunks'])} chunks",
         ["key", "namespace", "tokens", "bytes", "where", "hits", "created", "pin"],
         [
@@ -244,7 +244,7 @@ def lookup(
     title = (
         f"{found['matched_tokens']} of {found['requested_tokens']} tokens cached in {found['matched_chunks']} chunks"
     )
-    _table(
+    table(
         title,
         ["key", "tokens", "of", "where"],
         [[c["key"], c["matched_tokens"], c["stored_tokens"], " ".join(c["locations"])] for c in found["chunks"]],
@@ -286,7 +286,7 @@ def evict(
         return out.print_json(data=result)
     verb = "would evict" if result["dry_run"] else "evicted"
     out.print(
-        f"{verb} {result['chunks']} chunks ({_mib(result['bytes'])}); pinned and kept: "
+        f"{verb} {result['chunks']} chunks ({mib(result['bytes'])}); pinned and kept: "
         f"{result['pinned_skipped']}; kept on other nodes: {result['kept_elsewhere']}; failed: "
         f"{result['failed']}",
         highlight=False,

@@ -11,6 +11,7 @@ from rich.logging import RichHandler
 
 from prefixcache.cachestore.cli.admin import register_admin_commands
 from prefixcache.cachestore.cli.errors import clear_errors, err
+from prefixcache.cachestore.cli.quotas import quota_app
 from prefixcache.cachestore.cli.settings_reference import field_help
 from prefixcache.cachestore.cli.warmup import CONTEXT as WARMUP_CONTEXT
 from prefixcache.cachestore.cli.warmup import warmup
@@ -148,3 +149,4 @@ app.command(context_settings=WARMUP_CONTEXT)(warmup)
 
 
 register_admin_commands(app)
+app.add_typer(quota_app, name="quota")

@@ -35,6 +35,7 @@ from prefixcache.indexer.errors import IndexUnavailableError
 from prefixcache.indexer.index import ChunkRecord, Location, NamespaceCheck, PrefixMatch, attach_namespace
 from prefixcache.indexer.keys import PrefixHasher, PrefixQuery
 from prefixcache.indexer.namespace import NamespaceSpec, tenant_id
+from prefixcache.indexer.quotas import QuotaGate, QuotaStore
 from prefixcache.indexer.redis_clients import redis_client
 from prefixcache.indexer.redis_index import RedisIndex
 
@@ -59,6 +60,7 @@ class ClientCounters:
     lookup_errors: int = 0
     published: int = 0
     publish_failures: int = 0
+    over_quota: int = 0  # chunks not published: their tenant or namespace was at its quota
     fetched: int = 0
     missing: int = 0
     corrupt: int = 0
@@ -99,6 +101,7 @@ class CacheClient:
         self._redis = redis_client(self.index.url, socket_timeout_s=promote_timeout_s + 1)
         self._prefix = config.key_prefix + ":"
         self.recorder = ClientStatsRecorder(self._redis, self._prefix, config.node)  # the daemon reports these
+        self.quotas = QuotaGate(QuotaStore(self._redis, config.key_prefix))
         self._promote_timeout_s = promote_timeout_s
         self._streams: dict[bytes, PromotionStream] = {}  # chunks other nodes promote for an upcoming fetch
         # Reads from this node's NVMe started ahead of the fetch that asks for them: key -> (slot, object length).
@@ -158,7 +161,20 @@ class CacheClient:
         return self.dram.arena.address, self.dram.arena.size
 
     def publish(self, chunks: Sequence[tuple[ChunkMeta, memoryview]], tenant_salt: str | None = None) -> list[bool]:
-        """Store each (meta, slot holding its payload) in DRAM, then register what was stored."""
+        """Store each (meta, slot holding its payload) in DRAM, then register what was stored. Chunks whose tenant
+        or namespace has no room left in its quota are left out (indexer/quotas.py)."""
+        if not chunks:
+            return []
+        tenant = tenant_id(tenant_salt)
+        allowed = [self.quotas.admit(tenant, meta.namespace, meta.encoded_size) for meta, _ in chunks]
+        if all(allowed):
+            return self._store_and_register(chunks, tenant)
+        self.counters.count(over_quota=allowed.count(False))
+        self.recorder.record_over_quota(self.spec.digest, allowed.count(False))
+        kept = iter(self._store_and_register([c for c, ok in zip(chunks, allowed, strict=True) if ok], tenant))
+        return [ok and next(kept) for ok in allowed]
+
+    def _store_and_register(self, chunks: Sequence[tuple[ChunkMeta, memoryview]], tenant: str) -> list[bool]:
         if not chunks:
             return []
         started = time.perf_counter()
@@ -172,7 +188,7 @@ class CacheClient:
                 namespace=meta.namespace,
                 size_bytes=meta.encoded_size,
                 location=self.location,
-                tenant=tenant_id(tenant_salt),
+                tenant=tenant,
             )
             for (meta, _), ok in zip(chunks, stored, strict=True)
             if ok

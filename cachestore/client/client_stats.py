@@ -41,6 +41,7 @@ COUNTERS = (
     "mac_failures",
     "published_chunks",
     "publish_failures",
+    "over_quota_chunks",
 )
 
 
@@ -90,6 +91,10 @@ class ClientStatsRecorder(PeriodicFlusher):
 
     def record_publish(self, namespace: bytes, stored: int, failed: int, seconds: float) -> None:
         self._add(namespace.hex(), seconds, "publish", published_chunks=stored, publish_failures=failed)
+
+    def record_over_quota(self, namespace: bytes, chunks: int) -> None:
+        """Chunks a publish left out: their tenant or namespace was at its quota."""
+        self._count(namespace.hex(), {"over_quota_chunks": chunks})
 
     def _add(self, ns: str, seconds: float, op: Operation, **counts: int) -> None:
         bucket = bisect.bisect_left(LATENCY_BUCKETS_S, seconds)

@@ -37,6 +37,8 @@ from prefixcache.cachestore.api.auth import AccessPolicy, admin_token_path
 from prefixcache.cachestore.api.http_guards import trusted_hosts
 from prefixcache.cachestore.api.liveness import liveness_router
 from prefixcache.cachestore.api.metrics import metrics_router
+from prefixcache.cachestore.api.models import TierUse
+from prefixcache.cachestore.api.quota_routes import quota, quota_router
 from prefixcache.cachestore.api.stats_report import all_client_stats, corrupt_by_reason, namespace_stats
 from prefixcache.cachestore.api.warmup_routes import warmup_router
 from prefixcache.cachestore.chunks.mac import KEY_FILE_NAME, ChunkMacKey
@@ -58,6 +60,7 @@ from prefixcache.cachestore.services.eviction_orders import EvictionOrders, Orde
 from prefixcache.cachestore.services.kv_events import KvEventPublisher
 from prefixcache.cachestore.services.nvme_extents import ExtentServer
 from prefixcache.cachestore.services.promotion import Promoter
+from prefixcache.cachestore.services.quotas import QuotaEnforcer
 from prefixcache.cachestore.services.reconcile import reconcile
 from prefixcache.cachestore.services.write_behind import GROUP as WRITE_BEHIND_GROUP
 from prefixcache.cachestore.services.write_behind import WriteBehind
@@ -69,6 +72,7 @@ from prefixcache.cachestore.warmup.policy import WarmupPolicy
 from prefixcache.indexer.errors import IndexUnavailableError
 from prefixcache.indexer.index import Location
 from prefixcache.indexer.leases import Leases
+from prefixcache.indexer.quotas import NO_TENANT, QuotaStore
 from prefixcache.indexer.redis_clients import WAITING_SOCKET_TIMEOUT_S, public_redis_url, redis_client
 from prefixcache.indexer.redis_index import RedisIndex
 
@@ -119,6 +123,7 @@ class NodeDaemon:
         self.leases: Leases
         self.evictor: Evictor
         self.orders: OrderServer
+        self.quotas: QuotaEnforcer
         self.admin: CacheAdmin
         self.nvme_evicted = 0
         self.mac_key_file: Path
@@ -208,6 +213,17 @@ class NodeDaemon:
             lambda entries: self.evictor.evict_here(entries).removed,
         )
         self._start_service(orders)
+        self.quotas = QuotaEnforcer(
+            self.index,
+            QuotaStore(redis_client(self.index.url), s.key_prefix),
+            self.evictor,
+            s.node,
+            self._protected,
+            configured=s.quotas,
+            default_tenant_bytes=None if s.default_tenant_quota is None else int(s.default_tenant_quota),
+            low=s.quota_low_watermark,
+        )
+        self._start_service(self.quotas)
         self.admin = CacheAdmin(self.index, self.evictor)
         policy = WarmupPolicy(tuple(s.warmup_roots), s.warmup_allow_trust_remote_code)
         self.warmup_jobs = WarmupJobs(
@@ -452,6 +468,10 @@ class NodeDaemon:
             ),
             clients=clients,
             namespaces=namespace_stats(self.index.usage(), client_stats),
+            tenants={
+                t or NO_TENANT: TierUse(chunks=u.chunks, bytes=u.bytes) for t, u in self.index.tenant_usage().items()
+            },
+            quotas=[quota(state) for state in self.quotas.states()],
             child_restarts=self.supervisor.restarts,
         )
 
@@ -541,6 +561,7 @@ class NodeDaemon:
             s = self.settings
             routers = [
                 *admin_routers(self.admin),
+                quota_router(self.quotas),
                 metrics_router(self.stats, self.client_stats),
                 warmup_router(self.warmup_jobs),
                 liveness_router(self.supervisor.alive),

@@ -21,12 +21,24 @@ from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource
 from prefixcache.cachestore.host.cpus import allowed_cpus, cpu_list, format_cpu_list
 from prefixcache.indexer.chunking import DEFAULT_CHUNK_TOKENS, MAX_CHUNK_TOKENS
 from prefixcache.indexer.errors import ConfigError
+from prefixcache.indexer.quotas import QuotaScope
 from prefixcache.indexer.redis_clients import check_redis_url
 
 #: Size of one NVMe pack file: large sequential writes, and the unit compaction works in.
 NVME_PACK_FILE_BYTES = 256 << 20
 #: Largest request body the REST API reads by default (a 1M-token prompt as JSON is about 8 MB).
 DEFAULT_MAX_BODY_BYTES = 16 << 20
+
+
+def _scoped(quotas: dict[str, ByteSize], kind: str) -> dict[str, ByteSize]:
+    """``quotas`` with ids lower-cased, each checked as an id of ``kind``."""
+    checked = {}
+    for scope_id, limit in quotas.items():
+        try:
+            checked[QuotaScope(kind, scope_id.lower()).id] = limit  # type: ignore[arg-type]
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+    return checked
 
 
 def default_data_dir() -> Path:
@@ -239,6 +251,32 @@ class Settings(BaseSettings):
         default="",
         description="Topic frame of every KV-event message (e.g. `kv@node-1@model` for llm-d).",
     )
+    tenant_quotas: dict[str, ByteSize] = Field(
+        default={},
+        description="Bytes each tenant may hold in the cache, by tenant id (16 hex, as `/v1/chunks` lists them; "
+        "`prefixcache quota tenant-id` prints a salt's), `none` for requests without a `cache_salt`: "
+        '`{"0123456789abcdef": "8GiB"}` (JSON in the environment). A chunk counts once whatever its copies, '
+        "pinned ones included. A quota set through `/v1/quotas` takes the place of this one (docs/operations.md, "
+        "Quotas).",
+    )
+    default_tenant_quota: ByteSize | None = Field(
+        default=None,
+        description="The quota of every tenant with a `cache_salt` that has none of its own (`tenant_quotas` or "
+        "`/v1/quotas`). Unset: such tenants are unbounded.",
+    )
+    namespace_quotas: dict[str, ByteSize] = Field(
+        default={},
+        description="Bytes each namespace may hold, by digest (32 hex, as `/v1/namespaces` lists them), over every "
+        "tenant; as `tenant_quotas` otherwise.",
+    )
+    quota_low_watermark: float = Field(
+        default=0.9,
+        gt=0,
+        le=1,
+        description="A tenant or namespace holding more than this fraction of its quota loses its own least "
+        "recently used chunks down to it, each second; the rest of the quota is the room its publishes may fill "
+        "until the next second (keep it several chunks). Publishes beyond the room are skipped.",
+    )
     cpus: str | None = Field(
         default=None,
         description="CPUs the daemon and every server it starts run on (`1`, `2-3,6`). On a vLLM CPU host, give "
@@ -258,6 +296,22 @@ class Settings(BaseSettings):
         "requests, `CPUWeight=`), so the shipped files set it to 0. Below 0 needs CAP_SYS_NICE; without it the "
         "owner runs at the default and the daemon logs a warning (cachestore/host/cpu_priority.py).",
     )
+
+    @field_validator("tenant_quotas")
+    @classmethod
+    def _tenant_ids(cls, quotas: dict[str, ByteSize]) -> dict[str, ByteSize]:
+        return _scoped(quotas, "tenant")
+
+    @field_validator("namespace_quotas")
+    @classmethod
+    def _namespace_digests(cls, quotas: dict[str, ByteSize]) -> dict[str, ByteSize]:
+        return _scoped(quotas, "namespace")
+
+    @property
+    def quotas(self) -> dict[QuotaScope, int]:
+        """The quotas of ``tenant_quotas`` and ``namespace_quotas``, by scope."""
+        scoped = [("tenant", self.tenant_quotas), ("namespace", self.namespace_quotas)]
+        return {QuotaScope(kind, i): int(limit) for kind, quotas in scoped for i, limit in quotas.items()}  # type: ignore[arg-type]
 
     @field_validator("allowed_hosts", mode="before")
     @classmethod

@@ -1,0 +1,169 @@
+"""Quota enforcement: a tenant or namespace near its quota loses its own least recently used chunks, and
+publishers learn how much each may still add (indexer/quotas.py says what a quota bounds and where quotas live).
+
+One daemon of the cluster enforces at a time (``QuotaStore.take_turn``), every ``interval_s`` and at once when a
+quota changes. A round reads usage from the index's counters. A scope holding more than ``low`` x its quota is
+trimmed down to that: the index is paged through for its entries, and those neither pinned nor leased
+(``is_protected``) go, oldest last access first, like an operator's eviction (every tier, every node:
+``Evictor``). Then the round writes each scope's room, its quota less what it holds, which publishers spend until
+the next round (``QuotaGate``). A busy tenant so keeps publishing its newest chunks, up to ``1 - low`` of its
+quota per round, in place of its own oldest; an idle one rests at ``low`` x its quota at most. Pinned chunks count
+and stay: a scope whose pins alone fill its quota has no room, and its publishes are skipped until a pin ends or
+the quota grows.
+
+Finding a scope's entries reads the whole index, which at millions of chunks takes seconds: it happens only in
+rounds that find a scope above its low mark, one round at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from prefixcache.cachestore.host.background_loop import BackgroundLoop
+from prefixcache.cachestore.services.eviction import Evictor
+from prefixcache.indexer.index import ChunkEntry, PrefixIndex, Usage
+from prefixcache.indexer.quotas import NO_TENANT, QuotaScope, QuotaStore, scopes_of
+
+log = logging.getLogger("prefixcache.quotas")
+#: Entries checked for pins and leases, and evicted, per call.
+BATCH = 512
+
+QuotaSource = Literal["api", "settings", "default"]
+
+
+@dataclass(frozen=True)
+class QuotaState:
+    """One scope's quota, where it comes from, and what the scope holds now."""
+
+    scope: QuotaScope
+    limit_bytes: int
+    source: QuotaSource
+    used: Usage
+    #: chunks this daemon evicted to keep the scope within its quota, since it started
+    evicted_chunks: int
+
+    @property
+    def at_quota(self) -> bool:
+        return self.used.bytes >= self.limit_bytes
+
+
+class QuotaEnforcer(BackgroundLoop):
+    name = "prefixcache-quotas"
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        store: QuotaStore,
+        evictor: Evictor,
+        node: str,
+        is_protected: Callable[[Sequence[bytes]], list[bool]],
+        *,
+        configured: dict[QuotaScope, int] | None = None,
+        default_tenant_bytes: int | None = None,
+        low: float = 0.9,
+        interval_s: float = 1.0,
+    ) -> None:
+        """``configured``: the settings' quotas, which a quota set through the API replaces; ``default_tenant_bytes``:
+        the quota of every tenant with a salt that has none."""
+        super().__init__()
+        self.index = index
+        self.store = store
+        self.evictor = evictor
+        self.node = node
+        self.is_protected = is_protected
+        self.configured = dict(configured or {})
+        self.default_tenant_bytes = default_tenant_bytes
+        self.low = low
+        self.interval_s = interval_s
+        self.evicted: Counter[QuotaScope] = Counter()
+        self._wake = threading.Event()
+
+    def request_stop(self) -> None:
+        super().request_stop()
+        self._wake.set()
+
+    def poke(self) -> None:
+        """Enforce now (a quota changed)."""
+        self._wake.set()
+
+    def step(self) -> None:
+        self._wake.wait(self.interval_s)
+        self._wake.clear()
+        if self.store.take_turn(self.node, hold_s=3 * self.interval_s):
+            self.run_once()
+
+    def states(self) -> list[QuotaState]:
+        """Every scope with a quota, and what it holds, from the index's usage counters."""
+        tenants = self.index.tenant_usage()
+        namespaces = {ns.hex(): use.entries for ns, use in self.index.usage().items()}
+        limits: dict[QuotaScope, tuple[int, QuotaSource]] = {}
+        if self.default_tenant_bytes is not None:
+            for tenant in tenants:
+                if tenant:
+                    limits[QuotaScope.of_tenant(tenant)] = (self.default_tenant_bytes, "default")
+        limits.update({scope: (limit, "settings") for scope, limit in self.configured.items()})
+        limits.update({scope: (limit, "api") for scope, limit in self.store.all().items()})
+        states = []
+        for scope, (limit, source) in sorted(limits.items()):
+            if scope.kind == "tenant":
+                used = tenants.get("" if scope.id == NO_TENANT else scope.id, Usage())
+            else:
+                used = namespaces.get(scope.id, Usage())
+            states.append(QuotaState(scope, limit, source, used, self.evicted[scope]))
+        return states
+
+    def run_once(self) -> int:
+        """Evict every scope above its low mark down to it, then write each scope's room; returns the chunks
+        evicted."""
+        states = self.states()
+        low = {s.scope: int(self.low * s.limit_bytes) for s in states}
+        excess = {s.scope: s.used.bytes - low[s.scope] for s in states if s.used.bytes > low[s.scope]}
+        evicted = self._evict(excess) if excess else 0
+        if evicted:
+            states = self.states()
+        room = {s.scope: max(0, s.limit_bytes - s.used.bytes) for s in states}
+        self.store.set_room(f"{self.node}:{time.time_ns()}", room)
+        return evicted
+
+    def _evict(self, excess: dict[QuotaScope, int]) -> int:
+        """Evict the least recently used unprotected chunks of each scope until ``excess`` bytes of it are gone."""
+        held: dict[QuotaScope, list[ChunkEntry]] = {scope: [] for scope in excess}
+        for entry in self.index.scan():
+            for scope in scopes_of(entry.tenant, entry.namespace):
+                if scope in held:
+                    held[scope].append(entry)
+        chosen: dict[bytes, ChunkEntry] = {}
+        for scope, entries in held.items():
+            # what this scope's chunks chosen for another scope (its tenant's, its namespace's) already free
+            need = excess[scope] - sum(e.size_bytes for e in chosen.values() if scope.holds(e))
+            entries.sort(key=lambda e: e.last_access_s)
+            for start in range(0, len(entries), BATCH):
+                if need <= 0:
+                    break
+                batch = [e for e in entries[start : start + BATCH] if e.key not in chosen]
+                for entry, protected in zip(batch, self.is_protected([e.key for e in batch]), strict=True):
+                    if need <= 0:
+                        break
+                    if not protected:
+                        chosen[entry.key] = entry
+                        need -= entry.size_bytes
+        victims = list(chosen.values())
+        removed = 0
+        for start in range(0, len(victims), BATCH):
+            outcome = self.evictor.evict(victims[start : start + BATCH])
+            for entry in outcome.removed:
+                self.evicted.update(scope for scope in scopes_of(entry.tenant, entry.namespace) if scope in excess)
+            removed += len(outcome.removed)
+        if victims:
+            log.info(
+                "quotas: evicted %d chunks of %s over their quota",
+                len(victims),
+                ", ".join(str(scope) for scope in excess),
+            )
+        return removed
