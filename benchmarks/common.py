@@ -1,4 +1,4 @@
-"""Helpers every benchmark shares: percentiles, a rich table, and the JSON results file."""
+"""Helpers every benchmark shares: percentiles, a rich table, the JSON results file, and LMCache's peer server."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -16,7 +17,9 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from prefixcache.cachestore.host.processes import ManagedProcess, free_port, port_open
 from prefixcache.indexer.chunking import PROBE_TOKENS
+from tests.e2e.launch import vllm_env
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -85,3 +88,44 @@ def bound_to(cpus: frozenset[int] | None) -> Iterator[None]:
         yield
     finally:
         os.sched_setaffinity(0, before)
+
+
+@contextmanager
+def lmcache_mp_server(workdir: Path, cpus: frozenset[int] | None) -> Iterator[dict]:
+    """LMCache's multi-process server (2 GB of L1, LRU, 256-token chunks), started on ``cpus`` with the engines'
+    environment and its log in ``workdir``; yields the ``kv_transfer_config`` of ``LMCacheMPConnector`` for it, and
+    stops it on exit. ``make bench`` installs lmcache."""
+    port, http_port = free_port(), free_port()
+    server = ManagedProcess(
+        "lmcache server",
+        [
+            sys.executable,
+            "-m",
+            "lmcache.v1.multiprocess.http_server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--http-port",
+            str(http_port),
+            "--l1-size-gb",
+            "2",
+            "--eviction-policy",
+            "LRU",
+            "--chunk-size",
+            "256",
+            "--disable-observability",
+            "--supported-transfer-mode",
+            "auto",
+        ],
+        workdir / "lmcache-server.log",
+        lambda: port_open("127.0.0.1", port),
+        env=vllm_env(),
+    )
+    with bound_to(cpus):
+        server.start(timeout_s=120)
+    try:
+        extra = {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}
+        yield {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    finally:
+        server.stop(grace_s=30)

@@ -488,8 +488,55 @@ def _cuda_section(cuda: dict[str, Any]) -> str:
     )
 
 
+def _serving_section(serving: dict[str, Any]) -> str:
+    sizes = serving["sizes"]
+    rows = [
+        [
+            r["row"],
+            r["workload"],
+            r["requests"] if not r["failed"] else f"{r['requests']} ({r['failed']} failed)",
+            r["input_tokens"],
+            f"{r['mean_ttft_ms']:.0f}",
+            f"{r['p99_ttft_ms']:.0f}",
+            f"{r['mean_tpot_ms']:.1f}",
+            f"{r['p99_tpot_ms']:.1f}",
+            f"{r['requests_per_s']:.3f}",
+            "-" if r["goodput_per_s"] is None else f"{r['goodput_per_s']:.3f}",
+        ]
+        for r in serving["results"]
+    ]
+    ratios = [
+        [
+            name,
+            ratio_x(v["value"]),
+            *(["-", "-"] if v["goal"] is None else [f"≤ {v['goal']:g}", "yes" if v["met"] else "no"]),
+        ]
+        for name, v in serving["ratios"].items()
+    ]
+    text = [
+        "### Serving under traffic (`benchmarks.serving`)",
+        f"{serving['dtype']}, vLLM's OpenAI server with its prefix cache on and {serving['kv_blocks']} KV blocks of "
+        f"128 tokens; `vllm bench serve` prefix_repetition ({sizes['prefixes']} prefixes of "
+        f"{sizes['prefix_tokens']} tokens, {sizes['prompts_per_prefix']} prompts each, the second rate replaying the "
+        f"first's), LMCache's `multi-round-chat` ({sizes['chat_sessions']} sessions, {sizes['chat_qps']:g} "
+        f"requests/s for {sizes['chat_duration_s']:g} s) and `long-doc-qa` ({sizes['documents']} documents, "
+        f"{sizes['questions_per_document']} questions each); ms, requests per second, goodput within "
+        f"{serving['ttft_bound_ms']:g} ms TTFT:",
+        table(
+            ["row", "workload", "requests", "input tokens", "mean TTFT", "p99 TTFT", "mean TPOT", "p99 TPOT"]
+            + ["req/s", "goodput"],
+            rows,
+        ),
+        table(["ratio", "value", "goal", "met"], ratios),
+    ]
+    if serving.get("failed_rows"):
+        text.append("Rows that failed: " + "; ".join(f"{k}: {v}" for k, v in serving["failed_rows"].items()) + ".")
+    return "\n\n".join(text)
+
+
 SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("ttft", _ttft_section),
+    ("serving", _serving_section),
     ("burst", _burst_section),
     ("stall", _stall_section),
     ("lookup", _lookup_section),

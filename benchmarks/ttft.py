@@ -55,11 +55,17 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.common import bound_to, print_table, wait_until_persisted, with_defaults, write_results
+from benchmarks.common import (
+    bound_to,
+    lmcache_mp_server,
+    print_table,
+    wait_until_persisted,
+    with_defaults,
+    write_results,
+)
 from prefixcache.cachestore.host.cpus import format_cpu_list
-from prefixcache.cachestore.host.processes import ManagedProcess, free_port, port_open
 from tests.daemon_harness import Daemon, connector_config
-from tests.e2e.launch import EngineRunError, run_engine, vllm_env
+from tests.e2e.launch import EngineRunError, run_engine
 from tests.e2e.tinymodel import ENGINE_DTYPE, build_tiny_llama, random_prompt
 from tests.mooncake_pool import LocalMooncakePool
 
@@ -301,43 +307,8 @@ def lmcache_mp(run: Runner) -> None:
     if importlib.util.find_spec("lmcache") is None:
         print("[ttft] lmcache is not installed: skipping its row (make bench installs it)")
         return
-    port, http_port = free_port(), free_port()
-    server = ManagedProcess(
-        "lmcache server",
-        [
-            sys.executable,
-            "-m",
-            "lmcache.v1.multiprocess.http_server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--http-port",
-            str(http_port),
-            "--l1-size-gb",
-            "2",
-            "--eviction-policy",
-            "LRU",
-            "--chunk-size",
-            "256",
-            "--disable-observability",
-            "--supported-transfer-mode",
-            "auto",
-        ],
-        run.workdir / "lmcache-server.log",
-        lambda: port_open("127.0.0.1", port),
-        env=vllm_env(),
-    )
-    with bound_to(run.server_cpus):
-        server.start(timeout_s=120)
-    try:
-        extra = {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}
-        run.cross_process(
-            "lmcache-mp",
-            {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra},
-        )
-    finally:
-        server.stop(grace_s=30)
+    with lmcache_mp_server(run.workdir, run.server_cpus) as config:
+        run.cross_process("lmcache-mp", config)
 
 
 def prefixcache(run: Runner) -> None:

