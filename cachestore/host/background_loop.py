@@ -1,5 +1,5 @@
 """A thread that repeats one step until stopped: the shape of the daemon's background services, and of the
-keeper of a process's Mooncake attachment."""
+keeper of a process's Mooncake attachment; ``PeriodicLoop``, one whose step comes every so often or when poked."""
 
 from __future__ import annotations
 
@@ -55,3 +55,28 @@ class BackgroundLoop:
             except Exception as exc:  # noqa: BLE001 - a service must outlive any one failed step
                 self.errors.log(log, exc, "%s: step failed; retrying in %.0fs", self.name, self.retry_pause_s)
                 self._stop.wait(self.retry_pause_s)
+
+
+class PeriodicLoop(BackgroundLoop):
+    """Calls ``tick`` every ``interval_s``, and at once after ``poke`` (something changed that it acts on)."""
+
+    def __init__(self, interval_s: float) -> None:
+        super().__init__()
+        self.interval_s = interval_s
+        self._wake = threading.Event()
+
+    def tick(self) -> None:
+        raise NotImplementedError
+
+    def poke(self) -> None:
+        self._wake.set()
+
+    def request_stop(self) -> None:
+        super().request_stop()
+        self._wake.set()
+
+    def step(self) -> None:
+        self._wake.wait(self.interval_s)
+        self._wake.clear()
+        if not self.stopping:
+            self.tick()

@@ -10,10 +10,9 @@ acts first, which is what keeps its evictions, which the index would not hear of
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 
-from prefixcache.cachestore.host.background_loop import BackgroundLoop
+from prefixcache.cachestore.host.background_loop import PeriodicLoop
 from prefixcache.cachestore.services.write_behind import WriteBehind
 from prefixcache.cachestore.tiers.dram import MooncakeTier
 from prefixcache.indexer.index import Location, PrefixIndex
@@ -22,7 +21,7 @@ log = logging.getLogger("prefixcache.demotion")
 CANDIDATES_PER_ROUND = 512
 
 
-class Demoter(BackgroundLoop):
+class Demoter(PeriodicLoop):
     name = "prefixcache-demoter"
 
     def __init__(
@@ -36,7 +35,7 @@ class Demoter(BackgroundLoop):
         low: float = 0.70,
         interval_s: float = 0.1,
     ) -> None:
-        super().__init__()
+        super().__init__(interval_s)
         self.index = index
         self.dram = dram
         self.write_behind = write_behind
@@ -44,17 +43,7 @@ class Demoter(BackgroundLoop):
         self.dram_location = Location("dram", node)
         self.nvme_location = Location("nvme", node)
         self.high, self.low = high, low
-        self.interval_s = interval_s
         self.demoted = 0
-        self._wake = threading.Event()
-
-    def request_stop(self) -> None:
-        super().request_stop()
-        self._wake.set()
-
-    def poke(self) -> None:
-        """Check the watermarks now (the write-behind calls this after persisting a batch)."""
-        self._wake.set()
 
     def run_once(self) -> int:
         """Demote down to the low watermark if above the high one; returns chunks demoted."""
@@ -79,7 +68,6 @@ class Demoter(BackgroundLoop):
             log.debug("demoted %d chunks (%d bytes) from DRAM", len(victims), freed)
         return len(victims)
 
-    def step(self) -> None:
-        self._wake.wait(self.interval_s)
-        self._wake.clear()
+    def tick(self) -> None:
+        """Check the watermarks (at once when the write-behind pokes it, after persisting a batch)."""
         self.run_once()

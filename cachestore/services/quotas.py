@@ -18,14 +18,13 @@ rounds that find a scope above its low mark, one round at a time.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from prefixcache.cachestore.host.background_loop import BackgroundLoop
+from prefixcache.cachestore.host.background_loop import PeriodicLoop
 from prefixcache.cachestore.services.eviction import Evictor
 from prefixcache.indexer.index import ChunkEntry, PrefixIndex, Usage
 from prefixcache.indexer.quotas import NO_TENANT, QuotaScope, QuotaStore, scopes_of
@@ -53,7 +52,7 @@ class QuotaState:
         return self.used.bytes >= self.limit_bytes
 
 
-class QuotaEnforcer(BackgroundLoop):
+class QuotaEnforcer(PeriodicLoop):
     name = "prefixcache-quotas"
 
     def __init__(
@@ -71,7 +70,7 @@ class QuotaEnforcer(BackgroundLoop):
     ) -> None:
         """``configured``: the settings' quotas, which a quota set through the API replaces; ``default_tenant_bytes``:
         the quota of every tenant with a salt that has none."""
-        super().__init__()
+        super().__init__(interval_s)
         self.index = index
         self.store = store
         self.evictor = evictor
@@ -80,21 +79,10 @@ class QuotaEnforcer(BackgroundLoop):
         self.configured = dict(configured or {})
         self.default_tenant_bytes = default_tenant_bytes
         self.low = low
-        self.interval_s = interval_s
         self.evicted: Counter[QuotaScope] = Counter()
-        self._wake = threading.Event()
 
-    def request_stop(self) -> None:
-        super().request_stop()
-        self._wake.set()
-
-    def poke(self) -> None:
-        """Enforce now (a quota changed)."""
-        self._wake.set()
-
-    def step(self) -> None:
-        self._wake.wait(self.interval_s)
-        self._wake.clear()
+    def tick(self) -> None:
+        """One round, if it is this daemon's turn (at once when a quota changed: the API pokes it)."""
         if self.store.take_turn(self.node, hold_s=3 * self.interval_s):
             self.run_once()
 
