@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from importlib import resources
@@ -172,12 +173,9 @@ class RedisIndex:
             with suppress(redis.exceptions.RedisError, RedisClusterException):
                 self._shards.refresh()
 
-    def _each_shard(self) -> list[Shard]:
-        return self._shards.all()
-
     def ping(self) -> None:
         with self._reachable():
-            for shard in self._each_shard():
+            for shard in self._shards.all():
                 shard.client.ping()
 
     def clock_s(self) -> float:
@@ -290,7 +288,7 @@ class RedisIndex:
         shards: dict[str, Shard] = {}
         for hex_key, count in hits.items():
             anchor = self._anchors.get(hex_key) if self.clustered else ""
-            targets = self._each_shard() if anchor is None else [self._shards.of_anchor(anchor)]
+            targets = self._shards.all() if anchor is None else [self._shards.of_anchor(anchor)]
             for shard in targets:
                 shards[shard.shared] = shard
                 pairs.setdefault(shard.shared, []).extend((hex_key, count))
@@ -341,7 +339,7 @@ class RedisIndex:
     def _directory(self, hex_keys: Sequence[str]) -> dict[str, str]:
         """The anchors of ``hex_keys`` that some shard's directory holds."""
         found: dict[str, str] = {}
-        for shard in self._each_shard():
+        for shard in self._shards.all():
             for key, anchor in zip(hex_keys, shard.client.hmget(shard.shared + "a", list(hex_keys)), strict=True):
                 if anchor is not None:
                     found[key] = anchor.decode()
@@ -363,15 +361,21 @@ class RedisIndex:
         pipe.execute()
 
     def get(self, keys: Sequence[bytes]) -> list[ChunkEntry | None]:
+        with self._reachable():
+            found = self._entry_fields(keys)
+        return [self._entry(key.hex(), fields) if fields else None for key, fields in zip(keys, found, strict=True)]
+
+    def _entry_fields(self, keys: Sequence[bytes]) -> list[dict[bytes, bytes] | None]:
+        """Each key's entry hash (None: no entry), from ``entries.lua`` on every shard: each answers for the
+        entries it holds."""
         found: list[dict[bytes, bytes] | None] = [None] * len(keys)
         hex_keys = [k.hex() for k in keys]
-        with self._reachable():
-            for shard in self._each_shard():
-                reply = self._entries(args=[self._prefix, shard.shared, *hex_keys], client=shard.client)
-                for i, flat in enumerate(reply):
-                    if flat and found[i] is None:
-                        found[i] = dict(zip(flat[::2], flat[1::2], strict=True))
-        return [self._entry(key.hex(), fields) if fields else None for key, fields in zip(keys, found, strict=True)]
+        for shard in self._shards.all():
+            reply = self._entries(args=[self._prefix, shard.shared, *hex_keys], client=shard.client)
+            for i, flat in enumerate(reply):
+                if flat and found[i] is None:
+                    found[i] = dict(zip(flat[::2], flat[1::2], strict=True))
+        return found
 
     def add_location(self, keys: Sequence[bytes], location: Location) -> list[bytes]:
         if not keys:
@@ -396,7 +400,7 @@ class RedisIndex:
         """``script`` run on each shard, which acts on the entries it holds; the probe-bucket drops of chain heads
         that the replies (``{result, elsewhere}``) carry are made before returning."""
         with self._reachable():
-            replies = [script(args=[self._prefix, s.shared, *args], client=s.client) for s in self._each_shard()]
+            replies = [script(args=[self._prefix, s.shared, *args], client=s.client) for s in self._shards.all()]
             self._edit_first_buckets("drop", [x for reply in replies for x in reply[1]], 2)
         return replies
 
@@ -407,13 +411,13 @@ class RedisIndex:
         with self._reachable():
             return sum(
                 int(self._pin(args=[self._prefix, s.shared, until, *(k.hex() for k in keys)], client=s.client))
-                for s in self._each_shard()
+                for s in self._shards.all()
             )
 
     def children(self, key: bytes) -> list[bytes]:
         with self._reachable():
             replies = [
-                self._children(args=[self._prefix, s.shared, key.hex()], client=s.client) for s in self._each_shard()
+                self._children(args=[self._prefix, s.shared, key.hex()], client=s.client) for s in self._shards.all()
             ]
         members = {m for reply in replies for m in reply}
         return sorted(bytes.fromhex(m.decode()) for m in members)
@@ -424,20 +428,16 @@ class RedisIndex:
         The index keeps a chunk's tokens only in its probe bucket (``b:<probe>``, see ``indexer/lua/common.lua``),
         so chunks shorter than the probe (tails of under 16 tokens) have none and are left out."""
         described: dict[bytes, tuple[bytes | None, str]] = {}
-        hex_keys = [k.hex() for k in keys]
         with self._reachable():
-            for shard in self._each_shard():
-                reply = self._entries(args=[self._prefix, shard.shared, *hex_keys], client=shard.client)
-                for key, flat in zip(keys, reply, strict=True):
-                    fields = dict(zip(flat[::2], flat[1::2], strict=True))
-                    parent, probe = fields.get(b"parent"), fields.get(b"probe")
-                    if parent is None or not probe or key in described:
-                        continue
-                    anchor = fields.get(b"anchor", b"").decode()
-                    tag = probe.decode() if self.clustered and anchor == key.hex() else anchor
-                    bucket = f"{self._shards.chain_prefix(tag)}b:{probe.decode()}"
-                    first = parent == fields.get(b"root")
-                    described[key] = (None if first else bytes.fromhex(parent.decode()), bucket)
+            for key, fields in zip(keys, self._entry_fields(keys), strict=True):
+                if not fields or b"parent" not in fields or not fields.get(b"probe"):
+                    continue
+                parent, probe = fields[b"parent"], fields[b"probe"]
+                anchor = fields.get(b"anchor", b"").decode()
+                tag = probe.decode() if self.clustered and anchor == key.hex() else anchor
+                bucket = f"{self._shards.chain_prefix(tag)}b:{probe.decode()}"
+                first = parent == fields.get(b"root")
+                described[key] = (None if first else bytes.fromhex(parent.decode()), bucket)
             pipe = self._redis.pipeline(transaction=False)
             for key, (_, bucket) in described.items():
                 pipe.hget(bucket, key.hex())
@@ -507,7 +507,7 @@ class RedisIndex:
     def scan(self, batch: int = 512) -> Iterator[ChunkEntry]:
         pattern = self._prefix + ("{*}:e:*" if self.clustered else "e:*")
         with self._reachable():
-            for shard in self._each_shard():
+            for shard in self._shards.all():
                 cursor = 0
                 while True:
                     cursor, names = shard.client.scan(cursor=cursor, match=pattern, count=batch)
@@ -523,7 +523,7 @@ class RedisIndex:
     def page(self, after: bytes | None, count: int) -> list[ChunkEntry]:
         found: list[tuple[bytes, dict[bytes, bytes]]] = []
         with self._reachable():
-            for shard in self._each_shard():
+            for shard in self._shards.all():
                 reply = self._page(
                     args=[self._prefix, shard.shared, after.hex() if after else "", count], client=shard.client
                 )
@@ -538,30 +538,33 @@ class RedisIndex:
 
     def usage(self) -> dict[bytes, NamespaceUsage]:
         counts: dict[bytes, dict[str, int]] = {}
-        with self._reachable():
-            raw = [shard.client.hgetall(shard.shared + "u") for shard in self._each_shard()]
-        for name, value in (item for shard_counts in raw for item in shard_counts.items()):
-            namespace, _, field = name.decode(errors="replace").partition(":")
+        for name, value in self._summed_counters("u").items():
+            namespace, _, field = name.partition(":")
             try:
-                fields = counts.setdefault(bytes.fromhex(namespace), {})
-                fields[field] = fields.get(field, 0) + int(value)
+                counts.setdefault(bytes.fromhex(namespace), {})[field] = value
             except ValueError as exc:
-                self._unreadable.skip("usage counter", name.decode(errors="replace"), exc)
+                self._unreadable.skip("usage counter", name, exc)
         return {ns: usage_of(fields) for ns, fields in counts.items() if fields.get("chunks", 0) > 0}
 
     def tenant_usage(self) -> dict[str, Usage]:
         counts: dict[str, dict[str, int]] = {}
-        with self._reachable():
-            raw = [shard.client.hgetall(shard.shared + "t") for shard in self._each_shard()]
-        for name, value in (item for shard_counts in raw for item in shard_counts.items()):
-            tenant, _, field = name.decode(errors="replace").rpartition(":")
-            fields = counts.setdefault(tenant, {})
-            fields[field] = fields.get(field, 0) + int(value)
+        for name, value in self._summed_counters("t").items():
+            tenant, _, field = name.rpartition(":")
+            counts.setdefault(tenant, {})[field] = value
         return {
             tenant: Usage(fields.get("chunks", 0), fields.get("bytes", 0))
             for tenant, fields in counts.items()
             if fields.get("chunks", 0) > 0
         }
+
+    def _summed_counters(self, name: str) -> Counter[str]:
+        """The counters of the shared hash ``name`` (``u``, ``t``: see ``common.lua``), summed over the shards."""
+        summed: Counter[str] = Counter()
+        with self._reachable():
+            for shard in self._shards.all():
+                for field, value in shard.client.hgetall(shard.shared + name).items():
+                    summed[field.decode(errors="replace")] += int(value)
+        return summed
 
     def feed_backlog(self, node: str, group: str) -> int:
         with self._reachable():
@@ -581,7 +584,7 @@ class RedisIndex:
     def flush(self) -> None:
         """Delete every key under this index's prefix (tests and `evict all`)."""
         with self._reachable():
-            for shard in self._each_shard():
+            for shard in self._shards.all():
                 for name in shard.client.scan_iter(match=self._prefix + "*", count=1000):
                     shard.client.unlink(name)
         self._anchors.clear()
