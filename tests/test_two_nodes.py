@@ -19,6 +19,7 @@ from prefixcache.cachestore.chunks.codec import payload_offset
 from prefixcache.cachestore.client.cache_client import CacheClient
 from prefixcache.cachestore.tiers.dram import first_part_rows, split_pieces
 from prefixcache.indexer.index import Location
+from prefixcache.indexer.redis_clients import redis_client
 from tests.daemon_harness import Daemon, fetch_payloads, make_spec, publish_prompt, wait_for, wait_persisted
 
 ON_B = Location("nvme", "node-b")
@@ -109,6 +110,25 @@ def test_a_node_reads_chunks_only_another_nodes_nvme_holds_through_that_nodes_da
         assert reader.counters.promoted == len(keys) and reader.counters.read_from_disk == 0
     finally:
         reader.close()
+
+
+def test_a_node_whose_daemon_is_down_is_not_asked_again_for_a_while(cluster):
+    """Chunks only a stopped node's NVMe holds miss: the first after one unanswered request, the next at once."""
+    a, b = cluster
+    first, _ = persisted_on_b(b, list(range(64 * 2)), seed=11)
+    second, _ = persisted_on_b(b, list(range(2000, 2000 + 64 * 2)), seed=12)
+    b.stop()
+    reader = connect(a)
+    index_redis, queue = redis_client(reader.index.url), f"{reader.config.key_prefix}:pq:node-b"
+    try:
+        assert fetch_payloads(reader, first) == [None, None]
+        assert index_redis.llen(queue) == 1  # nobody takes B's requests while it is down
+        assert fetch_payloads(reader, second) == [None, None]
+        assert index_redis.llen(queue) == 1
+        assert reader.counters.promoted == 0
+    finally:
+        reader.close()
+        index_redis.close()
 
 
 def test_an_eviction_on_one_node_deletes_the_copies_another_nodes_nvme_holds(cluster):

@@ -45,6 +45,9 @@ log = logging.getLogger("prefixcache.client")
 UNPERSISTED_PROTECTION_S = 60.0
 #: O_DIRECT reads in flight when loading from this node's NVMe: a few in flight keep the disk busier than one.
 DISK_READERS = 4
+#: How long a node whose daemon left a promotion request unanswered is not asked again: its chunks are misses
+#: at once meanwhile, rather than each load waiting ``promote_timeout_s`` for a node that is down.
+SILENT_NODE_S = 30.0
 
 #: What ``fetch_checking_later`` gives per chunk: its verified payload, a future of it, or None (a miss).
 FetchedPayload = memoryview | Future[memoryview | None] | None
@@ -104,6 +107,7 @@ class CacheClient:
         self.quotas = QuotaGate(QuotaStore(self._redis, config.key_prefix))
         self._promote_timeout_s = promote_timeout_s
         self._streams: dict[bytes, PromotionStream] = {}  # chunks other nodes promote for an upcoming fetch
+        self._silent_until: dict[str, float] = {}  # node -> until when it is not asked (SILENT_NODE_S)
         # Reads from this node's NVMe started ahead of the fetch that asks for them: key -> (slot, object length).
         self._disk_reads_ahead: dict[bytes, tuple[memoryview, Future[int]]] = {}
         self._disk_reads: list[tuple[bytes, memoryview]] = []  # what the last fetch read from NVMe
@@ -495,7 +499,10 @@ class CacheClient:
         return [key for key, extent in zip(keys, found, strict=True) if extent is None]
 
     def _request_promotion(self, node: str, keys: list[bytes]) -> None:
-        """Ask ``node``'s daemon to promote ``keys``; fetches wait for its answers (a failed request: misses)."""
+        """Ask ``node``'s daemon to promote ``keys``; fetches wait for its answers (a failed request, or a node
+        that left one unanswered less than ``SILENT_NODE_S`` ago: misses)."""
+        if self._silent_until.get(node, 0.0) > time.monotonic():
+            return
         try:
             stream = PromotionStream(self._redis, self._prefix, node, keys, self._promote_timeout_s)
         except redis.RedisError as exc:
@@ -559,6 +566,11 @@ class CacheClient:
             except redis.RedisError as exc:
                 log.debug("promotion answer lost: %s", exc)
                 continue
+            if not stream.heard:  # it waited out the deadline
+                self._silent_until[stream.node] = time.monotonic() + SILENT_NODE_S
+                log.warning(
+                    "node %s did not answer a promotion request: its chunks miss for %.0fs", stream.node, SILENT_NODE_S
+                )
             ready = [i for i, ok in zip(waiting, flags, strict=True) if ok]
             self.counters.count(promoted=len(ready))
             rejected += self._read(keys, slots, ready, out, None, cuts)  # after a promotion: checked here

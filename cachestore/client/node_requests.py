@@ -45,6 +45,9 @@ class PromotionStream:
 
     def __init__(self, client: redis.Redis, prefix: str, node: str, keys: Sequence[bytes], timeout_s: float) -> None:
         self._client = client
+        self.node = node
+        #: whether the node answered anything: a request that expires unheard went to a node that is down
+        self.heard = False
         reply_id = uuid.uuid4().hex
         self._reply = f"{prefix}pr:{reply_id}"
         self._position = {key: i for i, key in enumerate(keys)}
@@ -73,6 +76,7 @@ class PromotionStream:
         return [self._flags[i] is True for i in positions]
 
     def _take(self, fragment: str) -> None:
+        self.heard = True
         first, _, flags = fragment.partition(":")
         try:
             start = int(first)
