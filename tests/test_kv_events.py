@@ -107,6 +107,66 @@ def test_a_flushed_index_is_announced_as_all_blocks_cleared(node):
     subscriber.until({("AllBlocksCleared", None, None)})
 
 
+def replayed(endpoint: str, start: int) -> list[tuple[int, KVEventBatch]]:
+    """What the replay endpoint answers a subscriber that asks for the batches from ``start`` on (vLLM's protocol)."""
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.connect(endpoint)
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    try:
+        socket.send_multipart((b"", start.to_bytes(8, "big")))
+        batches = []
+        while socket.poll(10_000):
+            _, _, seq, payload = socket.recv_multipart()
+            if not payload:
+                assert int.from_bytes(seq, "big", signed=True) == -1  # the end marker
+                return batches
+            batches.append((int.from_bytes(seq, "big"), decoder.decode(payload)))
+        raise AssertionError("the replay did not end")
+    finally:
+        socket.close(linger=0)
+
+
+def test_a_restarted_daemon_goes_on_with_the_sequence_and_replays_the_batches_missed(tmp_path):
+    endpoint, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    daemon = Daemon(
+        tmp_path / "data",
+        "--chunk-tokens",
+        str(CHUNK),
+        "--kv-events-endpoint",
+        endpoint,
+        "--kv-events-replay-endpoint",
+        replay,
+    )
+    subscriber = Subscriber(endpoint)
+    try:
+        daemon.start()
+        client = CacheClient.connect(daemon.url, make_spec(chunk_tokens=CHUNK), arena_bytes=64 << 20)
+        first, _ = publish_prompt(client, TOKENS)
+        subscriber.until({("BlockStored", k, "STORAGE") for k in first})
+        client.close()
+        before = subscriber.sequence[-1]
+        daemon.kill()
+        daemon.start()  # its DRAM is new: the restart drops the DRAM copies, which are events too
+        # ZMQ sends a reconnected subscriber's subscription only once the socket is used again: a router reading all
+        # along gets every later batch, this test's subscriber only those after this read
+        subscriber.socket.poll(500)
+        client = CacheClient.connect(daemon.url, make_spec(chunk_tokens=CHUNK), arena_bytes=64 << 20)
+        second, _ = publish_prompt(client, TOKENS[:CHUNK] + [9] * CHUNK, seed=3)
+        client.close()
+        subscriber.until({("BlockStored", k, "STORAGE") for k in second[1:]})
+        after = [seq for seq in subscriber.sequence if seq > before]
+        assert after == list(range(after[0], after[0] + len(after)))  # the sequence goes on, not from 0
+        # what it missed since the restart (the drops, published while it was away) it asks for, and gets in order
+        batches = replayed(replay, before + 1)
+        assert [seq for seq, _ in batches] == list(range(before + 1, after[-1] + 1))
+        events = [e for _, batch in batches for e in batch.events]
+        assert {("BlockRemoved", k, "CPU") for k in first} <= {(type(e).__name__, *_identity(e)) for e in events}
+        assert replayed(replay, after[-1] + 1) == []
+    finally:
+        daemon.stop()
+        subscriber.socket.close(linger=0)
+
+
 def test_a_malformed_endpoint_stops_serve_with_a_clear_error(tmp_path):
     result = subprocess.run(
         [

@@ -48,6 +48,11 @@ class BackgroundLoop:
     def stopping(self) -> bool:
         return self._stop.is_set()
 
+    def pause(self, seconds: float) -> None:
+        """Wait ``seconds`` (none if not positive), less if asked to stop meanwhile."""
+        if seconds > 0:
+            self._stop.wait(seconds)
+
     def _run(self) -> None:
         while not self._stop.is_set():
             try:

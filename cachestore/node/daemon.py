@@ -198,6 +198,7 @@ class NodeDaemon:
                     s.kv_events_endpoint,
                     s.kv_events_topic,
                     block_size=s.chunk_tokens,
+                    replay_endpoint=s.kv_events_replay_endpoint,
                 )
             )
             log.info("publishing KV events on %s", s.kv_events_endpoint)
@@ -543,7 +544,7 @@ class NodeDaemon:
         pool address (``mooncake_host``), the REST API on ``host`` and a configured KV-events endpoint
         (cachestore/host/listeners.py). Mooncake ignores some bind addresses (cachestore/tiers/bind_shim.py)."""
         s = self.settings
-        endpoints = [(s.host, s.port), *([s.kv_events_tcp_address] if s.kv_events_tcp_address else [])]
+        endpoints = [(s.host, s.port), *s.kv_events_tcp_addresses]
         check_listeners(os.getpid(), [s.mooncake_host], endpoints)
         log.info("every listener of this node is on loopback or %s", s.mooncake_host)
 

@@ -247,6 +247,12 @@ class Settings(BaseSettings):
         "`tcp://NODE_IP:5557` or `ipc://PATH`. They carry every chunk's token ids, so `tcp://*` is refused: "
         "name the address (`tcp://0.0.0.0:PORT` if every interface is meant). Unset: off.",
     )
+    kv_events_replay_endpoint: str | None = Field(
+        default=None,
+        description="ZMQ ROUTER endpoint where a KV-event subscriber that saw a gap in the sequence numbers asks for "
+        "the batches it missed, as from a vLLM instance's `replay_endpoint` (the last 10,000 batches since the "
+        "daemon started); same forms and rules as `kv_events_endpoint`. Unset: no replay.",
+    )
     kv_events_topic: str = Field(
         default="",
         description="Topic frame of every KV-event message (e.g. `kv@node-1@model` for llm-d).",
@@ -387,7 +393,7 @@ class Settings(BaseSettings):
                 raise ValueError(f"must look like host:port (got {address!r})")
         return address
 
-    @field_validator("kv_events_endpoint")
+    @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
     @classmethod
     def _zmq_endpoint(cls, endpoint: str | None) -> str | None:
         if endpoint is not None:
@@ -405,12 +411,14 @@ class Settings(BaseSettings):
         return endpoint
 
     @property
-    def kv_events_tcp_address(self) -> tuple[str, int] | None:
-        """(host, port) a ``tcp://`` KV-events endpoint binds (brackets of an IPv6 host taken off); None otherwise."""
-        if self.kv_events_endpoint is None or not self.kv_events_endpoint.startswith("tcp://"):
-            return None
-        host, _, port = self.kv_events_endpoint.removeprefix("tcp://").rpartition(":")
-        return host.strip("[]"), int(port)
+    def kv_events_tcp_addresses(self) -> list[tuple[str, int]]:
+        """(host, port) each ``tcp://`` KV-events endpoint binds (brackets of an IPv6 host taken off)."""
+        addresses = []
+        for endpoint in (self.kv_events_endpoint, self.kv_events_replay_endpoint):
+            if endpoint is not None and endpoint.startswith("tcp://"):
+                host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+                addresses.append((host.strip("[]"), int(port)))
+        return addresses
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:

@@ -13,13 +13,18 @@ chunk added and dropped before it was read is published as removed only. When th
 disappears (the whole index was flushed) subscribers get ``AllBlocksCleared``.
 
 Wire format, as vLLM's ``ZmqEventPublisher`` sends it: three frames ``(topic, sequence number as
-8 bytes big-endian, msgpack of the batch)``; the sequence starts at 0 with each daemon start.
+8 bytes big-endian, msgpack of the batch)``. The sequence is kept in the index (``P:kvseq:<node>``), so it goes on
+across restarts of the daemon: a subscriber sees the gap its downtime or a lost connection left, and asks the
+replay endpoint (a ROUTER, vLLM's protocol: a request ``(start sequence)``, answered with every batch still
+buffered from there, then an empty end marker with sequence -1) for what it missed. A new publisher waits
+``JOIN_S`` before its first message, for the subscribers of a restarted daemon to reconnect.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Any
 
 import msgspec
@@ -29,10 +34,17 @@ import zmq
 from prefixcache.cachestore.host.background_loop import BackgroundLoop
 from prefixcache.indexer.errors import ConfigError
 from prefixcache.indexer.index import FeedEvent
+from prefixcache.indexer.redis_clients import redis_client
 from prefixcache.indexer.redis_index import RedisIndex
 
 log = logging.getLogger("prefixcache.kv_events")
 GROUP = "kv-events"
+#: How long a new publisher holds its first message back: ZMQ subscribers retry a lost connection every 100 ms.
+JOIN_S = 1.0
+#: Batches kept for replay requests, as vLLM's publisher keeps by default.
+REPLAY_BATCHES = 10_000
+#: The sequence number of the replay's end marker.
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
 #: vLLM's names for where a block lives (vllm/distributed/kv_events.py MEDIUM_*), per tier.
 MEDIUM = {"dram": "CPU", "nvme": "STORAGE"}
 
@@ -77,25 +89,52 @@ class KvEventPublisher(BackgroundLoop):
 
     name = "prefixcache-kv-events"
 
-    def __init__(self, redis_url: str, key_prefix: str, node: str, endpoint: str, topic: str, block_size: int) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        key_prefix: str,
+        node: str,
+        endpoint: str,
+        topic: str,
+        block_size: int,
+        replay_endpoint: str | None = None,
+    ) -> None:
         super().__init__()
         self._redis_url, self._key_prefix = redis_url, key_prefix
         self.index = RedisIndex(redis_url, key_prefix=key_prefix)
+        self._sequences = redis_client(redis_url)
+        self._sequence_key = f"{key_prefix}:kvseq:{node}"
         self.node = node
         self.block_size = block_size
         self.topic = topic.encode()
-        self.sequence = 0
         self._encoder = msgspec.msgpack.Encoder()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BATCHES)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.PUB)
+        self._replay = self._context.socket(zmq.ROUTER) if replay_endpoint else None
+        for socket, address, setting in (
+            (self._socket, endpoint, "kv_events_endpoint"),
+            (self._replay, replay_endpoint, "kv_events_replay_endpoint"),
+        ):
+            try:
+                if socket is not None:
+                    socket.bind(address)
+            except zmq.ZMQError as exc:
+                self._close_connections()
+                raise ConfigError(f"cannot bind {setting} {address}: {exc}") from exc
+        self.endpoint = endpoint
+        self._join_at = time.monotonic() + JOIN_S
+
+    def _bind(self, socket: zmq.Socket, address: str, setting: str) -> None:
         try:
-            self._socket.bind(endpoint)
+            socket.bind(address)
         except zmq.ZMQError as exc:
             self._close_connections()
-            raise ConfigError(f"cannot bind kv_events_endpoint {endpoint}: {exc}") from exc
-        self.endpoint = endpoint
+            raise ConfigError(f"cannot bind {setting} {address}: {exc}") from exc
 
     def step(self) -> None:
+        self.pause(self._join_at - time.monotonic())
+        self._serve_replays()
         try:
             events = self.index.read_feed(self.node, GROUP, "daemon", count=256, block_s=0.2)
         except redis.exceptions.ResponseError as exc:
@@ -133,8 +172,24 @@ class KvEventPublisher(BackgroundLoop):
     def publish(self, batch: KVEventBatch) -> None:
         if not batch.events:
             return
-        self._socket.send_multipart((self.topic, self.sequence.to_bytes(8, "big"), self._encoder.encode(batch)))
-        self.sequence += 1
+        sequence = int(self._sequences.incr(self._sequence_key)) - 1
+        payload = self._encoder.encode(batch)
+        self._socket.send_multipart((self.topic, sequence.to_bytes(8, "big"), payload))
+        self._buffer.append((sequence, payload))
+
+    def _serve_replays(self) -> None:
+        """Answer every waiting replay request: the buffered batches from its start sequence on, then the end."""
+        while self._replay is not None and self._replay.poll(0):
+            frames = self._replay.recv_multipart()
+            if len(frames) != 3 or len(frames[2]) != 8:
+                log.warning("ignored a malformed KV-event replay request (%d frames)", len(frames))
+                continue
+            client, _, start = frames
+            first = int.from_bytes(start, "big")
+            for sequence, payload in self._buffer:
+                if sequence >= first:
+                    self._replay.send_multipart((client, b"", self.topic, sequence.to_bytes(8, "big"), payload))
+            self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
     def _feed_vanished(self) -> None:
         """The feed and its consumer group are gone (the index was flushed): nothing is cached any more."""
@@ -149,5 +204,8 @@ class KvEventPublisher(BackgroundLoop):
 
     def _close_connections(self) -> None:
         self.index.close()
-        self._socket.close(linger=0)
+        self._sequences.close()
+        for socket in (self._socket, self._replay):
+            if socket is not None:
+                socket.close(linger=0)
         self._context.term()
