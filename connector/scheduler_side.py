@@ -75,6 +75,7 @@ class RequestState:
     media_ends: tuple[int, ...] = ()  # where its media items end (request_identity.media_ends)
     loads: bool = True  # this request may load (the engine's role allows it and the request did not opt out)
     publishes: bool = True  # likewise, publish
+    publishes_output: bool = True  # and publish its output when it finishes (setting publish_output, or its own)
     matches: list[PrefixMatch] | None = None  # per shard
     matched_for: int = -1  # request length the matches were computed for
     local_tokens: int = 0  # held by vLLM's own prefix cache
@@ -359,6 +360,7 @@ class SchedulerSide:
                 log.warning("request %s: %s; it neither loads nor publishes", request.request_id, problem)
             state.loads = self.load_enabled and params.load
             state.publishes = self.publish_enabled and params.publish
+            state.publishes_output = self.publish_output if params.publish_output is None else params.publish_output
             self.requests[request.request_id] = state
         return state
 
@@ -382,7 +384,10 @@ class SchedulerSide:
         next step (``chunks_at_finish``); whether there are any. Only tokens whose KV a step computed count: all but
         the last generated one. A request vLLM still holds for an asynchronous load keeps its blocks anyway (vLLM
         frees them once the load is over) and has generated nothing."""
-        if not (self.publish_output and state.publishes and state.hashers) or request.request_id in self._loading_async:
+        if (
+            not (state.publishes_output and state.publishes and state.hashers)
+            or request.request_id in self._loading_async
+        ):
             return False
         computed = min(request.num_computed_tokens, request.num_tokens)
         ranges = chunks_at_finish(state.stored_chunks, computed, state.prompt_tokens, self.store.plan_geometry)

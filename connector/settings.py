@@ -42,8 +42,8 @@ class ConnectorSettings(BaseModel):
         "no step computed), under the same chained keys as its prompt: the next turn of a conversation, whose prompt "
         "is this one's, the answer and a new message, then loads the answer instead of computing it again. vLLM keeps "
         "the request's blocks one step longer, while their pages are copied out. Only where `kv_role` publishes; a "
-        'request turns it off with the rest of its publishing (`{"prefixcache": {"publish": false}}`); `false`: '
-        "prompts only.",
+        'request sets it for itself (`{"prefixcache": {"publish_output": false}}`), or turns it off with the rest of '
+        'its publishing (`{"prefixcache": {"publish": false}}`); `false`: prompts only, unless a request asks.',
     )
     redis_password: str | None = Field(
         default=None,

@@ -64,6 +64,8 @@ def test_bad_settings_are_named_in_the_error(extra, problem):
         ({"prefixcache": {}}, RequestCacheParams(load=True, publish=True)),
         ({"prefixcache": {"publish": False}}, RequestCacheParams(load=True, publish=False)),
         ({"prefixcache": {"load": False}, "do_remote_prefill": True}, RequestCacheParams(load=False, publish=True)),
+        ({"prefixcache": {"publish_output": False}}, RequestCacheParams(publish_output=False)),
+        ({"prefixcache": {"publish_output": True}}, RequestCacheParams(publish_output=True)),
     ],
 )
 def test_a_request_may_turn_loading_or_publishing_off_for_itself(kv_transfer_params, wanted):
@@ -76,6 +78,7 @@ def test_a_request_may_turn_loading_or_publishing_off_for_itself(kv_transfer_par
         ({"pubish": False}, "pubish: Extra inputs are not permitted"),
         ({"publish": "false"}, "publish: Input should be a valid boolean"),  # a string could mean either
         ({"load": 0}, "load: Input should be a valid boolean"),
+        ({"publish_output": "no"}, "publish_output: Input should be a valid boolean"),
         (False, "prefixcache: Input should be a valid dictionary"),
     ],
 )

@@ -1,9 +1,11 @@
-"""What one request asks of the cache: ``kv_transfer_params={"prefixcache": {"load": ..., "publish": ...}}``.
+"""What one request asks of the cache: ``kv_transfer_params={"prefixcache": {"load": ..., "publish": ...,
+"publish_output": ...}}``.
 
 vLLM hands a request's ``kv_transfer_params`` (OpenAI API: the request body's ``kv_transfer_params``; offline:
 ``SamplingParams.extra_args["kv_transfer_params"]``) to the connector as ``request.kv_transfer_params``. Under the
 key ``prefixcache``, a request can turn off loading (recompute everything, e.g. to check an answer without the
-cache) or publishing (keep a prompt that must not be shared, or a one-off, out of the store). Other connectors'
+cache) or publishing (keep a prompt that must not be shared, or a one-off, out of the store), or only the
+publishing of its answer (a last turn, whose answer no next turn will extend). Other connectors'
 keys beside it are left alone, so the same request can pass through a ``MultiConnector``.
 
 A request whose ``prefixcache`` entry is malformed neither loads nor publishes: a request that meant to keep its
@@ -32,6 +34,8 @@ class RequestCacheParams(BaseModel):
 
     load: StrictBool = True
     publish: StrictBool = True
+    #: whether its generated tokens' KV is published when it finishes; None: as the connector's ``publish_output``
+    publish_output: StrictBool | None = None
 
 
 #: What a request with a malformed ``prefixcache`` entry gets: no cache, either way.
