@@ -529,6 +529,14 @@ def _serving_section(serving: dict[str, Any]) -> str:
         ),
         table(["ratio", "value", "goal", "met"], ratios),
     ]
+    published = serving.get("published_chunks_by_arm") or {}
+    if all(v is not None for v in published.values()) and published:
+        text.append(
+            "Chunks the decode-publishing arms published (vLLM's metric): "
+            + ", ".join(f"{arm} {count:.0f}" for arm, count in published.items())
+            + f"; a block streams a {sizes['publishing_long_tokens']}-token answer beside "
+            f"{sizes['publishing_short_tokens']}-token ones to prompts of {sizes['publishing_prompt_words']} words."
+        )
     if serving.get("failed_rows"):
         text.append("Rows that failed: " + "; ".join(f"{k}: {v}" for k, v in serving["failed_rows"].items()) + ".")
     return "\n\n".join(text)

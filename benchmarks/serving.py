@@ -19,9 +19,16 @@ a cache behind it load again. Against each server the same clients run, in this 
 
 Rows: ``no-cache`` (vLLM's own prefix cache only); ``prefixcache`` (our connector, a fresh daemon, decode-KV
 publishing on: ``publish_output``); ``scale-out`` (a fresh server of the same daemon, after ``prefixcache``'s
-served the same traffic: what a new instance gets); ``prefixcache-no-decode-publish`` (``multi-round-chat`` only, a
-fresh daemon, ``publish_output`` off: what publishing the answers costs TPOT); ``lmcache-mp`` (LMCache's server
-with ``LMCacheMPConnector``). The caches' servers and the clients run on the core vLLM reserves, the last one.
+served the same traffic: what a new instance gets); ``lmcache-mp`` (LMCache's server with ``LMCacheMPConnector``).
+The caches' servers and the clients run on the core vLLM reserves, the last one.
+
+What publishing answers costs TPOT is measured inside one engine (engines of one configuration differ more than
+the cost sought): ``decode-publishing-on`` and ``-off`` are blocks of the same traffic on one server of a fresh
+daemon, alternately (ABBA), each request asking for its answer's publishing or not
+(``{"prefixcache": {"publish_output": ...}}``). A block is a long answer streamed beside short ones that finish
+one after another, so that each short one's publishing at its finish falls within the long one's decode; the
+figure is the long answers' TPOT. The vLLM metric of published chunks, read around each block, shows the arms
+differ in what they publish.
 
 The model's tokenizer is the byte-level BPE of ``build_tiny_llama`` with ``CHAT_TEMPLATE`` given to the server:
 the word-level chat model's tokenizer reads LMCache's English prompts as ``<unk>`` throughout, which would make
@@ -39,14 +46,21 @@ import csv
 import importlib.util
 import json
 import os
+import random
 import statistics
+import string
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.common import bound_to, lmcache_mp_server, print_table, with_defaults, write_results
 from prefixcache.cachestore.host.cpus import format_cpu_list
@@ -59,13 +73,11 @@ KV_BLOCKS = 24  # vLLM's KV cache: 3072 tokens, fewer than each workload's worki
 MAX_MODEL_LEN = 2048
 TTFT_BOUND_MS = 2000.0  # goodput's bound: a hit makes it, a cold prefill of the prefixes does not
 CLIENT_TIMEOUT_S = 900
-NO_CACHE, PREFIXCACHE, LMCACHE, SCALE_OUT, NO_DECODE_PUBLISH = (
-    "no-cache",
-    "prefixcache",
-    "lmcache-mp",
-    "scale-out",
-    "prefixcache-no-decode-publish",
-)
+NO_CACHE, PREFIXCACHE, LMCACHE, SCALE_OUT = ("no-cache", "prefixcache", "lmcache-mp", "scale-out")
+PUBLISHING, PUBLISHING_ON, PUBLISHING_OFF = ("decode-publishing", "decode-publishing-on", "decode-publishing-off")
+#: The arms of the paired blocks in their order, ABBA twice: drift within the engine falls on both alike.
+PUBLISHING_ARMS = (True, False, False, True, False, True, True, False)
+BESIDE_FINISHES = "long answers beside finishing ones"
 MULTI_ROUND_CHAT, LONG_DOC_QA = "multi-round-chat", "long-doc-qa"
 TTFT, TPOT = "mean_ttft_ms", "mean_tpot_ms"  # the Result figures the ratios compare
 #: vLLM's ``bench serve``, run as its module (the ``vllm`` script looks up a distribution named "vllm")
@@ -98,6 +110,9 @@ class Sizes:
     questions_per_document: int = 2
     document_answer_tokens: int = 16
     document_inflight: int = 2
+    publishing_prompt_words: int = 80
+    publishing_long_tokens: int = 192
+    publishing_short_tokens: int = 48
 
 
 QUICK = Sizes(
@@ -118,6 +133,9 @@ QUICK = Sizes(
     document_words=150,
     questions_per_document=1,
     document_answer_tokens=4,
+    publishing_prompt_words=30,
+    publishing_long_tokens=24,
+    publishing_short_tokens=8,
 )
 
 
@@ -185,6 +203,95 @@ def from_lmcache_bench(row: str, workload: str, summary: dict, per_request: list
     )
 
 
+@dataclass(frozen=True)
+class Streamed:
+    """One streamed chat completion, as its client saw it."""
+
+    ttft_ms: float
+    tpot_ms: float  # decode time over the tokens after the first
+    tokens: int
+
+
+def stream_chat(url: str, prompt: str, max_tokens: int, publish_output: bool) -> Streamed:
+    """A chat completion streamed from ``url``, asking for its answer's publishing or not; each event is a token."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "kv_transfer_params": {"prefixcache": {"publish_output": publish_output}},
+    }
+    started, times = time.perf_counter(), []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=CLIENT_TIMEOUT_S) as answer:
+        answer.raise_for_status()
+        for line in answer.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choices = json.loads(line[6:]).get("choices") or [{}]
+                if choices[0].get("delta", {}).get("content"):
+                    times.append(time.perf_counter())
+    if len(times) < 2:
+        raise RuntimeError(f"a streamed answer of {len(times)} tokens: expected {max_tokens}")
+    return Streamed((times[0] - started) * 1000, (times[-1] - times[0]) * 1000 / (len(times) - 1), len(times))
+
+
+def published_chunks(server: Server) -> float:
+    """The server's count of chunks prefixcache published (vLLM's metric, summed over its labels)."""
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "vllm:prefixcache_published_chunks_total"
+    )
+
+
+def words(rng: random.Random, count: int) -> str:
+    """``count`` random five-letter words: a prompt no other request shares."""
+    return " ".join("".join(rng.choices(string.ascii_lowercase, k=5)) for _ in range(count))
+
+
+def beside_finishes(server: Server, sizes: Sizes, publish_output: bool, rng: random.Random) -> list[Streamed]:
+    """One block: a long answer streamed while short ones run one after another beside it; the long one first."""
+    long_done = threading.Event()
+    shorts: list[Streamed] = []
+
+    def short_ones() -> None:
+        while not long_done.is_set():
+            prompt = words(rng, sizes.publishing_prompt_words)
+            shorts.append(stream_chat(server.url, prompt, sizes.publishing_short_tokens, publish_output))
+
+    beside = threading.Thread(target=short_ones, name="short-answers")
+    beside.start()
+    try:
+        long = stream_chat(
+            server.url, words(rng, sizes.publishing_prompt_words), sizes.publishing_long_tokens, publish_output
+        )
+    finally:
+        long_done.set()
+        beside.join()
+    return [long, *shorts]
+
+
+def from_blocks(row: str, blocks: list[list[Streamed]], elapsed_s: float) -> Result:
+    """An arm's blocks as a Result: the long answers' TTFT and TPOT (the short ones only make publishing happen)."""
+    longs = [block[0] for block in blocks]
+    return Result(
+        row,
+        BESIDE_FINISHES,
+        sum(len(block) for block in blocks),
+        0,
+        0,
+        statistics.fmean(s.ttft_ms for s in longs),
+        _p99([s.ttft_ms for s in longs]),
+        statistics.fmean(s.tpot_ms for s in longs),
+        _p99([s.tpot_ms for s in longs]),
+        sum(len(block) for block in blocks) / elapsed_s if elapsed_s > 0 else 0.0,
+        None,
+    )
+
+
 class Bench:
     """Runs the clients against one row's server after another and keeps their Results."""
 
@@ -194,6 +301,8 @@ class Bench:
         self.cpus = cpus  # the core vLLM reserves: the caches' servers and the clients
         self.model = build_tiny_llama(workdir / "model")
         self.results: list[Result] = []
+        #: chunks the decode-publishing arms published, by arm (publishing answers or not)
+        self.published_by_arm: dict[bool, float] = {}
 
     @contextmanager
     def server(self, row: str, transfer: dict | None) -> Iterator[Server]:
@@ -353,6 +462,24 @@ class Bench:
             for workload in only or (MULTI_ROUND_CHAT, LONG_DOC_QA):
                 self.lmcache_client(row, server, workload)
 
+    def publishing_pairs(self, server: Server) -> dict[bool, float]:
+        """The paired blocks of ``PUBLISHING_ARMS`` on one server, as one Result per arm; returns the chunks each arm
+        published (vLLM's metric)."""
+        rng = random.Random(7)
+        beside_finishes(server, self.sizes, True, rng)  # unmeasured: the engine's first shapes
+        blocks: dict[bool, list[list[Streamed]]] = {True: [], False: []}
+        elapsed = {True: 0.0, False: 0.0}
+        published = {True: 0.0, False: 0.0}
+        for arm in PUBLISHING_ARMS:
+            before, started = published_chunks(server), time.perf_counter()
+            blocks[arm].append(beside_finishes(server, self.sizes, arm, rng))
+            elapsed[arm] += time.perf_counter() - started
+            time.sleep(1)  # the block's last finishes are published before the count is read
+            published[arm] += published_chunks(server) - before
+        for arm, row in ((True, PUBLISHING_ON), (False, PUBLISHING_OFF)):
+            self.results.append(from_blocks(row, blocks[arm], elapsed[arm]))
+        return published
+
     @contextmanager
     def daemon(self, name: str) -> Iterator[Daemon]:
         daemon = Daemon(self.workdir / name, "--cpus", format_cpu_list(self.cpus), dram="2GiB", nvme="4GiB")
@@ -376,9 +503,13 @@ def prefixcache(bench: Bench) -> None:
         bench.workloads(SCALE_OUT, config)
 
 
-def no_decode_publish(bench: Bench) -> None:
-    with bench.daemon("prefixcache-no-decode-publish") as daemon:
-        bench.workloads(NO_DECODE_PUBLISH, connector_config(daemon, arena_mb="auto"), only=(MULTI_ROUND_CHAT,))
+def decode_publishing(bench: Bench) -> None:
+    """The paired blocks, on one server of a fresh daemon whose connector publishes answers unless asked not to."""
+    with (
+        bench.daemon(PUBLISHING) as daemon,
+        bench.server(PUBLISHING, connector_config(daemon, arena_mb="auto", publish_output=True)) as server,
+    ):
+        bench.published_by_arm = bench.publishing_pairs(server)
 
 
 def lmcache_mp(bench: Bench) -> None:
@@ -389,7 +520,7 @@ def lmcache_mp(bench: Bench) -> None:
 ROWS: dict[str, Callable[[Bench], None]] = {
     NO_CACHE: no_cache,
     PREFIXCACHE: prefixcache,  # and scale-out
-    NO_DECODE_PUBLISH: no_decode_publish,
+    PUBLISHING: decode_publishing,  # its two arms
     LMCACHE: lmcache_mp,
 }
 
@@ -399,10 +530,10 @@ RATIOS: dict[str, tuple[str, str, str, str, float | None]] = {
     "prefixcache / lmcache-mp, multi-round-chat mean TTFT": (PREFIXCACHE, LMCACHE, MULTI_ROUND_CHAT, TTFT, 1.0),
     "scale-out / prefixcache, multi-round-chat mean TTFT": (SCALE_OUT, PREFIXCACHE, MULTI_ROUND_CHAT, TTFT, 1.25),
     "scale-out / prefixcache, long-doc-qa mean TTFT": (SCALE_OUT, PREFIXCACHE, LONG_DOC_QA, TTFT, 1.25),
-    "decode publishing on / off, multi-round-chat mean TPOT": (
-        PREFIXCACHE,
-        NO_DECODE_PUBLISH,
-        MULTI_ROUND_CHAT,
+    "decode publishing on / off, mean TPOT beside finishing answers (one engine)": (
+        PUBLISHING_ON,
+        PUBLISHING_OFF,
+        BESIDE_FINISHES,
         TPOT,
         1.05,
     ),
@@ -490,6 +621,10 @@ def main(argv: list[str] | None = None) -> int:
             "dtype": ENGINE_DTYPE,
             "results": [asdict(r) for r in bench.results],
             "ratios": found,
+            "published_chunks_by_arm": {
+                PUBLISHING_ON: bench.published_by_arm.get(True),
+                PUBLISHING_OFF: bench.published_by_arm.get(False),
+            },
             "failed_rows": failed,
         },
         partial=not with_defaults(parser, args),

@@ -3,13 +3,17 @@
 import pytest
 
 from benchmarks.serving import (
+    BESIDE_FINISHES,
     LMCACHE,
     MULTI_ROUND_CHAT,
     NO_CACHE,
-    NO_DECODE_PUBLISH,
     PREFIXCACHE,
+    PUBLISHING_OFF,
+    PUBLISHING_ON,
     SCALE_OUT,
     Result,
+    Streamed,
+    from_blocks,
     from_lmcache_bench,
     from_vllm_bench,
     ratios,
@@ -60,8 +64,8 @@ def test_vllm_bench_results_keep_goodput():
     assert (result.requests, result.goodput_per_s, result.p99_tpot_ms) == (9, 0.25, 4.0)
 
 
-def result(row: str, ttft: float, tpot: float = 10.0) -> Result:
-    return Result(row, MULTI_ROUND_CHAT, 1, 0, 1, ttft, ttft, tpot, tpot, 1.0, None)
+def result(row: str, ttft: float, tpot: float = 10.0, workload: str = MULTI_ROUND_CHAT) -> Result:
+    return Result(row, workload, 1, 0, 1, ttft, ttft, tpot, tpot, 1.0, None)
 
 
 def test_ratios_are_of_the_rows_that_ran_each_against_its_goal():
@@ -70,12 +74,13 @@ def test_ratios_are_of_the_rows_that_ran_each_against_its_goal():
             result(NO_CACHE, 1000.0),
             result(PREFIXCACHE, 400.0, tpot=10.4),
             result(SCALE_OUT, 600.0),
-            result(NO_DECODE_PUBLISH, 450.0, tpot=10.0),
+            result(PUBLISHING_ON, 450.0, tpot=10.4, workload=BESIDE_FINISHES),
+            result(PUBLISHING_OFF, 450.0, tpot=10.0, workload=BESIDE_FINISHES),
         ]
     )
     assert found["prefixcache / no-cache, multi-round-chat mean TTFT"] == {"value": 0.4, "goal": 0.5, "met": True}
     assert found["scale-out / prefixcache, multi-round-chat mean TTFT"]["met"] is False  # 1.5 > 1.25
-    tpot = found["decode publishing on / off, multi-round-chat mean TPOT"]
+    tpot = found["decode publishing on / off, mean TPOT beside finishing answers (one engine)"]
     assert tpot["value"] == pytest.approx(1.04) and tpot["met"]
     assert not any(LMCACHE in name for name in found)  # its row did not run
     assert not any("long-doc-qa" in name for name in found)
@@ -89,3 +94,13 @@ def test_a_ratio_without_a_goal_is_reported_not_judged():
         ]
     )
     assert found == {"prefixcache / no-cache, long-doc-qa mean TTFT": {"value": 0.5, "goal": None, "met": None}}
+
+
+def test_an_arm_is_judged_by_its_long_answers_the_short_ones_beside_them_only_count_as_requests():
+    blocks = [
+        [Streamed(100.0, 50.0, 192), Streamed(80.0, 70.0, 48), Streamed(90.0, 75.0, 48)],
+        [Streamed(300.0, 60.0, 192), Streamed(80.0, 90.0, 48)],
+    ]
+    arm = from_blocks(PUBLISHING_ON, blocks, elapsed_s=10.0)
+    assert (arm.workload, arm.requests, arm.requests_per_s) == (BESIDE_FINISHES, 5, 0.5)
+    assert (arm.mean_ttft_ms, arm.mean_tpot_ms, arm.p99_tpot_ms) == (200.0, 55.0, 60.0)
