@@ -8,6 +8,7 @@ from benchmarks.serving import (
     MULTI_ROUND_CHAT,
     NO_CACHE,
     PREFIXCACHE,
+    PREFIXCACHE_WARM,
     PUBLISHING_OFF,
     PUBLISHING_ON,
     SCALE_OUT,
@@ -73,13 +74,14 @@ def test_ratios_are_of_the_rows_that_ran_each_against_its_goal():
         [
             result(NO_CACHE, 1000.0),
             result(PREFIXCACHE, 400.0, tpot=10.4),
+            result(PREFIXCACHE_WARM, 400.0),
             result(SCALE_OUT, 600.0),
             result(PUBLISHING_ON, 450.0, tpot=10.4, workload=BESIDE_FINISHES),
             result(PUBLISHING_OFF, 450.0, tpot=10.0, workload=BESIDE_FINISHES),
         ]
     )
     assert found["prefixcache / no-cache, multi-round-chat mean TTFT"] == {"value": 0.4, "goal": 0.5, "met": True}
-    assert found["scale-out / prefixcache, multi-round-chat mean TTFT"]["met"] is False  # 1.5 > 1.25
+    assert found["scale-out / prefixcache-warm, multi-round-chat mean TTFT"]["met"] is False  # 1.5 > 1.25
     tpot = found["decode publishing on / off, mean TPOT beside finishing answers (one engine)"]
     assert tpot["value"] == pytest.approx(1.04) and tpot["met"]
     assert not any(LMCACHE in name for name in found)  # its row did not run
