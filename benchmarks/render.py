@@ -529,13 +529,17 @@ def _serving_section(serving: dict[str, Any]) -> str:
         ),
         table(["ratio", "value", "goal", "met"], ratios),
     ]
-    published = serving.get("published_chunks_by_arm") or {}
-    if all(v is not None for v in published.values()) and published:
+    if blocks := serving.get("publishing_blocks"):
         text.append(
-            "Chunks the decode-publishing arms published (vLLM's metric): "
-            + ", ".join(f"{arm} {count:.0f}" for arm, count in published.items())
-            + f"; a block streams a {sizes['publishing_long_tokens']}-token answer beside "
-            f"{sizes['publishing_short_tokens']}-token ones to prompts of {sizes['publishing_prompt_words']} words."
+            f"Decode-publishing blocks in their order (a {sizes['publishing_long_tokens']}-token answer "
+            f"streamed beside {sizes['publishing_short_tokens']}-token ones, prompts of "
+            f"{sizes['publishing_prompt_words']} words): "
+            + ", ".join(
+                f"{'on' if b['publish_output'] else 'off'} {b['long_tpot_ms']:.1f} ms ({b['published_chunks']:.0f} "
+                "chunks published)"
+                for b in blocks
+            )
+            + "."
         )
     if serving.get("failed_rows"):
         text.append("Rows that failed: " + "; ".join(f"{k}: {v}" for k, v in serving["failed_rows"].items()) + ".")

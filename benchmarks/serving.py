@@ -308,8 +308,8 @@ class Bench:
         self.cpus = cpus  # the core vLLM reserves: the caches' servers and the clients
         self.model = build_tiny_llama(workdir / "model")
         self.results: list[Result] = []
-        #: chunks the decode-publishing arms published, by arm (publishing answers or not)
-        self.published_by_arm: dict[bool, float] = {}
+        #: the decode-publishing blocks, in their order (``publishing_pairs``)
+        self.publishing_blocks: list[dict[str, float | bool]] = []
 
     @contextmanager
     def server(self, row: str, transfer: dict | None) -> Iterator[Server]:
@@ -470,23 +470,29 @@ class Bench:
                 for workload in (MULTI_ROUND_CHAT, LONG_DOC_QA):
                     self.lmcache_client(name, server, workload)
 
-    def publishing_pairs(self, server: Server) -> dict[bool, float]:
-        """The paired blocks of ``PUBLISHING_ARMS`` on one server, as one Result per arm; returns the chunks each arm
-        published (vLLM's metric)."""
+    def publishing_pairs(self, server: Server) -> None:
+        """The paired blocks of ``PUBLISHING_ARMS`` on one server: one Result per arm, and each block's own figures
+        (``publishing_blocks``: its arm, its long answer's TPOT, the chunks it published by vLLM's metric)."""
         rng = random.Random(7)
         beside_finishes(server, self.sizes, True, rng)  # unmeasured: the engine's first shapes
         blocks: dict[bool, list[list[Streamed]]] = {True: [], False: []}
         elapsed = {True: 0.0, False: 0.0}
-        published = {True: 0.0, False: 0.0}
         for arm in PUBLISHING_ARMS:
             before, started = published_chunks(server), time.perf_counter()
-            blocks[arm].append(beside_finishes(server, self.sizes, arm, rng))
+            block = beside_finishes(server, self.sizes, arm, rng)
             elapsed[arm] += time.perf_counter() - started
+            blocks[arm].append(block)
             time.sleep(1)  # the block's last finishes are published before the count is read
-            published[arm] += published_chunks(server) - before
+            self.publishing_blocks.append(
+                {
+                    "publish_output": arm,
+                    "long_tpot_ms": block[0].tpot_ms,
+                    "requests": len(block),
+                    "published_chunks": published_chunks(server) - before,
+                }
+            )
         for arm, row in ((True, PUBLISHING_ON), (False, PUBLISHING_OFF)):
             self.results.append(from_blocks(row, blocks[arm], elapsed[arm]))
-        return published
 
     @contextmanager
     def daemon(self, name: str) -> Iterator[Daemon]:
@@ -518,7 +524,7 @@ def decode_publishing(bench: Bench) -> None:
         bench.daemon(PUBLISHING) as daemon,
         bench.server(PUBLISHING, connector_config(daemon, arena_mb="auto", publish_output=True)) as server,
     ):
-        bench.published_by_arm = bench.publishing_pairs(server)
+        bench.publishing_pairs(server)
 
 
 def lmcache_mp(bench: Bench) -> None:
@@ -643,10 +649,7 @@ def main(argv: list[str] | None = None) -> int:
             "dtype": ENGINE_DTYPE,
             "results": [asdict(r) for r in bench.results],
             "ratios": found,
-            "published_chunks_by_arm": {
-                PUBLISHING_ON: bench.published_by_arm.get(True),
-                PUBLISHING_OFF: bench.published_by_arm.get(False),
-            },
+            "publishing_blocks": bench.publishing_blocks,
             "failed_rows": failed,
         },
         partial=not with_defaults(parser, args),
