@@ -1,4 +1,4 @@
-"""Byte quotas per tenant and per namespace: how much of the cache each may hold, and which are at theirs.
+"""Byte quotas per tenant and per namespace: how much of the cache each may hold, and how much more it may add.
 
 A quota bounds the bytes of a scope's entries, each chunk counted once whatever its copies (the index's
 ``tenant_usage`` and ``usage``), pinned chunks included: a pin keeps a chunk, never lets it outgrow its
@@ -33,8 +33,7 @@ ScopeKind = Literal["tenant", "namespace"]
 SCOPE_KINDS: tuple[ScopeKind, ...] = ("tenant", "namespace")
 #: The id of the tenant of chunks published without a salt.
 NO_TENANT = "none"
-#: How stale a publisher's view of the scopes at quota may be: a tenant may overshoot its quota by what it
-#: publishes in this long, which the quota loop then evicts from its own chunks.
+#: How often a publisher reads the room the quota loop last measured (the loop measures it once a second).
 QUOTA_REFRESH_S = 1.0
 _ID_PATTERNS = {"tenant": re.compile(r"^(none|[0-9a-f]{16})$"), "namespace": re.compile(r"^[0-9a-f]{32}$")}
 
@@ -85,7 +84,8 @@ def scopes_of(tenant: str, namespace: bytes) -> tuple[QuotaScope, QuotaScope]:
 
 
 class QuotaStore:
-    """The quotas set through the REST API, and the scopes at quota, in the index's Redis."""
+    """The quotas set through the REST API, each scope's room, and whose turn it is to enforce them, in the index's
+    Redis."""
 
     def __init__(self, client: RedisClient, key_prefix: str) -> None:
         self._redis = client

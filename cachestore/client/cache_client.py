@@ -63,7 +63,7 @@ class ClientCounters:
     lookup_errors: int = 0
     published: int = 0
     publish_failures: int = 0
-    over_quota: int = 0  # chunks not published: their tenant or namespace was at its quota
+    over_quota: int = 0  # chunks not published: their tenant or namespace had no room left in its quota
     fetched: int = 0
     missing: int = 0
     corrupt: int = 0

@@ -93,7 +93,7 @@ class ClientStatsRecorder(PeriodicFlusher):
         self._add(namespace.hex(), seconds, "publish", published_chunks=stored, publish_failures=failed)
 
     def record_over_quota(self, namespace: bytes, chunks: int) -> None:
-        """Chunks a publish left out: their tenant or namespace was at its quota."""
+        """Chunks a publish left out: their tenant or namespace had no room left in its quota."""
         self._count(namespace.hex(), {"over_quota_chunks": chunks})
 
     def _add(self, ns: str, seconds: float, op: Operation, **counts: int) -> None:

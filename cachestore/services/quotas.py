@@ -150,7 +150,8 @@ class QuotaEnforcer(PeriodicLoop):
             removed += len(outcome.removed)
         if victims:
             log.info(
-                "quotas: evicted %d chunks of %s over their quota",
+                "quotas: evicted %d of %d chunks chosen from %s, above their low mark",
+                removed,
                 len(victims),
                 ", ".join(str(scope) for scope in excess),
             )
