@@ -111,21 +111,16 @@ class KvEventPublisher(BackgroundLoop):
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BATCHES)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.PUB)
-        self._replay = self._context.socket(zmq.ROUTER) if replay_endpoint else None
-        for socket, address, setting in (
-            (self._socket, endpoint, "kv_events_endpoint"),
-            (self._replay, replay_endpoint, "kv_events_replay_endpoint"),
-        ):
-            try:
-                if socket is not None:
-                    socket.bind(address)
-            except zmq.ZMQError as exc:
-                self._close_connections()
-                raise ConfigError(f"cannot bind {setting} {address}: {exc}") from exc
+        self._replay: zmq.Socket | None = None
+        self._bind(self._socket, endpoint, "kv_events_endpoint")
+        if replay_endpoint:
+            self._replay = self._context.socket(zmq.ROUTER)
+            self._bind(self._replay, replay_endpoint, "kv_events_replay_endpoint")
         self.endpoint = endpoint
         self._join_at = time.monotonic() + JOIN_S
 
     def _bind(self, socket: zmq.Socket, address: str, setting: str) -> None:
+        """Bind ``socket``; a failure closes every connection and names the setting."""
         try:
             socket.bind(address)
         except zmq.ZMQError as exc:
