@@ -563,7 +563,10 @@ class RedisIndex:
         with self._reachable():
             for shard in self._shards.all():
                 for field, value in shard.client.hgetall(shard.shared + name).items():
-                    summed[field.decode(errors="replace")] += int(value)
+                    try:
+                        summed[field.decode(errors="replace")] += int(value)
+                    except ValueError as exc:  # another version's counter
+                        self._unreadable.skip("usage counter", field.decode(errors="replace"), exc)
         return summed
 
     def feed_backlog(self, node: str, group: str) -> int:

@@ -26,7 +26,7 @@ CONFIG_FILE = "redis.conf"
 #: Every command the project runs on its index (the daemon, connectors, warm-up jobs, the proxy), those its Lua
 #: scripts (indexer/lua) call included: tests/test_redis_acl.py runs the index suites and a daemon with only these.
 INDEX_USER_COMMANDS = (
-    "+ping +time +multi +exec +evalsha +script|load +exists +del +unlink +scan +expire "
+    "+ping +time +multi +exec +evalsha +script|load +exists +get +set +incrby +del +unlink +scan +expire +pexpire "
     "+hget +hgetall +hmget +hset +hsetnx +hdel +hincrby +hkeys +hlen +hvals +hrandfield +sadd +srem +smembers "
     "+zadd +zrange +zrem +zmscore +zremrangebyscore +rpush +lpop +blpop +llen "
     "+xadd +xlen +xreadgroup +xack +xgroup|create +xinfo|groups"
