@@ -42,6 +42,7 @@ from prefixcache.connector.load_policy import (
     reads_nvme,
     sync_load_hazard,
 )
+from prefixcache.connector.load_reports import LoadReports
 from prefixcache.connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from prefixcache.connector.plans import (
     blocks_of,
@@ -128,10 +129,7 @@ class SchedulerSide:
         # per shard, as vLLM gives the scheduler the first rank's layers: ranks load their shards side by side
         self.bytes_per_token = kv_bytes_per_token(kv_cache_config.kv_cache_groups[0])
         self._running: set[str] = set()  # scheduled in the last step and not finished since
-        # asynchronous loads the workers have not reported over yet: request -> the blocks it loads into
-        self._loading_async: dict[str, frozenset[int]] = {}
-        # the synchronous loads of the step built last, reported over with that step's output
-        self._loading_in_step: dict[str, frozenset[int]] = {}
+        self._loads = LoadReports()  # loads the workers have not reported over yet
         self._sync_bytes_in_pass = 0  # what the step being scheduled loads synchronously so far, per rank
         self.requests: dict[str, RequestState] = {}
         # what finished requests generated, to publish in the next step from the blocks vLLM keeps for it
@@ -205,7 +203,7 @@ class SchedulerSide:
             self.async_loads,
             sync_hazard=sync_hazard,
             others_running=bool(self._running - {request.request_id}),
-            load_in_flight=bool(self._loading_async),
+            load_in_flight=self._loads.any_in_flight(),
             reads_nvme=any(reads_nvme(match, num_computed_tokens, end) for match in state.matches or ()),
             step_bytes=self._sync_bytes_in_pass + external * self.bytes_per_token,
             async_bytes=self.async_bytes,
@@ -228,7 +226,7 @@ class SchedulerSide:
             ]
             self._to_lease.put([chunk.key for plan in state.load for chunk in plan])
             if state.load_async:
-                self._loading_async[request.request_id] = blocks_of(state.load[0])
+                self._loads.start_async(request.request_id, blocks_of(state.load[0]))
             else:
                 self._sync_bytes_in_pass += num_external_tokens * self.bytes_per_token
 
@@ -253,7 +251,7 @@ class SchedulerSide:
             state.load = []
         # every rank loads the same blocks (each its own shard of the pages): the first shard's plans name them all
         blocks = {req_id: blocks_of(plan) for req_id, plan in meta.loads[0].items()}
-        self._loading_in_step = {req_id: into for req_id, into in blocks.items() if req_id not in meta.load_async}
+        self._loads.start_step({req_id: into for req_id, into in blocks.items() if req_id not in meta.load_async})
         loaded = frozenset[int]().union(*blocks.values())
         meta.load_early = bool(loaded) and loaded.isdisjoint(blocks_vllm_writes_first(scheduler_output))
         for new in scheduler_output.scheduled_new_reqs:
@@ -278,17 +276,13 @@ class SchedulerSide:
 
     def update_connector_output(self, connector_output: Any) -> None:
         """The workers' report of the step: asynchronous loads that are over, and the blocks that did not arrive
-        intact (in the same report as their load's end, and a synchronous load's in its own step's)."""
-        reported = {
-            req_id: self._loading_async.pop(req_id, frozenset()) for req_id in connector_output.finished_recving or ()
-        }
-        reported.update(self._loading_in_step)
-        self._loading_in_step = {}
+        intact (a synchronous load's in its own step's report; an asynchronous one's by its load's end, each rank
+        reporting its own: connector/load_reports.py)."""
+        failed = self._loads.report(connector_output.finished_recving or (), connector_output.invalid_block_ids or ())
         self._holding.difference_update(connector_output.finished_sending or ())
-        failed = connector_output.invalid_block_ids or set()
-        for req_id, blocks in reported.items():
-            if not failed.isdisjoint(blocks) and (state := self.requests.get(req_id)) is not None:
-                self._load_failed(state, failed)
+        for req_id, blocks in failed.items():
+            if (state := self.requests.get(req_id)) is not None:
+                self._load_failed(state, blocks)
 
     def _load_failed(self, state: RequestState, failed: set[int]) -> None:
         """vLLM computes the request again from its first failed block. What it computes is published: those
@@ -384,9 +378,8 @@ class SchedulerSide:
         next step (``chunks_at_finish``); whether there are any. Only tokens whose KV a step computed count: all but
         the last generated one. A request vLLM still holds for an asynchronous load keeps its blocks anyway (vLLM
         frees them once the load is over) and has generated nothing."""
-        if (
-            not (state.publishes_output and state.publishes and state.hashers)
-            or request.request_id in self._loading_async
+        if not (state.publishes_output and state.publishes and state.hashers) or self._loads.in_flight(
+            request.request_id
         ):
             return False
         computed = min(request.num_computed_tokens, request.num_tokens)

@@ -45,6 +45,7 @@ MODULE_TIERS = {
         "test_http_guards",
         "test_keys",  # keys computed again in fresh interpreters
         "test_layered_reads",
+        "test_load_reports",
         "test_layering",  # one fresh interpreter importing the client and the connector
         "test_log_limits",
         "test_missing_extra",  # fresh interpreters without Mooncake
