@@ -436,6 +436,7 @@ class NodeDaemon:
         client_stats = self.client_stats()
         clients = all_client_stats(client_stats)
         delays = sorted(wb.delays_s) or [0.0]
+        usage, tenants = self.index.usage(), self.index.tenant_usage()  # read once for the figures and the quotas
         return Stats(
             node=self.settings.node,
             dram=TierStats(
@@ -468,11 +469,9 @@ class NodeDaemon:
                 eviction_orders=self.orders.client.llen(self.orders.queue),
             ),
             clients=clients,
-            namespaces=namespace_stats(self.index.usage(), client_stats),
-            tenants={
-                t or NO_TENANT: TierUse(chunks=u.chunks, bytes=u.bytes) for t, u in self.index.tenant_usage().items()
-            },
-            quotas=[quota(state) for state in self.quotas.states()],
+            namespaces=namespace_stats(usage, client_stats),
+            tenants={t or NO_TENANT: TierUse(chunks=u.chunks, bytes=u.bytes) for t, u in tenants.items()},
+            quotas=[quota(state) for state in self.quotas.states(usage, tenants)],
             child_restarts=self.supervisor.restarts,
         )
 

@@ -20,13 +20,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from prefixcache.cachestore.host.background_loop import PeriodicLoop
 from prefixcache.cachestore.services.eviction import Evictor
-from prefixcache.indexer.index import ChunkEntry, PrefixIndex, Usage
+from prefixcache.indexer.index import ChunkEntry, NamespaceUsage, PrefixIndex, Usage
 from prefixcache.indexer.quotas import NO_TENANT, QuotaScope, QuotaStore, scopes_of
 
 log = logging.getLogger("prefixcache.quotas")
@@ -86,10 +86,14 @@ class QuotaEnforcer(PeriodicLoop):
         if self.store.take_turn(self.node, hold_s=3 * self.interval_s):
             self.run_once()
 
-    def states(self) -> list[QuotaState]:
-        """Every scope with a quota, and what it holds, from the index's usage counters."""
-        tenants = self.index.tenant_usage()
-        namespaces = {ns.hex(): use.entries for ns, use in self.index.usage().items()}
+    def states(
+        self, usage: Mapping[bytes, NamespaceUsage] | None = None, tenants: Mapping[str, Usage] | None = None
+    ) -> list[QuotaState]:
+        """Every scope with a quota, and what it holds, from the index's usage counters (``usage`` and
+        ``tenants``: those counters read already, as ``PrefixIndex.usage`` and ``tenant_usage`` return them)."""
+        tenants = self.index.tenant_usage() if tenants is None else tenants
+        usage = self.index.usage() if usage is None else usage
+        namespaces = {ns.hex(): use.entries for ns, use in usage.items()}
         limits: dict[QuotaScope, tuple[int, QuotaSource]] = {}
         if self.default_tenant_bytes is not None:
             for tenant in tenants:
