@@ -50,6 +50,7 @@ MODULE_TIERS = {
         "test_log_limits",
         "test_missing_extra",  # fresh interpreters without Mooncake
         "test_pages",
+        "test_quota_rounds",
         "test_quota_scopes",
         "test_promotion_stream",
         "test_redis_clients",

@@ -65,7 +65,10 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("Security", ("chunk_key_file", "admin_token", "open_reads", "allowed_hosts", "max_body_bytes")),
-    ("Quotas", ("tenant_quotas", "default_tenant_quota", "namespace_quotas", "quota_low_watermark")),
+    (
+        "Quotas",
+        ("tenant_quotas", "default_tenant_quota", "namespace_quotas", "quota_low_watermark", "quota_scan_entries"),
+    ),
     ("Warm-up jobs", ("warmup_roots", "warmup_allow_trust_remote_code")),
     ("KV events", ("kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic")),
     ("CPUs", ("cpus", "owner_nice")),

@@ -223,6 +223,7 @@ class NodeDaemon:
             configured=s.quotas,
             default_tenant_bytes=None if s.default_tenant_quota is None else int(s.default_tenant_quota),
             low=s.quota_low_watermark,
+            scan_entries=s.quota_scan_entries,
         )
         self._start_service(self.quotas)
         self.admin = CacheAdmin(self.index, self.evictor)

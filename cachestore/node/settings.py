@@ -283,6 +283,14 @@ class Settings(BaseSettings):
         "recently used chunks down to it, each second; the rest of the quota is the room its publishes may fill "
         "until the next second (keep it several chunks). Publishes beyond the room are skipped.",
     )
+    quota_scan_entries: int = Field(
+        default=65_536,
+        ge=1,
+        description="Index entries a quota round reads at most, on from where the last one stopped, to find the "
+        "chunks of tenants and namespaces above their low mark: those go oldest first among what the round read, "
+        "so a round's cost on Redis is bounded however large the index. An index of at most this many chunks is "
+        "read whole and trimmed exactly by last access.",
+    )
     cpus: str | None = Field(
         default=None,
         description="CPUs the daemon and every server it starts run on (`1`, `2-3,6`). On a vLLM CPU host, give "

@@ -11,8 +11,13 @@ quota per round, in place of its own oldest; an idle one rests at ``low`` x its 
 and stay: a scope whose pins alone fill its quota has no room, and its publishes are skipped until a pin ends or
 the quota grows.
 
-Finding a scope's entries reads the whole index, which at millions of chunks takes seconds: it happens only in
-rounds that find a scope above its low mark, one round at a time.
+A busy tenant is above its low mark every round, so a round must not read the whole index (at millions of chunks,
+seconds of Redis's time): it reads at most ``scan_entries`` entries, on from where the last round stopped, and its
+victims are the least recently used of the scope's entries among those. So a round costs the same however large
+the index, and a scope's oldest chunks go first within each window of the index read, as Redis's own eviction
+picks the oldest of a sample; an index of up to ``scan_entries`` chunks is read whole every round, and its victims
+are exactly the scope's oldest. A scope far above its mark (a quota lowered) comes down over as many rounds as the
+index holds windows, its room nothing meanwhile.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -67,9 +72,11 @@ class QuotaEnforcer(PeriodicLoop):
         default_tenant_bytes: int | None = None,
         low: float = 0.9,
         interval_s: float = 1.0,
+        scan_entries: int = 65_536,
     ) -> None:
         """``configured``: the settings' quotas, which a quota set through the API replaces; ``default_tenant_bytes``:
-        the quota of every tenant with a salt that has none."""
+        the quota of every tenant with a salt that has none; ``scan_entries``: the index entries a round reads at
+        most (setting ``quota_scan_entries``)."""
         super().__init__(interval_s)
         self.index = index
         self.store = store
@@ -79,7 +86,9 @@ class QuotaEnforcer(PeriodicLoop):
         self.configured = dict(configured or {})
         self.default_tenant_bytes = default_tenant_bytes
         self.low = low
+        self.scan_entries = scan_entries
         self.evicted: Counter[QuotaScope] = Counter()
+        self._reading: Iterator[ChunkEntry] | None = None  # the index read on from round to round
 
     def tick(self) -> None:
         """One round, if it is this daemon's turn (at once when a quota changed: the API pokes it)."""
@@ -125,16 +134,16 @@ class QuotaEnforcer(PeriodicLoop):
 
     def _evict(self, excess: dict[QuotaScope, int]) -> int:
         """Evict the least recently used unprotected chunks of each scope until ``excess`` bytes of it are gone."""
-        held: dict[QuotaScope, list[ChunkEntry]] = {scope: [] for scope in excess}
-        for entry in self.index.scan():
+        held: dict[QuotaScope, dict[bytes, ChunkEntry]] = {scope: {} for scope in excess}
+        for entry in self._read_on():
             for scope in scopes_of(entry.tenant, entry.namespace):
                 if scope in held:
-                    held[scope].append(entry)
+                    held[scope][entry.key] = entry
         chosen: dict[bytes, ChunkEntry] = {}
-        for scope, entries in held.items():
+        for scope, found in held.items():
             # what this scope's chunks chosen for another scope (its tenant's, its namespace's) already free
             need = excess[scope] - sum(e.size_bytes for e in chosen.values() if scope.holds(e))
-            entries.sort(key=lambda e: e.last_access_s)
+            entries = sorted(found.values(), key=lambda e: e.last_access_s)
             for start in range(0, len(entries), BATCH):
                 if need <= 0:
                     break
@@ -160,3 +169,25 @@ class QuotaEnforcer(PeriodicLoop):
                 ", ".join(str(scope) for scope in excess),
             )
         return removed
+
+    def _read_on(self) -> Iterator[ChunkEntry]:
+        """At most ``scan_entries`` entries of the index, on from where the last round stopped. Its end starts it
+        again from its beginning, unless this round began there: a small index is read once a round. An index that
+        fails mid-way is read from its beginning next round."""
+        wrapped, read = self._reading is None, 0
+        while read < self.scan_entries:
+            if self._reading is None:
+                self._reading = self.index.scan()
+            try:
+                entry = next(self._reading, None)
+            except Exception:
+                self._reading = None
+                raise
+            if entry is None:
+                self._reading = None
+                if wrapped:
+                    return
+                wrapped = True
+                continue
+            read += 1
+            yield entry
