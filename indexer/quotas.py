@@ -8,9 +8,11 @@ chunks published without one.
 Quotas live in the index's Redis, beside the namespaces (``<prefix>:quotas``, field ``<scope>:<id>`` -> bytes),
 so every daemon enforces the same ones; a daemon's settings give the quotas nobody set through the REST API.
 The daemon's quota loop (``cachestore/services/quotas.py``) evicts a scope's own least recently used chunks
-and writes how many bytes each scope may still add (``<prefix>:quota:room``). Publishers read that at most
-once a ``QUOTA_REFRESH_S`` and skip the chunks of a scope without room (``QuotaGate``): a tenant at its quota
-adds nothing until its own chunks make room, so its traffic does not push another tenant's chunks out.
+and writes how many bytes each scope may still add (``<prefix>:quota:room``), once a round. Publishers read that
+at most once a ``QUOTA_REFRESH_S``, spend it together through a counter per round and scope
+(``<prefix>:quota:spent:<round>:<scope>``), and skip the chunks of a scope without room (``QuotaGate``): a tenant
+at its quota adds nothing until its own chunks make room, however many engines publish for it, so its traffic
+does not push another tenant's chunks out.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import json
 import re
 import threading
 import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,6 +39,8 @@ SCOPE_KINDS: tuple[ScopeKind, ...] = ("tenant", "namespace")
 NO_TENANT = "none"
 #: How often a publisher reads the room the quota loop last measured (the loop measures it once a second).
 QUOTA_REFRESH_S = 1.0
+#: How long a round's spending counters outlive their last spend: rounds are a second apart.
+SPENT_TTL_MS = 10_000
 _ID_PATTERNS = {"tenant": re.compile(r"^(none|[0-9a-f]{16})$"), "namespace": re.compile(r"^[0-9a-f]{32}$")}
 
 
@@ -91,6 +97,7 @@ class QuotaStore:
         self._redis = client
         self._quotas = f"{key_prefix}:quotas"
         self._room = f"{key_prefix}:quota:room"
+        self._spent = f"{key_prefix}:quota:spent"
         self._lock = f"{key_prefix}:quota:lock"
 
     def all(self) -> dict[QuotaScope, int]:
@@ -125,6 +132,17 @@ class QuotaStore:
         """Replace the room of every scope: one value, so publishers never see it half written."""
         self._redis.set(self._room, json.dumps({"round": round_id, "room": {str(k): v for k, v in room.items()}}))
 
+    def spend(self, round_id: str, amounts: Mapping[QuotaScope, int]) -> dict[QuotaScope, int]:
+        """Add ``amounts`` (negative: give back) to what publishers spent of round ``round_id``'s room, per scope;
+        returns each scope's total spent, this call's included. One round trip."""
+        pipe = self._redis.pipeline(transaction=False)
+        for scope, amount in amounts.items():
+            key = f"{self._spent}:{round_id}:{scope}"
+            pipe.incrby(key, amount)
+            pipe.pexpire(key, SPENT_TTL_MS)
+        replies = pipe.execute()
+        return {scope: int(replies[2 * i]) for i, scope in enumerate(amounts)}
+
     def take_turn(self, node: str, hold_s: float) -> bool:
         """Whether this node enforces quotas for the next ``hold_s`` seconds: one daemon of the cluster at a time,
         so two never evict the same tenant's chunks twice over."""
@@ -138,14 +156,15 @@ class QuotaStore:
 
 
 class QuotaGate:
-    """What a publisher asks before storing a chunk: has its tenant and its namespace room for it?
+    """What a publisher asks before storing chunks: have their tenant and namespace room for them?
 
-    Each round of the quota loop measures every scope's room (its quota less what it holds); a gate takes that
-    room from the first read after the round, at most once a ``refresh_s``, and spends it on the chunks it
-    admits, refusing the rest until a later round measures room again. Publishers each spend a round's room
-    once: a scope outgrows its quota by at most the room of one round times its publishers less one, which the
-    next round evicts from the scope's own chunks. While the index is unreachable the last room read holds (a
-    publish then fails to register anyway).
+    Each round of the quota loop measures every scope's room (its quota less what it holds); a gate reads it at most
+    once a ``refresh_s``. The publishers of a scope share that room: a call adds what it asks to the round's
+    spending counters (``QuotaStore.spend``), admits chunks in order while what was spent before it leaves room,
+    and gives back what it did not admit. So all publishers together add at most a round's room, for one round trip
+    per call that touches a scope with a quota (two when some chunk is refused). A call that sees another's spending
+    before that one gives back may refuse a chunk that would have fit: never one too many. While the index is
+    unreachable chunks are admitted (their registration fails as well).
     """
 
     def __init__(self, store: QuotaStore, refresh_s: float = QUOTA_REFRESH_S) -> None:
@@ -156,25 +175,40 @@ class QuotaGate:
         self._read_at = -float("inf")
         self._lock = threading.Lock()
 
-    def admit(self, tenant: str, namespace: bytes, size: int) -> bool:
-        """Whether a chunk of ``size`` bytes of this tenant (id, ``""`` for none) and namespace may be published;
-        if so, its bytes are spent from both scopes' room."""
+    def admit(self, tenant: str, chunks: Sequence[tuple[bytes, int]]) -> list[bool]:
+        """Whether each chunk, (namespace, size in bytes) of this tenant (id, ``""`` for none), may be published;
+        the bytes of those admitted are spent from their scopes' room."""
         with self._lock:
             self._refresh()
-            if not self._room:
-                return True
-            scopes = [scope for scope in scopes_of(tenant, namespace) if scope in self._room]
-            if any(self._room[scope] < size for scope in scopes):
-                return False
+            round_id, room = self._round, self._room
+        limited = [[scope for scope in scopes_of(tenant, namespace) if scope in room] for namespace, _ in chunks]
+        asked: Counter[QuotaScope] = Counter()
+        for scopes, (_, size) in zip(limited, chunks, strict=True):
             for scope in scopes:
-                self._room[scope] -= size
-            return True
+                asked[scope] += size
+        if not asked:
+            return [True] * len(chunks)
+        try:
+            spent = self._store.spend(round_id, asked)
+        except redis.RedisError:
+            return [True] * len(chunks)
+        left = {scope: room[scope] - (spent[scope] - asked[scope]) for scope in asked}
+        admitted = []
+        for scopes, (_, size) in zip(limited, chunks, strict=True):
+            fits = all(left[scope] >= size for scope in scopes)
+            if fits:
+                for scope in scopes:
+                    left[scope] -= size
+                    asked[scope] -= size
+            admitted.append(fits)
+        if unused := {scope: -amount for scope, amount in asked.items() if amount}:
+            with contextlib.suppress(redis.RedisError):
+                self._store.spend(round_id, unused)
+        return admitted
 
     def _refresh(self) -> None:
         if time.monotonic() - self._read_at < self._refresh_s:
             return
         self._read_at = time.monotonic()
         with contextlib.suppress(redis.RedisError):
-            round_id, room = self._store.room()
-            if round_id != self._round:
-                self._round, self._room = round_id, room
+            self._round, self._room = self._store.room()

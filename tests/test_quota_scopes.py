@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from prefixcache.cachestore.node.settings import Settings
 from prefixcache.indexer.errors import ConfigError
 from prefixcache.indexer.quotas import QuotaGate, QuotaScope
 
-TENANT, NAMESPACE = "0123456789abcdef", bytes(range(16))
+TENANT, OTHER, NAMESPACE = "0123456789abcdef", "fedcba9876543210", bytes(range(16))
 
 
 @pytest.mark.parametrize(
@@ -26,10 +28,11 @@ def test_scopes_hold_their_tenants_and_namespaces_chunks():
 
 
 class Rounds:
-    """The room the quota loop last wrote, as ``QuotaStore.room`` reads it."""
+    """The room the quota loop last wrote and what publishers spent of it, as ``QuotaStore`` keeps them."""
 
     def __init__(self) -> None:
         self.round, self.room = "", {}
+        self.spent: Counter[tuple[str, QuotaScope]] = Counter()
 
     def write(self, round_id: str, room: dict[QuotaScope, int]) -> None:
         self.round, self.room = round_id, dict(room)
@@ -37,23 +40,42 @@ class Rounds:
     def room_of(self) -> tuple[str, dict[QuotaScope, int]]:
         return self.round, dict(self.room)
 
+    def spend(self, round_id: str, amounts: dict[QuotaScope, int]) -> dict[QuotaScope, int]:
+        for scope, amount in amounts.items():
+            self.spent[round_id, scope] += amount
+        return {scope: self.spent[round_id, scope] for scope in amounts}
+
 
 def gate(rounds: Rounds) -> QuotaGate:
-    store = type("Store", (), {"room": lambda _self: rounds.room_of()})()
+    store = type("Store", (), {"room": lambda _self: rounds.room_of(), "spend": lambda _self, *a: rounds.spend(*a)})()
     return QuotaGate(store, refresh_s=0)  # type: ignore[arg-type]
 
 
-def test_a_gate_spends_a_rounds_room_once_and_refuses_beyond_it():
+def chunks(*sizes: int, namespace: bytes = NAMESPACE) -> list[tuple[bytes, int]]:
+    return [(namespace, size) for size in sizes]
+
+
+def test_a_gate_admits_what_a_rounds_room_holds_and_refuses_beyond_it():
     rounds = Rounds()
     publisher = gate(rounds)
-    assert publisher.admit(TENANT, NAMESPACE, 100)  # no quota anywhere
+    assert publisher.admit(TENANT, chunks(100)) == [True]  # no quota anywhere
     rounds.write("r1", {QuotaScope.of_tenant(TENANT): 250})
-    assert [publisher.admit(TENANT, NAMESPACE, 100) for _ in range(3)] == [True, True, False]
-    assert publisher.admit("fedcba9876543210", NAMESPACE, 100)  # another tenant has no quota
-    assert not publisher.admit(TENANT, NAMESPACE, 100)  # the same round read again: its room is spent
+    assert publisher.admit(TENANT, chunks(100, 100, 100)) == [True, True, False]
+    assert publisher.admit(OTHER, chunks(100)) == [True]  # another tenant has no quota
+    assert publisher.admit(TENANT, chunks(100, 50)) == [False, True]  # the same round: 50 left of its room
     rounds.write("r2", {QuotaScope.of_tenant(TENANT): 100, QuotaScope.of_namespace(NAMESPACE): 50})
-    assert not publisher.admit(TENANT, NAMESPACE, 100)  # its namespace has less room than the chunk
-    assert publisher.admit(TENANT, NAMESPACE, 50) and not publisher.admit("fedcba9876543210", NAMESPACE, 1)
+    assert publisher.admit(TENANT, chunks(100)) == [False]  # its namespace has less room than the chunk
+    assert publisher.admit(TENANT, chunks(50)) == [True] and publisher.admit(OTHER, chunks(1)) == [False]
+    assert rounds.spent["r2", QuotaScope.of_tenant(TENANT)] == 50  # what it refused was given back
+
+
+def test_publishers_share_a_rounds_room_and_what_one_refuses_is_left_to_the_others():
+    rounds = Rounds()
+    first, second = gate(rounds), gate(rounds)
+    rounds.write("r1", {QuotaScope.of_tenant(TENANT): 250})
+    assert first.admit(TENANT, chunks(200, 200)) == [True, False]
+    assert second.admit(TENANT, chunks(100, 50)) == [False, True]  # 50 left after the first's 200
+    assert first.admit(TENANT, chunks(1)) == [False]
 
 
 def test_quota_settings_name_the_bad_id():

@@ -4,6 +4,7 @@ recently used chunks and never another tenant's; a quota lowered below use evict
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
@@ -12,7 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prefixcache.cachestore.client.cache_client import CacheClient
 from prefixcache.indexer.keys import prompt_query
 from prefixcache.indexer.namespace import tenant_id
-from prefixcache.indexer.quotas import QUOTA_REFRESH_S
+from prefixcache.indexer.quotas import QUOTA_REFRESH_S, QuotaGate, QuotaScope, QuotaStore
+from prefixcache.indexer.redis_clients import redis_client
 from tests.daemon_harness import Daemon, connect, fetch_payloads, publish_prompt, run_cli, wait_for
 
 A, B = "salt-of-tenant-a", "salt-of-tenant-b"
@@ -167,3 +169,27 @@ def test_the_cli_sets_lists_and_deletes_quotas(daemon):
     assert refused.returncode == 2 and "limit_bytes" in refused.stderr
     assert run_cli(daemon, "quota", "delete", "tenant", tenant_id(A)).returncode == 0
     assert json.loads(run_cli(daemon, "quota", "list", "--json").stdout) == []
+
+
+def test_publishers_of_one_tenant_together_add_at_most_a_rounds_room(redis_server):
+    """Two engines' gates, each with a client of its own, asking at once for three times the room: together they
+    admit no more than it, and the spending counter ends at what they admitted (what each refused given back)."""
+    room, size, calls = 10_000, 100, 50
+    prefix, tenant = f"gates{time.monotonic_ns()}", QuotaScope.of_tenant(tenant_id(A))
+    writer = QuotaStore(redis_client(redis_server.url), prefix)
+    writer.set_room("round-1", {tenant: room})
+    gates = [QuotaGate(QuotaStore(redis_client(redis_server.url), prefix)) for _ in range(2)]
+    admitted = [0, 0]
+
+    def publish(i: int) -> None:
+        for _ in range(calls):
+            answers = gates[i].admit(tenant_id(A), [(bytes(16), size)] * 3)
+            admitted[i] += size * sum(answers)
+
+    threads = [threading.Thread(target=publish, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert room - 6 * size <= sum(admitted) <= room, admitted
+    assert writer.spend("round-1", {tenant: 0}) == {tenant: sum(admitted)}

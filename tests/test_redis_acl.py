@@ -19,6 +19,7 @@ import tests.test_leases as lease_tests
 from prefixcache.cachestore.client.cache_client import CacheClient
 from prefixcache.cachestore.host.processes import ManagedProcess, find_executable, free_port
 from prefixcache.cachestore.node.redis_server import INDEX_USER_COMMANDS, index_user_acl
+from prefixcache.indexer.quotas import QUOTA_REFRESH_S
 from prefixcache.indexer.redis_clients import with_password
 from prefixcache.indexer.redis_index import RedisIndex
 from tests.daemon_harness import Daemon, fetch_payloads, make_spec, publish_prompt, wait_persisted
@@ -132,7 +133,8 @@ def test_the_user_may_not_run_what_the_project_never_needs(redis_server):
 
 
 def test_a_daemon_runs_on_the_guides_user(tmp_path):
-    """Everything a node does with its index, with the exact line of the guide (key prefix ``pc``)."""
+    """Everything a node does with its index, with the exact line of the guide (key prefix ``pc``), a quota's
+    rounds and a publisher's spending of its room included."""
     server = AclRedis(tmp_path, key_prefix="pc")
     server.start()
     daemon = Daemon(
@@ -157,6 +159,9 @@ def test_a_daemon_runs_on_the_guides_user(tmp_path):
             assert api.get("/v1/stats").status_code == 200 and api.get("/metrics").status_code == 200
             assert api.get("/v1/chunks").json()["chunks"]
             assert api.post("/v1/evict", json={"keys": [keys[-1].hex()]}).json()["chunks"] == 1
+            assert api.put("/v1/quotas/tenant/none", json={"limit_bytes": "1GiB"}).status_code == 200
+        time.sleep(2 * QUOTA_REFRESH_S)  # a quota round has written the room, and the client reads it again
+        publish_prompt(client, [t + 10_000 for t in tokens])  # admitted through the round's spending counter
         client.close()
         client = None
         daemon.stop()

@@ -170,7 +170,7 @@ class CacheClient:
         if not chunks:
             return []
         tenant = tenant_id(tenant_salt)
-        allowed = [self.quotas.admit(tenant, meta.namespace, meta.encoded_size) for meta, _ in chunks]
+        allowed = self.quotas.admit(tenant, [(meta.namespace, meta.encoded_size) for meta, _ in chunks])
         if all(allowed):
             return self._store_and_register(chunks, tenant)
         self.counters.count(over_quota=allowed.count(False))
