@@ -378,9 +378,8 @@ class SchedulerSide:
         next step (``chunks_at_finish``); whether there are any. Only tokens whose KV a step computed count: all but
         the last generated one. A request vLLM still holds for an asynchronous load keeps its blocks anyway (vLLM
         frees them once the load is over) and has generated nothing."""
-        if not (state.publishes_output and state.publishes and state.hashers) or self._loads.in_flight(
-            request.request_id
-        ):
+        publishes_output = state.publishes_output and state.publishes and state.hashers
+        if not publishes_output or self._loads.in_flight(request.request_id):
             return False
         computed = min(request.num_computed_tokens, request.num_tokens)
         ranges = chunks_at_finish(state.stored_chunks, computed, state.prompt_tokens, self.store.plan_geometry)
