@@ -8,6 +8,7 @@ import threading
 import time
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixcache.cachestore.client.cache_client import CacheClient
@@ -171,14 +172,17 @@ def test_the_cli_sets_lists_and_deletes_quotas(daemon):
     assert json.loads(run_cli(daemon, "quota", "list", "--json").stdout) == []
 
 
-def test_publishers_of_one_tenant_together_add_at_most_a_rounds_room(redis_server):
+@pytest.mark.parametrize("deployment", ["redis_server", "redis_cluster"])
+def test_publishers_of_one_tenant_together_add_at_most_a_rounds_room(deployment, request):
     """Two engines' gates, each with a client of its own, asking at once for three times the room: together they
-    admit no more than it, and the spending counter ends at what they admitted (what each refused given back)."""
+    admit no more than it, and the spending counter ends at what they admitted (what each refused given back). On
+    a Cluster the round's room and each counter are keys of slots of their own."""
+    url = request.getfixturevalue(deployment).url
     room, size, calls = 10_000, 100, 50
     prefix, tenant = f"gates{time.monotonic_ns()}", QuotaScope.of_tenant(tenant_id(A))
-    writer = QuotaStore(redis_client(redis_server.url), prefix)
+    writer = QuotaStore(redis_client(url), prefix)
     writer.set_room("round-1", {tenant: room})
-    gates = [QuotaGate(QuotaStore(redis_client(redis_server.url), prefix)) for _ in range(2)]
+    gates = [QuotaGate(QuotaStore(redis_client(url), prefix)) for _ in range(2)]
     admitted = [0, 0]
 
     def publish(i: int) -> None:
