@@ -48,7 +48,8 @@ class Evictor:
 
 
 def publish(index: InMemoryIndex, tenants: Sequence[str]) -> list[bytes]:
-    """A chunk per tenant named, in order, each last used a second after the one before; returns their keys."""
+    """A chunk per tenant named, registered in this order (the in-memory index's scans read them so); returns their
+    keys."""
     keys = []
     for i, tenant in enumerate(tenants):
         record = ChunkRecord.of(

@@ -51,8 +51,8 @@ def gate(rounds: Rounds) -> QuotaGate:
     return QuotaGate(store, refresh_s=0)  # type: ignore[arg-type]
 
 
-def chunks(*sizes: int, namespace: bytes = NAMESPACE) -> list[tuple[bytes, int]]:
-    return [(namespace, size) for size in sizes]
+def chunks(*sizes: int) -> list[tuple[bytes, int]]:
+    return [(NAMESPACE, size) for size in sizes]
 
 
 def test_a_gate_admits_what_a_rounds_room_holds_and_refuses_beyond_it():

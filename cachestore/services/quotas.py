@@ -70,9 +70,9 @@ class QuotaEnforcer(PeriodicLoop):
         *,
         configured: dict[QuotaScope, int] | None = None,
         default_tenant_bytes: int | None = None,
+        scan_entries: int,
         low: float = 0.9,
         interval_s: float = 1.0,
-        scan_entries: int = 65_536,
     ) -> None:
         """``configured``: the settings' quotas, which a quota set through the API replaces; ``default_tenant_bytes``:
         the quota of every tenant with a salt that has none; ``scan_entries``: the index entries a round reads at
