@@ -19,7 +19,7 @@ from pathlib import Path
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 
-from prefixcache.cachestore.host.processes import ManagedProcess, find_executable, free_port
+from prefixcache.cachestore.host.processes import ManagedProcess, find_executable, free_port_block
 from prefixcache.indexer.redis_clients import CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_S, redis_client, with_password
 
 HOST = "127.0.0.1"
@@ -56,12 +56,24 @@ def data_node_config(password: str) -> list[str]:
     ]
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` loopback ports free now, outside the kernel's ephemeral range.
+
+    A topology's nodes start one after another, and every readiness probe opens outgoing connections: ports picked
+    up front inside the ephemeral range can be taken by one of those before the node that was given it binds it.
+    """
+    base = free_port_block(count, HOST)
+    return list(range(base, base + count))
+
+
 class RedisNode(ManagedProcess):
-    """One ``redis-server`` on a free loopback port, its config in ``directory`` (a data node, or a sentinel with
+    """One ``redis-server`` on loopback ``port``, its config in ``directory`` (a data node, or a sentinel with
     ``sentinel``). ``start`` again after ``kill`` starts it with the same config and the same port."""
 
-    def __init__(self, directory: Path, config: Sequence[str], *, password: str | None, sentinel: bool = False) -> None:
-        self.port = free_port(HOST)
+    def __init__(
+        self, directory: Path, config: Sequence[str], port: int, *, password: str | None, sentinel: bool = False
+    ) -> None:
+        self.port = port
         self.directory = Path(directory)
         self.password = password
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -145,10 +157,17 @@ class RedisClusterServers:
             # CLUSTER SLOTS names a replica only once its replication offset moved; the master's pings move it
             "repl-ping-replica-period 1",
         ]
+        count = masters * (1 + replicas)
+        ports = free_ports(2 * count)
         self.nodes = [
             # the bus port on a free port of its own: by default it is the client port + 10000, maybe taken or > 65535
-            RedisNode(Path(tmp_dir) / f"node{i}", [*config, f"cluster-port {free_port(HOST)}"], password=self.password)
-            for i in range(masters * (1 + replicas))
+            RedisNode(
+                Path(tmp_dir) / f"node{i}",
+                [*config, f"cluster-port {ports[count + i]}"],
+                ports[i],
+                password=self.password,
+            )
+            for i in range(count)
         ]
         try:
             for node in self.nodes:
@@ -285,11 +304,12 @@ class RedisSentinelServers:
         tmp_dir = Path(tmp_dir)
         self.data_nodes: list[RedisNode] = []
         self.sentinels: list[RedisNode] = []
+        ports = free_ports(2 + sentinels)
         try:
-            first = RedisNode(tmp_dir / "primary", data_node_config(self.password), password=self.password)
+            first = RedisNode(tmp_dir / "primary", data_node_config(self.password), ports[0], password=self.password)
             first.start()
             replica_config = [*data_node_config(self.password), f"replicaof {HOST} {first.port}"]
-            self.data_nodes = [first, RedisNode(tmp_dir / "replica", replica_config, password=self.password)]
+            self.data_nodes = [first, RedisNode(tmp_dir / "replica", replica_config, ports[1], password=self.password)]
             self.data_nodes[1].start()
             sentinel_config = [
                 f"sentinel monitor {SENTINEL_SERVICE} {HOST} {first.port} {SENTINEL_QUORUM}",
@@ -299,7 +319,7 @@ class RedisSentinelServers:
             ]
             for i in range(sentinels):
                 self.sentinels.append(
-                    RedisNode(tmp_dir / f"sentinel{i}", sentinel_config, password=None, sentinel=True)
+                    RedisNode(tmp_dir / f"sentinel{i}", sentinel_config, ports[2 + i], password=None, sentinel=True)
                 )
                 self.sentinels[-1].start()
             wait_until(self._ready, "the replica's sync and the sentinels' discovery of each other", timeout_s)
