@@ -287,6 +287,11 @@ class PrefixIndex(Protocol):
         """Per tenant id (``""``: chunks without a tenant), its entries over every namespace, kept up to date by
         every change; tenants holding nothing are left out."""
 
+    def count_tenant_usage(self) -> int:
+        """Add to ``tenant_usage`` the entries it does not count yet: those an index filled by an earlier version
+        holds. Returns how many were added; safe to run beside any other call, and again (a daemon's start runs
+        it)."""
+
     def feed_backlog(self, node: str, group: str) -> int:
         """Events on ``node``'s feed that ``group`` has not acknowledged yet (its queue depth)."""
 

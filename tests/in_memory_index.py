@@ -228,6 +228,10 @@ class InMemoryIndex:
                     tally[location.tier + ":bytes"] += entry.size_bytes
         return {ns: usage_of(tally) for ns, tally in counts.items()}
 
+    def count_tenant_usage(self) -> int:
+        """Nothing to add: usage is counted on demand."""
+        return 0
+
     def tenant_usage(self) -> dict[str, Usage]:
         """Counted on demand, as ``usage``."""
         counts: Counter[str] = Counter()

@@ -1,10 +1,14 @@
-"""What the admin API needs from the index (listing pages, usage, subtrees, backlog), on both backends."""
+"""What the admin API needs from the index (listing pages, usage, subtrees, backlog), on every backend."""
 
 from __future__ import annotations
+
+import pytest
 
 from prefixcache.indexer.index import Location, Usage, subtree
 from prefixcache.indexer.keys import prompt_query
 from prefixcache.indexer.namespace import tenant_id
+from prefixcache.indexer.redis_clients import redis_client
+from prefixcache.indexer.redis_index import RedisIndex
 from tests.test_index import DRAM, NVME, lookup, publish
 
 
@@ -94,3 +98,31 @@ def test_feed_backlog_counts_what_a_group_has_not_acknowledged(index, spec):
 def test_lookups_still_hit_after_the_new_bookkeeping(index, spec, geometry):
     publish(index, spec, list(range(100)))
     assert lookup(index, spec, geometry, list(range(100))).matched_tokens == 100
+
+
+def forget_tenant_counts(index: RedisIndex) -> None:
+    """Leave ``index`` as a version that kept no tenant usage filled it: no entry marked counted, no usage."""
+    raw = redis_client(index.url)
+    for name in raw.scan_iter(match=f"{index._prefix}*", count=1000):
+        if name.endswith(b":tu"):
+            raw.delete(name)
+        elif b":e:" in name:
+            raw.hdel(name, "counted")
+    raw.close()
+
+
+@pytest.mark.parametrize("deployment", ["redis_index", "cluster_index", "sentinel_index"])
+def test_entries_an_earlier_version_registered_join_their_tenants_usage_once(request, deployment, spec):
+    index = request.getfixturevalue(deployment)
+    a = tenant_id("salt-a")
+    old = publish(index, spec, list(range(64 * 4)), tenant="salt-a")
+    forget_tenant_counts(index)
+    publish(index, spec, list(range(10_000, 10_000 + 64 * 2)), tenant="salt-a")
+    assert index.tenant_usage() == {a: Usage(2, 2000)}
+    index.remove(old[-1:])  # an entry never counted leaves the usage alone: never below what the tenant holds
+    assert index.tenant_usage() == {a: Usage(2, 2000)}
+    assert index.count_tenant_usage() == 3
+    assert index.tenant_usage() == {a: Usage(5, 5000)}
+    assert index.count_tenant_usage() == 0  # again, or beside another caller: each entry is counted once
+    index.remove(old[:1])
+    assert index.tenant_usage() == {a: Usage(4, 4000)}

@@ -5,6 +5,8 @@
   re-registered from their self-describing objects.
 * When the DRAM pool started empty (an embedded master is always new), ``dram@node`` locations are
   stale and dropped.
+* Entries an earlier version registered without counting them in their tenant's usage are counted
+  (``PrefixIndex.count_tenant_usage``), so quotas see all a tenant holds.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class ReconcileReport:
     dropped_nvme: int
     dropped_dram: int
     unreadable: int
+    tenant_counted: int
 
 
 def reconcile(index: PrefixIndex, nvme: NvmeStore, node: str, dram_is_new: bool) -> ReconcileReport:
@@ -44,7 +47,8 @@ def reconcile(index: PrefixIndex, nvme: NvmeStore, node: str, dram_is_new: bool)
     dropped_nvme = drop_locations(index, stale_nvme, nvme_here)
     dropped_dram = drop_locations(index, stale_dram, dram_here)
     rebuilt, unreadable = _rebuild(index, nvme, sorted(on_disk - known), nvme_here)
-    report = ReconcileReport(len(on_disk), rebuilt, dropped_nvme, dropped_dram, unreadable)
+    tenant_counted = index.count_tenant_usage()
+    report = ReconcileReport(len(on_disk), rebuilt, dropped_nvme, dropped_dram, unreadable, tenant_counted)
     log.info("reconciled index with NVMe tier: %s", report)
     return report
 

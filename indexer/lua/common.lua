@@ -1,15 +1,17 @@
 -- Shared by every prefixcache script. Key layout, where R is the index's prefix (e.g. "pc:"):
 --   C e:<key>     HASH   one chunk entry: parent root ns tenant ntok size ctime atime hits pin probe,
---                        plus one field "l:<tier>@<node>" per location (value: ms it was added)
---                        and "dram", how many of them are DRAM copies (lookups read that one field)
+--                        plus one field "l:<tier>@<node>" per location (value: ms it was added),
+--                        "dram", how many of them are DRAM copies (lookups read that one field), and
+--                        "counted" once the entry is in its tenant's usage (S tu)
 --   C k:<parent>  SET    keys of the chunks registered directly below <parent>
 --   C b:<probe>   HASH   probe bucket: <key> -> packed tokens of chunks sharing parent and first tokens
 --   R ns          HASH   namespace digest -> canonical description (JSON)
 --   S keys        ZSET   every entry's key (score 0), so listings page through keys in order
 --   S u           HASH   usage per namespace: "<ns>:chunks" and "<ns>:bytes" count entries,
 --                        "<ns>:<tier>:chunks" and "<ns>:<tier>:bytes" count copies in a tier
---   S t           HASH   usage per tenant id, over every namespace: "<tenant>:chunks" and "<tenant>:bytes"
---                        count entries ("" is the tenant of chunks without a salt)
+--   S tu          HASH   usage per tenant id, over every namespace: "<tenant>:chunks" and "<tenant>:bytes"
+--                        count the entries marked "counted" ("" is the tenant of chunks without a salt);
+--                        entries an earlier version registered, unmarked, join it through tenants.lua
 --   S f:<node>    STREAM change feed of the locations on <node>: entries {op=add|drop, tier, key}
 --                        (the node's daemon persists what lands in its DRAM; routers may subscribe)
 --   S lease       ZSET   chunk key -> lease expiry, Unix seconds (indexer/leases.py)
@@ -62,11 +64,10 @@ local function tally(S, ns, scope, size, sign)
   redis.call('HINCRBY', S .. 'u', ns .. ':' .. scope .. 'bytes', sign * tonumber(size))
 end
 
--- Add sign * (1 entry, size bytes) to its namespace's and its tenant's usage.
-local function tally_entry(S, ns, tenant, size, sign)
-  tally(S, ns, '', size, sign)
-  redis.call('HINCRBY', S .. 't', tenant .. ':chunks', sign)
-  redis.call('HINCRBY', S .. 't', tenant .. ':bytes', sign * tonumber(size))
+-- Add sign * (1 entry, size bytes) to a tenant's usage.
+local function tally_tenant(S, tenant, size, sign)
+  redis.call('HINCRBY', S .. 'tu', tenant .. ':chunks', sign)
+  redis.call('HINCRBY', S .. 'tu', tenant .. ':bytes', sign * tonumber(size))
 end
 
 -- Count an added (+1) or dropped (-1) location in the entry's "dram" field if it is a DRAM copy.
@@ -82,7 +83,7 @@ end
 -- (probe, key) for the client to drop on the bucket's own shard.
 local function remove_entry(R, S, C, key, elsewhere)
   local e = C .. 'e:' .. key
-  local f = redis.call('HMGET', e, 'parent', 'probe', 'ns', 'size', 'tenant')
+  local f = redis.call('HMGET', e, 'parent', 'probe', 'ns', 'size', 'tenant', 'counted')
   if not f[1] then return 0 end
   local fields = redis.call('HKEYS', e)
   for i = 1, #fields do
@@ -91,7 +92,8 @@ local function remove_entry(R, S, C, key, elsewhere)
       tally(S, f[3], tier_of(string.sub(fields[i], 3)), f[4], -1)
     end
   end
-  tally_entry(S, f[3], f[5], f[4], -1)
+  tally(S, f[3], '', f[4], -1)
+  if f[6] then tally_tenant(S, f[5], f[4], -1) end
   redis.call('DEL', e)
   redis.call('ZREM', S .. 'keys', key)
   local head = is_head(R, S, C, key)

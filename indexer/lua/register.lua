@@ -12,7 +12,7 @@ for i = 3, #ARGV, 11 do
   if redis.call('EXISTS', e) == 0 then
     redis.call('HSET', e, 'parent', parent, 'root', ARGV[i + 2], 'ns', ARGV[i + 3], 'tenant', ARGV[i + 4],
       'ntok', ARGV[i + 5], 'size', ARGV[i + 6], 'ctime', now, 'atime', now, 'hits', 0, 'pin', 0, 'probe', probe,
-      'dram', 0)
+      'dram', 0, 'counted', 1)
     local head = is_head(R, S, C, key)
     redis.call('SADD', (head and S or C) .. 'k:' .. parent, key)
     redis.call('ZADD', S .. 'keys', 0, key)
@@ -26,7 +26,8 @@ for i = 3, #ARGV, 11 do
         redis.call('HSET', C .. 'b:' .. probe, key, ARGV[i + 9])
       end
     end
-    tally_entry(S, ARGV[i + 3], ARGV[i + 4], ARGV[i + 6], 1)
+    tally(S, ARGV[i + 3], '', ARGV[i + 6], 1)
+    tally_tenant(S, ARGV[i + 4], ARGV[i + 6], 1)
   end
   if redis.call('HSET', e, 'l:' .. ARGV[i + 7], now) == 1 then
     count_dram(e, ARGV[i + 7], 1)
