@@ -160,7 +160,8 @@ class Result:
     mean_tpot_ms: float
     p99_tpot_ms: float
     requests_per_s: float
-    goodput_per_s: float | None  # vllm bench serve's, within TTFT_BOUND_MS; None for LMCache's client
+    #: requests within TTFT_BOUND_MS a second: vllm bench serve's own, or counted from LMCache's per-request TTFTs
+    goodput_per_s: float | None
 
 
 def from_vllm_bench(row: str, workload: str, out: dict) -> Result:
@@ -187,8 +188,10 @@ def _p99(values: list[float]) -> float:
 
 def from_lmcache_bench(row: str, workload: str, summary: dict, per_request: list[dict[str, str]]) -> Result:
     """``lmcache bench engine --json`` output (its summary and bench_results.csv) as a Result; TPOT per request is
-    its decode time over its output tokens after the first (requests of one token have none)."""
+    its decode time over its output tokens after the first (requests of one token have none), and goodput counts
+    the requests whose TTFT (seconds in the CSV) is within ``TTFT_BOUND_MS``."""
     done = [r for r in per_request if r["successful"] == "True"]
+    within_bound = sum(1 for r in done if float(r["ttft"]) * 1000 <= TTFT_BOUND_MS)
     tpots = [
         (float(r["finish_time"]) - float(r["first_token_time"])) * 1000 / (int(r["num_output_tokens"]) - 1)
         for r in done
@@ -206,7 +209,7 @@ def from_lmcache_bench(row: str, workload: str, summary: dict, per_request: list
         statistics.fmean(tpots) if tpots else 0.0,
         _p99(tpots),
         len(done) / results["elapsed_time"] if results["elapsed_time"] > 0 else 0.0,
-        None,
+        within_bound / results["elapsed_time"] if results["elapsed_time"] > 0 else 0.0,
     )
 
 
@@ -217,6 +220,7 @@ class Streamed:
     ttft_ms: float
     tpot_ms: float  # decode time over the tokens after the first
     tokens: int
+    prompt_tokens: int  # as the server counted them (its usage report)
 
 
 def stream_chat(url: str, prompt: str, max_tokens: int, publish_output: bool) -> Streamed:
@@ -228,19 +232,24 @@ def stream_chat(url: str, prompt: str, max_tokens: int, publish_output: bool) ->
         "ignore_eos": True,
         "temperature": 0,
         "stream": True,
+        "stream_options": {"include_usage": True},
         "kv_transfer_params": {"prefixcache": {"publish_output": publish_output}},
     }
-    started, times = time.perf_counter(), []
+    started, times, prompt_tokens = time.perf_counter(), [], 0
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=CLIENT_TIMEOUT_S) as answer:
         answer.raise_for_status()
         for line in answer.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                choices = json.loads(line[6:]).get("choices") or [{}]
+                event = json.loads(line[6:])
+                if usage := event.get("usage"):  # the last event's, after the answer
+                    prompt_tokens = usage["prompt_tokens"]
+                choices = event.get("choices") or [{}]
                 if choices[0].get("delta", {}).get("content"):
                     times.append(time.perf_counter())
     if len(times) < 2:
         raise RuntimeError(f"a streamed answer of {len(times)} tokens: expected {max_tokens}")
-    return Streamed((times[0] - started) * 1000, (times[-1] - times[0]) * 1000 / (len(times) - 1), len(times))
+    tpot_ms = (times[-1] - times[0]) * 1000 / (len(times) - 1)
+    return Streamed((times[0] - started) * 1000, tpot_ms, len(times), prompt_tokens)
 
 
 def published_chunks(server: Server) -> float:
@@ -289,7 +298,7 @@ def from_blocks(row: str, blocks: list[list[Streamed]], elapsed_s: float) -> Res
         BESIDE_FINISHES,
         sum(len(block) for block in blocks),
         0,
-        0,
+        sum(s.prompt_tokens for block in blocks for s in block),
         statistics.fmean(s.ttft_ms for s in longs),
         _p99([s.ttft_ms for s in longs]),
         statistics.fmean(s.tpot_ms for s in longs),

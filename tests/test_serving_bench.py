@@ -37,7 +37,7 @@ def test_lmcache_tpot_is_decode_time_over_the_tokens_after_the_first_and_failure
     summary = {"results": {"mean_ttft_ms": 250.0, "p99_ttft_ms": 400.0, "elapsed_time": 4.0}}
     rows = [
         request(0.2, 10.0, 10.9, 10),  # 9 tokens in 0.9 s: 100 ms each
-        request(0.3, 20.0, 20.6, 4),  # 3 tokens in 0.6 s: 200 ms each
+        request(2.5, 20.0, 20.6, 4),  # 3 tokens in 0.6 s: 200 ms each; its first past the TTFT bound
         request(0.1, 30.0, 30.0, 1),  # one token: no TPOT
         request(-1.0, 0.0, 0.0, 0, ok=False),
     ]
@@ -46,7 +46,8 @@ def test_lmcache_tpot_is_decode_time_over_the_tokens_after_the_first_and_failure
     assert result.mean_tpot_ms == pytest.approx(150.0)
     assert result.p99_tpot_ms == pytest.approx(200.0)
     assert (result.mean_ttft_ms, result.p99_ttft_ms) == (250.0, 400.0)
-    assert result.requests_per_s == pytest.approx(0.75) and result.goodput_per_s is None
+    assert result.requests_per_s == pytest.approx(0.75)
+    assert result.goodput_per_s == pytest.approx(0.5)  # two of the three within 2 s, over 4 s
 
 
 def test_vllm_bench_results_keep_goodput():
@@ -100,9 +101,10 @@ def test_a_ratio_without_a_goal_is_reported_not_judged():
 
 def test_an_arm_is_judged_by_its_long_answers_the_short_ones_beside_them_only_count_as_requests():
     blocks = [
-        [Streamed(100.0, 50.0, 192), Streamed(80.0, 70.0, 48), Streamed(90.0, 75.0, 48)],
-        [Streamed(300.0, 60.0, 192), Streamed(80.0, 90.0, 48)],
+        [Streamed(100.0, 50.0, 192, 90), Streamed(80.0, 70.0, 48, 95), Streamed(90.0, 75.0, 48, 91)],
+        [Streamed(300.0, 60.0, 192, 93), Streamed(80.0, 90.0, 48, 92)],
     ]
     arm = from_blocks(PUBLISHING_ON, blocks, elapsed_s=10.0)
     assert (arm.workload, arm.requests, arm.requests_per_s) == (BESIDE_FINISHES, 5, 0.5)
+    assert arm.input_tokens == 461
     assert (arm.mean_ttft_ms, arm.mean_tpot_ms, arm.p99_tpot_ms) == (200.0, 55.0, 60.0)
