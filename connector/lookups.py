@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 
 from prefixcache.indexer.index import PrefixIndex, PrefixMatch
 from prefixcache.indexer.keys import PrefixQuery
@@ -35,10 +36,14 @@ class BatchedLookups:
     """The scheduler side's lookups: ``note`` each request as vLLM adds it, ask ``matches`` when vLLM asks about
     it, and call ``new_pass`` once vLLM has scheduled a step."""
 
-    def __init__(self, index: PrefixIndex, max_batch: int = MAX_BATCH) -> None:
+    def __init__(
+        self, index: PrefixIndex, max_batch: int = MAX_BATCH, avoid: Callable[[], AbstractSet[str]] = frozenset
+    ) -> None:
+        """``avoid`` names, at each call, the nodes whose copies lookups skip (down or suspect: indexer/peers.py)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self._index = index
+        self._avoid = avoid
         self._max_batch = max_batch
         self._arrived: dict[str, _Noted] = {}  # requests added since the last pass, in order, not looked up yet
         self._made: dict[str, _Made] = {}  # this pass's lookups of requests vLLM has not asked about yet
@@ -67,7 +72,9 @@ class BatchedLookups:
         started = time.perf_counter()
         # only the matches taken count as used (last access, hits): a request vLLM does not reach this pass is
         # looked up again when it does
-        found = self._index.lookup_many([query for _, (_, group) in batch for query in group], touch=False)
+        found = self._index.lookup_many(
+            [query for _, (_, group) in batch for query in group], touch=False, avoid=self._avoid()
+        )
         seconds = time.perf_counter() - started
         starts = itertools.accumulate((len(group) for _, (_, group) in batch), initial=0)
         for (rid, (length, group)), start in zip(batch, starts, strict=False):  # starts has one more: the end

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -228,10 +229,14 @@ class PrefixIndex(Protocol):
 
     def namespaces(self) -> list[NamespaceSpec]: ...
 
-    def lookup(self, query: PrefixQuery, *, touch: bool = True) -> PrefixMatch:
-        """The longest cached prefix. ``touch=False`` leaves access statistics alone (inspection, not use)."""
+    def lookup(self, query: PrefixQuery, *, touch: bool = True, avoid: AbstractSet[str] = frozenset()) -> PrefixMatch:
+        """The longest cached prefix. ``touch=False`` leaves access statistics alone (inspection, not use).
+        ``avoid``: nodes that are down or suspect (indexer/peers.py): the prefix ends at the first chunk with no copy
+        on another node, and a chunk counts as in DRAM only for a DRAM copy on another node."""
 
-    def lookup_many(self, queries: Sequence[PrefixQuery], *, touch: bool = True) -> list[PrefixMatch]:
+    def lookup_many(
+        self, queries: Sequence[PrefixQuery], *, touch: bool = True, avoid: AbstractSet[str] = frozenset()
+    ) -> list[PrefixMatch]:
         """``lookup`` of each query, in one round trip: the chains of one prompt's shards (one per rank)."""
 
     def touch(self, matches: Sequence[PrefixMatch]) -> None:

@@ -36,6 +36,9 @@ CONNECT_TIMEOUT_S = 1.0
 #: they ask Redis for, so that a wait never ends in a timeout of its own socket.
 WAITING_SOCKET_TIMEOUT_S = 10.0
 
+#: Keys read to tell a Cluster node from a lone server: spread over the slots, so that with two masters or more one
+#: of them lies on another master (all on one: 1 in 3**16 with three).
+CLUSTER_PROBES = 16
 SENTINEL_SCHEME = "redis+sentinel"
 CLUSTER_SCHEME = "redis+cluster"
 SCHEMES = ("redis", "rediss", "unix", SENTINEL_SCHEME, CLUSTER_SCHEME)
@@ -158,3 +161,38 @@ def public_redis_url(url: str) -> tuple[str, bool]:
     userinfo, _, hosts = parts.netloc.rpartition("@")
     username = userinfo.partition(":")[0]
     return urlunsplit(parts._replace(netloc=f"{username}@{hosts}" if username else hosts)), True
+
+
+def deployment_problem(client: RedisClient, url: str, key_prefix: str) -> str | None:
+    """Why the server a ``redis://`` (``rediss://``, ``unix://``) URL names cannot hold the index, naming the URL form
+    to use, or None where it can: a Redis Cluster node (every command on another node's slots fails with MOVED), a
+    replica (every write is refused) or a Sentinel (it holds no data). Told by what the server answers to a delete
+    of a key that does not exist and to reads of keys spread over the slots (``key_prefix`` names them, e.g.
+    ``pc:``), which a least-privileged user may send. Sentinel and Cluster URLs find their primaries themselves."""
+    if scheme_of(url) in (SENTINEL_SCHEME, CLUSTER_SCHEME) or not isinstance(client, redis.Redis):
+        return None
+    shown = redact_url(url)
+    probe = f"{key_prefix}deployment-probe"
+    try:
+        client.delete(probe)
+    except redis.exceptions.ReadOnlyError:
+        return (
+            f"{shown} is a replica, which refuses every write: give its primary, or "
+            "redis+sentinel://host:26379[,host:port...]/SERVICE where Sentinel watches it"
+        )
+    except redis.exceptions.ResponseError as exc:
+        if "unknown command" not in str(exc).lower():
+            raise
+        return (
+            f"{shown} is a Redis Sentinel, which holds no data: give "
+            "redis+sentinel://[user:password@]host:26379[,host:port...]/SERVICE for the primary it names"
+        )
+    pipe = client.pipeline(transaction=False)
+    for tag in range(CLUSTER_PROBES):
+        pipe.exists(f"{probe}{{{tag}}}")
+    if any(isinstance(reply, redis.exceptions.MovedError) for reply in pipe.execute(raise_on_error=False)):
+        return (
+            f"{shown} is a node of a Redis Cluster, where every command on another node's slots fails: give "
+            "redis+cluster://[user:password@]host:port[,host:port...]"
+        )
+    return None

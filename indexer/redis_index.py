@@ -16,6 +16,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager, suppress
 from importlib import resources
 
@@ -42,7 +43,14 @@ from prefixcache.indexer.index import (
 )
 from prefixcache.indexer.keys import KEY_BYTES, PrefixQuery
 from prefixcache.indexer.namespace import NamespaceSpec
-from prefixcache.indexer.redis_clients import CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_S, RedisClient, redact_url, redis_client
+from prefixcache.indexer.redis_clients import (
+    CONNECT_TIMEOUT_S,
+    SOCKET_TIMEOUT_S,
+    RedisClient,
+    deployment_problem,
+    redact_url,
+    redis_client,
+)
 from prefixcache.indexer.redis_shards import Shard, shards_of
 from prefixcache.indexer.unreadable_records import UnreadableRecords
 
@@ -179,6 +187,11 @@ class RedisIndex:
             for shard in self._shards.all():
                 shard.client.ping()
 
+    def deployment_problem(self) -> str | None:
+        """Why the server this index's URL names cannot hold it (``redis_clients.deployment_problem``), or None."""
+        with self._reachable():
+            return deployment_problem(self._redis, self.url, self._prefix)
+
     def clock_s(self) -> float:
         with self._reachable():
             seconds, microseconds = self._shards.all()[0].client.time()
@@ -204,10 +217,12 @@ class RedisIndex:
                 self._unreadable.skip("namespace", digest.decode(errors="replace"), exc)
         return specs
 
-    def lookup(self, query: PrefixQuery, *, touch: bool = True) -> PrefixMatch:
-        return self.lookup_many([query], touch=touch)[0]
+    def lookup(self, query: PrefixQuery, *, touch: bool = True, avoid: AbstractSet[str] = frozenset()) -> PrefixMatch:
+        return self.lookup_many([query], touch=touch, avoid=avoid)[0]
 
-    def lookup_many(self, queries: Sequence[PrefixQuery], *, touch: bool = True) -> list[PrefixMatch]:
+    def lookup_many(
+        self, queries: Sequence[PrefixQuery], *, touch: bool = True, avoid: AbstractSet[str] = frozenset()
+    ) -> list[PrefixMatch]:
         replies: list[list | None] = [None] * len(queries)
         by_shard: dict[str, tuple[Shard, list[int]]] = {}
         for i, query in enumerate(queries):
@@ -218,9 +233,10 @@ class RedisIndex:
             else:
                 replies[i] = [0, b""]  # no full chunk: only the first chunk's probe bucket can answer
         heads_elsewhere = "1" if self.clustered else "0"
+        avoided = f",{','.join(sorted(avoid))}," if avoid else ""
         with self._reachable():
             for shard, positions in by_shard.values():
-                args: list[object] = [self._max_candidates, heads_elsewhere]
+                args: list[object] = [self._max_candidates, heads_elsewhere, avoided]
                 for i in positions:
                     query = queries[i]
                     anchor = query.keys[0].hex() if self.clustered else ""
@@ -232,7 +248,7 @@ class RedisIndex:
                 for i, reply in zip(positions, self._lookup(args=args, client=shard.client), strict=True):
                     replies[i] = reply
             if self.clustered:
-                self._read_first_buckets(queries, replies)
+                self._read_first_buckets(queries, replies, avoid)
         matches = [self._match(query, reply) for query, reply in zip(queries, replies, strict=True)]
         if self.clustered:
             for match in matches:
@@ -241,10 +257,11 @@ class RedisIndex:
             self.touch(matches)
         return matches
 
-    def _read_first_buckets(self, queries: Sequence[PrefixQuery], replies: list) -> None:
+    def _read_first_buckets(self, queries: Sequence[PrefixQuery], replies: list, avoid: AbstractSet[str]) -> None:
         """On a Cluster, the candidates of chains broken in their first chunk, from that chunk's probe bucket on the
         probe's own shard (its candidates are other chains' heads, which live elsewhere: not checked for presence
-        here, and a vanished one is a miss when loaded)."""
+        here, and a vanished one is a miss when loaded; with nodes to ``avoid``, their entries are read to keep
+        those with a copy on another node)."""
         wanted = [i for i, reply in enumerate(replies) if int(reply[0]) == 0 and queries[i].probes[0] is not None]
         if not wanted:
             return
@@ -254,6 +271,21 @@ class RedisIndex:
             pipe.hrandfield(f"{self._shards.chain_prefix(probe)}b:{probe}", self._max_candidates, withvalues=True)
         for i, fields in zip(wanted, pipe.execute(), strict=True):
             replies[i] = [0, b""] + [x for j in range(0, len(fields), 2) for x in (fields[j], fields[j + 1], b"1")]
+        if avoid:
+            for i in wanted:
+                replies[i] = [0, b"", *self._reachable_candidates(replies[i][2:], avoid)]
+
+    def _reachable_candidates(self, candidates: list, avoid: AbstractSet[str]) -> list:
+        """Of the (key hex, tokens, in-DRAM flag) triples ``candidates``, those with a copy on a node not in
+        ``avoid``, flagged in DRAM for a DRAM copy on such a node."""
+        keys = [bytes.fromhex(candidates[j].decode()) for j in range(0, len(candidates), 3)]
+        kept: list = []
+        for j, entry in zip(range(0, len(candidates), 3), self.get(keys), strict=True):
+            usable = [loc for loc in entry.locations if loc.node not in avoid] if entry else []
+            if usable:
+                in_dram = any(loc.tier == "dram" for loc in usable)
+                kept += [candidates[j], candidates[j + 1], b"1" if in_dram else b"0"]
+        return kept
 
     def _remember_chain(self, keys: Sequence[bytes]) -> None:
         if keys:

@@ -13,6 +13,8 @@ hex, payloads base64, a failure ``{"error": TRACEBACK}``.
     {"call": "persisted", "keys": [...]}             -> {"waited_s": ...}                   (wait_persisted)
     {"call": "demote", "keys": [...]}                -> {"demoted": [true | false...]}
     {"call": "counters"}                             -> the client's counters (fetched, missing, promoted...)
+    {"call": "lookup", "tokens": [...]}              -> {"keys": [...]} the full chunks found, down nodes avoided
+    {"call": "down"}                                 -> {"nodes": [...]} the nodes the client avoids now
 """
 
 from __future__ import annotations
@@ -54,6 +56,12 @@ def answer(client: CacheClient, request: dict) -> dict:
         return {"demoted": gone}
     if request["call"] == "counters":
         return {f.name: getattr(client.counters, f.name) for f in dataclasses.fields(client.counters) if f.compare}
+    if request["call"] == "lookup":
+        hasher = client.hasher()
+        hasher.extend(request["tokens"])
+        return {"keys": [key.hex() for key in client.lookup(hasher.query()).keys]}
+    if request["call"] == "down":
+        return {"nodes": sorted(client.peers.down)}
     raise ValueError(f"unknown call {request['call']!r}")
 
 
@@ -116,6 +124,14 @@ class HostClient:
 
     def counters(self) -> dict[str, int]:
         return self.call("counters")
+
+    def lookup(self, tokens: list[int]) -> list[bytes]:
+        """The full chunks of ``tokens`` the client's lookup finds, avoiding the nodes it takes for down."""
+        return [bytes.fromhex(key) for key in self.call("lookup", tokens=tokens)["keys"]]
+
+    def down(self) -> set[str]:
+        """The nodes the client avoids now (indexer/peers.py)."""
+        return set(self.call("down")["nodes"])
 
     def close(self) -> None:
         if self.process.stdin:

@@ -11,6 +11,7 @@ import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 
 from prefixcache.indexer.index import (
@@ -69,27 +70,37 @@ class InMemoryIndex:
         with self._lock:
             return list(self._namespaces.values())
 
-    def lookup(self, query: PrefixQuery, *, touch: bool = True) -> PrefixMatch:
+    def lookup(self, query: PrefixQuery, *, touch: bool = True, avoid: AbstractSet[str] = frozenset()) -> PrefixMatch:
         now = time.time()
         with self._lock:
             hits = 0
             for key in query.keys:
-                if key not in self._slots:
+                if key not in self._slots or not self._reachable(key, avoid):
                     break
                 hits += 1
             if touch:
                 self._touch(query.keys[:hits], now)
             probe = query.probes[hits]
             bucket = list(self._buckets.get(probe, {}).items())[: self._max_candidates] if probe else []
-            candidates = [(key, packed, key not in self._slots or self._in_dram(key)) for key, packed in bucket]
-            without_dram = frozenset(i for i, key in enumerate(query.keys[:hits]) if not self._in_dram(key))
+            candidates = [
+                (key, packed, key not in self._slots or self._in_dram(key, avoid))
+                for key, packed in bucket
+                if key not in self._slots or self._reachable(key, avoid)
+            ]
+            without_dram = frozenset(i for i, key in enumerate(query.keys[:hits]) if not self._in_dram(key, avoid))
         partial = best_partial(query, hits, candidates) if candidates else None
         return PrefixMatch(
             keys=list(query.keys[:hits]), chunk_tokens=query.chunk_tokens, partial=partial, without_dram=without_dram
         )
 
-    def lookup_many(self, queries: Sequence[PrefixQuery], *, touch: bool = True) -> list[PrefixMatch]:
-        return [self.lookup(query, touch=touch) for query in queries]
+    def lookup_many(
+        self, queries: Sequence[PrefixQuery], *, touch: bool = True, avoid: AbstractSet[str] = frozenset()
+    ) -> list[PrefixMatch]:
+        return [self.lookup(query, touch=touch, avoid=avoid) for query in queries]
+
+    def _reachable(self, key: bytes, avoid: AbstractSet[str]) -> bool:
+        """Whether ``key``'s entry lists a copy on a node not in ``avoid`` (call with the lock held)."""
+        return any(at.node not in avoid for at in self._slots[key].locations)
 
     def touch(self, matches: Sequence[PrefixMatch]) -> None:
         now = time.time()
@@ -249,9 +260,9 @@ class InMemoryIndex:
     def close(self) -> None:
         """Nothing to release."""
 
-    def _in_dram(self, key: bytes) -> bool:
-        """Whether ``key``'s entry lists a DRAM location (call with the lock held)."""
-        return any(at.tier == "dram" for at in self._slots[key].locations)
+    def _in_dram(self, key: bytes, avoid: AbstractSet[str] = frozenset()) -> bool:
+        """Whether ``key``'s entry lists a DRAM location on a node not in ``avoid`` (call with the lock held)."""
+        return any(at.tier == "dram" and at.node not in avoid for at in self._slots[key].locations)
 
     def _remove_one(self, key: bytes) -> int:
         slot = self._slots.pop(key, None)

@@ -140,9 +140,26 @@ class Host:
             time.sleep(0.05)
         assert not self.pids(), f"processes of host {self.name} outlived SIGKILL: {self.pids()}"
 
+    def freeze(self) -> None:
+        """SIGSTOP every process of this host, as a hung kernel leaves them: connections stay open, nothing answers."""
+        self._signal_all(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT every process of this host: they go on where they stopped."""
+        self._signal_all(signal.SIGCONT)
+
+    def _signal_all(self, sig: int) -> None:
+        for pid in self.pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
     def unplug(self) -> None:
         """Take this host's cable off the bridge: nothing it sends arrives, nothing reaches it, nothing answers."""
         ip("link", "set", self.veth, "down")
+
+    def plug(self) -> None:
+        """Put this host's cable back on the bridge."""
+        ip("link", "set", self.veth, "up")
 
     def sent_bytes(self) -> int:
         """Bytes this host has sent onto the network (what its cable's bridge end received)."""

@@ -17,8 +17,8 @@ from prefixcache.indexer.errors import ConfigError
 from tests.daemon_harness import fetch_payloads, make_spec, publish_prompt, servers_of, wait_persisted
 
 
-def serve(data_dir: Path, port: int) -> subprocess.CompletedProcess:
-    """Run ``prefixcache serve`` to completion (it should refuse at once), with a wide terminal."""
+def serve(data_dir: Path, port: int, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``prefixcache serve`` to completion (it should refuse at once), with a wide terminal and ``env`` added."""
     argv = [
         sys.executable,
         "-m",
@@ -32,8 +32,10 @@ def serve(data_dir: Path, port: int) -> subprocess.CompletedProcess:
         "128MiB",
         "--nvme-bytes",
         "512MiB",
+        *extra,
     ]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+    environment = {**os.environ, "COLUMNS": "200", **(env or {})}
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, env=environment)
 
 
 def test_a_second_lock_of_a_data_dir_names_the_holder_and_succeeds_once_it_is_released(tmp_path):
@@ -62,6 +64,20 @@ def test_a_second_daemon_on_the_same_data_dir_is_refused_and_the_first_keeps_ser
         assert fetch_payloads(client, keys) == payloads
     finally:
         client.close()
+    assert httpx.get(daemon.url + "/v1/health").status_code == 200
+
+
+def test_a_second_daemon_given_the_first_ones_nvme_dir_is_refused_and_the_manifest_stays(daemon, tmp_path):
+    """Another data dir but the first daemon's NVMe tier: refused, naming the holder, before it opens the tier
+    (RocksDB's manifest, whose own lock the first holds, would be taken for broken and moved aside)."""
+    nvme = daemon.data_dir / "nvme"
+    before = sorted(path.name for path in nvme.iterdir())
+    refused = serve(tmp_path / "other", free_port_block(7), "--nvme-dir", str(nvme))
+    assert refused.returncode == 2
+    message = " ".join(refused.stderr.split())
+    assert f"NVMe tier dir {nvme} is in use by another prefixcache daemon (pid {daemon.proc.pid}" in message
+    assert "--nvme-dir" in message and "Traceback" not in refused.stderr
+    assert sorted(path.name for path in nvme.iterdir()) == before  # no manifest moved aside
     assert httpx.get(daemon.url + "/v1/health").status_code == 200
 
 

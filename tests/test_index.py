@@ -137,6 +137,31 @@ def test_lookup_says_whether_the_partial_chunk_has_a_dram_copy(index, spec, geom
     assert match.partial.in_dram and match.on_nvme_alone == {0, 1, 2, 3}
 
 
+def test_a_lookup_avoiding_nodes_stops_at_the_first_chunk_held_only_there(index, spec, geometry):
+    """Chunks whose every copy lies on a down node are misses, and a DRAM copy there is no DRAM copy."""
+    tokens = list(range(300))  # 4 full chunks + a 44-token tail, all on node-a's DRAM
+    keys = publish(index, spec, tokens)
+    other = Location("nvme", "node-b")
+    index.add_location(keys[:2], other)
+    match = index.lookup(prompt_query(spec.root(), geometry, tokens), avoid={"node-a"})
+    assert match.keys == keys[:2] and match.partial is None and match.without_dram == {0, 1}
+    assert index.lookup(prompt_query(spec.root(), geometry, tokens), avoid={"node-c"}).matched_tokens == 300
+    index.add_location(keys[2:], Location("dram", "node-b"))
+    match = index.lookup(prompt_query(spec.root(), geometry, tokens), avoid={"node-a", "node-c"})
+    assert match.matched_tokens == 300 and match.without_dram == {0, 1} and match.partial.in_dram
+    assert index.lookup(prompt_query(spec.root(), geometry, tokens), avoid={"node-a", "node-b"}).matched_tokens == 0
+
+
+def test_a_lookup_avoiding_nodes_takes_no_partial_chunk_held_only_there(index, spec, geometry):
+    stored = list(range(200))
+    keys = publish(index, spec, stored)  # chunks [0,64) [64,128) [128,192) and tail [192,200) on node-a
+    index.add_location(keys[:2], Location("dram", "node-b"))
+    diverging = stored[:150] + [9999] * 100  # shares 22 tokens of the third chunk, which node-a alone holds
+    match = index.lookup(prompt_query(spec.root(), geometry, diverging), avoid={"node-a"})
+    assert match.keys == keys[:2] and match.partial is None
+    assert index.lookup(prompt_query(spec.root(), geometry, diverging)).partial.key == keys[2]
+
+
 def test_fewer_than_probe_tokens_shared_is_not_a_partial_hit(index, spec, geometry):
     publish(index, spec, list(range(128)))
     match = lookup(index, spec, geometry, list(range(64)) + list(range(64, 74)) + [7777] * 60)

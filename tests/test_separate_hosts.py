@@ -156,32 +156,56 @@ def test_an_eviction_asked_of_one_host_deletes_the_copies_another_hosts_nvme_hol
         assert on_b.fetch(kept) == kept_payloads
 
 
-def lose_a(cluster: Cluster, lose: Callable[[Host], None]) -> None:
+def health_of(daemon) -> dict:
+    return httpx.get(daemon.url + "/v1/health", timeout=10).json()
+
+
+def lose_a(cluster: Cluster, lose: Callable[[Host], None], recover: Callable[[Host], None] | None = None) -> None:
     """Publish a prompt on each node, B reading A's too (its owner then holds connections to A's), lose A
-    (``lose(host_a)``), and check what B serves then: A's chunks miss (no error, no bytes of another chunk),
-    before and after the master expires A's segment; B's own chunks hit, and B publishes and reads new ones."""
+    (``lose(host_a)``), and check what B serves then: B takes A for down within seconds, so its lookups of A's
+    prompt miss and its health names A; A's chunks fetched anyway miss (no error, no bytes of another chunk),
+    before and after the master expires A's segment; B's own chunks hit, and B publishes and reads new ones. With
+    ``recover``, A comes back (``recover(host_a)``) and B reads from it again without restarting anyone."""
+    a_tokens, b_tokens = prompt(7, chunks=3), prompt(8, chunks=3)
     with cluster.client_a() as on_a:
-        a_keys, a_payloads = on_a.publish(prompt(7, chunks=3), seed=7)
+        a_keys, a_payloads = on_a.publish(a_tokens, seed=7)
         on_a.wait_persisted(a_keys)
     with cluster.client_b() as on_b:
-        b_keys, b_payloads = on_b.publish(prompt(8, chunks=3), seed=8)
+        b_keys, b_payloads = on_b.publish(b_tokens, seed=8)
         assert on_b.fetch(a_keys) == a_payloads
+        assert on_b.down() == set() and on_b.lookup(a_tokens) == a_keys
         lose(cluster.host_a)
-        assert on_b.fetch(a_keys) == [None] * len(a_keys)
+        assert wait_for(lambda: on_b.down() == {"node-a"}, timeout_s=10), "B never took A for down"
+        assert on_b.lookup(a_tokens) == [], "B's lookups still offer chunks only A holds"
+        assert on_b.lookup(b_tokens) == b_keys
+        peers = health_of(cluster.b)["components"]["peers"]
+        assert peers["degraded"] and "unreachable: node-a" in peers["detail"], peers
         assert on_b.fetch(b_keys) == b_payloads
+        new_keys, new_payloads = on_b.publish(prompt(9, chunks=2), seed=9)
+        assert on_b.fetch(new_keys) == new_payloads
+        assert on_b.fetch(a_keys) == [None] * len(a_keys)  # past the lookups: Mooncake's own timeouts, then misses
         a_segment = f"{cluster.host_a.address}:{cluster.a.port + 3}"  # the node's segment_port, PORT+3
         assert wait_for(lambda: a_segment not in cluster.segments(), timeout_s=60), "the master kept A's segment"
         assert on_b.fetch(a_keys) == [None] * len(a_keys)
         assert on_b.fetch(b_keys) == b_payloads
-        new_keys, new_payloads = on_b.publish(prompt(9, chunks=2), seed=9)
-        assert on_b.fetch(new_keys) == new_payloads
         assert on_b.counters()["corrupt"] == 0
-    assert httpx.get(cluster.b.url + "/v1/health", timeout=10).status_code == 200
+        assert httpx.get(cluster.b.url + "/v1/health", timeout=10).status_code == 200
+        if recover is None:
+            return
+        recover(cluster.host_a)
+        assert wait_for(lambda: on_b.down() == set(), timeout_s=15), "B never took A back"
+        assert on_b.lookup(a_tokens) == a_keys
+        assert wait_for(lambda: on_b.fetch(a_keys) == a_payloads, timeout_s=60), "B never read A's chunks again"
+        assert on_b.counters()["corrupt"] == 0
 
 
 def test_a_host_that_crashes_leaves_misses_and_the_other_host_serving(doomed_cluster):
     lose_a(doomed_cluster, Host.crash)
 
 
-def test_a_host_cut_off_the_network_leaves_misses_and_the_other_host_serving(doomed_cluster):
-    lose_a(doomed_cluster, Host.unplug)
+def test_a_host_cut_off_the_network_is_skipped_and_read_again_once_plugged_back(doomed_cluster):
+    lose_a(doomed_cluster, Host.unplug, recover=Host.plug)
+
+
+def test_a_frozen_host_is_skipped_and_read_again_once_it_runs_again(doomed_cluster):
+    lose_a(doomed_cluster, Host.freeze, recover=Host.thaw)

@@ -102,7 +102,7 @@ def test_serve_starts_the_embedded_stack_reports_ready_and_stops_cleanly(tmp_pat
     proc, port = start_serve(tmp_path)
     health = httpx.get(f"http://127.0.0.1:{port}/v1/health").json()
     assert health["status"] == "ready"
-    assert set(health["components"]) == {"redis", "mooncake_master", "dram", "nvme"}
+    assert set(health["components"]) == {"redis", "mooncake_master", "dram", "nvme", "peers"}
     assert all(c["ok"] for c in health["components"].values())
     config = httpx.get(f"http://127.0.0.1:{port}/v1/config").json()
     assert config["redis_url"] == f"redis://127.0.0.1:{port + 1}/0" and config["chunk_tokens"] == 256

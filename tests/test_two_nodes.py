@@ -19,6 +19,7 @@ from prefixcache.cachestore.chunks.codec import payload_offset
 from prefixcache.cachestore.client.cache_client import CacheClient
 from prefixcache.cachestore.tiers.dram import first_part_rows, split_pieces
 from prefixcache.indexer.index import Location
+from prefixcache.indexer.keys import prompt_query
 from prefixcache.indexer.redis_clients import redis_client
 from tests.daemon_harness import Daemon, fetch_payloads, make_spec, publish_prompt, wait_for, wait_persisted
 
@@ -112,20 +113,26 @@ def test_a_node_reads_chunks_only_another_nodes_nvme_holds_through_that_nodes_da
         reader.close()
 
 
-def test_a_node_whose_daemon_is_down_is_not_asked_again_for_a_while(cluster):
-    """Chunks only a stopped node's NVMe holds miss: the first after one unanswered request, the next at once."""
+def test_a_stopped_node_is_asked_nothing_and_read_again_once_it_is_back(cluster):
+    """A node that stopped says so (indexer/peers.py): lookups skip the chunks only it holds and no promotion is
+    asked of it, so they are recomputed at once; its return is seen without restarting anyone."""
     a, b = cluster
-    first, _ = persisted_on_b(b, list(range(64 * 2)), seed=11)
-    second, _ = persisted_on_b(b, list(range(2000, 2000 + 64 * 2)), seed=12)
+    tokens = list(range(64 * 2))
+    keys, payloads = persisted_on_b(b, tokens, seed=11)
     b.stop()
     reader = connect(a)
     index_redis, queue = redis_client(reader.index.url), f"{reader.config.key_prefix}:pq:node-b"
     try:
-        assert fetch_payloads(reader, first) == [None, None]
-        assert index_redis.llen(queue) == 1  # nobody takes B's requests while it is down
-        assert fetch_payloads(reader, second) == [None, None]
-        assert index_redis.llen(queue) == 1
-        assert reader.counters.promoted == 0
+        assert reader.peers.down == {"node-b"}
+        assert reader.lookup(prompt_query(reader.spec.root(), reader.geometry, tokens)).keys == []
+        assert fetch_payloads(reader, keys) == [None, None]
+        assert index_redis.llen(queue) == 0  # nothing was asked of B
+        peers = httpx.get(a.url + "/v1/health").json()["components"]["peers"]
+        assert peers["ok"] and not peers["degraded"] and "stopped: node-b" in peers["detail"]
+        b.start()
+        assert wait_for(lambda: reader.peers.down == frozenset(), timeout_s=10)
+        assert reader.lookup(prompt_query(reader.spec.root(), reader.geometry, tokens)).keys == keys
+        assert fetch_payloads(reader, keys) == payloads  # promoted by B's daemon
     finally:
         reader.close()
         index_redis.close()

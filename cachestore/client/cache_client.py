@@ -35,6 +35,7 @@ from prefixcache.indexer.errors import IndexUnavailableError
 from prefixcache.indexer.index import ChunkRecord, Location, NamespaceCheck, PrefixMatch, attach_namespace
 from prefixcache.indexer.keys import PrefixHasher, PrefixQuery
 from prefixcache.indexer.namespace import NamespaceSpec, tenant_id
+from prefixcache.indexer.peers import SUSPECT_S, PeerRegistry, PeerView
 from prefixcache.indexer.quotas import QuotaGate, QuotaStore
 from prefixcache.indexer.redis_clients import redis_client
 from prefixcache.indexer.redis_index import RedisIndex
@@ -45,9 +46,6 @@ log = logging.getLogger("prefixcache.client")
 UNPERSISTED_PROTECTION_S = 60.0
 #: O_DIRECT reads in flight when loading from this node's NVMe: a few in flight keep the disk busier than one.
 DISK_READERS = 4
-#: How long a node whose daemon left a promotion request unanswered is not asked again: its chunks are misses
-#: at once meanwhile, rather than each load waiting ``promote_timeout_s`` for a node that is down.
-SILENT_NODE_S = 30.0
 
 #: What ``fetch_checking_later`` gives per chunk: its verified payload, a future of it, or None (a miss).
 FetchedPayload = memoryview | Future[memoryview | None] | None
@@ -107,7 +105,9 @@ class CacheClient:
         self.quotas = QuotaGate(QuotaStore(self._redis, config.key_prefix))
         self._promote_timeout_s = promote_timeout_s
         self._streams: dict[bytes, PromotionStream] = {}  # chunks other nodes promote for an upcoming fetch
-        self._silent_until: dict[str, float] = {}  # node -> until when it is not asked (SILENT_NODE_S)
+        # the nodes to read nothing from (down, or suspect: a promotion they left unanswered)
+        self.peers = PeerView(PeerRegistry(self._redis, config.key_prefix), config.node, thread_setup=io_thread_setup)
+        self.peers.start()
         # Reads from this node's NVMe started ahead of the fetch that asks for them: key -> (slot, object length).
         self._disk_reads_ahead: dict[bytes, tuple[memoryview, Future[int]]] = {}
         self._disk_reads: list[tuple[bytes, memoryview]] = []  # what the last fetch read from NVMe
@@ -139,7 +139,7 @@ class CacheClient:
         self.counters.count(lookups=1)
         started = time.perf_counter()
         try:
-            match = self.index.lookup(query)
+            match = self.index.lookup(query, avoid=self.peers.down)
         except IndexUnavailableError as exc:
             self.counters.count(lookup_errors=1)
             log.debug("lookup missed: %s", exc)
@@ -468,11 +468,12 @@ class CacheClient:
         if in_dram & wanted:
             in_dram -= self._gone_from_dram([key for key, _ in ahead if key in in_dram])
         by_node: defaultdict[str, list[bytes]] = defaultdict(list)
+        down = self.peers.down
         for key, entry in zip(candidates, entries, strict=True):
             locations = entry.locations if entry else ()
             if key not in wanted and key in in_dram:
                 continue  # an upcoming chunk DRAM should still serve
-            if nodes := {loc.node for loc in locations if loc.tier == "nvme"}:
+            if nodes := {loc.node for loc in locations if loc.tier == "nvme" and loc.node not in down}:
                 by_node[self.node if self.node in nodes else min(nodes)].append(key)
         for node, node_keys in by_node.items():
             if node != self.node:
@@ -499,9 +500,9 @@ class CacheClient:
         return [key for key, extent in zip(keys, found, strict=True) if extent is None]
 
     def _request_promotion(self, node: str, keys: list[bytes]) -> None:
-        """Ask ``node``'s daemon to promote ``keys``; fetches wait for its answers (a failed request, or a node
-        that left one unanswered less than ``SILENT_NODE_S`` ago: misses)."""
-        if self._silent_until.get(node, 0.0) > time.monotonic():
+        """Ask ``node``'s daemon to promote ``keys``; fetches wait for its answers (a failed request, or a node that
+        is down or left one unanswered less than ``peers.SUSPECT_S`` ago: misses)."""
+        if node in self.peers.down:
             return
         try:
             stream = PromotionStream(self._redis, self._prefix, node, keys, self._promote_timeout_s)
@@ -567,9 +568,9 @@ class CacheClient:
                 log.debug("promotion answer lost: %s", exc)
                 continue
             if not stream.heard:  # it waited out the deadline
-                self._silent_until[stream.node] = time.monotonic() + SILENT_NODE_S
+                self.peers.suspect(stream.node)
                 log.warning(
-                    "node %s did not answer a promotion request: its chunks miss for %.0fs", stream.node, SILENT_NODE_S
+                    "node %s did not answer a promotion request: its chunks miss for %.0fs", stream.node, SUSPECT_S
                 )
             ready = [i for i, ok in zip(waiting, flags, strict=True) if ok]
             self.counters.count(promoted=len(ready))
@@ -636,6 +637,7 @@ class CacheClient:
             pass
 
     def close(self) -> None:
+        self.peers.close()
         self._disk.shutdown(wait=True)
         self.recorder.close()
         self.dram.close()

@@ -1,7 +1,8 @@
 """The index as a vLLM scheduler uses it: lookups, leases on the chunks it promised, and its client stats.
 
-A scheduler moves no bytes. It asks the index how much of each prompt is cached, leases the chunks it
-plans for its workers to load (indexer/leases.py), and records what it took from the cache, for the
+A scheduler moves no bytes. It asks the index how much of each prompt is cached, skipping copies on nodes that
+are down (indexer/peers.py), leases the chunks it plans for its workers to load (indexer/leases.py), and records
+what it took from the cache, for the
 daemon's ``/v1/stats`` and ``/metrics`` (client_stats.py). It attaches as every client does, from the
 node's ``ClientConfig`` (config.py), but needs neither DRAM nor the NVMe tier: this is the part of the
 client library it uses, and the connector's scheduler side reaches Redis through nothing else.
@@ -18,6 +19,7 @@ from prefixcache.cachestore.client.config import ClientConfig, index_url
 from prefixcache.indexer.index import PrefixIndex, attach_namespace
 from prefixcache.indexer.leases import Leases
 from prefixcache.indexer.namespace import NamespaceSpec
+from prefixcache.indexer.peers import PeerRegistry, PeerView
 from prefixcache.indexer.redis_clients import redis_client
 from prefixcache.indexer.redis_index import RedisIndex
 
@@ -33,6 +35,7 @@ class SchedulerIndex:
     index: PrefixIndex
     leases: Leases  # held on a connection of its own, with short timeouts (LEASE_TIMEOUT_S)
     recorder: ClientStatsRecorder  # on the same connection as the leases
+    peers: PeerView  # the nodes lookups skip, read by a thread of its own on the same connection
 
     @classmethod
     def attach(
@@ -52,8 +55,10 @@ class SchedulerIndex:
             index=index,
             leases=Leases(bookkeeping, config.key_prefix),
             recorder=ClientStatsRecorder(bookkeeping, config.key_prefix + ":", config.node),
+            peers=PeerView(PeerRegistry(bookkeeping, config.key_prefix), config.node).start(),
         )
 
     def close(self) -> None:
+        self.peers.close()
         self.recorder.close()
         self.index.close()

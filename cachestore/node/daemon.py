@@ -57,6 +57,7 @@ from prefixcache.cachestore.services.cache_admin import CacheAdmin
 from prefixcache.cachestore.services.demotion import Demoter
 from prefixcache.cachestore.services.eviction import Evictor
 from prefixcache.cachestore.services.eviction_orders import EvictionOrders, OrderServer
+from prefixcache.cachestore.services.heartbeat import Heartbeat
 from prefixcache.cachestore.services.kv_events import KvEventPublisher
 from prefixcache.cachestore.services.nvme_extents import ExtentServer
 from prefixcache.cachestore.services.promotion import Promoter
@@ -69,9 +70,10 @@ from prefixcache.cachestore.tiers.mooncake_servers import MooncakeMaster, Segmen
 from prefixcache.cachestore.tiers.nvme import NvmeStore
 from prefixcache.cachestore.warmup.jobs import WarmupJobs, local_url
 from prefixcache.cachestore.warmup.policy import WarmupPolicy
-from prefixcache.indexer.errors import IndexUnavailableError
+from prefixcache.indexer.errors import ConfigError, IndexUnavailableError
 from prefixcache.indexer.index import Location
 from prefixcache.indexer.leases import Leases
+from prefixcache.indexer.peers import HEARTBEAT_TTL_S, PeerRegistry, PeerTable
 from prefixcache.indexer.quotas import NO_TENANT, QuotaStore
 from prefixcache.indexer.redis_clients import WAITING_SOCKET_TIMEOUT_S, public_redis_url, redis_client
 from prefixcache.indexer.redis_index import RedisIndex
@@ -104,6 +106,26 @@ def _make_private(directory: Path) -> None:
         log.warning("cannot make %s private to this user (%s): other users may read its chunks", directory, exc)
 
 
+def peers_health(table: PeerTable, node: str) -> ComponentHealth:
+    """The health of the cluster's other nodes as ``node`` sees them in ``table``: degraded while one that did not
+    stop on purpose is down, since the chunks only it holds are recomputed meanwhile."""
+    others = sorted(set(table.beats) - {node})
+    lost = [
+        f"{peer} (marked suspect)"
+        if peer in table.suspect
+        else f"{peer} (no heartbeat for {(table.now_ms - table.beats[peer]) / 1000 + HEARTBEAT_TTL_S:.1f} s)"
+        for peer in others
+        if peer in table.down and peer not in table.left
+    ]
+    parts = [f"{len([peer for peer in others if peer in table.alive])} other node(s) answering"]
+    if stopped := [peer for peer in others if peer in table.left]:
+        parts.append(f"stopped: {', '.join(stopped)}")
+    if not lost:
+        return ComponentHealth(ok=True, detail="; ".join(parts))
+    parts.insert(0, f"unreachable: {', '.join(lost)}; their chunks are recomputed")
+    return ComponentHealth(ok=True, degraded=True, detail="; ".join(parts))
+
+
 class NodeDaemon:
     """Owns this node's servers, tiers and services for the daemon's lifetime."""
 
@@ -121,6 +143,7 @@ class NodeDaemon:
         self.promoter: Promoter
         self.demoter: Demoter
         self.leases: Leases
+        self.peers: PeerRegistry
         self.evictor: Evictor
         self.orders: OrderServer
         self.quotas: QuotaEnforcer
@@ -140,9 +163,10 @@ class NodeDaemon:
         # before anything is created: every file the daemon and its children (redis-server, Mooncake, warm-up
         # jobs) write is the daemon's user's alone, as are the data dir and the NVMe tier
         os.umask(PRIVATE_UMASK)
-        data_dir_lock = DataDirLock(s.data_dir)
-        data_dir_lock.acquire(s.port)  # before anything starts: a second daemon here must change nothing
-        self._stack.callback(data_dir_lock.release)
+        # before anything starts: a second daemon on this data dir or this NVMe tier must change nothing
+        for lock in (DataDirLock(s.data_dir), DataDirLock(s.nvme_path, "NVMe tier dir", "--nvme-dir")):
+            lock.acquire(s.port)
+            self._stack.callback(lock.release)
         make_private_dir(s.data_dir)
         for directory in (s.nvme_path, *(s.data_dir / name for name in PRIVATE_SUBDIRS)):
             _make_private(directory)
@@ -239,6 +263,9 @@ class NodeDaemon:
         self.warmup_jobs.start()
         self._stack.callback(self.warmup_jobs.stop)
         self.supervisor.start()
+        # last: other nodes read from this one once it beats, and the first thing stopped says it has left
+        self.peers = PeerRegistry(redis_client(self.index.url), s.key_prefix)
+        self._start_service(Heartbeat(self.peers, s.node))
 
     def _load_mac_key(self) -> None:
         """The cluster's chunk-signing key: the operator's file, or this node's own, generated at first start."""
@@ -298,6 +325,8 @@ class NodeDaemon:
         self.index = RedisIndex(redis_url, key_prefix=s.key_prefix)
         self._stack.callback(self.index.close)
         self.index.ping()
+        if problem := self.index.deployment_problem():
+            raise ConfigError(f"the index cannot live there: {problem}")
         log.info("index ready at %s", public_redis_url(redis_url)[0])
 
     @property
@@ -486,6 +515,7 @@ class NodeDaemon:
             "mooncake_master": self._master_health,
             "dram": self._dram_health,
             "nvme": self._nvme_health,
+            "peers": self._peers_health,
         }
         return {name: self._unless_restarting(SERVER_OF_COMPONENT.get(name), probe) for name, probe in probes.items()}
 
@@ -503,9 +533,10 @@ class NodeDaemon:
     def _index_health(self) -> ComponentHealth:
         try:
             self.index.ping()
-            return ComponentHealth(ok=True, detail="answering")
+            problem = self.index.deployment_problem()  # a primary demoted to a replica answers, but refuses writes
         except IndexUnavailableError as exc:
             return ComponentHealth(ok=False, detail=str(exc))
+        return ComponentHealth(ok=False, detail=problem) if problem else ComponentHealth(ok=True, detail="answering")
 
     def _master_health(self) -> ComponentHealth:
         if self.master_admin_url:
@@ -538,6 +569,15 @@ class NodeDaemon:
             return ComponentHealth(ok=ok, detail=detail)
         why = f"persisting fails ({failures.failing}: {failures.detail}); unpersisted chunks wait in DRAM"
         return ComponentHealth(ok=ok, degraded=True, detail=f"{why}; {detail}")
+
+    def _peers_health(self) -> ComponentHealth:
+        """The other nodes this one's clients skip (indexer/peers.py), named with why: degraded while any is down,
+        since chunks only they hold are recomputed meanwhile."""
+        try:
+            table = self.peers.read()
+        except IndexUnavailableError as exc:
+            return ComponentHealth(ok=True, detail=f"unknown: {exc}")
+        return peers_health(table, self.settings.node)
 
     def check_listeners(self) -> None:
         """Refuse to serve if a process of the daemon's tree listens beyond the node's addresses: loopback, the

@@ -1,7 +1,10 @@
-"""One daemon per data dir: an exclusive ``flock`` on ``<data_dir>/daemon.lock``, held for the daemon's life.
+"""One daemon per data dir and per NVMe tier: an exclusive ``flock`` on ``<dir>/daemon.lock`` in each, held for the
+daemon's life.
 
 Two daemons on one data dir run two redis-servers on one AOF and two owners of one NVMe tier, and each
-undoes the other's writes; the second must refuse to start before it starts anything. The lock is the
+undoes the other's writes; two daemons given other data dirs but one ``--nvme-dir`` would share the tier's pack
+files, and the second would take the first's live manifest (RocksDB's own lock held) for a broken one and move it
+aside. The second must refuse to start before it starts anything. The lock is the
 kernel's, on the open file: it goes with the process however that ends (even ``kill -9``), so a stale lock
 file never blocks a restart. The file records the holder's PID and port, for the refusal to name them; it
 is never deleted (a process that deleted it could lock a new file while another still holds the old one).
@@ -21,11 +24,14 @@ LOCK_FILE_NAME = "daemon.lock"
 
 
 class DataDirLock:
-    """Holds ``<data_dir>/daemon.lock`` from ``acquire`` until ``release`` (or the process's end)."""
+    """Holds ``<data_dir>/daemon.lock`` from ``acquire`` until ``release`` (or the process's end). ``role`` and
+    ``option`` name the directory and the setting that gives it, in refusals."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, role: str = "data dir", option: str = "--data-dir") -> None:
         self.data_dir = Path(data_dir)
         self.path = self.data_dir / LOCK_FILE_NAME
+        self._role = role
+        self._option = option
         self._fd: int | None = None
 
     def acquire(self, port: int) -> None:
@@ -38,8 +44,8 @@ class DataDirLock:
             holder = _describe_holder(fd)
             os.close(fd)
             raise ConfigError(
-                f"data dir {self.data_dir} is in use by another prefixcache daemon ({holder}); stop "
-                "it or give this one another --data-dir"
+                f"{self._role} {self.data_dir} is in use by another prefixcache daemon ({holder}); stop "
+                f"it or give this one another {self._option}"
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"pid": os.getpid(), "port": port}).encode() + b"\n", 0)
@@ -52,12 +58,12 @@ class DataDirLock:
 
     def _open(self) -> int:
         if self.data_dir.exists() and not self.data_dir.is_dir():
-            raise ConfigError(f"data dir {self.data_dir} is not a directory")
+            raise ConfigError(f"{self._role} {self.data_dir} is not a directory")
         try:
             self.data_dir.mkdir(parents=True, exist_ok=True)
             return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
-            raise ConfigError(f"cannot use data dir {self.data_dir}: {exc.strerror}") from None
+            raise ConfigError(f"cannot use {self._role} {self.data_dir}: {exc.strerror}") from None
 
 
 def _describe_holder(fd: int) -> str:

@@ -15,6 +15,7 @@
 --   S f:<node>    STREAM change feed of the locations on <node>: entries {op=add|drop, tier, key}
 --                        (the node's daemon persists what lands in its DRAM; routers may subscribe)
 --   S lease       ZSET   chunk key -> lease expiry, Unix seconds (indexer/leases.py)
+--   R peers       HASH   which nodes answer: beat:<node>, suspect:<node>, left:<node> -> ms (peers.lua)
 --   S a           HASH   (Cluster only) key -> anchor: which chain holds the entries this shard has
 -- On one Redis, C = S = R. On a Cluster every key of one chain carries the chain's anchor, its first chunk's
 -- key, as hash tag (C = R{<anchor>}:), so a lookup reads one shard; S = R{<tag>}: names the keys shared by the

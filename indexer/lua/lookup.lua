@@ -1,10 +1,12 @@
 #!lua flags=no-writes,allow-cross-slot-keys
 -- Longest cached prefixes of one or more chains in one round trip; read-only, so it may run on a replica. On a
 -- Cluster the chains of one call are those one master holds: each in a slot of its own.
--- ARGV: max_candidates, heads_elsewhere, then C_1, keys_1, probes_1, C_2, ... where C is the chain's prefix
+-- ARGV: max_candidates, heads_elsewhere, avoided, then C_1, keys_1, probes_1, C_2, ... where C is the chain's prefix
 -- (common.lua: R on one Redis, R{<anchor>}: on a Cluster) and heads_elsewhere '1' where the probe bucket of a
 -- chain's first chunk lies on another shard (a Cluster): a chain broken in its first chunk then returns no
--- candidates, and the client reads that bucket itself. keys concatenates a chain's n
+-- candidates, and the client reads that bucket itself. avoided names the nodes to read nothing from (down or
+-- suspect: indexer/peers.py) as ',a,b,', or is '': a chunk whose every copy lies on one of them ends the hit, and
+-- only copies on other nodes count as DRAM copies. keys concatenates a chain's n
 -- keys (32 hex chars each); probes concatenates the probe bucket of positions 0..n (32 '0's where the
 -- prompt has none). Returns one reply per chain, {hits, in_dram, cand_key_1, cand_tokens_1, cand_in_dram_1,
 -- ...}: the number of leading keys present; per such key '1' if it has a DRAM location, else '0'; then the
@@ -12,6 +14,22 @@
 -- own '1' or '0'. Several chains are the shards of one prompt under tensor parallelism.
 local max_candidates = tonumber(ARGV[1])
 local heads_elsewhere = ARGV[2] == '1'
+local avoided = ARGV[3]
+
+-- With nodes to avoid: whether the entry has a copy on another node, and whether one of those is a DRAM copy.
+local function reachable(name)
+  local any, dram = false, false
+  for _, field in ipairs(redis.call('HKEYS', name)) do
+    if string.sub(field, 1, 2) == 'l:' then
+      local at = string.find(field, '@', 1, true)
+      if not string.find(avoided, ',' .. string.sub(field, at + 1) .. ',', 1, true) then
+        any = true
+        dram = dram or string.sub(field, 3, at - 1) == 'dram'
+      end
+    end
+  end
+  return any, dram and '1' or '0'
+end
 
 local function longest(P, keys, probes)
   local n = #keys / 32
@@ -46,7 +64,16 @@ local function longest(P, keys, probes)
   end
   local in_dram = {}
   for i = 1, hits do
-    in_dram[i] = dram_flag(names[i])
+    if avoided == '' then
+      in_dram[i] = dram_flag(names[i])
+    else
+      local any, flag = reachable(names[i])
+      if not any then
+        hits = i - 1
+        break
+      end
+      in_dram[i] = flag
+    end
   end
   local out = {hits, table.concat(in_dram)}
   local probe = string.sub(probes, hits * 32 + 1, hits * 32 + 32)
@@ -56,9 +83,13 @@ local function longest(P, keys, probes)
     for j = 1, #fields, 2 do
       local name = P .. 'e:' .. fields[j]
       if redis.call('EXISTS', name) == 1 then
-        out[#out + 1] = fields[j]
-        out[#out + 1] = fields[j + 1]
-        out[#out + 1] = dram_flag(name)
+        local any, flag = true, nil
+        if avoided == '' then flag = dram_flag(name) else any, flag = reachable(name) end
+        if any then
+          out[#out + 1] = fields[j]
+          out[#out + 1] = fields[j + 1]
+          out[#out + 1] = flag
+        end
       end
     end
   end
@@ -66,5 +97,5 @@ local function longest(P, keys, probes)
 end
 
 local replies = {}
-for q = 3, #ARGV, 3 do replies[#replies + 1] = longest(ARGV[q], ARGV[q + 1], ARGV[q + 2]) end
+for q = 4, #ARGV, 3 do replies[#replies + 1] = longest(ARGV[q], ARGV[q + 1], ARGV[q + 2]) end
 return replies

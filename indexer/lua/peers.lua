@@ -1,0 +1,29 @@
+-- Which nodes answer (indexer/peers.py), in one hash KEYS[1] (R peers) by the shard's clock, never a client's:
+--   beat:<node>     ms until which the node's daemon is alive (its last heartbeat plus the heartbeat's time to live)
+--   suspect:<node>  ms until which a client that could not read from the node has marked it suspect
+--   left:<node>     ms when the node's daemon stopped on purpose (its heartbeat lapsed then)
+-- ARGV: op, node, ms.
+--   'beat'    the node is alive for ms more; fields that lapsed more than a day ago are forgotten
+--   'leave'   the node stops on purpose: its heartbeat lapses now
+--   'suspect' mark the node suspect for ms more (a longer mark already set is kept)
+--   'read'    returns {now_ms, field_1, value_1, ...}
+local op, node, ms = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if op == 'read' then
+  return {tostring(now), redis.call('HGETALL', KEYS[1])}
+elseif op == 'beat' then
+  redis.call('HSET', KEYS[1], 'beat:' .. node, now + ms)
+  redis.call('HDEL', KEYS[1], 'left:' .. node)
+  local fields = redis.call('HGETALL', KEYS[1])
+  for i = 1, #fields, 2 do
+    if tonumber(fields[i + 1]) < now - 86400000 then redis.call('HDEL', KEYS[1], fields[i]) end
+  end
+elseif op == 'leave' then
+  redis.call('HSET', KEYS[1], 'beat:' .. node, now, 'left:' .. node, now)
+elseif op == 'suspect' then
+  local until_ms = now + ms
+  local held = tonumber(redis.call('HGET', KEYS[1], 'suspect:' .. node) or '0')
+  if until_ms > held then redis.call('HSET', KEYS[1], 'suspect:' .. node, until_ms) end
+end
+return {tostring(now)}

@@ -1,0 +1,95 @@
+"""The cluster's table of which nodes answer (indexer/peers.py), on a real Redis and a real Redis Cluster, and the
+table's arithmetic."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import pytest
+
+from prefixcache.indexer.peers import PeerRegistry, PeerTable, PeerView
+from prefixcache.indexer.redis_clients import redis_client
+from tests.daemon_harness import wait_for
+
+_prefixes = itertools.count()
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def registry(request: pytest.FixtureRequest) -> Iterator[PeerRegistry]:
+    server = request.getfixturevalue("redis_server" if request.param == "redis" else "redis_cluster")
+    client = redis_client(server.url)
+    prefix = f"peers{next(_prefixes)}"
+    yield PeerRegistry(client, prefix)
+    client.delete(f"{prefix}:peers")
+    client.close()
+
+
+def test_a_table_says_who_is_alive_lapsed_suspect_and_stopped():
+    table = PeerTable(
+        now_ms=10_000,
+        beats={"a": 10_500, "b": 9_000, "c": 11_000, "d": 9_500},
+        suspects={"c": 12_000, "a": 9_999},
+        left=frozenset({"d"}),
+    )
+    assert table.alive == {"a"}
+    assert table.lapsed == {"b", "d"}
+    assert table.suspect == {"c"}
+    assert table.down == {"b", "c", "d"}
+
+
+def test_a_beating_node_is_alive_until_its_heartbeat_lapses(registry):
+    registry.beat("a", ttl_s=0.3)
+    registry.beat("b", ttl_s=60)
+    assert registry.read().alive == {"a", "b"}
+    assert wait_for(lambda: registry.read().lapsed == {"a"}, timeout_s=5)
+    registry.beat("a", ttl_s=60)
+    assert registry.read().down == frozenset()
+
+
+def test_a_node_that_leaves_is_down_at_once_and_alive_again_when_it_beats(registry):
+    registry.beat("a", ttl_s=60)
+    registry.leave("a")
+    table = registry.read()
+    assert table.down == {"a"} and table.left == {"a"}
+    registry.beat("a", ttl_s=60)
+    table = registry.read()
+    assert table.alive == {"a"} and table.left == frozenset()
+
+
+def test_a_suspect_mark_holds_for_its_time_and_a_longer_one_is_kept(registry):
+    registry.beat("a", ttl_s=60)
+    registry.suspect("a", for_s=60)
+    registry.suspect("a", for_s=0.2)  # shorter: the mark of 60 s stays
+    assert registry.read().suspect == {"a"}
+    registry.beat("b", ttl_s=60)
+    registry.suspect("b", for_s=0.2)
+    assert wait_for(lambda: registry.read().suspect == {"a"}, timeout_s=5)
+
+
+def test_a_view_skips_the_down_nodes_but_never_its_own(registry):
+    registry.beat("self", ttl_s=0.1)  # lapses at once: a view never avoids its own node
+    registry.beat("a", ttl_s=60)
+    registry.leave("b")
+    view = PeerView(registry, "self", refresh_s=0.05).start()
+    try:
+        assert wait_for(lambda: view.down == {"b"}, timeout_s=5)
+        view.suspect("a", for_s=60)
+        assert view.down == {"a", "b"}  # at once here, without waiting for the table
+        assert registry.read().suspect == {"a"}  # and for every other client
+        view.suspect("self")
+        assert "self" not in view.down and "self" not in registry.read().suspect
+        registry.beat("b", ttl_s=60)
+        assert wait_for(lambda: view.down == {"a"}, timeout_s=5)
+    finally:
+        view.close()
+
+
+def test_a_view_that_cannot_read_the_table_for_long_avoids_no_one(registry):
+    registry.leave("b")
+    view = PeerView(registry, "self", refresh_s=60, stale_s=0.2).start()
+    try:
+        assert view.down == {"b"}
+        assert wait_for(lambda: view.down == frozenset(), timeout_s=5)
+    finally:
+        view.close()
