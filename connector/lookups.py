@@ -37,13 +37,19 @@ class BatchedLookups:
     it, and call ``new_pass`` once vLLM has scheduled a step."""
 
     def __init__(
-        self, index: PrefixIndex, max_batch: int = MAX_BATCH, avoid: Callable[[], AbstractSet[str]] = frozenset
+        self,
+        index: PrefixIndex,
+        max_batch: int = MAX_BATCH,
+        avoid: Callable[[], AbstractSet[str]] = frozenset,
+        here: str = "",
     ) -> None:
-        """``avoid`` names, at each call, the nodes whose copies lookups skip (down or suspect: indexer/peers.py)."""
+        """``avoid`` names, at each call, the nodes whose copies lookups skip (down or suspect: indexer/peers.py);
+        ``here``: this engine's node, so that matches say which DRAM copies lie on other nodes."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self._index = index
         self._avoid = avoid
+        self._here = here
         self._max_batch = max_batch
         self._arrived: dict[str, _Noted] = {}  # requests added since the last pass, in order, not looked up yet
         self._made: dict[str, _Made] = {}  # this pass's lookups of requests vLLM has not asked about yet
@@ -73,7 +79,7 @@ class BatchedLookups:
         # only the matches taken count as used (last access, hits): a request vLLM does not reach this pass is
         # looked up again when it does
         found = self._index.lookup_many(
-            [query for _, (_, group) in batch for query in group], touch=False, avoid=self._avoid()
+            [query for _, (_, group) in batch for query in group], touch=False, avoid=self._avoid(), here=self._here
         )
         seconds = time.perf_counter() - started
         starts = itertools.accumulate((len(group) for _, (_, group) in batch), initial=0)

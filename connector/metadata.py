@@ -12,7 +12,9 @@ class LoadChunk:
     """Load pages ``first_page ..`` of stored chunk ``key`` (holding ``stored_tokens``) into ``blocks``;
     ``in_dram``: False when the lookup found the chunk on NVMe alone (its read starts there at once);
     ``ends_mid_block``: the load ends inside its last block, where vLLM writes the step's first computed
-    tokens, layer by layer before each attention layer waits for its KV, so the block must be in first."""
+    tokens, layer by layer before each attention layer waits for its KV, so the block must be in first;
+    ``remote``: its DRAM copies lie on other nodes only, so its read crosses the network and has a deadline (into
+    arena slots, never straight into the pages: a read abandoned at its deadline may still write later)."""
 
     key: bytes
     stored_tokens: int
@@ -20,6 +22,7 @@ class LoadChunk:
     blocks: list[int]
     in_dram: bool = True
     ends_mid_block: bool = False
+    remote: bool = False
 
 
 @dataclass

@@ -45,6 +45,7 @@ def load_plan(match: PrefixMatch, blocks: list[int], start: int, end: int, g: Ge
                     blocks[span],
                     in_dram=i not in nvme_only,
                     ends_mid_block=hi % g.block_tokens != 0,
+                    remote=i in match.remote_dram,
                 )
             )
     return plan

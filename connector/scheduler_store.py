@@ -38,7 +38,7 @@ class SchedulerStore:
             plan_geometry=Geometry(config.chunk_tokens, block_tokens),
             namespaces=namespaces,
             index=index,
-            lookups=BatchedLookups(index.index, avoid=lambda: index.peers.down),
+            lookups=BatchedLookups(index.index, avoid=lambda: index.peers.down, here=config.node),
         )
 
     def close(self) -> None:

@@ -218,10 +218,13 @@ class WorkerSide:
         started = time.perf_counter()
         layered, nvme_left = self._nvme.begin_load([chunk for chunk in chunks if not chunk.in_dram])
         dram, dram_left = self._dram.begin_load(
-            [chunk for chunk in chunks if chunk.in_dram], started=started, behind_forward=behind_forward
+            [chunk for chunk in chunks if chunk.in_dram and not chunk.remote],
+            started=started,
+            behind_forward=behind_forward,
         )
         from_disk = nvme_left + dram_left
-        elsewhere, _ = self._slots.begin_load(dram.no_room + from_disk, read_ahead=from_disk)
+        remote = [chunk for chunk in chunks if chunk.in_dram and chunk.remote]
+        elsewhere, _ = self._slots.begin_load(dram.no_room + remote + from_disk, read_ahead=from_disk)
         return _InPlaceRead(dram, layered, elsewhere)
 
     def wait_for_layer(self, layer: int) -> None:

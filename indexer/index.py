@@ -142,13 +142,16 @@ class PrefixMatch:
     """The longest cached prefix: full chunks ``keys`` then, optionally, part of one more chunk.
 
     ``without_dram``: positions in ``keys`` whose chunk the index lists in no DRAM tier (only on NVMe),
-    so a loader can start reading them from disk at once instead of asking DRAM first.
+    so a loader can start reading them from disk at once instead of asking DRAM first. ``remote_dram``: for a
+    lookup that named the asking node (``here``), positions whose DRAM copies all lie on other nodes, the partial
+    chunk's being ``len(keys)``: their reads cross the network.
     """
 
     keys: list[bytes]
     chunk_tokens: int
     partial: PartialHit | None = None
     without_dram: frozenset[int] = frozenset()
+    remote_dram: frozenset[int] = frozenset()
 
     @property
     def on_nvme_alone(self) -> frozenset[int]:
@@ -229,13 +232,21 @@ class PrefixIndex(Protocol):
 
     def namespaces(self) -> list[NamespaceSpec]: ...
 
-    def lookup(self, query: PrefixQuery, *, touch: bool = True, avoid: AbstractSet[str] = frozenset()) -> PrefixMatch:
+    def lookup(
+        self, query: PrefixQuery, *, touch: bool = True, avoid: AbstractSet[str] = frozenset(), here: str = ""
+    ) -> PrefixMatch:
         """The longest cached prefix. ``touch=False`` leaves access statistics alone (inspection, not use).
         ``avoid``: nodes that are down or suspect (indexer/peers.py): the prefix ends at the first chunk with no copy
-        on another node, and a chunk counts as in DRAM only for a DRAM copy on another node."""
+        on another node, and a chunk counts as in DRAM only for a DRAM copy on another node. ``here``: the asking
+        node, for ``PrefixMatch.remote_dram``."""
 
     def lookup_many(
-        self, queries: Sequence[PrefixQuery], *, touch: bool = True, avoid: AbstractSet[str] = frozenset()
+        self,
+        queries: Sequence[PrefixQuery],
+        *,
+        touch: bool = True,
+        avoid: AbstractSet[str] = frozenset(),
+        here: str = "",
     ) -> list[PrefixMatch]:
         """``lookup`` of each query, in one round trip: the chains of one prompt's shards (one per rank)."""
 

@@ -58,16 +58,17 @@ class PeerTable:
     beats: Mapping[str, int] = field(default_factory=dict)
     suspects: Mapping[str, int] = field(default_factory=dict)
     left: frozenset[str] = frozenset()  # nodes whose daemon stopped on purpose, and has not beaten since
+    marks: Mapping[str, int] = field(default_factory=dict)  # how often clients marked each node suspect
 
     @classmethod
     def of_reply(cls, reply: list) -> PeerTable:
         """The table from ``peers.lua``'s ``read`` reply: ``{now_ms, {field, value, ...}}``."""
         now_ms, fields = int(reply[0]), reply[1]
-        tables: dict[str, dict[str, int]] = {"beat": {}, "suspect": {}, "left": {}}
+        tables: dict[str, dict[str, int]] = {"beat": {}, "suspect": {}, "left": {}, "marks": {}}
         for i in range(0, len(fields), 2):
             kind, _, node = _text(fields[i]).partition(":")
             tables.get(kind, {})[node] = int(fields[i + 1])
-        return cls(now_ms, tables["beat"], tables["suspect"], frozenset(tables["left"]))
+        return cls(now_ms, tables["beat"], tables["suspect"], frozenset(tables["left"]), tables["marks"])
 
     @property
     def lapsed(self) -> frozenset[str]:

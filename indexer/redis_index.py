@@ -217,11 +217,18 @@ class RedisIndex:
                 self._unreadable.skip("namespace", digest.decode(errors="replace"), exc)
         return specs
 
-    def lookup(self, query: PrefixQuery, *, touch: bool = True, avoid: AbstractSet[str] = frozenset()) -> PrefixMatch:
-        return self.lookup_many([query], touch=touch, avoid=avoid)[0]
+    def lookup(
+        self, query: PrefixQuery, *, touch: bool = True, avoid: AbstractSet[str] = frozenset(), here: str = ""
+    ) -> PrefixMatch:
+        return self.lookup_many([query], touch=touch, avoid=avoid, here=here)[0]
 
     def lookup_many(
-        self, queries: Sequence[PrefixQuery], *, touch: bool = True, avoid: AbstractSet[str] = frozenset()
+        self,
+        queries: Sequence[PrefixQuery],
+        *,
+        touch: bool = True,
+        avoid: AbstractSet[str] = frozenset(),
+        here: str = "",
     ) -> list[PrefixMatch]:
         replies: list[list | None] = [None] * len(queries)
         by_shard: dict[str, tuple[Shard, list[int]]] = {}
@@ -236,7 +243,7 @@ class RedisIndex:
         avoided = f",{','.join(sorted(avoid))}," if avoid else ""
         with self._reachable():
             for shard, positions in by_shard.values():
-                args: list[object] = [self._max_candidates, heads_elsewhere, avoided]
+                args: list[object] = [self._max_candidates, heads_elsewhere, avoided, here]
                 for i in positions:
                     query = queries[i]
                     anchor = query.keys[0].hex() if self.clustered else ""
@@ -249,7 +256,7 @@ class RedisIndex:
                     replies[i] = reply
             if self.clustered:
                 self._read_first_buckets(queries, replies, avoid)
-        matches = [self._match(query, reply) for query, reply in zip(queries, replies, strict=True)]
+        matches = [self._match(query, reply, bool(here)) for query, reply in zip(queries, replies, strict=True)]
         if self.clustered:
             for match in matches:
                 self._remember_chain(match.keys)
@@ -300,15 +307,25 @@ class RedisIndex:
         for match in matches:
             self._access.record(b"".join(match.keys).hex())
 
-    def _match(self, query: PrefixQuery, reply: list) -> PrefixMatch:
+    def _match(self, query: PrefixQuery, reply: list, placed: bool) -> PrefixMatch:
+        """The match of ``query`` from its script reply; ``placed``: the lookup named the asking node, so a DRAM
+        copy flagged '1' lies elsewhere ('2': on that node)."""
         hits = int(reply[0])
         without_dram = frozenset(i for i, flag in enumerate(reply[1]) if flag == ord("0"))
+        flags = {bytes.fromhex(reply[i].decode()): reply[i + 2] for i in range(2, len(reply), 3)}
         candidates = [
             (bytes.fromhex(reply[i].decode()), reply[i + 1], reply[i + 2] != b"0") for i in range(2, len(reply), 3)
         ]
         partial = best_partial(query, hits, candidates) if candidates else None
+        remote = frozenset(i for i, flag in enumerate(reply[1]) if flag == ord("1")) if placed else frozenset()
+        if placed and partial is not None and flags[partial.key] == b"1":
+            remote |= {hits}
         return PrefixMatch(
-            keys=list(query.keys[:hits]), chunk_tokens=query.chunk_tokens, partial=partial, without_dram=without_dram
+            keys=list(query.keys[:hits]),
+            chunk_tokens=query.chunk_tokens,
+            partial=partial,
+            without_dram=without_dram,
+            remote_dram=remote,
         )
 
     def flush_access(self) -> None:

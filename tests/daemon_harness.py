@@ -293,11 +293,15 @@ def publish_prompt(
     return [m.key for m, _, _ in chunks], [p for _, _, p in chunks]
 
 
-def fetch_payloads(client: CacheClient, keys: list[bytes], store_disk_reads: bool = False) -> list[bytes | None]:
-    """Fetch ``keys`` into fresh slots; ``store_disk_reads`` stores those read from NVMe into DRAM, as loads do."""
+def fetch_payloads(
+    client: CacheClient, keys: list[bytes], store_disk_reads: bool = False, across_network: bool = False
+) -> list[bytes | None]:
+    """Fetch ``keys`` into fresh slots; ``store_disk_reads`` stores those read from NVMe into DRAM, as loads do;
+    ``across_network``: as a load of chunks the lookup found in other nodes' DRAM (with a deadline)."""
     slots = [client.slot(4 << 20) for _ in keys]
     try:
-        payloads = [bytes(view) if view is not None else None for view in client.fetch(keys, slots)]
+        fetched = client.fetch(keys, slots, across_network=across_network)
+        payloads = [bytes(view) if view is not None else None for view in fetched]
         if store_disk_reads:
             client.store_disk_reads(client.take_disk_reads())
         return payloads

@@ -9,7 +9,7 @@ its own, in ``PREFIXCACHE_REDIS_PASSWORD``), then answers each JSON line it read
 hex, payloads base64, a failure ``{"error": TRACEBACK}``.
 
     {"call": "publish", "tokens": [...], "seed": 0}  -> {"keys": [...], "payloads": [...]}   (publish_prompt)
-    {"call": "fetch", "keys": [...]}                 -> {"payloads": [... | null]}          (fetch_payloads)
+    {"call": "fetch", "keys": [...], "across": false} -> {"payloads": [... | null]}         (fetch_payloads)
     {"call": "persisted", "keys": [...]}             -> {"waited_s": ...}                   (wait_persisted)
     {"call": "demote", "keys": [...]}                -> {"demoted": [true | false...]}
     {"call": "counters"}                             -> the client's counters (fetched, missing, promoted...)
@@ -47,7 +47,8 @@ def answer(client: CacheClient, request: dict) -> dict:
         published, payloads = publish_prompt(client, request["tokens"], seed=request.get("seed", 0))
         return {"keys": [key.hex() for key in published], "payloads": [_encoded(p) for p in payloads]}
     if request["call"] == "fetch":
-        return {"payloads": [_encoded(p) for p in fetch_payloads(client, keys)]}
+        payloads = fetch_payloads(client, keys, across_network=request.get("across", False))
+        return {"payloads": [_encoded(p) for p in payloads]}
     if request["call"] == "persisted":
         return {"waited_s": wait_persisted(client, keys)}
     if request["call"] == "demote":  # as the daemon's demotion does: DRAM copies go, their NVMe copies stay
@@ -110,9 +111,10 @@ class HostClient:
         reply = self.call("publish", tokens=tokens, seed=seed)
         return [bytes.fromhex(key) for key in reply["keys"]], [base64.b64decode(p) for p in reply["payloads"]]
 
-    def fetch(self, keys: list[bytes]) -> list[bytes | None]:
+    def fetch(self, keys: list[bytes], across_network: bool = False) -> list[bytes | None]:
         """``fetch_payloads`` on the client's host."""
-        return [_decoded(p) for p in self.call("fetch", keys=[key.hex() for key in keys])["payloads"]]
+        reply = self.call("fetch", keys=[key.hex() for key in keys], across=across_network)
+        return [_decoded(p) for p in reply["payloads"]]
 
     def wait_persisted(self, keys: list[bytes]) -> None:
         self.call("persisted", keys=[key.hex() for key in keys])

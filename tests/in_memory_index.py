@@ -70,7 +70,9 @@ class InMemoryIndex:
         with self._lock:
             return list(self._namespaces.values())
 
-    def lookup(self, query: PrefixQuery, *, touch: bool = True, avoid: AbstractSet[str] = frozenset()) -> PrefixMatch:
+    def lookup(
+        self, query: PrefixQuery, *, touch: bool = True, avoid: AbstractSet[str] = frozenset(), here: str = ""
+    ) -> PrefixMatch:
         now = time.time()
         with self._lock:
             hits = 0
@@ -88,15 +90,34 @@ class InMemoryIndex:
                 if key not in self._slots or self._reachable(key, avoid)
             ]
             without_dram = frozenset(i for i, key in enumerate(query.keys[:hits]) if not self._in_dram(key, avoid))
-        partial = best_partial(query, hits, candidates) if candidates else None
+            partial = best_partial(query, hits, candidates) if candidates else None
+            chosen = [*query.keys[:hits], *([partial.key] if partial else [])]
+            remote = frozenset(
+                i
+                for i, key in enumerate(chosen)
+                if here and key in self._slots and self._in_dram(key, avoid) and not self._in_dram_on(key, here)
+            )
         return PrefixMatch(
-            keys=list(query.keys[:hits]), chunk_tokens=query.chunk_tokens, partial=partial, without_dram=without_dram
+            keys=list(query.keys[:hits]),
+            chunk_tokens=query.chunk_tokens,
+            partial=partial,
+            without_dram=without_dram,
+            remote_dram=remote,
         )
 
     def lookup_many(
-        self, queries: Sequence[PrefixQuery], *, touch: bool = True, avoid: AbstractSet[str] = frozenset()
+        self,
+        queries: Sequence[PrefixQuery],
+        *,
+        touch: bool = True,
+        avoid: AbstractSet[str] = frozenset(),
+        here: str = "",
     ) -> list[PrefixMatch]:
-        return [self.lookup(query, touch=touch, avoid=avoid) for query in queries]
+        return [self.lookup(query, touch=touch, avoid=avoid, here=here) for query in queries]
+
+    def _in_dram_on(self, key: bytes, node: str) -> bool:
+        """Whether ``key``'s entry lists a DRAM copy on ``node`` (call with the lock held)."""
+        return any(at.tier == "dram" and at.node == node for at in self._slots[key].locations)
 
     def _reachable(self, key: bytes, avoid: AbstractSet[str]) -> bool:
         """Whether ``key``'s entry lists a copy on a node not in ``avoid`` (call with the lock held)."""

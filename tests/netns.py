@@ -161,6 +161,17 @@ class Host:
         """Put this host's cable back on the bridge."""
         ip("link", "set", self.veth, "up")
 
+    def slow(self, rate: str = "1mbit") -> None:
+        """Shape what this host sends to ``rate`` (a token bucket: slow, not dead; this kernel has no netem)."""
+        tc = ["tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate, "burst", "32kbit", "latency", "1s"]
+        subprocess.run(self.command(tc), check=True, capture_output=True, timeout=30)
+
+    def unslow(self) -> None:
+        """Take the shaping off again."""
+        subprocess.run(
+            self.command(["tc", "qdisc", "del", "dev", "eth0", "root"]), check=True, capture_output=True, timeout=30
+        )
+
     def sent_bytes(self) -> int:
         """Bytes this host has sent onto the network (what its cable's bridge end received)."""
         return int(Path(f"/sys/class/net/{self.veth}/statistics/rx_bytes").read_text())

@@ -1,4 +1,5 @@
 import mmap
+import time
 
 import pytest
 
@@ -45,3 +46,22 @@ def test_a_batch_takes_the_leading_sizes_that_fit_and_raises_only_when_none_does
     assert [len(s) for s in slots] == [4 * ALIGN, 8 * ALIGN]  # the third does not fit: stop there
     with pytest.raises(ArenaFullError):
         arena.alloc_batch([8 * ALIGN])
+
+
+def test_a_held_slot_stays_out_of_use_after_its_free_until_its_hold_is_over(arena):
+    """A read abandoned at its deadline may still write its slot: freed, the slot waits for the read's call to
+    return and the margin to pass."""
+    held, other = arena.alloc(ALIGN), arena.alloc(ALIGN)
+    hold = arena.hold(held, margin_s=0.05)
+    arena.free(held)
+    arena.free(other)
+    assert arena.held_bytes == ALIGN
+    assert [arena.offset_of(arena.alloc(ALIGN)) for _ in range(15)] == list(range(ALIGN, 16 * ALIGN, ALIGN))
+    with pytest.raises(ArenaFullError):
+        arena.alloc(1)  # the held slot is not handed out, though its caller freed it
+    hold.over()
+    with pytest.raises(ArenaFullError):
+        arena.alloc(1)  # the call returned, but a transfer it left may still write for the margin
+    time.sleep(0.1)
+    assert arena.offset_of(arena.alloc(ALIGN)) == 0
+    assert arena.held_bytes == 0

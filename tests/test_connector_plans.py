@@ -59,6 +59,13 @@ def test_chunks_the_lookup_found_on_nvme_alone_are_marked_so():
     assert [c.in_dram for c in load_plan(m, BLOCKS, 0, 808, G)] == [True, False, True, False]
 
 
+def test_chunks_whose_dram_copies_lie_on_other_nodes_are_marked_remote():
+    """Their reads cross the network: through slots, with a deadline (connector/worker_side.py)."""
+    m = dataclasses.replace(match(3, partial_tokens=40, stored=232), remote_dram=frozenset({0, 3}))
+    assert [c.remote for c in load_plan(m, BLOCKS, 0, 808, G)] == [True, False, False, True]
+    assert not any(c.remote for c in load_plan(match(3), BLOCKS, 0, 768, G))
+
+
 def test_the_chunk_whose_load_ends_inside_a_block_is_marked_so():
     """vLLM writes the step's first computed tokens into that block: it must be in before the forward pass."""
     ends = [c.ends_mid_block for c in load_plan(match(3, partial_tokens=231, stored=232), BLOCKS, 0, 999, G)]

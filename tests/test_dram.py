@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import time
 
 import numpy as np
@@ -11,9 +12,10 @@ import pytest
 
 from prefixcache.cachestore.chunks.codec import ChunkMeta, encode, payload_offset, read_meta
 from prefixcache.cachestore.chunks.mac import ChunkMacKey
+from prefixcache.cachestore.tiers import dram
 from prefixcache.cachestore.tiers.dram import first_part_rows, split_at, split_offset, split_pieces
 from prefixcache.indexer.tokens import pack_tokens
-from tests.daemon_harness import CallCounter
+from tests.daemon_harness import CallCounter, wait_for
 
 
 @pytest.fixture
@@ -207,3 +209,37 @@ def test_pieces_are_cut_at_a_byte_inside_or_between_them():
         assert b"".join(first) == bytes(range(at)) and b"".join(second) == bytes(range(at, 100))
         assert all(len(piece) for piece in first + second)
     assert split_pieces(pieces, None) == [pieces]
+
+
+def test_a_read_past_its_deadline_is_late_and_its_slot_held_until_mooncake_returns(private_mooncake, monkeypatch):
+    """The segment owner frozen (SIGSTOP): a read with a deadline answers LATE at it, not after Mooncake's 30 s; the
+    slot it targeted is not handed out again until the call has returned and the margin passed."""
+    monkeypatch.setattr(dram, "LATE_WRITE_MARGIN_S", 0.2)
+    tier = private_mooncake.tier(arena_bytes=8 << 20)
+    owner = private_mooncake.owner.pid
+    try:
+        k = os.urandom(16)
+        assert tier.put([(k, b"a" * 4096)]) == [True]
+        slot = tier.arena.alloc(4096)
+        held_at = tier.arena.offset_of(slot)
+
+        def handed_out_again() -> bool:
+            probe = tier.arena.alloc(4096)
+            tier.arena.free(probe)
+            return tier.arena.offset_of(probe) == held_at
+
+        assert tier.get_into([k], [slot], deadline_s=5) == [4096]  # in time: as without a deadline
+        os.kill(owner, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert tier.get_into([k], [slot], deadline_s=0.3) == [dram.LATE]
+            assert time.monotonic() - started < 5
+            assert tier.late_reads == 1
+            tier.arena.free(slot)
+            time.sleep(0.5)  # past the margin, but the call is still in Mooncake: the slot stays held
+            assert not handed_out_again()
+        finally:
+            os.kill(owner, signal.SIGCONT)
+        assert wait_for(handed_out_again, timeout_s=60), "the slot stayed held after Mooncake's call returned"
+    finally:
+        tier.close()

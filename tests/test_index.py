@@ -152,6 +152,21 @@ def test_a_lookup_avoiding_nodes_stops_at_the_first_chunk_held_only_there(index,
     assert index.lookup(prompt_query(spec.root(), geometry, tokens), avoid={"node-a", "node-b"}).matched_tokens == 0
 
 
+def test_a_lookup_that_names_its_node_says_which_dram_copies_lie_elsewhere(index, spec, geometry):
+    """Those reads cross the network: a loader reads them into slots, with a deadline."""
+    tokens = list(range(300))  # 4 full chunks + a 44-token tail, all on node-a's DRAM
+    keys = publish(index, spec, tokens)
+    index.add_location([keys[1], keys[4]], Location("dram", "node-b"))
+    index.add_location([keys[2]], Location("nvme", "node-b"))
+    index.drop_location([keys[2]], DRAM)
+    query = prompt_query(spec.root(), geometry, tokens)
+    on_b = index.lookup(query, here="node-b")
+    assert on_b.matched_tokens == 300 and on_b.without_dram == {2} and on_b.remote_dram == {0, 3}
+    assert index.lookup(query, here="node-a").remote_dram == set()  # node-a holds a DRAM copy of each
+    assert index.lookup(query, here="node-c").remote_dram == {0, 1, 3, 4}
+    assert index.lookup(query).remote_dram == set()  # no node named: nothing said
+
+
 def test_a_lookup_avoiding_nodes_takes_no_partial_chunk_held_only_there(index, spec, geometry):
     stored = list(range(200))
     keys = publish(index, spec, stored)  # chunks [0,64) [64,128) [128,192) and tail [192,200) on node-a

@@ -18,6 +18,7 @@ shared memory. The hosts' traffic counters show the chunks crossing.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from pathlib import Path
@@ -33,6 +34,9 @@ from tests.test_two_nodes import evict, nvme_chunks
 
 CHUNK = 64
 KV_EVENTS_PORT = 5557
+#: What a load of a lost or slow node's chunks may take, with every margin this noisy machine needs: its read's
+#: deadline is 0.5 s and a promotion's wait 2 s, where Mooncake alone waits 30 s.
+LOAD_BOUND_S = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +164,10 @@ def health_of(daemon) -> dict:
     return httpx.get(daemon.url + "/v1/health", timeout=10).json()
 
 
+def stats_of(daemon) -> dict:
+    return httpx.get(daemon.url + "/v1/stats", headers=daemon.headers, timeout=10).json()
+
+
 def lose_a(cluster: Cluster, lose: Callable[[Host], None], recover: Callable[[Host], None] | None = None) -> None:
     """Publish a prompt on each node, B reading A's too (its owner then holds connections to A's), lose A
     (``lose(host_a)``), and check what B serves then: B takes A for down within seconds, so its lookups of A's
@@ -175,6 +183,9 @@ def lose_a(cluster: Cluster, lose: Callable[[Host], None], recover: Callable[[Ho
         assert on_b.fetch(a_keys) == a_payloads
         assert on_b.down() == set() and on_b.lookup(a_tokens) == a_keys
         lose(cluster.host_a)
+        started = time.monotonic()  # a load planned just before the loss: its read has a deadline
+        assert on_b.fetch(a_keys, across_network=True) == [None] * len(a_keys)
+        assert time.monotonic() - started < LOAD_BOUND_S, "a read from the lost node waited for Mooncake"
         assert wait_for(lambda: on_b.down() == {"node-a"}, timeout_s=10), "B never took A for down"
         assert on_b.lookup(a_tokens) == [], "B's lookups still offer chunks only A holds"
         assert on_b.lookup(b_tokens) == b_keys
@@ -209,3 +220,32 @@ def test_a_host_cut_off_the_network_is_skipped_and_read_again_once_plugged_back(
 
 def test_a_frozen_host_is_skipped_and_read_again_once_it_runs_again(doomed_cluster):
     lose_a(doomed_cluster, Host.freeze, recover=Host.thaw)
+
+
+def test_a_host_behind_a_slow_link_costs_a_read_its_deadline_then_is_skipped_until_it_is_fast(doomed_cluster):
+    """A's link shaped to 1 Mbit/s: alive (it beats), but a read of its chunks would take seconds. The read is a miss
+    at its deadline, A is marked suspect for everyone, and lookups skip it; once the link is fast and the mark
+    over, B reads from A again."""
+    cluster = doomed_cluster
+    a_tokens = prompt(10, chunks=3)  # 3 chunks of 128 KiB: 3 s at 1 Mbit/s
+    with cluster.client_a() as on_a, cluster.client_b() as on_b:
+        a_keys, a_payloads = on_a.publish(a_tokens, seed=10)
+        b_keys, b_payloads = on_b.publish(prompt(11, chunks=2), seed=11)
+        assert on_b.fetch(a_keys, across_network=True) == a_payloads
+        cluster.host_a.slow("1mbit")
+        try:
+            started = time.monotonic()
+            assert on_b.fetch(a_keys, across_network=True) == [None] * len(a_keys)
+            assert time.monotonic() - started < LOAD_BOUND_S, "a read over the slow link was not cut at its deadline"
+            assert on_b.counters()["late"] == len(a_keys)
+            assert on_b.down() == {"node-a"} and on_b.lookup(a_tokens) == []
+            peers = health_of(cluster.b)["components"]["peers"]
+            assert "node-a (marked suspect)" in peers["detail"], peers
+            assert on_b.fetch(b_keys) == b_payloads
+            assert wait_for(lambda: stats_of(cluster.b)["clients"]["late_chunks"] == len(a_keys))  # flushed each 1 s
+            assert stats_of(cluster.b)["peers"]["node-a"]["suspect_marks"] >= 1
+        finally:
+            cluster.host_a.unslow()
+        assert wait_for(lambda: on_b.lookup(a_tokens) == a_keys, timeout_s=30), "A was never read from again"
+        assert wait_for(lambda: on_b.fetch(a_keys, across_network=True) == a_payloads, timeout_s=60)
+        assert on_b.counters()["corrupt"] == 0

@@ -129,10 +129,13 @@ def test_a_stopped_node_is_asked_nothing_and_read_again_once_it_is_back(cluster)
         assert index_redis.llen(queue) == 0  # nothing was asked of B
         peers = httpx.get(a.url + "/v1/health").json()["components"]["peers"]
         assert peers["ok"] and not peers["degraded"] and "stopped: node-b" in peers["detail"]
+        assert stats(a)["peers"] == {"node-b": {"down": True, "stopped": True, "suspect_marks": 0}}
+        assert 'prefixcache_peer_down{peer="node-b"} 0.0' in httpx.get(a.url + "/metrics", headers=a.headers).text
         b.start()
         assert wait_for(lambda: reader.peers.down == frozenset(), timeout_s=10)
         assert reader.lookup(prompt_query(reader.spec.root(), reader.geometry, tokens)).keys == keys
-        assert fetch_payloads(reader, keys) == payloads  # promoted by B's daemon
+        # promoted by B's daemon, once this node's segment owner reads B's new segment (its endpoints, within 2 s)
+        assert wait_for(lambda: fetch_payloads(reader, keys) == payloads, timeout_s=15)
     finally:
         reader.close()
         index_redis.close()

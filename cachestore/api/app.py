@@ -66,6 +66,9 @@ class ClientStats(BaseModel):
     over_quota_chunks: int = Field(
         default=0, description="chunks publishes left out: their tenant or namespace was at quota"
     )
+    late_chunks: int = Field(
+        default=0, description="chunks whose read from another node passed its deadline: recomputed, the node suspect"
+    )
 
 
 class EvictionStats(BaseModel):
@@ -86,6 +89,12 @@ class NamespaceStats(BaseModel):
     bytes: int
     tiers: dict[Tier, TierUse] = Field(description="copies per tier, over all nodes")
     clients: ClientStats
+
+
+class PeerStats(BaseModel):
+    down: bool = Field(description="clients read nothing from it now: its heartbeat lapsed, or it is marked suspect")
+    stopped: bool = Field(description="its daemon stopped on purpose")
+    suspect_marks: int = Field(description="times a client could not read from it and marked it suspect")
 
 
 class Stats(BaseModel):
@@ -115,6 +124,9 @@ class Stats(BaseModel):
     quotas: list[Quota] = Field(default_factory=list, description="every quota and what its scope holds (/v1/quotas)")
     child_restarts: dict[str, int] = Field(
         default_factory=dict, description="restarts of each server the daemon started (cachestore/node/supervisor.py)"
+    )
+    peers: dict[str, PeerStats] = Field(
+        default_factory=dict, description="the cluster's other nodes as the index's table of peers has them"
     )
 
 

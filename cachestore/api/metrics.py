@@ -34,6 +34,7 @@ CLIENT_COUNTERS = {
     "published_chunks": "chunks published",
     "publish_failures": "chunks a publish could not store",
     "over_quota_chunks": "chunks a publish left out, their tenant or namespace being at its quota",
+    "late_chunks": "chunks whose read from another node passed its deadline (recomputed; that node marked suspect)",
 }
 
 
@@ -73,6 +74,17 @@ class CacheCollector(Collector):
         queues.add_metric(["write_behind"], s.queues.write_behind)
         queues.add_metric(["eviction_orders"], s.queues.eviction_orders)
         yield queues
+        down = GaugeMetricFamily(
+            "prefixcache_peer_down", "1 while clients skip that node (lost, or suspect)", labels=["peer"]
+        )
+        marks = CounterMetricFamily(
+            "prefixcache_peer_suspect_marks", "times clients could not read from that node", labels=["peer"]
+        )
+        for peer, state in s.peers.items():
+            down.add_metric([peer], int(state.down and not state.stopped))
+            marks.add_metric([peer], state.suspect_marks)
+        yield down
+        yield marks
         restarts = CounterMetricFamily(
             "prefixcache_child_restarts", "restarts of the servers the daemon started", labels=["child"]
         )

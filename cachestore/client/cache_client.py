@@ -28,7 +28,7 @@ from prefixcache.cachestore.chunks.mac import ChunkMacKey
 from prefixcache.cachestore.client.client_stats import ClientStatsRecorder
 from prefixcache.cachestore.client.config import ClientConfig, chunk_mac_key, fetch_config, index_url
 from prefixcache.cachestore.client.node_requests import PromotionStream, locate
-from prefixcache.cachestore.tiers.dram import MooncakeTier
+from prefixcache.cachestore.tiers.dram import LATE, MooncakeTier
 from prefixcache.cachestore.tiers.nvme import Extent, read_extent
 from prefixcache.indexer.chunking import ChunkGeometry
 from prefixcache.indexer.errors import IndexUnavailableError
@@ -46,6 +46,12 @@ log = logging.getLogger("prefixcache.client")
 UNPERSISTED_PROTECTION_S = 60.0
 #: O_DIRECT reads in flight when loading from this node's NVMe: a few in flight keep the disk busier than one.
 DISK_READERS = 4
+#: The deadline of a read that may cross the network (another node's DRAM copy): this floor, plus its bytes at
+#: ``READ_FLOOR_BYTES_PER_S``, a rate any link between serving nodes beats. A read past it is a miss, recomputed,
+#: and the nodes holding its chunks are marked suspect, so that a lost or congested node costs a request at most
+#: about this much more than computing it.
+READ_DEADLINE_FLOOR_S = 0.5
+READ_FLOOR_BYTES_PER_S = 500e6
 
 #: What ``fetch_checking_later`` gives per chunk: its verified payload, a future of it, or None (a miss).
 FetchedPayload = memoryview | Future[memoryview | None] | None
@@ -66,6 +72,7 @@ class ClientCounters:
     missing: int = 0
     corrupt: int = 0
     mac_failures: int = 0  # of those corrupt, chunks whose MAC did not verify
+    late: int = 0  # chunks whose read from another node passed its deadline: missing, their holders suspect
     promoted: int = 0
     read_from_disk: int = 0
     stored_after_disk_read: int = 0
@@ -75,6 +82,11 @@ class ClientCounters:
         with self._lock:
             for name, delta in deltas.items():
                 setattr(self, name, getattr(self, name) + delta)
+
+
+def read_deadline_s(size_bytes: int) -> float:
+    """How long a read of ``size_bytes`` that may cross the network may take before it is a miss."""
+    return READ_DEADLINE_FLOOR_S + size_bytes / READ_FLOOR_BYTES_PER_S
 
 
 class CacheClient:
@@ -139,7 +151,7 @@ class CacheClient:
         self.counters.count(lookups=1)
         started = time.perf_counter()
         try:
-            match = self.index.lookup(query, avoid=self.peers.down)
+            match = self.index.lookup(query, avoid=self.peers.down, here=self.node)
         except IndexUnavailableError as exc:
             self.counters.count(lookup_errors=1)
             log.debug("lookup missed: %s", exc)
@@ -215,6 +227,7 @@ class CacheClient:
         *,
         upcoming: Sequence[tuple[bytes, memoryview]] = (),
         cuts: Sequence[int | None] = (),
+        across_network: bool = False,
     ) -> list[memoryview | None]:
         """Each chunk's verified payload (a view into its slot), or None: a miss the caller recomputes.
 
@@ -226,9 +239,13 @@ class CacheClient:
         the same requests, and starts reading this node's straight into those slots, so later calls
         find them read or on their way, or promoted. A caller that stops before fetching them all
         calls ``settle_reads`` before releasing the slots. ``cuts``: where each chunk's DRAM copy is cut, if
-        the caller knows (``MooncakeTier.get_into``), so that its two parts come in one call.
+        the caller knows (``MooncakeTier.get_into``), so that its two parts come in one call. ``across_network``:
+        some DRAM copies may lie on other nodes (the lookup said so), so the read has a deadline
+        (``READ_DEADLINE_FLOOR_S``), and ``slots`` must be arena slots.
         """
-        return cast("list[memoryview | None]", self._fetch(keys, slots, upcoming, None, cuts))  # all checked
+        return cast(  # all checked
+            "list[memoryview | None]", self._fetch(keys, slots, upcoming, None, cuts, across_network)
+        )
 
     def fetch_checking_later(
         self,
@@ -238,6 +255,7 @@ class CacheClient:
         checks: Executor,
         upcoming: Sequence[tuple[bytes, memoryview]] = (),
         cuts: Sequence[int | None] = (),
+        across_network: bool = False,
     ) -> list[FetchedPayload]:
         """``fetch``, returning as soon as DRAM has copied its chunks into their slots: each of those comes
         back as a future of its verified payload, its MAC computed on ``checks``, so the caller reads
@@ -247,7 +265,7 @@ class CacheClient:
         NVMe. Chunks from NVMe come back verified, as from ``fetch``. The caller waits for every future
         before it releases their slots.
         """
-        return self._fetch(keys, slots, upcoming, checks, cuts)
+        return self._fetch(keys, slots, upcoming, checks, cuts, across_network)
 
     def _fetch(
         self,
@@ -256,13 +274,15 @@ class CacheClient:
         upcoming: Sequence[tuple[bytes, memoryview]],
         checks: Executor | None,
         cuts: Sequence[int | None],
+        across_network: bool,
     ) -> list[FetchedPayload]:
         started = time.perf_counter()
         self._disk_reads = []
         self._streams = {key: stream for key, stream in self._streams.items() if not stream.expired}
         out: list[FetchedPayload] = [None] * len(keys)
         planned = {i for i, key in enumerate(keys) if key in self._streams or key in self._disk_reads_ahead}
-        corrupt = self._read(keys, slots, [i for i in range(len(keys)) if i not in planned], out, checks, cuts)
+        unplanned = [i for i in range(len(keys)) if i not in planned]
+        corrupt = self._read(keys, slots, unplanned, out, checks, cuts, across_network)
         if missing := [i for i in range(len(keys)) if out[i] is None and i not in planned]:
             self._plan_nvme([keys[i] for i in missing], {keys[i]: slots[i] for i in missing}, upcoming)
         self._read_disk(
@@ -422,16 +442,24 @@ class CacheClient:
         out: list[FetchedPayload],
         checks: Executor | None,
         cuts: Sequence[int | None],
+        across_network: bool,
     ) -> int:
         """Read ``keys[i]`` into ``slots[i]`` from DRAM for each i in positions (at ``cuts[i]``, if any: ``fetch``),
-        filling ``out`` with the verified payloads, or with futures of them verified on ``checks``. Returns how
-        many of those verified here were rejected (the checks on ``checks`` count their own)."""
+        filling ``out`` with the verified payloads, or with futures of them verified on ``checks``; with a deadline
+        ``across_network``. Returns how many of those verified here were rejected (the checks on ``checks`` count
+        their own)."""
         if not positions:
             return 0
         rejected = 0
+        wanted = [keys[i] for i in positions]
         sizes = self.dram.get_into(
-            [keys[i] for i in positions], [slots[i] for i in positions], [cuts[i] for i in positions] if cuts else ()
+            wanted,
+            [slots[i] for i in positions],
+            [cuts[i] for i in positions] if cuts else (),
+            deadline_s=read_deadline_s(sum(len(slots[i]) for i in positions)) if across_network else None,
         )
+        if LATE in sizes:
+            self._late([key for key, size in zip(wanted, sizes, strict=True) if size == LATE])
         for i, size in zip(positions, sizes, strict=True):
             if checks is None or size < 0:
                 out[i] = self._verified(keys[i], slots[i], size)
@@ -574,8 +602,27 @@ class CacheClient:
                 )
             ready = [i for i, ok in zip(waiting, flags, strict=True) if ok]
             self.counters.count(promoted=len(ready))
-            rejected += self._read(keys, slots, ready, out, None, cuts)  # after a promotion: checked here
+            # after a promotion: checked here, with a deadline when another node's DRAM holds them now
+            rejected += self._read(keys, slots, ready, out, None, cuts, stream.node != self.node)
         return rejected
+
+    def _late(self, keys: list[bytes]) -> None:
+        """Chunks whose read passed its deadline: counted, and every other node holding a DRAM copy of them marked
+        suspect, so that no client reads from those nodes for a while (indexer/peers.py)."""
+        self.counters.count(late=len(keys))
+        self.recorder.record_late(self.spec.digest, len(keys))
+        try:
+            entries = self.index.get(keys)
+        except IndexUnavailableError:
+            return
+        holders = {loc.node for e in entries if e for loc in e.locations if loc.tier == "dram"} - {self.node}
+        for node in sorted(holders):
+            log.warning(
+                "a read from node %s passed its deadline: its chunks are recomputed, and it is skipped for %.0fs",
+                node,
+                SUSPECT_S,
+            )
+            self.peers.suspect(node)
 
     def _verified(self, key: bytes, slot: memoryview, size: int) -> memoryview | None:
         if size < 0:

@@ -42,6 +42,7 @@ COUNTERS = (
     "published_chunks",
     "publish_failures",
     "over_quota_chunks",
+    "late_chunks",
 )
 
 
@@ -95,6 +96,10 @@ class ClientStatsRecorder(PeriodicFlusher):
     def record_over_quota(self, namespace: bytes, chunks: int) -> None:
         """Chunks a publish left out: their tenant or namespace had no room left in its quota."""
         self._count(namespace.hex(), {"over_quota_chunks": chunks})
+
+    def record_late(self, namespace: bytes, chunks: int) -> None:
+        """Chunks whose read from another node passed its deadline (a miss, recomputed)."""
+        self._count(namespace.hex(), {"late_chunks": chunks})
 
     def _add(self, ns: str, seconds: float, op: Operation, **counts: int) -> None:
         bucket = bisect.bisect_left(LATENCY_BUCKETS_S, seconds)

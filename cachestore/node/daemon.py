@@ -27,6 +27,7 @@ from prefixcache.cachestore.api.admin_routes import admin_routers
 from prefixcache.cachestore.api.app import (
     ComponentHealth,
     EvictionStats,
+    PeerStats,
     QueueDepths,
     Stats,
     TierStats,
@@ -503,7 +504,19 @@ class NodeDaemon:
             tenants={t or NO_TENANT: TierUse(chunks=u.chunks, bytes=u.bytes) for t, u in tenants.items()},
             quotas=[quota(state) for state in self.quotas.states(usage, tenants)],
             child_restarts=self.supervisor.restarts,
+            peers=self._peer_stats(),
         )
+
+    def _peer_stats(self) -> dict[str, PeerStats]:
+        """The other nodes as the table of peers has them (none while the index does not answer)."""
+        try:
+            table = self.peers.read()
+        except IndexUnavailableError:
+            return {}
+        return {
+            peer: PeerStats(down=peer in table.down, stopped=peer in table.left, suspect_marks=table.marks.get(peer, 0))
+            for peer in sorted(set(table.beats) - {self.settings.node})
+        }
 
     def client_stats(self) -> dict[bytes, ClientStatsRecord]:
         """The client stats of this node (what clients attached to it recorded), per namespace."""

@@ -30,7 +30,10 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from contextlib import ExitStack
+from typing import cast
 
 from prefixcache.cachestore.chunks.arena import Arena, address_of, view_at
 from prefixcache.cachestore.chunks.codec import ChunkError, ChunkMeta, read_meta
@@ -43,6 +46,15 @@ from prefixcache.indexer.errors import PrefixCacheError
 log = logging.getLogger("prefixcache.dram")
 
 OK, MISS, FULL = 0, -704, -200
+#: What ``get_into`` answers for an object whose read was abandoned at its deadline (Mooncake's codes are others).
+LATE = -2
+#: Reads that may run past their deadline at once, each on a thread of its own: one stuck on a lost node leaves
+#: the others theirs.
+READ_LANES = 4
+#: How long memory an abandoned read targeted stays out of use after Mooncake's call returned: the segment owner's
+#: transfer can outlive the call (the attached process's RPC gives up after 30 s, the owner's transfer after at
+#: most 60 s from its start, hard-coded in Mooncake), and a late write must never land in a slot in use again.
+LATE_WRITE_MARGIN_S = 60.0
 #: What every call answers once the segment owner has dropped this process (and a get into parts of the wrong size).
 INVALID_PARAMS = -600
 UNREACHABLE = frozenset({-1, -900, -901})
@@ -84,6 +96,10 @@ class MooncakeTier:
             )
         self._closed = False
         self._close_lock = threading.Lock()
+        self._lanes = ThreadPoolExecutor(
+            READ_LANES, thread_name_prefix="prefixcache-dram-read", initializer=thread_setup
+        )
+        self.late_reads = 0  # reads abandoned at their deadline
         self._keeper: AttachmentKeeper | None = None
         registered = arena_bytes + PROBE_BYTES
         base = self._store.alloc_from_mem_pool(registered)
@@ -110,6 +126,10 @@ class MooncakeTier:
             self._probe_attachment, self._answer_misses_for, shm_address, thread_setup=thread_setup
         )
         self._keeper.start()
+        self._lanes = ThreadPoolExecutor(
+            READ_LANES, thread_name_prefix="prefixcache-dram-read", initializer=thread_setup
+        )
+        self.late_reads = 0  # reads abandoned at their deadline
 
     def _probe_attachment(self) -> bool | None:
         """Whether the owner still maps this process's memory, from a read of an object that never exists: a
@@ -270,7 +290,11 @@ class MooncakeTier:
         return config
 
     def get_into(
-        self, keys: Sequence[bytes], buffers: Sequence[memoryview], cuts: Sequence[int | None] = ()
+        self,
+        keys: Sequence[bytes],
+        buffers: Sequence[memoryview],
+        cuts: Sequence[int | None] = (),
+        deadline_s: float | None = None,
     ) -> list[int]:
         """Read each object into its buffer, a chunk's two parts joined; its length, or -1 for a miss.
 
@@ -278,11 +302,18 @@ class MooncakeTier:
         each chunk's copy is cut, so that both its parts are asked for in one call. Otherwise the second
         parts follow in a second call, at the offsets the first parts' headers give: a round trip more, which
         a GPU's loads (every hit through arena slots, in groups) would pay per group. A wrong cut is a miss.
+
+        ``deadline_s``, for reads that may cross the network: a read not over by then is abandoned, its objects
+        answered ``LATE``, and its slots held out of use (``Arena.hold``) until Mooncake's call has returned and
+        ``LATE_WRITE_MARGIN_S`` has passed, since Mooncake cannot cancel a transfer. Only reads into arena slots
+        can be held so: others wait for Mooncake.
         """
         if len(keys) != len(buffers) or (cuts and len(cuts) != len(keys)):
             raise ValueError("one buffer per key, and one cut per key if any")
         if not keys or not self._usable():
             return [-1] * len(keys)
+        if deadline_s is not None and all(self.arena.offset_of(memoryview(b).cast("B")) is not None for b in buffers):
+            return self._get_by(keys, buffers, cuts or [None] * len(keys), deadline_s)
         with ExitStack() as staging:
             views = [memoryview(b).cast("B") for b in buffers]
             addresses, copy_back = [], []
@@ -301,6 +332,30 @@ class MooncakeTier:
                     self._note(code)
                     out.append(-1)
             return out
+
+    def _get_by(
+        self, keys: Sequence[bytes], buffers: Sequence[memoryview], cuts: Sequence[int | None], deadline_s: float
+    ) -> list[int]:
+        """``get_into`` of arena slots on a read lane, abandoned at ``deadline_s``."""
+        views = [memoryview(b).cast("B") for b in buffers]
+        addresses = [self.arena.address + cast(int, self.arena.offset_of(view)) for view in views]
+        call = self._lanes.submit(self._get_parts, keys, addresses, [len(v) for v in views], cuts)
+        try:
+            codes = call.result(timeout=deadline_s)
+        except FutureTimeoutError:
+            holds = [self.arena.hold(view, LATE_WRITE_MARGIN_S) for view in views]
+            call.add_done_callback(lambda _: [hold.over() for hold in holds])
+            self.late_reads += 1
+            log.info(
+                "a read of %d objects took longer than its %.2f s deadline: abandoned, a miss", len(keys), deadline_s
+            )
+            return [LATE] * len(keys)
+        out = []
+        for code in codes:
+            if code <= 0:
+                self._note(code)
+            out.append(code if code > 0 else -1)
+        return out
 
     def _get_parts(
         self, keys: Sequence[bytes], addresses: list[int], sizes: list[int], cuts: Sequence[int | None]
@@ -417,6 +472,7 @@ class MooncakeTier:
                 self._closed = True
                 if self._keeper is not None:
                     self._keeper.stop()  # it calls the store too
+                self._lanes.shutdown(wait=True)  # an abandoned read still in Mooncake must return first
                 self._store.close()  # any call after this would crash the process: _usable() guards them
 
     def _usable(self) -> bool:

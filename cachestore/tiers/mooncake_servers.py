@@ -35,6 +35,13 @@ PREVIOUS_OWNER_WAIT_S = 30.0
 #: otherwise keeps the first endpoints it got for good: a node whose owner restarted (the same segment name, new
 #: ports) could never again be read by a node that had read from it before, every such read a failed transfer.
 PEER_ENDPOINTS_REFRESH_S = 2
+#: The segment owner's RPC threads. Mooncake's default, one, runs a read into an attached process's memory on that
+#: thread, so one read stuck on a lost node held every other call of every process of the node for 30 s.
+OWNER_RPC_THREADS = 4
+#: How long a TCP transfer of the owner may make no progress before it fails (``MC_TCP_PROGRESS_TIMEOUT_SEC``; a
+#: user's value wins). Mooncake's 30 s equals an attached process's RPC timeout, which then gave up first, with a
+#: -900 that reads as the owner being down, and left the transfer running; a read from a frozen node fails in this.
+TCP_PROGRESS_TIMEOUT_S = 5
 _PACKAGE_DIR = Path(mooncake.__file__).parent
 log = logging.getLogger("prefixcache.daemon")
 
@@ -157,10 +164,12 @@ class SegmentOwner(ManagedProcess):
             f"-metadata_server={metadata_url}",
             f"-protocol={protocol}",
             f"-device_names={device_names}",
+            f"-threads={OWNER_RPC_THREADS}",
             "-logtostderr",
         ]
         env = mooncake_env(host)
         env.setdefault("MC_TE_METADATA_REFRESH_INTERVAL_SECONDS", str(PEER_ENDPOINTS_REFRESH_S))
+        env.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(TCP_PROGRESS_TIMEOUT_S))
         super().__init__(
             "mooncake_client",
             argv,

@@ -160,18 +160,19 @@ class ThroughSlots:
         """
         upcoming = list(zip((chunk.key for chunk in chunks), slots, strict=True))
         cuts = {chunk.key: self._layout.dram_cut(chunk.stored_tokens) for chunk in chunks}
+        remote = {chunk.key for chunk in chunks if chunk.remote}
         groups = runs_of_about(upcoming, lambda pair: len(pair[1]), self._copies.load_group_bytes)
         ends = list(itertools.accumulate(len(group) for group in groups))
         read_from_disk: dict[bytes, memoryview] = {}
         checking: list[Future[memoryview | None]] = []  # every check started, for the slots' release
         damaged: list[int] = []  # positions of chunks whose DRAM copies failed their checks
-        pending = self._fetcher.submit(self._fetch, groups[0], upcoming[ends[0] :], cuts)
+        pending = self._fetcher.submit(self._fetch, groups[0], upcoming[ends[0] :], cuts, remote)
         try:
             for i, group in enumerate(groups):
                 fetched = pending.result()  # type: ignore[union-attr] # one is in flight per group left
                 pending = None
                 if i + 1 < len(groups):
-                    pending = self._fetcher.submit(self._fetch, groups[i + 1], upcoming[ends[i + 1] :], cuts)
+                    pending = self._fetcher.submit(self._fetch, groups[i + 1], upcoming[ends[i + 1] :], cuts, remote)
                 read_from_disk.update(fetched.from_disk)
                 checking += [got for got in fetched.payloads if isinstance(got, Future)]
                 placing: list[tuple[LoadChunk, memoryview | None]] = []
@@ -183,7 +184,7 @@ class ThroughSlots:
                         placing.append((chunks[at], payload))
                 self._place(placing, errors)
             if damaged:
-                again = self._fetch([upcoming[at] for at in damaged], [], cuts, check_later=False)
+                again = self._fetch([upcoming[at] for at in damaged], [], cuts, remote, check_later=False)
                 read_from_disk.update(again.from_disk)
                 self._place(
                     [(chunks[at], self._checked(got)) for at, got in zip(damaged, again.payloads, strict=True)], errors
@@ -228,21 +229,26 @@ class ThroughSlots:
         group: list[tuple[bytes, memoryview]],
         upcoming: list[tuple[bytes, memoryview]],
         cuts: dict[bytes, int | None],
+        remote: set[bytes],
         check_later: bool = True,
     ) -> _FetchedGroup:
         """Fetch one group into its slots, each chunk's two DRAM parts in one call (``cuts``: where each is cut),
         its DRAM copies checked on the check threads (``check_later``, where this loader has them) or before
-        this returns; runs on the fetch thread."""
+        this returns, with a deadline where one of them lies in another node's DRAM (``remote``); runs on the fetch
+        thread."""
         fetched = _FetchedGroup(payloads=[None] * len(group))
         keys, slots = [key for key, _ in group], [slot for _, slot in group]
         at = [cuts[key] for key in keys]
+        across = any(key in remote for key in keys)
         try:
             if check_later and self._checks is not None:
                 fetched.payloads = self._client.fetch_checking_later(
-                    keys, slots, upcoming=upcoming, checks=self._checks, cuts=at
+                    keys, slots, upcoming=upcoming, checks=self._checks, cuts=at, across_network=across
                 )
             else:
-                fetched.payloads = list(self._client.fetch(keys, slots, upcoming=upcoming, cuts=at))
+                fetched.payloads = list(
+                    self._client.fetch(keys, slots, upcoming=upcoming, cuts=at, across_network=across)
+                )
         except Exception:  # noqa: BLE001 - a failed load is recomputed; the request must not fail
             log.exception("loading %d chunks failed; recomputing them", len(group))
         fetched.from_disk = dict(self._client.take_disk_reads())

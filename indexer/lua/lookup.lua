@@ -1,20 +1,22 @@
 #!lua flags=no-writes,allow-cross-slot-keys
 -- Longest cached prefixes of one or more chains in one round trip; read-only, so it may run on a replica. On a
 -- Cluster the chains of one call are those one master holds: each in a slot of its own.
--- ARGV: max_candidates, heads_elsewhere, avoided, then C_1, keys_1, probes_1, C_2, ... where C is the chain's prefix
--- (common.lua: R on one Redis, R{<anchor>}: on a Cluster) and heads_elsewhere '1' where the probe bucket of a
--- chain's first chunk lies on another shard (a Cluster): a chain broken in its first chunk then returns no
--- candidates, and the client reads that bucket itself. avoided names the nodes to read nothing from (down or
--- suspect: indexer/peers.py) as ',a,b,', or is '': a chunk whose every copy lies on one of them ends the hit, and
--- only copies on other nodes count as DRAM copies. keys concatenates a chain's n
--- keys (32 hex chars each); probes concatenates the probe bucket of positions 0..n (32 '0's where the
--- prompt has none). Returns one reply per chain, {hits, in_dram, cand_key_1, cand_tokens_1, cand_in_dram_1,
--- ...}: the number of leading keys present; per such key '1' if it has a DRAM location, else '0'; then the
--- chunks in the probe bucket at the break point (the client picks the longest token match), each with its
--- own '1' or '0'. Several chains are the shards of one prompt under tensor parallelism.
+-- ARGV: max_candidates, heads_elsewhere, avoided, here, then C_1, keys_1, probes_1, C_2, ... where C is the chain's
+-- prefix (common.lua: R on one Redis, R{<anchor>}: on a Cluster) and heads_elsewhere '1' where the probe bucket of a
+-- chain's first chunk lies on another shard (a Cluster): a chain broken in its first chunk then returns no candidates,
+-- and the client reads that bucket itself. avoided names the nodes to read nothing from (down or suspect:
+-- indexer/peers.py) as ',a,b,', or is '': a chunk whose every copy lies on one of them ends the hit, and only copies on
+-- other nodes count as DRAM copies. here names the asking node, or is '': a chunk with a DRAM copy on it is flagged '2'
+-- rather than '1' (a read of it stays on the node). keys concatenates a chain's n keys (32 hex chars each); probes
+-- concatenates the probe bucket of positions 0..n (32 '0's where the prompt has none). Returns one reply per chain,
+-- {hits, in_dram, cand_key_1, cand_tokens_1, cand_in_dram_1, ...}: the number of leading keys present; per such key '1'
+-- if it has a DRAM location ('2' on here), else '0'; then the chunks in the probe bucket at the break point (the client
+-- picks the longest token match), each with its own flag. Several chains are the shards of one prompt under tensor
+-- parallelism.
 local max_candidates = tonumber(ARGV[1])
 local heads_elsewhere = ARGV[2] == '1'
 local avoided = ARGV[3]
+local here = ARGV[4]
 
 -- With nodes to avoid: whether the entry has a copy on another node, and whether one of those is a DRAM copy.
 local function reachable(name)
@@ -62,17 +64,22 @@ local function longest(P, keys, probes)
   local function dram_flag(name)
     return redis.call('HGET', name, 'dram') == '0' and '0' or '1'
   end
+  -- '1' becomes '2' for a DRAM copy on the asking node
+  local function here_flag(name, flag)
+    if flag == '1' and here ~= '' and redis.call('HEXISTS', name, 'l:dram@' .. here) == 1 then return '2' end
+    return flag
+  end
   local in_dram = {}
   for i = 1, hits do
     if avoided == '' then
-      in_dram[i] = dram_flag(names[i])
+      in_dram[i] = here_flag(names[i], dram_flag(names[i]))
     else
       local any, flag = reachable(names[i])
       if not any then
         hits = i - 1
         break
       end
-      in_dram[i] = flag
+      in_dram[i] = here_flag(names[i], flag)
     end
   end
   local out = {hits, table.concat(in_dram)}
@@ -88,7 +95,7 @@ local function longest(P, keys, probes)
         if any then
           out[#out + 1] = fields[j]
           out[#out + 1] = fields[j + 1]
-          out[#out + 1] = flag
+          out[#out + 1] = here_flag(name, flag)
         end
       end
     end
@@ -97,5 +104,5 @@ local function longest(P, keys, probes)
 end
 
 local replies = {}
-for q = 4, #ARGV, 3 do replies[#replies + 1] = longest(ARGV[q], ARGV[q + 1], ARGV[q + 2]) end
+for q = 5, #ARGV, 3 do replies[#replies + 1] = longest(ARGV[q], ARGV[q + 1], ARGV[q + 2]) end
 return replies

@@ -2,8 +2,10 @@
 --   beat:<node>     ms until which the node's daemon is alive (its last heartbeat plus the heartbeat's time to live)
 --   suspect:<node>  ms until which a client that could not read from the node has marked it suspect
 --   left:<node>     ms when the node's daemon stopped on purpose (its heartbeat lapsed then)
+--   marks:<node>    how many times clients have marked the node suspect
 -- ARGV: op, node, ms.
---   'beat'    the node is alive for ms more; fields that lapsed more than a day ago are forgotten
+--   'beat'    the node is alive for ms more; fields that lapsed more than a day ago are forgotten, and with a
+--             node's heartbeat its marks
 --   'leave'   the node stops on purpose: its heartbeat lapses now
 --   'suspect' mark the node suspect for ms more (a longer mark already set is kept)
 --   'read'    returns {now_ms, field_1, value_1, ...}
@@ -17,7 +19,11 @@ elseif op == 'beat' then
   redis.call('HDEL', KEYS[1], 'left:' .. node)
   local fields = redis.call('HGETALL', KEYS[1])
   for i = 1, #fields, 2 do
-    if tonumber(fields[i + 1]) < now - 86400000 then redis.call('HDEL', KEYS[1], fields[i]) end
+    local kind, _, peer = string.match(fields[i], '^(%a+)(:)(.*)$')
+    if kind ~= 'marks' and tonumber(fields[i + 1]) < now - 86400000 then
+      redis.call('HDEL', KEYS[1], fields[i])
+      if kind == 'beat' then redis.call('HDEL', KEYS[1], 'marks:' .. peer) end
+    end
   end
 elseif op == 'leave' then
   redis.call('HSET', KEYS[1], 'beat:' .. node, now, 'left:' .. node, now)
@@ -25,5 +31,6 @@ elseif op == 'suspect' then
   local until_ms = now + ms
   local held = tonumber(redis.call('HGET', KEYS[1], 'suspect:' .. node) or '0')
   if until_ms > held then redis.call('HSET', KEYS[1], 'suspect:' .. node, until_ms) end
+  redis.call('HINCRBY', KEYS[1], 'marks:' .. node, 1)
 end
 return {tostring(now)}
