@@ -282,6 +282,46 @@ def _stall_section(stall: dict[str, Any]) -> str:
     )
 
 
+def _node_loss_section(loss: dict[str, Any]) -> str:
+    config = loss["config"]
+    rows = [
+        [
+            way,
+            f"{f['cold_ttft_s']:.2f}",
+            f"{f['worst_ttft_s']:.2f}",
+            f"{f['worst_over_cold_s']:+.2f}",
+            f"{f['failed']} of {f['requests']}",
+            f["answers_differing"],
+            "–" if f["skipped_after_s"] is None else f"{f['skipped_after_s']:.1f}",
+            "–" if f["hits_again_after_s"] is None else f"{f['hits_again_after_s']:.1f}",
+        ]
+        for way, f in loss["ways"].items()
+    ]
+    return "\n\n".join(
+        [
+            "### A node lost under load (`benchmarks.node_loss`)",
+            f"Requests for {config['prompts']} prompts of {config['prompt_tokens']} tokens whose KV only node A holds, "
+            f"streamed one after another to vLLM's OpenAI server on node B; A lost for {config['lost_s']:.0f} s, then "
+            f"back for {config['back_s']:.0f} s. Cold: the same prompt computed whole on B. Skipped after: seconds "
+            "from the loss to the first request that missed without waiting; hits again: seconds from A's return to "
+            "the first hit.",
+            table(
+                [
+                    "way to lose A",
+                    "cold s",
+                    "worst after the loss s",
+                    "worst − cold s",
+                    "failed",
+                    "answers differing",
+                    "skipped after s",
+                    "hits again s",
+                ],
+                rows,
+            ),
+        ]
+    )
+
+
 def _lookup_section(lookup: dict[str, Any]) -> str:
     cases = [
         [
@@ -551,6 +591,7 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("serving", _serving_section),
     ("burst", _burst_section),
     ("stall", _stall_section),
+    ("node_loss", _node_loss_section),
     ("lookup", _lookup_section),
     ("index_scale", _index_scale_section),
     ("tiers", _tiers_section),

@@ -41,10 +41,11 @@ class BatchedLookups:
         index: PrefixIndex,
         max_batch: int = MAX_BATCH,
         avoid: Callable[[], AbstractSet[str]] = frozenset,
-        here: str = "",
+        here: Callable[[], str] = str,
     ) -> None:
         """``avoid`` names, at each call, the nodes whose copies lookups skip (down or suspect: indexer/peers.py);
-        ``here``: this engine's node, so that matches say which DRAM copies lie on other nodes."""
+        ``here``, at each call, this engine's node, so that matches say which DRAM copies lie on other nodes (``""``
+        where it has no other: every copy is its own, and the lookup need not ask)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self._index = index
@@ -79,7 +80,7 @@ class BatchedLookups:
         # only the matches taken count as used (last access, hits): a request vLLM does not reach this pass is
         # looked up again when it does
         found = self._index.lookup_many(
-            [query for _, (_, group) in batch for query in group], touch=False, avoid=self._avoid(), here=self._here
+            [query for _, (_, group) in batch for query in group], touch=False, avoid=self._avoid(), here=self._here()
         )
         seconds = time.perf_counter() - started
         starts = itertools.accumulate((len(group) for _, (_, group) in batch), initial=0)

@@ -38,7 +38,11 @@ class SchedulerStore:
             plan_geometry=Geometry(config.chunk_tokens, block_tokens),
             namespaces=namespaces,
             index=index,
-            lookups=BatchedLookups(index.index, avoid=lambda: index.peers.down, here=config.node),
+            lookups=BatchedLookups(
+                index.index,
+                avoid=lambda: index.peers.down,
+                here=lambda: "" if index.peers.alone else config.node,
+            ),
         )
 
     def close(self) -> None:

@@ -146,6 +146,7 @@ class PeerView:
         self._stale_s = stale_s
         self._thread_setup = thread_setup
         self._down: frozenset[str] = frozenset()
+        self._others: frozenset[str] = frozenset()
         self._marked: dict[str, float] = {}  # node -> monotonic time until which this process avoids it
         self._read_at = 0.0
         self._stop = threading.Event()
@@ -163,6 +164,11 @@ class PeerView:
                 down = down | self._marked.keys()
         return down
 
+    @property
+    def alone(self) -> bool:
+        """Whether no other node has beaten into the table: every copy a lookup finds is this node's own."""
+        return not self._others
+
     def suspect(self, node: str, for_s: float = SUSPECT_S) -> None:
         """This process could not read from ``node``: avoid it at once here, and have every client avoid it."""
         if node == self._node:
@@ -178,6 +184,7 @@ class PeerView:
         """Read the table now (the thread does it every ``refresh_s``)."""
         table = self._registry.read()
         self._down = table.down - {self._node}
+        self._others = frozenset(table.beats) - {self._node}
         self._read_at = time.monotonic()
 
     def start(self) -> PeerView:

@@ -35,6 +35,7 @@ MODULE_TIERS = {
         "test_attachment",  # connections to a socket of its own, found in /proc/net/tcp
         "test_bench_results",
         "test_burst_bench",
+        "test_node_loss_bench",
         "test_codec",
         "test_connector_attachment",
         "test_connector_plans",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -16,7 +17,7 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 from prefixcache.cachestore.client.cache_client import CacheClient
 from prefixcache.cachestore.host.processes import free_port
 from prefixcache.cachestore.node.settings import Settings
-from tests.daemon_harness import Daemon, make_spec, publish_prompt
+from tests.daemon_harness import Daemon, make_spec, publish_prompt, wait_for
 
 CHUNK = 64
 TOKENS = list(range(1000, 1000 + 3 * CHUNK + 20))  # three full chunks and a 20-token tail
@@ -165,6 +166,70 @@ def test_a_restarted_daemon_goes_on_with_the_sequence_and_replays_the_batches_mi
     finally:
         daemon.stop()
         subscriber.socket.close(linger=0)
+
+
+class Router(threading.Thread):
+    """A router's subscriber, reading all along on a thread of its own (as llm-d's and Dynamo's do), across the
+    publisher's restarts: ZMQ reconnects it by itself."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(daemon=True)
+        self.subscriber = Subscriber(endpoint)
+        self.batches: list[tuple[int, list[object]]] = []
+        self._closing = threading.Event()
+        self._lock = threading.Lock()
+
+    def run(self) -> None:
+        socket, decoder = self.subscriber.socket, self.subscriber.decoder
+        while not self._closing.is_set():
+            if socket.poll(100):
+                _, seq, payload = socket.recv_multipart()
+                with self._lock:
+                    self.batches.append((int.from_bytes(seq, "big"), decoder.decode(payload).events))
+
+    def seen(self) -> list[tuple[int, list[object]]]:
+        with self._lock:
+            return list(self.batches)
+
+    def close(self) -> None:
+        self._closing.set()
+        self.join(timeout=5)
+        self.subscriber.socket.close(linger=0)
+
+
+def test_a_router_subscribed_across_a_daemon_restart_gets_every_event_after_it(tmp_path):
+    """Killed and restarted, the daemon goes on with its sequence, and a subscriber that was reading all along gets
+    every batch of the new daemon without asking for a replay: the restart's drops of DRAM copies first."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    daemon = Daemon(tmp_path / "data", "--chunk-tokens", str(CHUNK), "--kv-events-endpoint", endpoint)
+    router = Router(endpoint)
+    router.start()
+    try:
+        daemon.start()
+        client = CacheClient.connect(daemon.url, make_spec(chunk_tokens=CHUNK), arena_bytes=64 << 20)
+        first, _ = publish_prompt(client, TOKENS)
+        client.close()
+        stored = {("BlockStored", k, "STORAGE") for k in first}
+        assert wait_for(lambda: stored <= {_event(e) for _, events in router.seen() for e in events}, timeout_s=30)
+        before = router.seen()[-1][0]
+        daemon.kill()
+        daemon.start()  # its DRAM is new: it drops every DRAM copy, which are its first events
+        client = CacheClient.connect(daemon.url, make_spec(chunk_tokens=CHUNK), arena_bytes=64 << 20)
+        second, _ = publish_prompt(client, TOKENS[:CHUNK] + [9] * CHUNK, seed=3)
+        client.close()
+        wanted = {("BlockStored", k, "STORAGE") for k in second[1:]}
+        assert wait_for(lambda: wanted <= {_event(e) for _, events in router.seen() for e in events}, timeout_s=30)
+        after = [(seq, events) for seq, events in router.seen() if seq > before]
+        assert [seq for seq, _ in after] == list(range(before + 1, before + 1 + len(after)))  # none missed
+        dropped = {_event(e) for _, events in after for e in events}
+        assert {("BlockRemoved", k, "CPU") for k in first} <= dropped
+    finally:
+        daemon.stop()
+        router.close()
+
+
+def _event(event: object) -> tuple:
+    return (type(event).__name__, *_identity(event))
 
 
 def test_a_malformed_endpoint_stops_serve_with_a_clear_error(tmp_path):

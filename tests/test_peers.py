@@ -4,10 +4,12 @@ table's arithmetic."""
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 
 import pytest
 
+from prefixcache.cachestore.client.node_requests import PromotionStream
 from prefixcache.indexer.peers import PeerRegistry, PeerTable, PeerView
 from prefixcache.indexer.redis_clients import redis_client
 from tests.daemon_harness import wait_for
@@ -93,3 +95,26 @@ def test_a_view_that_cannot_read_the_table_for_long_avoids_no_one(registry):
         assert wait_for(lambda: view.down == frozenset(), timeout_s=5)
     finally:
         view.close()
+
+
+def test_a_view_knows_when_its_node_is_alone(registry):
+    registry.beat("self", ttl_s=60)
+    view = PeerView(registry, "self", refresh_s=0.05).start()
+    try:
+        assert view.alone  # every copy a lookup finds is its own: lookups need not say which lie elsewhere
+        registry.beat("a", ttl_s=60)
+        assert wait_for(lambda: not view.alone, timeout_s=5)
+    finally:
+        view.close()
+
+
+def test_a_promotion_wait_ends_once_the_node_is_found_down(redis_server):
+    """A node lost just after it was asked costs the time it takes to be known lost, not the promotion's timeout."""
+    client = redis_client(redis_server.url)
+    try:
+        stream = PromotionStream(client, f"peers{next(_prefixes)}:", "lost-node", [b"k" * 16], timeout_s=30)
+        started = time.monotonic()
+        assert stream.wait([b"k" * 16], gone=lambda: time.monotonic() - started > 0.5) == [False]
+        assert time.monotonic() - started < 10 and not stream.heard
+    finally:
+        client.close()

@@ -151,7 +151,7 @@ class CacheClient:
         self.counters.count(lookups=1)
         started = time.perf_counter()
         try:
-            match = self.index.lookup(query, avoid=self.peers.down, here=self.node)
+            match = self.index.lookup(query, avoid=self.peers.down, here="" if self.peers.alone else self.node)
         except IndexUnavailableError as exc:
             self.counters.count(lookup_errors=1)
             log.debug("lookup missed: %s", exc)
@@ -591,7 +591,7 @@ class CacheClient:
             by_stream[self._streams.pop(keys[i])].append(i)
         for stream, waiting in by_stream.items():
             try:
-                flags = stream.wait([keys[i] for i in waiting])
+                flags = stream.wait([keys[i] for i in waiting], gone=lambda node=stream.node: node in self.peers.down)
             except redis.RedisError as exc:
                 log.debug("promotion answer lost: %s", exc)
                 continue

@@ -15,7 +15,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import redis
 
@@ -26,6 +26,8 @@ log = logging.getLogger("prefixcache.client")
 
 #: How long an answer nobody reads stays in Redis (its asker gave up or died).
 REPLY_TTL_S = 30
+#: How often a wait for a promotion's first answer asks whether the node has been found down meanwhile.
+GONE_CHECK_S = 0.25
 
 
 def format_request(reply_id: str, keys: Sequence[bytes]) -> str:
@@ -59,20 +61,23 @@ class PromotionStream:
     def expired(self) -> bool:
         return time.monotonic() >= self._deadline
 
-    def wait(self, keys: Sequence[bytes]) -> list[bool]:
+    def wait(self, keys: Sequence[bytes], gone: Callable[[], bool] = lambda: False) -> list[bool]:
         """Whether each of ``keys`` (all named in the request) is now in DRAM; blocks until answered.
 
-        A key still unanswered at the deadline counts as not promoted.
+        A key still unanswered at the deadline counts as not promoted, as does every key once ``gone()`` says the
+        node is down before it answered anything (asked every ``GONE_CHECK_S``): a node lost just after the request
+        costs the time it takes to be known lost, not the whole timeout.
         """
         positions = [self._position[key] for key in keys]
         while any(self._flags[i] is None for i in positions):
             left = self._deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0 or (not self.heard and gone()):
                 break
-            answer = self._client.blpop([self._reply], timeout=left)
-            if answer is None:
+            answer = self._client.blpop([self._reply], timeout=left if self.heard else min(left, GONE_CHECK_S))
+            if answer is not None:
+                self._take(answer[1].decode())
+            elif self.heard:
                 break
-            self._take(answer[1].decode())
         return [self._flags[i] is True for i in positions]
 
     def _take(self, fragment: str) -> None:

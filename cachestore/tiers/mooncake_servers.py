@@ -38,10 +38,12 @@ PEER_ENDPOINTS_REFRESH_S = 2
 #: The segment owner's RPC threads. Mooncake's default, one, runs a read into an attached process's memory on that
 #: thread, so one read stuck on a lost node held every other call of every process of the node for 30 s.
 OWNER_RPC_THREADS = 4
-#: How long a TCP transfer of the owner may make no progress before it fails (``MC_TCP_PROGRESS_TIMEOUT_SEC``; a
-#: user's value wins). Mooncake's 30 s equals an attached process's RPC timeout, which then gave up first, with a
-#: -900 that reads as the owner being down, and left the transfer running; a read from a frozen node fails in this.
-TCP_PROGRESS_TIMEOUT_S = 5
+#: How long a TCP transfer of the owner may make no progress before it fails (``MC_TCP_PROGRESS_TIMEOUT_SEC``, whole
+#: seconds; a user's value wins). Mooncake's 30 s equals an attached process's RPC timeout, which then gave up first,
+#: with a -900 that reads as the owner being down, and left the transfer running. And the owner busy-polls a stuck
+#: transfer, at its raised priority, on the cores vLLM computes on: a frozen node's first lost read cost the
+#: surviving node's recompute 8 s with 5 s here, 1.8 s with 1 s (benchmarks/node_loss.py).
+TCP_PROGRESS_TIMEOUT_S = 1
 _PACKAGE_DIR = Path(mooncake.__file__).parent
 log = logging.getLogger("prefixcache.daemon")
 

@@ -1,0 +1,306 @@
+"""A node lost under load: what the requests on a surviving node cost, per way to lose it.
+
+    python -m benchmarks.node_loss [--prompt-tokens 1100] [--prompts 6] [--lost-s 15] [--back-s 20] [--only frozen]
+
+Two nodes on hosts of their own (tests/netns.py; root needed), the cluster's Redis and master in the root namespace:
+node A's engine publishes ``--prompts`` prompts, so that their KV lives on A alone; node B runs vLLM's OpenAI server
+with the connector as ``kv_consumer`` (it never publishes, so every hit is a load from A) and vLLM's own prefix cache
+off; each daemon runs on the core vLLM reserves, as the operations guide has it. A client streams completions of those
+prompts to B one after another, and A is lost, in turn: its link shaped to 1 Mbit/s (slow, not dead), every process of
+it frozen (SIGSTOP), its cable pulled, and every process of it killed. Each loss lasts ``--lost-s``; then A comes back
+(link fast again, SIGCONT, cable plugged; a killed node does not) for ``--back-s``.
+
+Per request: its time to first token, whether it hit (``hit``), and whether its answer equals the
+same prompt computed whole on B (``{"prefixcache": {"load": false}}``: the cold recompute, whose time to first token
+is the bound). Per way: the worst time to first token after the loss over the cold one of the same prompt (goal: at
+most the cold one plus 1 s), failed requests, answers that differ, how long after the loss requests stopped trying A
+(the first that missed fast), and after A's return the first hit again. Writes ``benchmarks/results/node_loss.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from benchmarks.common import print_table, with_defaults, write_results
+from prefixcache.cachestore.host.cpus import format_cpu_list
+from tests.daemon_harness import cluster_servers, connector_config, node_on
+from tests.e2e.launch import run_engine, vllm_env
+from tests.e2e.openai_server import Server
+from tests.e2e.tinymodel import ENGINE_DTYPE, build_tiny_llama, random_prompt
+from tests.netns import Host, Network, unusable
+
+#: Tokens each answer decodes: enough to compare answers, few enough that a request is mostly its prefill.
+ANSWER_TOKENS = 4
+CLIENT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Request:
+    """One streamed completion on B, as its client saw it."""
+
+    way: str
+    phase: str  # "before", "lost" or "back"
+    at_s: float  # when it was sent, seconds after the loss
+    prompt: int
+    ttft_s: float
+    cached_tokens: int
+    same_answer: bool
+    failed: bool
+
+
+@dataclass(frozen=True)
+class Way:
+    """One way to lose A: how, and how it comes back (None: it does not)."""
+
+    name: str
+    lose: Callable[[Host], None]
+    recover: Callable[[Host], None] | None
+
+
+WAYS = [
+    Way("slow link (1 Mbit/s)", lambda host: host.slow("1mbit"), Host.unslow),
+    Way("frozen (SIGSTOP)", Host.freeze, Host.thaw),
+    Way("cable pulled", Host.unplug, Host.plug),
+    Way("killed (kill -9)", Host.crash, None),
+]
+
+
+def complete(url: str, prompt: list[int], load: bool = True) -> tuple[float, int, str]:
+    """One streamed completion of ``prompt`` (token ids): time to its first token, its cached tokens, its text."""
+    body = {
+        "model": served_model(url),
+        "prompt": prompt,
+        "max_tokens": ANSWER_TOKENS,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "kv_transfer_params": {"prefixcache": {"load": load}},
+    }
+    started, first, cached, text = time.perf_counter(), None, 0, []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=CLIENT_TIMEOUT_S) as answer:
+        answer.raise_for_status()
+        for line in answer.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("choices"):
+                first = first or time.perf_counter()
+                text.append(event["choices"][0].get("text", ""))
+            if usage := event.get("usage"):
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    if first is None:
+        raise RuntimeError("an answer without a token")
+    return first - started, cached, "".join(text)
+
+
+@functools.cache
+def served_model(url: str) -> str:
+    """The name the server at ``url`` serves its model under."""
+    return httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def consumer(host: Host, daemon, model: Path, log_dir: Path) -> Server:
+    """vLLM's OpenAI server on ``host``, loading through ``daemon``'s node only, reached at the host's address. It
+    serves the model under its path, as the publishing engine names it: the model's name is part of the namespace."""
+    transfer = connector_config(daemon, role="kv_consumer", redis_password=daemon.index_password)
+    args = [
+        *host.launcher,
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--port",
+        "{port}",
+        "--host",
+        host.address,
+        "--dtype",
+        ENGINE_DTYPE,
+        "--max-model-len",
+        "4096",
+        "--enforce-eager",
+        "--seed",
+        "0",
+        "--max-num-seqs",
+        "4",
+        "--no-enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--kv-transfer-config",
+        json.dumps(transfer),
+    ]
+    server = Server("vllm-b", args, log_dir, "/health", env=vllm_env())
+    server.url = f"http://{host.address}:{server.port}"
+    return server.wait_ready()
+
+
+def run_way(url: str, way: Way, host_a: Host, prompts: list[list[int]], reference: dict, args) -> list[Request]:
+    """Requests before the loss (hits), during it (``--lost-s``), and after A's return (``--back-s``)."""
+    out: list[Request] = []
+    turn = 0
+
+    def send(phase: str, lost_at: float) -> None:
+        nonlocal turn
+        i = turn % len(prompts)
+        turn += 1
+        sent = time.monotonic()
+        try:
+            ttft, cached, text = complete(url, prompts[i])
+            out.append(Request(way.name, phase, sent - lost_at, i, ttft, cached, text == reference[i][1], False))
+        except (httpx.HTTPError, RuntimeError) as exc:
+            print(f"  request failed: {exc}", file=sys.stderr)
+            out.append(Request(way.name, phase, sent - lost_at, i, time.monotonic() - sent, 0, False, True))
+
+    now = time.monotonic()
+    for _ in range(len(prompts)):
+        send("before", now)
+    way.lose(host_a)
+    lost_at = time.monotonic()
+    while time.monotonic() - lost_at < args.lost_s:
+        send("lost", lost_at)
+    if way.recover is not None:
+        way.recover(host_a)
+        back_at = time.monotonic()
+        while time.monotonic() - back_at < args.back_s:
+            send("back", lost_at)
+    return out
+
+
+def hit(request: Request, reference: dict) -> bool:
+    """Whether the request loaded its prefix: cached tokens, and a first token in under half the cold time (vLLM
+    still counts a load that failed and was recomputed as cached)."""
+    return request.cached_tokens > 0 and request.ttft_s < reference[request.prompt][0] / 2
+
+
+def summary(requests: list[Request], reference: dict, lost_s: float) -> dict:
+    """The figures of one way: worst TTFT after the loss over the cold one, failures, answers, skip and return."""
+    lost = [r for r in requests if r.phase == "lost"]
+    back = [r for r in requests if r.phase == "back"]
+    worst = max(lost, key=lambda r: r.ttft_s - reference[r.prompt][0])
+    cold = reference[worst.prompt][0]
+    skipped = next((r.at_s for r in lost if not hit(r, reference) and r.ttft_s <= reference[r.prompt][0] + 0.5), None)
+    return {
+        "requests": len(requests),
+        "failed": sum(r.failed for r in requests),
+        "answers_differing": sum(not r.same_answer for r in requests if not r.failed),
+        "worst_ttft_s": round(worst.ttft_s, 3),
+        "cold_ttft_s": round(cold, 3),
+        "worst_over_cold_s": round(worst.ttft_s - cold, 3),
+        "hits_while_lost": sum(hit(r, reference) for r in lost),
+        "skipped_after_s": None if skipped is None else round(skipped, 2),
+        "hits_again_after_s": next((round(r.at_s - lost_s, 2) for r in back if hit(r, reference)), None),
+        "hits_before": sum(hit(r, reference) for r in requests if r.phase == "before"),
+    }
+
+
+def a_chunk_tokens(daemon) -> int:
+    return httpx.get(daemon.url + "/v1/config", timeout=10).json()["chunk_tokens"]
+
+
+def wait_persisted(daemon, chunks: int, timeout_s: float = 300) -> None:
+    """Wait until ``daemon``'s write-behind has persisted ``chunks`` chunks: A's KV is on its NVMe too."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stats = httpx.get(daemon.url + "/v1/stats", headers=daemon.headers, timeout=10).json()
+        if stats["write_behind"]["persisted"] >= chunks:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"the publisher's node persisted fewer than {chunks} chunks in {timeout_s} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt-tokens", type=int, default=1100)
+    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--lost-s", type=float, default=15.0, help="how long each loss lasts")
+    parser.add_argument("--back-s", type=float, default=20.0, help="how long requests go on after A returns")
+    parser.add_argument("--only", help="run only the ways to lose A whose name holds this (e.g. frozen)")
+    parser.add_argument(
+        "--workdir", type=Path, help="where the run's files and logs go, kept [default: a temporary one]"
+    )
+    args = parser.parse_args(argv)
+    ways_run = [way for way in WAYS if args.only is None or args.only in way.name]
+    if not ways_run:
+        parser.error(f"--only {args.only!r} names none of: {', '.join(way.name for way in WAYS)}")
+    if reason := unusable():
+        print(f"node_loss needs network namespaces: {reason}", file=sys.stderr)
+        return 2
+    prompts = [random_prompt(seed=700 + i, length=args.prompt_tokens) for i in range(args.prompts)]
+    results: list[Request] = []
+    ways: dict[str, dict] = {}
+    with contextlib.ExitStack() as kept:
+        directory = args.workdir or Path(kept.enter_context(tempfile.TemporaryDirectory(prefix="node-loss-")))
+        directory.mkdir(parents=True, exist_ok=True)
+        model = build_tiny_llama(directory / "model")
+        with Network() as network, cluster_servers(directory / "servers", network.gateway) as servers:
+            host_a, host_b = network.host("a"), network.host("b")
+            # each daemon on the core vLLM reserves (VLLM_CPU_NUM_OF_RESERVED_CPU=1), as docs/operations.md has it
+            cpus = ("--cpus", format_cpu_list(frozenset(sorted(os.sched_getaffinity(0))[-1:])))
+            a = node_on(host_a, servers, directory / "a", *cpus, dram="1GiB", nvme="2GiB")
+            b = node_on(host_b, servers, directory / "b", *cpus, dram="1GiB", nvme="2GiB")
+            a.start()
+            b.start()
+            try:
+                spec = {"model": str(model), "prompts": prompts, "max_tokens": 1, "dtype": ENGINE_DTYPE}
+                spec["kv_transfer_config"] = connector_config(a, redis_password=a.index_password)
+                run_engine(spec, directory, "publisher", launcher=host_a.launcher)
+                wait_persisted(a, len(prompts) * (args.prompt_tokens // a_chunk_tokens(a)))
+                server = consumer(host_b, b, model, directory)
+                try:
+                    complete(server.url, prompts[0])  # the engine's first request pays its warm-up
+                    # the cold recompute of each prompt, and its answer: what every request must equal
+                    reference = {i: complete(server.url, p, load=False)[::2] for i, p in enumerate(prompts)}
+                    for way in ways_run:
+                        print(f"losing A: {way.name}", file=sys.stderr)
+                        requests = run_way(server.url, way, host_a, prompts, reference, args)
+                        results += requests
+                        ways[way.name] = summary(requests, reference, args.lost_s)
+                        time.sleep(6)  # suspect marks (5 s) of this way over before the next
+                finally:
+                    server.kill()
+            finally:
+                b.stop()
+                a.stop()
+    rows = [
+        [
+            name,
+            f["worst_ttft_s"],
+            f["cold_ttft_s"],
+            f["worst_over_cold_s"],
+            f["failed"],
+            f["answers_differing"],
+            f["skipped_after_s"],
+            f["hits_again_after_s"],
+        ]
+        for name, f in ways.items()
+    ]
+    print_table(
+        "node loss (TTFT on the surviving node)",
+        ["way", "worst s", "cold s", "worst - cold s", "failed", "differing", "skipped after s", "hits again s"],
+        rows,
+    )
+    payload = {
+        "config": {**{k: v for k, v in vars(args).items() if k != "workdir"}, "answer_tokens": ANSWER_TOKENS},
+        "ways": ways,
+        "cold_ttft_s": {i: round(ttft, 3) for i, (ttft, _) in reference.items()},
+        "requests": [asdict(r) for r in results],
+    }
+    written = write_results("node_loss", payload, partial=not with_defaults(parser, args, apart_from={"workdir"}))
+    print(f"wrote {written}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
