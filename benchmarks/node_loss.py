@@ -36,8 +36,8 @@ import httpx
 from benchmarks.common import print_table, with_defaults, write_results
 from prefixcache.cachestore.host.cpus import format_cpu_list
 from tests.daemon_harness import cluster_servers, connector_config, node_on
-from tests.e2e.launch import run_engine, vllm_env
-from tests.e2e.openai_server import Server
+from tests.e2e.launch import run_engine
+from tests.e2e.openai_server import Server, vllm_server
 from tests.e2e.tinymodel import ENGINE_DTYPE, build_tiny_llama, random_prompt
 from tests.netns import Host, Network, unusable
 
@@ -116,33 +116,8 @@ def consumer(host: Host, daemon, model: Path, log_dir: Path) -> Server:
     """vLLM's OpenAI server on ``host``, loading through ``daemon``'s node only, reached at the host's address. It
     serves the model under its path, as the publishing engine names it: the model's name is part of the namespace."""
     transfer = connector_config(daemon, role="kv_consumer", redis_password=daemon.index_password)
-    args = [
-        *host.launcher,
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--port",
-        "{port}",
-        "--host",
-        host.address,
-        "--dtype",
-        ENGINE_DTYPE,
-        "--max-model-len",
-        "4096",
-        "--enforce-eager",
-        "--seed",
-        "0",
-        "--max-num-seqs",
-        "4",
-        "--no-enable-prefix-caching",
-        "--enable-prompt-tokens-details",
-        "--kv-transfer-config",
-        json.dumps(transfer),
-    ]
-    server = Server("vllm-b", args, log_dir, "/health", env=vllm_env())
-    server.url = f"http://{host.address}:{server.port}"
+    extra = ("--enable-prompt-tokens-details",)
+    server = vllm_server("vllm-b", model, transfer, log_dir, *extra, served_name=None, on=host)
     return server.wait_ready()
 
 

