@@ -18,6 +18,7 @@ shared memory. The hosts' traffic counters show the chunks crossing.
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
@@ -226,6 +227,8 @@ def test_a_host_behind_a_slow_link_costs_a_read_its_deadline_then_is_skipped_unt
     """A's link shaped to 1 Mbit/s: alive (it beats), but a read of its chunks would take seconds. The read is a miss
     at its deadline, A is marked suspect for everyone, and lookups skip it; once the link is fast and the mark
     over, B reads from A again."""
+    if shutil.which("tc") is None:
+        pytest.skip("iproute2's tc is not installed (apt-get install iproute2)")
     cluster = doomed_cluster
     a_tokens = prompt(10, chunks=3)  # 3 chunks of 128 KiB: 3 s at 1 Mbit/s
     with cluster.client_a() as on_a, cluster.client_b() as on_b:

@@ -66,7 +66,7 @@ local function longest(P, keys, probes)
   end
   -- '1' becomes '2' for a DRAM copy on the asking node
   local function here_flag(name, flag)
-    if flag == '1' and here ~= '' and redis.call('HEXISTS', name, 'l:dram@' .. here) == 1 then return '2' end
+    if flag == '1' and here ~= '' and redis.call('HGET', name, 'l:dram@' .. here) then return '2' end
     return flag
   end
   local in_dram = {}
