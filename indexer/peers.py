@@ -84,6 +84,10 @@ class PeerTable:
     def down(self) -> frozenset[str]:
         return self.lapsed | self.suspect
 
+    def others(self, node: str) -> list[str]:
+        """Every node the table has heard of but ``node``, in order."""
+        return sorted(set(self.beats) - {node})
+
     @property
     def alive(self) -> frozenset[str]:
         """Nodes whose heartbeat holds and that no one marked suspect."""
@@ -184,7 +188,7 @@ class PeerView:
         """Read the table now (the thread does it every ``refresh_s``)."""
         table = self._registry.read()
         self._down = table.down - {self._node}
-        self._others = frozenset(table.beats) - {self._node}
+        self._others = frozenset(table.others(self._node))
         self._read_at = time.monotonic()
 
     def start(self) -> PeerView:

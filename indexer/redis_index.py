@@ -312,13 +312,11 @@ class RedisIndex:
         copy flagged '1' lies elsewhere ('2': on that node)."""
         hits = int(reply[0])
         without_dram = frozenset(i for i, flag in enumerate(reply[1]) if flag == ord("0"))
-        flags = {bytes.fromhex(reply[i].decode()): reply[i + 2] for i in range(2, len(reply), 3)}
-        candidates = [
-            (bytes.fromhex(reply[i].decode()), reply[i + 1], reply[i + 2] != b"0") for i in range(2, len(reply), 3)
-        ]
+        flags = {bytes.fromhex(reply[i].decode()): (reply[i + 1], reply[i + 2]) for i in range(2, len(reply), 3)}
+        candidates = [(key, tokens, flag != b"0") for key, (tokens, flag) in flags.items()]
         partial = best_partial(query, hits, candidates) if candidates else None
         remote = frozenset(i for i, flag in enumerate(reply[1]) if flag == ord("1")) if placed else frozenset()
-        if placed and partial is not None and flags[partial.key] == b"1":
+        if placed and partial is not None and flags[partial.key][1] == b"1":
             remote |= {hits}
         return PrefixMatch(
             keys=list(query.keys[:hits]),

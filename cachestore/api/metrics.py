@@ -75,7 +75,9 @@ class CacheCollector(Collector):
         queues.add_metric(["eviction_orders"], s.queues.eviction_orders)
         yield queues
         down = GaugeMetricFamily(
-            "prefixcache_peer_down", "1 while clients skip that node (lost, or suspect)", labels=["peer"]
+            "prefixcache_peer_down",
+            "1 while clients skip that node, lost or marked suspect (0 for one stopped on purpose)",
+            labels=["peer"],
         )
         marks = CounterMetricFamily(
             "prefixcache_peer_suspect_marks", "times clients could not read from that node", labels=["peer"]

@@ -110,7 +110,7 @@ def _make_private(directory: Path) -> None:
 def peers_health(table: PeerTable, node: str) -> ComponentHealth:
     """The health of the cluster's other nodes as ``node`` sees them in ``table``: degraded while one that did not
     stop on purpose is down, since the chunks only it holds are recomputed meanwhile."""
-    others = sorted(set(table.beats) - {node})
+    others = table.others(node)
     lost = [
         f"{peer} (marked suspect)"
         if peer in table.suspect
@@ -515,7 +515,7 @@ class NodeDaemon:
             return {}
         return {
             peer: PeerStats(down=peer in table.down, stopped=peer in table.left, suspect_marks=table.marks.get(peer, 0))
-            for peer in sorted(set(table.beats) - {self.settings.node})
+            for peer in table.others(self.settings.node)
         }
 
     def client_stats(self) -> dict[bytes, ClientStatsRecord]:

@@ -126,10 +126,6 @@ class MooncakeTier:
             self._probe_attachment, self._answer_misses_for, shm_address, thread_setup=thread_setup
         )
         self._keeper.start()
-        self._lanes = ThreadPoolExecutor(
-            READ_LANES, thread_name_prefix="prefixcache-dram-read", initializer=thread_setup
-        )
-        self.late_reads = 0  # reads abandoned at their deadline
 
     def _probe_attachment(self) -> bool | None:
         """Whether the owner still maps this process's memory, from a read of an object that never exists: a
@@ -312,50 +308,48 @@ class MooncakeTier:
             raise ValueError("one buffer per key, and one cut per key if any")
         if not keys or not self._usable():
             return [-1] * len(keys)
-        if deadline_s is not None and all(self.arena.offset_of(memoryview(b).cast("B")) is not None for b in buffers):
-            return self._get_by(keys, buffers, cuts or [None] * len(keys), deadline_s)
+        views = [memoryview(b).cast("B") for b in buffers]
+        cuts = cuts or [None] * len(keys)
+        offsets = [self.arena.offset_of(view) for view in views]
+        if deadline_s is not None and None not in offsets:
+            in_arena = [self.arena.address + cast(int, offset) for offset in offsets]
+            codes = self._get_by(keys, views, in_arena, cuts, deadline_s)
+            return [LATE] * len(keys) if codes is None else [self._answered(code) for code in codes]
         with ExitStack() as staging:
-            views = [memoryview(b).cast("B") for b in buffers]
-            addresses, copy_back = [], []
-            for view in views:
-                address = self._address(view, staging, copy_in=False)
-                addresses.append(address)
-                copy_back.append(self.arena.offset_of(view) is None)
-            codes = self._get_parts(keys, addresses, [len(v) for v in views], cuts or [None] * len(keys))
-            out = []
-            for view, address, code, staged in zip(views, addresses, codes, copy_back, strict=True):
-                if code > 0:
-                    if staged:
-                        view[:code] = self.arena.view_at(address - self.arena.address, code)
-                    out.append(code)
-                else:
-                    self._note(code)
-                    out.append(-1)
-            return out
+            addresses = [self._address(view, staging, copy_in=False) for view in views]
+            codes = self._get_parts(keys, addresses, [len(v) for v in views], cuts)
+            for view, address, code, offset in zip(views, addresses, codes, offsets, strict=True):
+                if code > 0 and offset is None:  # staged through a slot: copied out before the slot goes back
+                    view[:code] = self.arena.view_at(address - self.arena.address, code)
+            return [self._answered(code) for code in codes]
+
+    def _answered(self, code: int) -> int:
+        """What ``get_into`` answers for one object Mooncake answered ``code`` for: its length, or -1 for a miss
+        (the failure noted: ``_note``)."""
+        if code > 0:
+            return code
+        self._note(code)
+        return -1
 
     def _get_by(
-        self, keys: Sequence[bytes], buffers: Sequence[memoryview], cuts: Sequence[int | None], deadline_s: float
-    ) -> list[int]:
-        """``get_into`` of arena slots on a read lane, abandoned at ``deadline_s``."""
-        views = [memoryview(b).cast("B") for b in buffers]
-        addresses = [self.arena.address + cast(int, self.arena.offset_of(view)) for view in views]
+        self,
+        keys: Sequence[bytes],
+        views: list[memoryview],
+        addresses: list[int],
+        cuts: Sequence[int | None],
+        deadline_s: float,
+    ) -> list[int] | None:
+        """``_get_parts`` into arena slots (``views``, at ``addresses``) on a read lane: Mooncake's codes, or None
+        for a read abandoned at ``deadline_s``, whose slots are then held (``Arena.hold``)."""
         call = self._lanes.submit(self._get_parts, keys, addresses, [len(v) for v in views], cuts)
         try:
-            codes = call.result(timeout=deadline_s)
+            return call.result(timeout=deadline_s)
         except FutureTimeoutError:
             holds = [self.arena.hold(view, LATE_WRITE_MARGIN_S) for view in views]
             call.add_done_callback(lambda _: [hold.over() for hold in holds])
             self.late_reads += 1
-            log.info(
-                "a read of %d objects took longer than its %.2f s deadline: abandoned, a miss", len(keys), deadline_s
-            )
-            return [LATE] * len(keys)
-        out = []
-        for code in codes:
-            if code <= 0:
-                self._note(code)
-            out.append(code if code > 0 else -1)
-        return out
+            log.info("a read of %d objects passed its %.2f s deadline: abandoned, a miss", len(keys), deadline_s)
+            return None
 
     def _get_parts(
         self, keys: Sequence[bytes], addresses: list[int], sizes: list[int], cuts: Sequence[int | None]
