@@ -27,7 +27,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,6 +35,7 @@ import httpx
 
 from benchmarks.common import print_table, with_defaults, write_results
 from prefixcache.cachestore.host.cpus import format_cpu_list
+from prefixcache.indexer.peers import SUSPECT_LONGEST_S
 from tests.daemon_harness import cluster_servers, connector_config, node_on
 from tests.e2e.launch import run_engine
 from tests.e2e.openai_server import Server, vllm_server
@@ -67,10 +68,13 @@ class Way:
     name: str
     lose: Callable[[Host], None]
     recover: Callable[[Host], None] | None
+    #: Its daemon still beats while lost: the cluster knows it only from reads past their deadline, whose marks
+    #: grow while it stays slow, so after its return it is read from again only once the last mark is over.
+    beats_while_lost: bool = False
 
 
 WAYS = [
-    Way("slow link (1 Mbit/s)", lambda host: host.slow("1mbit"), Host.unslow),
+    Way("slow link (1 Mbit/s)", lambda host: host.slow("1mbit"), Host.unslow, beats_while_lost=True),
     Way("frozen (SIGSTOP)", Host.freeze, Host.thaw),
     Way("cable pulled", Host.unplug, Host.plug),
     Way("killed (kill -9)", Host.crash, None),
@@ -121,36 +125,91 @@ def consumer(host: Host, daemon, model: Path, log_dir: Path) -> Server:
     return server.wait_ready()
 
 
-def run_way(url: str, way: Way, host_a: Host, prompts: list[list[int]], reference: dict, args) -> list[Request]:
-    """Requests before the loss (hits), during it (``--lost-s``), and after A's return (``--back-s``)."""
+@dataclass
+class Scene:
+    """Node A's KV published, node B's OpenAI server loading from A alone (``url``), and the cold recompute of each
+    prompt on B: its time to first token and its answer (``reference``)."""
+
+    url: str
+    host_a: Host
+    prompts: list[list[int]]
+    reference: dict[int, tuple[float, str]]
+
+
+@contextlib.contextmanager
+def a_lost_node_scene(directory: Path, prompts: list[list[int]]) -> Iterator[Scene]:
+    """The two nodes on hosts of their own, the cluster's servers in the root namespace, A's engine run once over
+    ``prompts`` (its KV persisted on A's NVMe too), and B's server started and warmed up; all stopped on exit."""
+    model = build_tiny_llama(directory / "model")
+    with Network() as network, cluster_servers(directory / "servers", network.gateway) as servers:
+        host_a, host_b = network.host("a"), network.host("b")
+        # each daemon on the core vLLM reserves (VLLM_CPU_NUM_OF_RESERVED_CPU=1), as docs/operations.md has it
+        cpus = ("--cpus", format_cpu_list(frozenset(sorted(os.sched_getaffinity(0))[-1:])))
+        a = node_on(host_a, servers, directory / "a", *cpus, dram="1GiB", nvme="2GiB")
+        b = node_on(host_b, servers, directory / "b", *cpus, dram="1GiB", nvme="2GiB")
+        a.start()
+        b.start()
+        try:
+            spec = {"model": str(model), "prompts": prompts, "max_tokens": 1, "dtype": ENGINE_DTYPE}
+            spec["kv_transfer_config"] = connector_config(a, redis_password=a.index_password)
+            run_engine(spec, directory, "publisher", launcher=host_a.launcher)
+            wait_persisted(a, len(prompts) * (len(prompts[0]) // a_chunk_tokens(a)))
+            server = consumer(host_b, b, model, directory)
+            try:
+                complete(server.url, prompts[0])  # the engine's first request pays its warm-up
+                # the cold recompute of each prompt, and its answer: what every request must equal
+                reference = {i: complete(server.url, p, load=False)[::2] for i, p in enumerate(prompts)}
+                yield Scene(server.url, host_a, prompts, reference)
+            finally:
+                server.kill()
+        finally:
+            b.stop()
+            a.stop()
+
+
+def run_way(scene: Scene, way: Way, lost_s: float, back_s: float) -> list[Request]:
+    """Requests before the loss (hits), during it (``lost_s``), and after A's return (``back_s``)."""
     out: list[Request] = []
     turn = 0
 
     def send(phase: str, lost_at: float) -> None:
         nonlocal turn
-        i = turn % len(prompts)
+        i = turn % len(scene.prompts)
         turn += 1
         sent = time.monotonic()
         try:
-            ttft, cached, text = complete(url, prompts[i])
-            out.append(Request(way.name, phase, sent - lost_at, i, ttft, cached, text == reference[i][1], False))
+            ttft, cached, text = complete(scene.url, scene.prompts[i])
+            same = text == scene.reference[i][1]
+            out.append(Request(way.name, phase, sent - lost_at, i, ttft, cached, same, False))
         except (httpx.HTTPError, RuntimeError) as exc:
             print(f"  request failed: {exc}", file=sys.stderr)
             out.append(Request(way.name, phase, sent - lost_at, i, time.monotonic() - sent, 0, False, True))
 
     now = time.monotonic()
-    for _ in range(len(prompts)):
+    for _ in range(len(scene.prompts)):
         send("before", now)
-    way.lose(host_a)
+    way.lose(scene.host_a)
     lost_at = time.monotonic()
-    while time.monotonic() - lost_at < args.lost_s:
+    while time.monotonic() - lost_at < lost_s:
         send("lost", lost_at)
     if way.recover is not None:
-        way.recover(host_a)
+        way.recover(scene.host_a)
         back_at = time.monotonic()
-        while time.monotonic() - back_at < args.back_s:
+        while time.monotonic() - back_at < back_s:
             send("back", lost_at)
     return out
+
+
+def wait_for_hits(scene: Scene, timeout_s: float = SUSPECT_LONGEST_S + 20) -> None:
+    """Send requests until one loads its prefix: A's suspect marks (which grow while its link stays slow) are
+    over."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ttft, cached, _ = complete(scene.url, scene.prompts[0])
+        if cached and ttft < scene.reference[0][0] / 2:
+            return
+        time.sleep(1)
+    raise RuntimeError(f"no hit on the node brought back within {timeout_s:.0f} s")
 
 
 def hit(request: Request, reference: dict) -> bool:
@@ -218,36 +277,14 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as kept:
         directory = args.workdir or Path(kept.enter_context(tempfile.TemporaryDirectory(prefix="node-loss-")))
         directory.mkdir(parents=True, exist_ok=True)
-        model = build_tiny_llama(directory / "model")
-        with Network() as network, cluster_servers(directory / "servers", network.gateway) as servers:
-            host_a, host_b = network.host("a"), network.host("b")
-            # each daemon on the core vLLM reserves (VLLM_CPU_NUM_OF_RESERVED_CPU=1), as docs/operations.md has it
-            cpus = ("--cpus", format_cpu_list(frozenset(sorted(os.sched_getaffinity(0))[-1:])))
-            a = node_on(host_a, servers, directory / "a", *cpus, dram="1GiB", nvme="2GiB")
-            b = node_on(host_b, servers, directory / "b", *cpus, dram="1GiB", nvme="2GiB")
-            a.start()
-            b.start()
-            try:
-                spec = {"model": str(model), "prompts": prompts, "max_tokens": 1, "dtype": ENGINE_DTYPE}
-                spec["kv_transfer_config"] = connector_config(a, redis_password=a.index_password)
-                run_engine(spec, directory, "publisher", launcher=host_a.launcher)
-                wait_persisted(a, len(prompts) * (args.prompt_tokens // a_chunk_tokens(a)))
-                server = consumer(host_b, b, model, directory)
-                try:
-                    complete(server.url, prompts[0])  # the engine's first request pays its warm-up
-                    # the cold recompute of each prompt, and its answer: what every request must equal
-                    reference = {i: complete(server.url, p, load=False)[::2] for i, p in enumerate(prompts)}
-                    for way in ways_run:
-                        print(f"losing A: {way.name}", file=sys.stderr)
-                        requests = run_way(server.url, way, host_a, prompts, reference, args)
-                        results += requests
-                        ways[way.name] = summary(requests, reference, args.lost_s)
-                        time.sleep(6)  # suspect marks (5 s) of this way over before the next
-                finally:
-                    server.kill()
-            finally:
-                b.stop()
-                a.stop()
+        with a_lost_node_scene(directory, prompts) as scene:
+            for way in ways_run:
+                print(f"losing A: {way.name}", file=sys.stderr)
+                requests = run_way(scene, way, args.lost_s, args.back_s)
+                results += requests
+                ways[way.name] = summary(requests, scene.reference, args.lost_s)
+                if way.recover is not None:
+                    wait_for_hits(scene)  # the next way starts from a node read from again
     rows = [
         [
             name,
@@ -269,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {
         "config": {**{k: v for k, v in vars(args).items() if k != "workdir"}, "answer_tokens": ANSWER_TOKENS},
         "ways": ways,
-        "cold_ttft_s": {i: round(ttft, 3) for i, (ttft, _) in reference.items()},
+        "cold_ttft_s": {i: round(ttft, 3) for i, (ttft, _) in scene.reference.items()},
         "requests": [asdict(r) for r in results],
     }
     written = write_results("node_loss", payload, partial=not with_defaults(parser, args, apart_from={"workdir"}))

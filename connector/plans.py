@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from prefixcache.connector.load_costs import HitPart, ReadPath
 from prefixcache.connector.metadata import LoadChunk
 from prefixcache.indexer.chunking import PROBE_TOKENS
 from prefixcache.indexer.index import PrefixMatch
@@ -58,6 +59,24 @@ def tokens_by_tier(matches: Sequence[PrefixMatch], start: int, end: int) -> tupl
     nvme_only = frozenset().union(*(match.on_nvme_alone for match in matches))
     from_nvme = sum(max(0, min(end, (i + 1) * c) - max(start, i * c)) for i in nvme_only)
     return end - start - from_nvme, from_nvme
+
+
+def hit_parts(matches: Sequence[PrefixMatch], start: int, end: int) -> list[HitPart]:
+    """Tokens [start, end) of a hit, chunk by chunk, with the path each comes over (connector/load_costs.py): another
+    node's DRAM where any rank's copies lie only there, else NVMe where any rank's lie there alone, else this node's
+    DRAM. Neighbouring chunks over one path make one part."""
+    c = matches[0].chunk_tokens
+    remote = frozenset().union(*(match.remote_dram for match in matches))
+    nvme_only = frozenset().union(*(match.on_nvme_alone for match in matches))
+    parts: list[HitPart] = []
+    for i in range(start // c, -(-end // c)):
+        tokens = min(end, (i + 1) * c) - max(start, i * c)
+        path: ReadPath = "remote_dram" if i in remote else "nvme" if i in nvme_only else "local_dram"
+        if parts and parts[-1].path == path:
+            parts[-1] = HitPart(parts[-1].tokens + tokens, path)
+        else:
+            parts.append(HitPart(tokens, path))
+    return parts
 
 
 def blocks_of(plan: Sequence[LoadChunk]) -> frozenset[int]:

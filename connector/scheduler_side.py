@@ -34,6 +34,7 @@ from typing import Any
 from prefixcache.cachestore.client.request_params import request_cache_params
 from prefixcache.cachestore.client.scheduler_index import LEASE_TIMEOUT_S
 from prefixcache.connector.attachment import Attachment
+from prefixcache.connector.load_costs import LoadCosts
 from prefixcache.connector.load_policy import (
     check_load_mode,
     ends_media,
@@ -49,6 +50,7 @@ from prefixcache.connector.plans import (
     chunks_at_finish,
     chunks_before_failure,
     chunks_to_publish,
+    hit_parts,
     load_plan,
     stored_prefix,
     tokens_by_tier,
@@ -56,6 +58,7 @@ from prefixcache.connector.plans import (
 from prefixcache.connector.request_identity import media_ends, media_marks, request_variant
 from prefixcache.connector.scheduler_store import SchedulerStore
 from prefixcache.connector.settings import ConnectorSettings, Directions, check_supported, kv_bytes_per_token
+from prefixcache.connector.transfer_stats import PrefixCacheTransferStats
 from prefixcache.indexer.errors import IndexUnavailableError
 from prefixcache.indexer.index import PrefixMatch
 from prefixcache.indexer.keys import PrefixHasher, extend_all
@@ -128,6 +131,9 @@ class SchedulerSide:
         self.async_loads, self.async_bytes = settings.async_loads, settings.async_load_mib << 20
         # per shard, as vLLM gives the scheduler the first rank's layers: ranks load their shards side by side
         self.bytes_per_token = kv_bytes_per_token(kv_cache_config.kv_cache_groups[0])
+        # a hit is loaded as far as loading is faster than computing (connector/load_costs.py)
+        self.costs = LoadCosts(self.bytes_per_token)
+        self._last_step: tuple[float, int] | None = None  # when the last step was built, and the tokens it computes
         self._running: set[str] = set()  # scheduled in the last step and not finished since
         self._loads = LoadReports()  # loads the workers have not reported over yet
         self._sync_bytes_in_pass = 0  # what the step being scheduled loads synchronously so far, per rank
@@ -189,12 +195,18 @@ class SchedulerSide:
             # vLLM takes no cached tokens for a request that asks for its prompt's logprobs: looked up only to learn
             # what need not be published again, it is no hit
             return 0, False
-        external = min(state.matched_tokens, request.num_tokens - 1) - num_computed_tokens
-        external = external if external >= self.min_hit_tokens else 0
-        if looked_up:
-            self.store.index.recorder.record_lookup(
-                self.store.namespaces[0].digest, request.num_tokens, external, state.lookup_s
+        cached = min(state.matched_tokens, request.num_tokens - 1) - num_computed_tokens
+        external = cached if cached >= self.min_hit_tokens else 0
+        if external > 0 and state.matches:
+            paying = self.costs.paying_tokens(
+                hit_parts(state.matches, num_computed_tokens, num_computed_tokens + external)
             )
+            external = paying if paying >= self.min_hit_tokens else 0
+        if looked_up:
+            recorder, digest = self.store.index.recorder, self.store.namespaces[0].digest
+            recorder.record_lookup(digest, request.num_tokens, external, state.lookup_s)
+            if cached >= self.min_hit_tokens and external < cached:  # left to compute: slower to load
+                recorder.record_skipped(digest, cached - external)
         end = num_computed_tokens + external
         sync_hazard = self.sync_load_hazard is not None or (
             self.media_hazard is not None and ends_media(state.media_ends, num_computed_tokens, end)
@@ -238,6 +250,7 @@ class SchedulerSide:
         return tokens_by_tier(state.matches, state.local_tokens, state.local_tokens + num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> PrefixCacheMetadata:
+        self._time_last_step()
         store = self._attachment.value
         if store is not None:
             store.lookups.new_pass()
@@ -272,12 +285,25 @@ class SchedulerSide:
             meta.saves.extend(saves)
         meta.finished, self._finished_saves = set(self._finished_saves), {}
         self._running = set(scheduler_output.num_scheduled_tokens)
+        # a step that loads takes longer than its computation: it tells nothing of the prefill rate
+        computed = sum(scheduler_output.num_scheduled_tokens.values())
+        self._last_step = (time.perf_counter(), computed) if not loaded else None
         return meta
+
+    def _time_last_step(self) -> None:
+        """The engine's prefill rate, learned from the step built last: it ran from then until now, unless the
+        engine idled in between (none of its requests is left: the next step waited for a new one)."""
+        if self._last_step is not None and not self._running.isdisjoint(self.requests):
+            built, computed = self._last_step
+            self.costs.observe_step(computed, time.perf_counter() - built)
+        self._last_step = None
 
     def update_connector_output(self, connector_output: Any) -> None:
         """The workers' report of the step: asynchronous loads that are over, and the blocks that did not arrive
         intact (a synchronous load's in its own step's report; an asynchronous one's by its load's end, each rank
         reporting its own: connector/load_reports.py)."""
+        if isinstance(stats := connector_output.kv_connector_stats, PrefixCacheTransferStats):
+            self.costs.observe_reads(stats.reads())
         failed = self._loads.report(connector_output.finished_recving or (), connector_output.invalid_block_ids or ())
         self._holding.difference_update(connector_output.finished_sending or ())
         for req_id, blocks in failed.items():

@@ -16,6 +16,10 @@ each loads it.
 - ``published_chunks``, ``published_bytes``: chunks stored (in DRAM, then NVMe) and registered, and their KV bytes;
 - ``unpublished_chunks``: chunks computed to publish that were not stored (the store refused them, the
   arena had no room, or the publishing thread had fallen behind).
+
+With them travel, neither logged nor exported, the bytes and seconds of the workers' reads per path
+(``read_bytes:<path>``, ``read_s:<path>``), from which the scheduler side learns each path's bandwidth
+(connector/load_costs.py).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from collections import Counter
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+from prefixcache.connector.load_costs import READ_PATHS, ReadPath
 
 COUNTS: dict[str, str] = {
     "loaded_chunks": "Chunks prefixcache loaded intact into vLLM's KV cache.",
@@ -51,6 +57,11 @@ class TransferCounts:
         with self._lock:
             self._since.update(counts)
 
+    def add_read(self, path: ReadPath, nbytes: int, seconds: float) -> None:
+        """A read of ``nbytes`` over ``path`` that took ``seconds`` (or was abandoned after them)."""
+        with self._lock:
+            self._since.update({f"read_bytes:{path}": nbytes, f"read_s:{path}": seconds})
+
     def take(self) -> PrefixCacheTransferStats | None:
         """The counts since the last ``take``, or None when nothing moved (vLLM then sends nothing)."""
         with self._lock:
@@ -61,6 +72,14 @@ class TransferCounts:
 
 class PrefixCacheTransferStats(KVConnectorStats):
     """Counts (``COUNTS``) over one or more steps and ranks; vLLM ships ``data`` between its processes."""
+
+    def reads(self) -> dict[ReadPath, tuple[float, float]]:
+        """The reads' bytes and seconds per path, summed over the steps and ranks these stats cover."""
+        return {
+            path: (self.data[f"read_bytes:{path}"], self.data[f"read_s:{path}"])
+            for path in READ_PATHS
+            if self.data.get(f"read_s:{path}")
+        }
 
     def reset(self) -> None:
         self.data = {}

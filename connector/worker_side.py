@@ -85,6 +85,7 @@ class WorkerSide:
         self.loaded_async = 0  # requests whose asynchronous loads are over (intact or not)
         self._counting = threading.Lock()  # loads are counted from several threads
         self.transfers = TransferCounts()  # since vLLM last collected them (get_kv_connector_stats)
+        client.on_remote_read = functools.partial(self.transfers.add_read, "remote_dram")
         self._copies = page_copies_for(
             self.pages, client.arena_memory, self._layout.pages_of(client.spec.chunk_tokens), directions
         )

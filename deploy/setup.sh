@@ -36,10 +36,16 @@ apt_packages() {
         dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
     done
     command -v redis-server >/dev/null || missing+=(redis-server)
+    # etcd: the tests of Mooncake masters in high-availability mode start one of their own, on free ports
+    command -v etcd >/dev/null || missing+=(etcd-server)
     if [ "${#missing[@]}" -gt 0 ]; then
         log "apt: installing ${missing[*]}"
         as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
         as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+    fi
+    # Debian's package starts an etcd service on 2379; nothing here uses it, so a fresh install leaves it stopped
+    if [[ " ${missing[*]} " == *" etcd-server "* ]] && [ -d /run/systemd/system ]; then
+        as_root systemctl disable --now etcd.service >/dev/null 2>&1 || true
     fi
 }
 

@@ -9,7 +9,11 @@ tried them would wait for Mooncake's transfer timeouts (30 s and more) or for a 
 - every daemon beats: its heartbeat says until when it is alive (``HEARTBEAT_TTL_S`` after each beat, made every
   ``HEARTBEAT_INTERVAL_S``), and a daemon that stops says so at once;
 - a client whose read from a node failed or went unanswered marks that node suspect for everyone, for
-  ``SUSPECT_S``: this catches a node whose daemon still beats but whose data path does not deliver.
+  ``SUSPECT_S``: this catches a node whose daemon still beats but whose data path does not deliver. Marks in a row
+  double, up to ``SUSPECT_LONGEST_S``, so that a link that stays slow is tried (and its read abandoned) ever more
+  rarely; the row is forgotten once a mark has lapsed for ``SUSPECT_FORGIVE_S``, and when the node beats again
+  after its heartbeat lapsed for ``BACK_AFTER_S`` or more (back from a loss: read from it at once). A heartbeat
+  that lapses for less, as behind a saturated link, keeps the row.
 
 A node is down while its heartbeat has lapsed or a suspect mark on it holds. A node never heard of (no heartbeat:
 a daemon of an earlier version) is never down. Lookups avoid down nodes (``PrefixIndex.lookup``'s ``avoid``), so a
@@ -45,6 +49,11 @@ HEARTBEAT_TTL_S = 1.0
 #: How long a client's mark of a node it could not read from holds: long enough that a node whose link is
 #: congested is not tried by every request, short enough that one that recovered is read again soon.
 SUSPECT_S = 5.0
+#: The longest a mark in a row grows to, and how long after a mark lapses without another the row starts again.
+SUSPECT_LONGEST_S = 80.0
+SUSPECT_FORGIVE_S = 60.0
+#: A node whose heartbeat lapsed at least this long and resumed is back from a loss: its marks are dropped.
+BACK_AFTER_S = 5.0
 #: How often a view reads the table, and how long a view that cannot read it keeps what it read last.
 VIEW_REFRESH_S = 0.25
 VIEW_STALE_S = 5.0
@@ -107,23 +116,31 @@ class PeerRegistry:
         self._key = f"{key_prefix}:peers"
         self._script = load_script(client, "peers", with_common=False)
 
-    def _call(self, op: str, node: str = "", ms: int = 0) -> list:
+    def _call(self, op: str, node: str = "", *ms: int) -> list:
         try:
-            return self._script(keys=[self._key], args=[op, node, ms])
+            return self._script(keys=[self._key], args=[op, node, *(ms or (0,))])
         except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
             raise IndexUnavailableError(f"the table of peers is unreachable: {exc}") from exc
 
-    def beat(self, node: str, ttl_s: float = HEARTBEAT_TTL_S) -> None:
-        """``node`` is alive for ``ttl_s`` more."""
-        self._call("beat", node, round(ttl_s * 1000))
+    def beat(self, node: str, ttl_s: float = HEARTBEAT_TTL_S, back_after_s: float = BACK_AFTER_S) -> None:
+        """``node`` is alive for ``ttl_s`` more; back from a loss (its marks dropped) if its heartbeat had lapsed for
+        ``back_after_s`` or more."""
+        self._call("beat", node, round(ttl_s * 1000), round(back_after_s * 1000))
 
     def leave(self, node: str) -> None:
         """``node`` stops now: every client takes it for down from its next read."""
         self._call("leave", node)
 
-    def suspect(self, node: str, for_s: float = SUSPECT_S) -> None:
-        """Mark ``node`` suspect for everyone, for ``for_s``."""
-        self._call("suspect", node, round(for_s * 1000))
+    def suspect(
+        self,
+        node: str,
+        for_s: float = SUSPECT_S,
+        longest_s: float = SUSPECT_LONGEST_S,
+        forgive_s: float = SUSPECT_FORGIVE_S,
+    ) -> None:
+        """Mark ``node`` suspect for everyone, unless a mark holds: for ``for_s`` doubled per mark in a row, at most
+        ``longest_s``; a row ends when its last mark has lapsed for ``forgive_s``."""
+        self._call("suspect", node, round(for_s * 1000), round(longest_s * 1000), round(forgive_s * 1000))
 
     def read(self) -> PeerTable:
         return PeerTable.of_reply(self._call("read"))

@@ -36,6 +36,7 @@ MODULE_TIERS = {
         "test_bench_results",
         "test_burst_bench",
         "test_node_loss_bench",
+        "test_load_costs",
         "test_codec",
         "test_connector_attachment",
         "test_connector_plans",
@@ -65,6 +66,7 @@ MODULE_TIERS = {
         "test_ttft_ratios",
     },
     "integration": {
+        "test_owner_priority",
         "test_admin_cli",
         "test_api_admin",
         "test_api_schema",
@@ -83,6 +85,7 @@ MODULE_TIERS = {
         "test_leases",
         "test_listeners",
         "test_lookups",
+        "test_master_ha",
         "test_nvme",
         "test_nvme_full",
         "test_nvme_recovery",

@@ -26,13 +26,14 @@ from prefixcache.cachestore.host.processes import free_port_block
 from prefixcache.cachestore.host.secret_files import read_secret, secrets_dir
 from prefixcache.cachestore.node.redis_server import EmbeddedRedis
 from prefixcache.cachestore.tiers.dram import MooncakeTier, split_offset
-from prefixcache.cachestore.tiers.mooncake_servers import MooncakeMaster
+from prefixcache.cachestore.tiers.mooncake_servers import MooncakeMaster, leads, master_health
 from prefixcache.cachestore.tiers.nvme import Extent
 from prefixcache.cachestore.warmup.plan import storable_tokens
 from prefixcache.indexer.chunking import ChunkGeometry
 from prefixcache.indexer.keys import PrefixHasher, chunk_key
 from prefixcache.indexer.namespace import NamespaceSpec
 from prefixcache.indexer.tokens import pack_tokens
+from tests.etcd_server import EtcdServer
 from tests.netns import Host
 
 
@@ -71,6 +72,75 @@ def cluster_servers(directory: Path, host: str) -> Iterator[ClusterServers]:
             master.metrics_port,
             key_file,
         )
+
+
+@dataclass(frozen=True)
+class HaClusterServers:
+    """What every node of a cluster whose Mooncake masters run in high-availability mode joins: the index's Redis,
+    the etcd the masters elect their leader in (and keep the pool's transfer endpoints in), the masters, and the
+    chunk-signing key file. A test may kill and start again any of ``masters``."""
+
+    host: str
+    redis_port: int
+    redis_password: str
+    etcd: EtcdServer
+    masters: list[MooncakeMaster]
+    cluster_id: str
+    chunk_key_file: Path
+
+    @property
+    def master_url(self) -> str:
+        """What a node is given as ``--mooncake-master``."""
+        return f"etcd://{self.etcd.endpoint}/{self.cluster_id}"
+
+    @property
+    def metrics_urls(self) -> str:
+        """Every master's ``/metrics``, as ``PREFIXCACHE_MOONCAKE_METRICS_URL`` names them."""
+        return ",".join(f"{master.admin_url}/metrics" for master in self.masters)
+
+    def role(self, master: MooncakeMaster) -> str | None:
+        """What ``master`` says it is (``leader``, ``standby``...); None while it does not answer."""
+        state = master_health(master.admin_url)
+        return state.get("role") if isinstance(state, dict) else None
+
+    def leader(self, timeout_s: float = 30) -> MooncakeMaster:
+        """The master that leads and serves, once one does."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for master in self.masters:
+                if master.alive() and leads(master_health(master.admin_url)):
+                    return master
+            time.sleep(0.1)
+        raise AssertionError(f"no Mooncake master leads after {timeout_s:.0f}s")
+
+
+@contextmanager
+def ha_cluster_servers(
+    directory: Path, host: str = "127.0.0.1", masters: int = 2, cluster_id: str = "prefixcache-test"
+) -> Iterator[HaClusterServers]:
+    """A cluster's Redis, an etcd, and ``masters`` Mooncake masters in high-availability mode on ``host`` (one of
+    them leading when this yields), and a chunk-signing key file; stopped on exit."""
+    redis_server = EmbeddedRedis(directory / "redis", host=host)
+    etcd = EtcdServer(directory / "etcd", host=host)
+    group = [
+        MooncakeMaster(
+            directory / "mooncake",
+            host=host,
+            etcd_endpoints=[etcd.endpoint],
+            cluster_id=cluster_id,
+            log_name=f"mooncake_master-{i}.log",
+        )
+        for i in range(masters)
+    ]
+    key_file = directory / "chunk-key"
+    ChunkMacKey.load_or_create(key_file)
+    with ExitStack() as running:
+        for server in (redis_server, etcd, *group):
+            server.start()
+            running.callback(server.stop)
+        servers = HaClusterServers(host, redis_server.port, redis_server.password, etcd, group, cluster_id, key_file)
+        servers.leader()
+        yield servers
 
 
 class Daemon:
@@ -119,19 +189,39 @@ class Daemon:
     def joining(cls, servers: ClusterServers, data_dir: Path, node: str, *extra: str, **options: Any) -> Daemon:
         """A node of the cluster of ``servers``: its own DRAM segment and NVMe tier, their Redis and master."""
         at = servers.host
+        master = ("--mooncake-master", f"{at}:{servers.master_port}")
+        metadata = ("--mooncake-metadata-url", f"http://{at}:{servers.metadata_port}/metadata")
+        metrics = f"http://{at}:{servers.metrics_port}/metrics"
+        return cls._joined(servers, data_dir, node, (*master, *metadata, *extra), metrics, options)
+
+    @classmethod
+    def joining_ha(cls, servers: HaClusterServers, data_dir: Path, node: str, *extra: str, **options: Any) -> Daemon:
+        """A node of the cluster of ``servers``: its own DRAM segment and NVMe tier, their Redis, and their masters
+        in high-availability mode, found through etcd (which keeps the transfer endpoints too)."""
+        master = ("--mooncake-master", servers.master_url)
+        return cls._joined(servers, data_dir, node, (*master, *extra), servers.metrics_urls, options)
+
+    @classmethod
+    def _joined(
+        cls,
+        servers: ClusterServers | HaClusterServers,
+        data_dir: Path,
+        node: str,
+        args: Sequence[str],
+        metrics_urls: str,
+        options: dict[str, Any],
+    ) -> Daemon:
+        """A daemon on the cluster's Redis and chunk key, with ``args`` (its master's, then the caller's)."""
+        index = f"redis://:{servers.redis_password}@{servers.host}:{servers.redis_port}/0"
         joined = cls(
             data_dir,
             "--redis-url",
-            f"redis://:{servers.redis_password}@{at}:{servers.redis_port}/0",
-            "--mooncake-master",
-            f"{at}:{servers.master_port}",
+            index,
             "--chunk-key-file",
             str(servers.chunk_key_file),
-            "--mooncake-metadata-url",
-            f"http://{at}:{servers.metadata_port}/metadata",
-            *extra,
+            *args,
             node=node,
-            env={"PREFIXCACHE_MOONCAKE_METRICS_URL": f"http://{at}:{servers.metrics_port}/metrics"},
+            env={"PREFIXCACHE_MOONCAKE_METRICS_URL": metrics_urls},
             **options,
         )
         joined.index_password = servers.redis_password  # its clients are given it: the index is not its own

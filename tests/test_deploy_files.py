@@ -21,12 +21,15 @@ DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 COMPOSE = DEPLOY / "docker-compose.yml"
 #: An override of ``COMPOSE``: the index as a Redis Cluster.
 CLUSTER_COMPOSE = DEPLOY / "docker-compose.redis-cluster.yml"
+#: An override of ``COMPOSE``: Mooncake masters in high-availability mode over etcd.
+HA_COMPOSE = DEPLOY / "docker-compose.mooncake-ha.yml"
 MANIFESTS = sorted((DEPLOY / "k8s").rglob("*.yaml"))
 CLUSTER_MANIFEST = DEPLOY / "k8s" / "redis-cluster" / "redis-cluster.yaml"
 UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
 DEPLOY_TEXT_FILES = [
     COMPOSE,
     CLUSTER_COMPOSE,
+    HA_COMPOSE,
     *MANIFESTS,
     *UNITS,
     *(DEPLOY / "systemd").glob("*.env"),
@@ -59,13 +62,17 @@ def test_every_setting_is_documented_in_the_guide():
     assert not missing, f"deploy/GUIDE.md does not document {missing}"
 
 
-@pytest.mark.parametrize("compose", [COMPOSE, CLUSTER_COMPOSE], ids=lambda p: p.name)
+@pytest.mark.parametrize("compose", [COMPOSE, CLUSTER_COMPOSE, HA_COMPOSE], ids=lambda p: p.name)
 def test_the_compose_files_match_the_compose_specification(compose):
     result = _run([str(BIN / "check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(compose)])
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, CLUSTER_COMPOSE]], ids=["standalone", "redis-cluster"])
+@pytest.mark.parametrize(
+    "files",
+    [[COMPOSE], [COMPOSE, CLUSTER_COMPOSE], [COMPOSE, HA_COMPOSE]],
+    ids=["standalone", "redis-cluster", "mooncake-ha"],
+)
 def test_docker_compose_accepts_the_compose_files(files):
     if shutil.which("docker") and _run(["docker", "compose", "version"]).returncode == 0:
         argv = ["docker", "compose"]

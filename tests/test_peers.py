@@ -69,6 +69,43 @@ def test_a_suspect_mark_holds_for_its_time_and_a_longer_one_is_kept(registry):
     assert wait_for(lambda: registry.read().suspect == {"a"}, timeout_s=5)
 
 
+def lasts_s(registry: PeerRegistry, node: str) -> float:
+    """How long the mark on ``node`` still holds."""
+    table = registry.read()
+    return (table.suspects[node] - table.now_ms) / 1000
+
+
+def test_marks_in_a_row_grow_until_one_lapses_long_enough_or_the_node_is_back_from_a_loss(registry):
+    registry.beat("a", ttl_s=60)
+    registry.suspect("a", for_s=0.2, longest_s=0.7, forgive_s=5)
+    assert 0.1 < lasts_s(registry, "a") <= 0.2
+    registry.suspect("a", for_s=0.2, longest_s=0.7, forgive_s=5)  # the mark holds: kept as it is
+    assert lasts_s(registry, "a") <= 0.2
+    assert wait_for(lambda: not registry.read().suspect, timeout_s=5)
+    registry.suspect("a", for_s=0.2, longest_s=0.7, forgive_s=5)  # the next in a row: twice as long
+    assert 0.3 < lasts_s(registry, "a") <= 0.4
+    assert wait_for(lambda: not registry.read().suspect, timeout_s=5)
+    registry.suspect("a", for_s=0.2, longest_s=0.7, forgive_s=5)  # and no longer than the longest
+    assert 0.6 < lasts_s(registry, "a") <= 0.7
+    assert wait_for(lambda: not registry.read().suspect, timeout_s=5)
+    time.sleep(0.1)
+    registry.suspect("a", for_s=0.2, longest_s=0.7, forgive_s=0.05)  # the last lapsed over forgive_s ago: afresh
+    assert lasts_s(registry, "a") <= 0.2
+
+    registry.beat("b", ttl_s=0.1)
+    registry.suspect("b", for_s=0.1)
+    assert wait_for(lambda: not registry.read().suspect, timeout_s=5)
+    registry.suspect("b", for_s=60)  # the second in a row: 120 s, at most 80 s by default
+    registry.beat("b", ttl_s=60, back_after_s=60)  # its heartbeat lapsed only briefly: the mark holds
+    assert registry.read().suspect == {"b"}
+    registry.beat("b", ttl_s=0.05)
+    time.sleep(0.3)
+    registry.beat("b", ttl_s=60, back_after_s=0.2)  # back after a lapse of back_after_s: read from at once, afresh
+    assert registry.read().down == frozenset()
+    registry.suspect("b", for_s=0.2)
+    assert lasts_s(registry, "b") <= 0.2
+
+
 def test_a_view_skips_the_down_nodes_but_never_its_own(registry):
     registry.beat("self", ttl_s=0.1)  # lapses at once: a view never avoids its own node
     registry.beat("a", ttl_s=60)

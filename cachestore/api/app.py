@@ -69,6 +69,9 @@ class ClientStats(BaseModel):
     late_chunks: int = Field(
         default=0, description="chunks whose read from another node passed its deadline: recomputed, the node suspect"
     )
+    skipped_tokens: int = Field(
+        default=0, description="cached tokens computed instead of loaded: their path was slower than the prefill"
+    )
 
 
 class EvictionStats(BaseModel):

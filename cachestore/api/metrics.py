@@ -35,6 +35,7 @@ CLIENT_COUNTERS = {
     "publish_failures": "chunks a publish could not store",
     "over_quota_chunks": "chunks a publish left out, their tenant or namespace being at its quota",
     "late_chunks": "chunks whose read from another node passed its deadline (recomputed; that node marked suspect)",
+    "skipped_tokens": "cached tokens computed instead of loaded: their path was slower than the engine's prefill",
 }
 
 

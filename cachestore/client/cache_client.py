@@ -133,6 +133,9 @@ class CacheClient:
             preferred_segment=config.mooncake.segment,
             thread_setup=io_thread_setup,
         )
+        # told of each read that crossed the network: its bytes, and the seconds it took or was given (the connector
+        # learns the path's bandwidth from them)
+        self.on_remote_read: Callable[[int, float], None] | None = None
         self.namespace_check: NamespaceCheck | None = None
         try:
             self.namespace_check = attach_namespace(self.index, spec, log)
@@ -452,12 +455,18 @@ class CacheClient:
             return 0
         rejected = 0
         wanted = [keys[i] for i in positions]
+        size_bytes = sum(len(slots[i]) for i in positions)
+        started = time.perf_counter()
         sizes = self.dram.get_into(
             wanted,
             [slots[i] for i in positions],
             [cuts[i] for i in positions] if cuts else (),
-            deadline_s=read_deadline_s(sum(len(slots[i]) for i in positions)) if across_network else None,
+            deadline_s=read_deadline_s(size_bytes) if across_network else None,
         )
+        # a read past its deadline moved its bytes no faster than that; one that found nothing says nothing
+        moved = size_bytes if LATE in sizes else sum(size for size in sizes if size > 0)
+        if across_network and moved and self.on_remote_read is not None:
+            self.on_remote_read(moved, time.perf_counter() - started)
         if LATE in sizes:
             self._late([key for key, size in zip(wanted, sizes, strict=True) if size == LATE])
         for i, size in zip(positions, sizes, strict=True):
@@ -598,7 +607,9 @@ class CacheClient:
             if not stream.heard:  # it waited out the deadline
                 self.peers.suspect(stream.node)
                 log.warning(
-                    "node %s did not answer a promotion request: its chunks miss for %.0fs", stream.node, SUSPECT_S
+                    "node %s did not answer a promotion request: its chunks miss for %.0f s or more",
+                    stream.node,
+                    SUSPECT_S,
                 )
             ready = [i for i, ok in zip(waiting, flags, strict=True) if ok]
             self.counters.count(promoted=len(ready))
@@ -618,7 +629,8 @@ class CacheClient:
         holders = {loc.node for e in entries if e for loc in e.locations if loc.tier == "dram"} - {self.node}
         for node in sorted(holders):
             log.warning(
-                "a read from node %s passed its deadline: its chunks are recomputed, and it is skipped for %.0fs",
+                "a read from node %s passed its deadline: its chunks are recomputed, and it is skipped for %.0f s "
+                "or more",
                 node,
                 SUSPECT_S,
             )

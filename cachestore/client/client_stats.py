@@ -43,6 +43,7 @@ COUNTERS = (
     "publish_failures",
     "over_quota_chunks",
     "late_chunks",
+    "skipped_tokens",
 )
 
 
@@ -100,6 +101,10 @@ class ClientStatsRecorder(PeriodicFlusher):
     def record_late(self, namespace: bytes, chunks: int) -> None:
         """Chunks whose read from another node passed its deadline (a miss, recomputed)."""
         self._count(namespace.hex(), {"late_chunks": chunks})
+
+    def record_skipped(self, namespace: bytes, tokens: int) -> None:
+        """Cached tokens a hit left to be computed: loading them would have taken longer (connector/load_costs.py)."""
+        self._count(namespace.hex(), {"skipped_tokens": tokens})
 
     def _add(self, ns: str, seconds: float, op: Operation, **counts: int) -> None:
         bucket = bisect.bisect_left(LATENCY_BUCKETS_S, seconds)

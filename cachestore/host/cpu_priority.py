@@ -23,6 +23,16 @@ def set_own_nice(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, 0, nice)
 
 
+def set_process_nice(pid: int, nice: int) -> bool:
+    """Give every thread of running process ``pid``, and its session's autogroup, ``nice``; returns whether its
+    threads run at ``nice`` now (raising a nice needs no privilege, lowering it CAP_SYS_NICE)."""
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+    return set_session_nice(pid, nice)
+
+
 def set_session_nice(pid: int, nice: int) -> bool:
     """Give the autogroup of session leader ``pid`` ``nice`` as well (nothing to do on a kernel without
     autogroups); returns whether ``pid`` runs at ``nice``."""

@@ -17,6 +17,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import redis
@@ -61,14 +62,16 @@ from prefixcache.cachestore.services.eviction_orders import EvictionOrders, Orde
 from prefixcache.cachestore.services.heartbeat import Heartbeat
 from prefixcache.cachestore.services.kv_events import KvEventPublisher
 from prefixcache.cachestore.services.nvme_extents import ExtentServer
+from prefixcache.cachestore.services.owner_priority import CALM_NICE, OwnerPriority
 from prefixcache.cachestore.services.promotion import Promoter
 from prefixcache.cachestore.services.quotas import QuotaEnforcer
 from prefixcache.cachestore.services.reconcile import reconcile
 from prefixcache.cachestore.services.write_behind import GROUP as WRITE_BEHIND_GROUP
 from prefixcache.cachestore.services.write_behind import WriteBehind
 from prefixcache.cachestore.tiers.dram import MooncakeTier
-from prefixcache.cachestore.tiers.mooncake_servers import MooncakeMaster, SegmentOwner
+from prefixcache.cachestore.tiers.mooncake_servers import HaMasters, MooncakeMaster, SegmentOwner, leads
 from prefixcache.cachestore.tiers.nvme import NvmeStore
+from prefixcache.cachestore.tiers.usage import TierUsage
 from prefixcache.cachestore.warmup.jobs import WarmupJobs, local_url
 from prefixcache.cachestore.warmup.policy import WarmupPolicy
 from prefixcache.indexer.errors import ConfigError, IndexUnavailableError
@@ -88,6 +91,11 @@ DAEMON_ARENA_BYTES = 256 << 20
 WARMUP_OBJECT_BYTES = 8 << 20
 #: The health component that reports each server the daemon supervises.
 SERVER_OF_COMPONENT = {"redis": "redis-server", "mooncake_master": "mooncake_master", "dram": "mooncake_client"}
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host, int(port)
 
 
 def _make_private(directory: Path) -> None:
@@ -127,6 +135,19 @@ def peers_health(table: PeerTable, node: str) -> ComponentHealth:
     return ComponentHealth(ok=True, degraded=True, detail="; ".join(parts))
 
 
+class LeaderMetricsTier(MooncakeTier):
+    """The DRAM tier of a node whose masters run in high-availability mode: its use is read from the ``/metrics``
+    of whichever master leads (a standby knows no segments)."""
+
+    def __init__(self, shm_address: str, masters: HaMasters, **options: Any) -> None:
+        super().__init__(shm_address, **options)
+        self.masters = masters
+
+    def usage(self) -> TierUsage:
+        self._metrics_url = self.masters.metrics_url()
+        return super().usage()
+
+
 class NodeDaemon:
     """Owns this node's servers, tiers and services for the daemon's lifetime."""
 
@@ -140,6 +161,8 @@ class NodeDaemon:
         self.master_address: str
         self.metadata_url: str
         self.metrics_url: str | None = None
+        #: the masters, with an etcd:// mooncake_master (high-availability mode)
+        self.ha_masters: HaMasters | None = None
         self.write_behind: WriteBehind
         self.promoter: Promoter
         self.demoter: Demoter
@@ -267,6 +290,8 @@ class NodeDaemon:
         # last: other nodes read from this one once it beats, and the first thing stopped says it has left
         self.peers = PeerRegistry(redis_client(self.index.url), s.key_prefix)
         self._start_service(Heartbeat(self.peers, s.node))
+        if s.owner_nice < CALM_NICE:  # the owner yields its raised priority while a peer is lost
+            self._start_service(OwnerPriority(self.peers, s.node, lambda: self.owner.pid, s.owner_nice))
 
     def _load_mac_key(self) -> None:
         """The cluster's chunk-signing key: the operator's file, or this node's own, generated at first start."""
@@ -355,6 +380,16 @@ class NodeDaemon:
             self.master_address, self.metadata_url = master.address, master.metadata_url
             self.metrics_url = f"http://{master.host}:{master.metrics_port}/metrics"
             log.info("embedded mooncake_master ready at %s", master.address)
+        elif (ha := s.mooncake_ha) is not None:
+            # the owner finds the leader in etcd; the transfer endpoints are kept there too unless told otherwise
+            self.master_address, self.metadata_url = ha.address, s.mooncake_metadata_url or ha.address
+            self.ha_masters = HaMasters([url.removesuffix("/metrics") for url in s.mooncake_metrics_urls])
+            log.info("Mooncake masters in high-availability mode, found through %s", s.mooncake_master)
+            if not s.mooncake_metrics_urls:
+                log.warning(
+                    "PREFIXCACHE_MOONCAKE_METRICS_URL is not set (every master's, comma-separated): demotion cannot "
+                    "see this node's DRAM use, and /v1/health cannot tell which master leads"
+                )
         else:
             assert s.mooncake_master and s.mooncake_metadata_url
             self.master_address, self.metadata_url = s.mooncake_master, s.mooncake_metadata_url
@@ -374,20 +409,23 @@ class NodeDaemon:
             shm_port=s.derived_port("shm_port"),
             protocol=s.mooncake_protocol,
             device_names=s.mooncake_device_names,
-            master_admin_url=self.master_admin_url,
+            master_admin_url=self.ha_masters.leader if self.ha_masters else self.master_admin_url,
             nice=s.owner_nice,
+            cluster_id=s.mooncake_ha.cluster_id if s.mooncake_ha else None,
         )
         self.owner.start()
         self._stack.callback(self.owner.stop)
         # a new owner starts empty; attached tiers (this daemon's too) re-register their memory with it by themselves
         self.supervisor.watch(self.owner, before_restart=self._forget_dram)
-        self.dram = MooncakeTier(
-            self.owner.shm_address,
-            arena_bytes=DAEMON_ARENA_BYTES,
-            object_prefix=s.key_prefix,
-            preferred_segment=self.owner.segment,
-            metrics_url=self.metrics_url,
-        )
+        options: dict[str, Any] = {
+            "arena_bytes": DAEMON_ARENA_BYTES,
+            "object_prefix": s.key_prefix,
+            "preferred_segment": self.owner.segment,
+        }
+        if self.ha_masters is None:
+            self.dram = MooncakeTier(self.owner.shm_address, metrics_url=self.metrics_url, **options)
+        else:
+            self.dram = LeaderMetricsTier(self.owner.shm_address, self.ha_masters, **options)
         self._stack.callback(self.dram.close)
         self._warm_segment()
         log.info(
@@ -552,6 +590,8 @@ class NodeDaemon:
         return ComponentHealth(ok=False, detail=problem) if problem else ComponentHealth(ok=True, detail="answering")
 
     def _master_health(self) -> ComponentHealth:
+        if self.ha_masters is not None:
+            return self._ha_masters_health(self.ha_masters)
         if self.master_admin_url:
             health_url = self.master_admin_url + "/health"
             try:
@@ -564,6 +604,29 @@ class NodeDaemon:
         return ComponentHealth(
             ok=ok, detail=f"{self.master_address} {'accepting' if ok else 'not accepting'} connections"
         )
+
+    def _ha_masters_health(self, masters: HaMasters) -> ComponentHealth:
+        """Down while no master leads (an election takes about 10 s); degraded while none stands by to take over,
+        or one does not answer."""
+        if not masters.admin_urls:
+            etcd = self.settings.mooncake_ha.endpoints if self.settings.mooncake_ha else ()
+            up = [endpoint for endpoint in etcd if port_open(*_host_port(endpoint))]
+            return ComponentHealth(
+                ok=bool(up),
+                detail=f"found through {self.master_address} ({'reachable' if up else 'unreachable'}); set "
+                "PREFIXCACHE_MOONCAKE_METRICS_URL (every master's) to see which master leads",
+            )
+        states = masters.states()
+        leader = next((state for state in states.values() if leads(state)), None)
+        standing_by = [url for url, state in states.items() if isinstance(state, dict) and not leads(state)]
+        unreachable = [f"{url} ({state})" for url, state in states.items() if isinstance(state, str)]
+        parts = [f"{len(standing_by)} standing by"]
+        if unreachable:
+            parts.append(f"unreachable: {', '.join(unreachable)}")
+        if not isinstance(leader, dict):
+            return ComponentHealth(ok=False, detail="; ".join(["no master leads (an election takes ~10 s)", *parts]))
+        parts.insert(0, f"leader {leader.get('leader_address')} serving")
+        return ComponentHealth(ok=True, degraded=bool(unreachable) or not standing_by, detail="; ".join(parts))
 
     def _dram_health(self) -> ComponentHealth:
         if not self.owner.alive():

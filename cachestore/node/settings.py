@@ -12,6 +12,7 @@ import os
 import re
 import socket
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -43,6 +44,44 @@ def _scoped(quotas: dict[str, ByteSize], kind: str) -> dict[str, ByteSize]:
 
 def default_data_dir() -> Path:
     return Path.home() / ".local" / "share" / "prefixcache"
+
+
+ETCD_SCHEME = "etcd://"
+
+
+def _is_host_port(address: str) -> bool:
+    host, sep, port = address.rpartition(":")
+    return bool(sep and host) and port.isdigit() and 0 < int(port) < 65536
+
+
+@dataclass(frozen=True)
+class EtcdMasters:
+    """Mooncake masters in high-availability mode: the etcd they elect their leader in, and their cluster id.
+
+    Written ``etcd://host:port[;host:port...][/cluster_id]``; Mooncake's clients take the etcd part alone
+    (``address``) and the cluster id from ``MC_STORE_CLUSTER_ID``.
+    """
+
+    endpoints: tuple[str, ...]
+    #: the masters' ``-cluster_id``; None: Mooncake's default
+    cluster_id: str | None = None
+
+    @classmethod
+    def parse(cls, url: str) -> EtcdMasters:
+        hosts, _, cluster_id = url.removeprefix(ETCD_SCHEME).partition("/")
+        endpoints = tuple(part.strip() for part in re.split(r"[;,]", hosts) if part.strip())
+        if not endpoints or not all(_is_host_port(endpoint) for endpoint in endpoints):
+            raise ValueError("must name etcd's endpoints as etcd://host:port[;host:port...][/cluster_id]")
+        if cluster_id and not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", cluster_id):
+            raise ValueError(
+                f"cluster id {cluster_id!r} must be 1 to 64 letters, digits, '_', '.' or '-' (the masters' -cluster_id)"
+            )
+        return cls(endpoints, cluster_id or None)
+
+    @property
+    def address(self) -> str:
+        """What Mooncake's clients take as the master and, unless told otherwise, as the metadata server."""
+        return ETCD_SCHEME + ";".join(self.endpoints)
 
 
 class Settings(BaseSettings):
@@ -143,26 +182,29 @@ class Settings(BaseSettings):
 
     mooncake_master: str | None = Field(
         default=None,
-        description="External Mooncake master, `host:port` (its RPC port, 50051 by convention); needs "
-        "`mooncake_metadata_url`. Unset: the daemon starts an embedded master. Nodes that share a pool need "
-        "an external master on an address they all reach.",
+        description="External Mooncake master, `host:port` (its RPC port, 50051 by convention; needs "
+        "`mooncake_metadata_url`), or masters in high-availability mode, found through etcd: "
+        "`etcd://etcd-0:2379;etcd-1:2379;etcd-2:2379/CLUSTER_ID` (`,` also separates; `/CLUSTER_ID`, the masters' "
+        "`-cluster_id`, may be left out when they run with Mooncake's default). Unset: the daemon starts an embedded "
+        "master. Nodes that share a pool need an external master on an address they all reach.",
     )
     mooncake_metadata_url: str | None = Field(
         default=None,
         description="Mooncake metadata server, which maps segment names to their transfer endpoints; required "
-        "with an external master: `http://master:8080/metadata` (the master's built-in server), "
-        "`etcd://etcd-0:2379` (or `etcd://a:2379,b:2379`, for masters in high-availability mode) or "
-        "`redis://host:6379` (another database or instance than the index's). With an embedded master the daemon "
-        "uses the master's own (`port`+5) and ignores this.",
+        "with a `host:port` master: `http://master:8080/metadata` (the master's built-in server), "
+        "`etcd://etcd-0:2379` (or `etcd://a:2379,b:2379`) or `redis://host:6379` (another database or instance "
+        "than the index's). With `etcd://` masters, unset: the same etcd. With an embedded master the daemon uses "
+        "the master's own (`port`+5) and ignores this.",
     )
     mooncake_metrics_url: str | None = Field(
         default=None,
         description="An external master's `/metrics`: DRAM usage for demotion, the master's health for "
         "`/v1/health`, and its segment list, where a restarting daemon waits (up to 30 s) until the master has "
         "forgotten its previous segment owner. Set it on every node of a shared master: without that wait, a "
-        "daemon restarted within seconds loses its DRAM tier. Unset with an external master, demotion cannot see "
-        "this node's DRAM use (the daemon warns); with an embedded master the daemon reads the master's own "
-        "(`port`+6).",
+        "daemon restarted within seconds loses its DRAM tier. With `etcd://` masters, every master's, "
+        "comma-separated: the daemon reads the one whose `/health` says it leads. Unset with an external master, "
+        "demotion cannot see this node's DRAM use (the daemon warns); with an embedded master the daemon reads the "
+        "master's own (`port`+6).",
     )
     mooncake_host: str = Field(
         default="127.0.0.1",
@@ -395,11 +437,26 @@ class Settings(BaseSettings):
     @field_validator("mooncake_master")
     @classmethod
     def _host_port(cls, address: str | None) -> str | None:
-        if address is not None:
-            host, sep, port = address.rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"must look like host:port (got {address!r})")
+        if address is not None and address.startswith(ETCD_SCHEME):
+            try:
+                EtcdMasters.parse(address)
+            except ValueError as exc:
+                raise ValueError(f"{exc} (got {address!r})") from None
+        elif address is not None and not _is_host_port(address):
+            raise ValueError(
+                f"must look like host:port, or etcd://host:port[;host:port...][/cluster_id] for masters in "
+                f"high-availability mode (got {address!r})"
+            )
         return address
+
+    @field_validator("mooncake_metrics_url")
+    @classmethod
+    def _http_urls(cls, urls: str | None) -> str | None:
+        if urls is not None:
+            for url in urls.split(","):
+                if not re.fullmatch(r"https?://[^\s,/]+(/\S*)?", url.strip()):
+                    raise ValueError(f"{url.strip()!r} is not an http:// or https:// URL")
+        return urls
 
     @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
     @classmethod
@@ -432,8 +489,10 @@ class Settings(BaseSettings):
     def _consistent(self) -> Settings:
         if self.dram_low_watermark >= self.dram_high_watermark:
             raise ValueError("dram_low_watermark must be below dram_high_watermark")
-        if self.mooncake_master and not self.mooncake_metadata_url:
+        if self.mooncake_master and not self.mooncake_metadata_url and self.mooncake_ha is None:
             raise ValueError("mooncake_metadata_url is required with an external mooncake_master")
+        if len(self.mooncake_metrics_urls) > 1 and self.mooncake_ha is None:
+            raise ValueError("mooncake_metrics_url names several masters: that takes an etcd:// mooncake_master")
         if self.nvme_bytes < 2 * NVME_PACK_FILE_BYTES:
             raise ValueError(f"nvme_bytes must be at least {2 * NVME_PACK_FILE_BYTES >> 20} MiB (two pack files)")
         if self.port + 6 > 65535:
@@ -449,6 +508,17 @@ class Settings(BaseSettings):
     @property
     def embedded_mooncake(self) -> bool:
         return self.mooncake_master is None
+
+    @property
+    def mooncake_ha(self) -> EtcdMasters | None:
+        """The masters in high-availability mode that ``mooncake_master`` names (None: one master, or embedded)."""
+        master = self.mooncake_master
+        return EtcdMasters.parse(master) if master and master.startswith(ETCD_SCHEME) else None
+
+    @property
+    def mooncake_metrics_urls(self) -> list[str]:
+        """``mooncake_metrics_url``'s URLs, one per master."""
+        return [url.strip() for url in (self.mooncake_metrics_url or "").split(",") if url.strip()]
 
     def derived_port(self, name: str) -> int:
         """A fixed port per role (PORT+1..PORT+6 unless set), so clients reconnect to a restarted daemon."""

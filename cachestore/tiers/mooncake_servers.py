@@ -12,15 +12,23 @@ its flags say, so each runs with the bind shim (cachestore/tiers/bind_shim.py), 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from prefixcache.cachestore.host.processes import ManagedProcess, find_executable, free_port, port_open
+from prefixcache.cachestore.host.processes import (
+    ManagedProcess,
+    ServerStartError,
+    find_executable,
+    free_port,
+    port_open,
+)
 from prefixcache.cachestore.tiers.bind_shim import bind_env, numeric_address
 from prefixcache.cachestore.tiers.mooncake_import import mooncake
 
@@ -44,6 +52,10 @@ OWNER_RPC_THREADS = 4
 #: transfer, at its raised priority, on the cores vLLM computes on: a frozen node's first lost read cost the
 #: surviving node's recompute 8 s with 5 s here, 1.8 s with 1 s (benchmarks/node_loss.py).
 TCP_PROGRESS_TIMEOUT_S = 1
+#: How long the owner's connect to another node's handshake port may take (``MC_HANDSHAKE_CONNECT_TIMEOUT``, whole
+#: seconds; a user's value wins). With Mooncake's 5 s, a read of a node whose cable was pulled stayed pending
+#: for 12 s, the owner busy-polling it all along.
+HANDSHAKE_CONNECT_TIMEOUT_S = 1
 _PACKAGE_DIR = Path(mooncake.__file__).parent
 log = logging.getLogger("prefixcache.daemon")
 
@@ -63,8 +75,19 @@ def mooncake_env(host: str) -> dict[str, str]:
     return {**os.environ, **bind_env(host), "MC_TCP_BIND_ADDRESS": numeric_address(host)}
 
 
+#: How long a segment owner's start keeps trying while masters in high-availability mode have no leader yet (an
+#: owner that finds none exits): an election takes about 10 s after a leader is lost.
+LEADER_WAIT_S = 60.0
+
+
 class MooncakeMaster(ManagedProcess):
     """``mooncake_master`` with its HTTP metadata server, on ``host`` (loopback unless told).
+
+    Given ``etcd_endpoints``, one master of a high-availability group instead: the masters elect a leader in
+    etcd (``cluster_id`` names the group there; None: Mooncake's default), the others stand by and replay the
+    leader's operation log (``-enable_oplog``), so that the one elected when the leader is lost knows its objects.
+    The transfer endpoints are then kept in the same etcd (``metadata_url``), not in a master's HTTP metadata
+    server, which would be lost with its master.
 
     Leases last 2 s, not 10: every read grants one and a leased object can be neither evicted nor
     removed. The master's own eviction starts at 95% so that the daemon's demotion (which keeps the
@@ -81,16 +104,34 @@ class MooncakeMaster(ManagedProcess):
         rpc_port: int | None = None,
         metadata_port: int | None = None,
         metrics_port: int | None = None,
+        *,
+        etcd_endpoints: Sequence[str] = (),
+        cluster_id: str | None = None,
+        log_name: str = "mooncake_master.log",
     ) -> None:
         self.host = host
+        self.etcd_endpoints = tuple(etcd_endpoints)
+        self.cluster_id = cluster_id
         self.rpc_port = rpc_port or free_port(host)
-        self.metadata_port = metadata_port or free_port(host)
+        self.metadata_port = None if self.etcd_endpoints else metadata_port or free_port(host)
         self.metrics_port = metrics_port or free_port(host)
+        if self.etcd_endpoints:
+            served = [
+                "-enable_ha=true",
+                "-ha_backend_type=etcd",
+                f"-ha_backend_connstring={';'.join(self.etcd_endpoints)}",
+                *([f"-cluster_id={cluster_id}"] if cluster_id else []),
+                "-enable_oplog=true",
+            ]
+        else:
+            served = [
+                "-enable_http_metadata_server=true",
+                f"-http_metadata_server_host={host}",
+                f"-http_metadata_server_port={self.metadata_port}",
+            ]
         argv = [
             find_executable("mooncake_master", [_PACKAGE_DIR]),
-            "-enable_http_metadata_server=true",
-            f"-http_metadata_server_host={host}",
-            f"-http_metadata_server_port={self.metadata_port}",
+            *served,
             f"-rpc_address={host}",
             f"-rpc_port={self.rpc_port}",
             f"-metrics_host={host}",
@@ -100,11 +141,11 @@ class MooncakeMaster(ManagedProcess):
             "-allow_evict_soft_pinned_objects=false",
             "-logtostderr",
         ]
-        ports = (self.rpc_port, self.metadata_port, self.metrics_port)
+        ports = [port for port in (self.rpc_port, self.metadata_port, self.metrics_port) if port is not None]
         super().__init__(
             "mooncake_master",
             argv,
-            Path(log_dir) / "mooncake_master.log",
+            Path(log_dir) / log_name,
             self._answers,
             env=mooncake_env(host),
             listens_on=[(host, port) for port in ports],
@@ -116,10 +157,60 @@ class MooncakeMaster(ManagedProcess):
 
     @property
     def metadata_url(self) -> str:
+        if self.etcd_endpoints:
+            return "etcd://" + ";".join(self.etcd_endpoints)
         return f"http://{self.host}:{self.metadata_port}/metadata"
 
+    @property
+    def admin_url(self) -> str:
+        """The master's HTTP port: ``/metrics``, ``/health`` (with ``role``, ``leader`` or ``standby``, in
+        high-availability mode), ``/get_all_segments``."""
+        return f"http://{self.host}:{self.metrics_port}"
+
     def _answers(self) -> bool:
+        if self.metadata_port is None:  # a standby serves no RPC: its HTTP port answers once it runs
+            return port_open(self.host, self.metrics_port)
         return port_open(self.host, self.rpc_port) and port_open(self.host, self.metadata_port)
+
+
+def master_health(admin_url: str, timeout_s: float = 1.0) -> dict | str:
+    """A master's ``/health`` at its HTTP port ``admin_url``: its answer, or why there was none."""
+    try:
+        with urllib.request.urlopen(f"{admin_url}/health", timeout=timeout_s) as answer:
+            state = json.loads(answer.read())
+    except (OSError, ValueError) as exc:
+        return str(exc)
+    return state if isinstance(state, dict) else f"unexpected answer {state!r}"
+
+
+def leads(state: dict | str) -> bool:
+    """Whether a master whose ``/health`` said ``state`` is the leader of its group, and serving."""
+    return isinstance(state, dict) and state.get("role") == "leader" and bool(state.get("service_ready"))
+
+
+class HaMasters:
+    """The masters of a high-availability group, as a node reaches them: by their HTTP ports (``admin_urls``),
+    where ``/health`` says which one leads. Only the leader knows the pool's segments and their use."""
+
+    def __init__(self, admin_urls: Sequence[str]) -> None:
+        self.admin_urls = list(admin_urls)
+        self._leader: str | None = None  # asked first: the leader seldom changes
+
+    def states(self) -> dict[str, dict | str]:
+        """Each master's ``/health`` answer, or why it gave none, by HTTP port."""
+        return {url: master_health(url) for url in self.admin_urls}
+
+    def leader(self) -> str | None:
+        """The HTTP port of the master that leads and serves; None while none does (an election under way)."""
+        if self._leader is not None and leads(master_health(self._leader)):
+            return self._leader
+        self._leader = next((url for url in self.admin_urls if leads(master_health(url))), None)
+        return self._leader
+
+    def metrics_url(self) -> str | None:
+        """The leader's ``/metrics`` (None while none leads)."""
+        leader = self.leader()
+        return f"{leader}/metrics" if leader else None
 
 
 class SegmentOwner(ManagedProcess):
@@ -133,6 +224,10 @@ class SegmentOwner(ManagedProcess):
     the expiry then unmounts it under the new owner, which exits. So a start first waits until the
     master, asked at ``master_admin_url`` (its HTTP port, beside ``/metrics``), no longer lists the name. The
     other nodes' owners learn the new owner's ports within ``PEER_ENDPOINTS_REFRESH_S``.
+
+    With masters in high-availability mode (``master`` is ``etcd://...``, ``cluster_id`` their group's), the owner
+    finds the leader in etcd, and follows a new one by itself; ``master_admin_url`` is then a function naming the
+    leader's HTTP port, and a start retries, for up to ``LEADER_WAIT_S``, while no master leads yet.
     """
 
     def __init__(
@@ -147,11 +242,13 @@ class SegmentOwner(ManagedProcess):
         shm_port: int | None = None,
         protocol: str = "tcp",
         device_names: str = "",
-        master_admin_url: str | None = None,
+        master_admin_url: str | Callable[[], str | None] | None = None,
         nice: int = 0,
+        cluster_id: str | None = None,
     ) -> None:
         """``nice``: the owner's CPU priority; it copies every DRAM hit (cachestore/host/cpu_priority.py)."""
         self.master_admin_url = master_admin_url
+        self.ha = master.startswith("etcd://")
         self.host = host
         self.segment_port = segment_port or free_port(host)
         self.shm_port = shm_port or free_port(host)
@@ -172,6 +269,9 @@ class SegmentOwner(ManagedProcess):
         env = mooncake_env(host)
         env.setdefault("MC_TE_METADATA_REFRESH_INTERVAL_SECONDS", str(PEER_ENDPOINTS_REFRESH_S))
         env.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(TCP_PROGRESS_TIMEOUT_S))
+        env.setdefault("MC_HANDSHAKE_CONNECT_TIMEOUT", str(HANDSHAKE_CONNECT_TIMEOUT_S))
+        if cluster_id:
+            env["MC_STORE_CLUSTER_ID"] = cluster_id  # the group whose leader it looks up in etcd
         super().__init__(
             "mooncake_client",
             argv,
@@ -195,10 +295,25 @@ class SegmentOwner(ManagedProcess):
     def start(self, timeout_s: float = 30.0) -> None:
         self._wait_until_master_forgets_segment()
         self._forget_stale_registration()
-        super().start(timeout_s)
+        if not self.ha:
+            super().start(timeout_s)
+            return
+        deadline = time.monotonic() + LEADER_WAIT_S
+        while True:
+            try:
+                super().start(timeout_s)
+                return
+            except ServerStartError as exc:  # most likely no leader yet: the owner exits when it finds none
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("segment owner could not start (%s); trying again until a master leads", exc)
+                time.sleep(1.0)
+
+    def _admin_url(self) -> str | None:
+        return self.master_admin_url() if callable(self.master_admin_url) else self.master_admin_url
 
     def _wait_until_master_forgets_segment(self) -> None:
-        if self.master_admin_url is None or not self._segment_mounted():
+        if self._admin_url() is None or not self._segment_mounted():
             return
         log.info("waiting for the Mooncake master to expire this node's previous segment owner (%s)", self.segment)
         deadline = time.monotonic() + PREVIOUS_OWNER_WAIT_S
@@ -214,8 +329,11 @@ class SegmentOwner(ManagedProcess):
 
     def _segment_mounted(self) -> bool:
         """Whether the master lists this segment (False when it cannot be asked: nothing to wait for then)."""
+        admin_url = self._admin_url()
+        if admin_url is None:
+            return False
         try:
-            with urllib.request.urlopen(f"{self.master_admin_url}/get_all_segments", timeout=5) as answer:
+            with urllib.request.urlopen(f"{admin_url}/get_all_segments", timeout=5) as answer:
                 return self.segment in answer.read().decode().split()
         except OSError:
             return False
