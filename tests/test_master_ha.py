@@ -233,8 +233,11 @@ def test_a_killed_leader_hands_the_pool_to_a_standby_with_its_objects(cluster, t
         assert new_leader is not leader
         health = master_health(a)
         assert health["ok"] and health["degraded"] and f"{new_leader.address}" in health["detail"], health
-        # demotion reads the node's DRAM use from whichever master leads
-        assert httpx.get(a.url + "/v1/stats", headers=a.headers).json()["dram"]["bytes_used"] > 0
+        # demotion reads the node's DRAM use from whichever master leads; the failover is counted
+        stats = httpx.get(a.url + "/v1/stats", headers=a.headers).json()
+        assert stats["dram"]["bytes_used"] > 0
+        assert stats["master_failovers"] == 1
+        assert "prefixcache_master_failovers_total 1.0" in httpx.get(a.url + "/metrics", headers=a.headers).text
         leader.start()  # the old leader, back: it stands by
         assert wait_for(lambda: servers.role(leader) == "standby", 15), servers.role(leader)
         assert servers.leader() is new_leader

@@ -131,6 +131,10 @@ class Stats(BaseModel):
     peers: dict[str, PeerStats] = Field(
         default_factory=dict, description="the cluster's other nodes as the index's table of peers has them"
     )
+    master_failovers: int = Field(
+        default=0,
+        description="times this node found another Mooncake master leading (masters in high-availability mode)",
+    )
 
 
 HealthProbe = Callable[[], ComponentHealth]

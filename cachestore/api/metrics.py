@@ -88,6 +88,11 @@ class CacheCollector(Collector):
             marks.add_metric([peer], state.suspect_marks)
         yield down
         yield marks
+        yield CounterMetricFamily(
+            "prefixcache_master_failovers",
+            "times this node found another Mooncake master leading (high-availability mode)",
+            value=s.master_failovers,
+        )
         restarts = CounterMetricFamily(
             "prefixcache_child_restarts", "restarts of the servers the daemon started", labels=["child"]
         )

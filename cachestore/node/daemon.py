@@ -543,6 +543,7 @@ class NodeDaemon:
             quotas=[quota(state) for state in self.quotas.states(usage, tenants)],
             child_restarts=self.supervisor.restarts,
             peers=self._peer_stats(),
+            master_failovers=self.ha_masters.failovers if self.ha_masters else 0,
         )
 
     def _peer_stats(self) -> dict[str, PeerStats]:

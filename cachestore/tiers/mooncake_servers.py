@@ -195,6 +195,8 @@ class HaMasters:
     def __init__(self, admin_urls: Sequence[str]) -> None:
         self.admin_urls = list(admin_urls)
         self._leader: str | None = None  # asked first: the leader seldom changes
+        self._last_leader: str | None = None
+        self.failovers = 0  # times this node found another master leading than the one that led before
 
     def states(self) -> dict[str, dict | str]:
         """Each master's ``/health`` answer, or why it gave none, by HTTP port."""
@@ -205,6 +207,9 @@ class HaMasters:
         if self._leader is not None and leads(master_health(self._leader)):
             return self._leader
         self._leader = next((url for url in self.admin_urls if leads(master_health(url))), None)
+        if self._leader is not None:
+            self.failovers += self._last_leader not in (None, self._leader)
+            self._last_leader = self._leader
         return self._leader
 
     def metrics_url(self) -> str | None:
