@@ -3,12 +3,16 @@ form to use, by ``deployment_problem`` and by a daemon given it, which starts no
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
+import httpx
 import pytest
 
 from prefixcache.cachestore.host.processes import free_port_block
+from prefixcache.cachestore.node.redis_server import EmbeddedRedis
 from prefixcache.indexer.redis_clients import deployment_problem, redis_client
+from tests.daemon_harness import Daemon, wait_for
 from tests.redis_topologies import RedisClusterServers, RedisSentinelServers
 from tests.test_data_dir_lock import serve
 
@@ -59,3 +63,27 @@ def test_a_daemon_given_the_wrong_kind_of_server_refuses_to_start_in_one_line(
     assert refused.stderr.count("error:") == 1 and expected in " ".join(refused.stderr.split()), refused.stderr
     assert "Traceback" not in refused.stderr and servers.password not in refused.stderr
     assert "embedded redis-server" not in refused.stderr and "mooncake" not in refused.stderr.lower()
+
+
+def test_a_running_daemon_whose_index_becomes_a_replica_names_the_index_in_its_health(tmp_path: Path):
+    """A primary demoted under a running daemon (a failover elsewhere, an operator's REPLICAOF) still answers, but
+    refuses every write: health names the index as the failing component until it is a primary again."""
+    index = EmbeddedRedis(tmp_path / "index", admin=True)
+    other = EmbeddedRedis(tmp_path / "other")
+    with contextlib.ExitStack() as running:
+        for server in (index, other):
+            server.start()
+            running.callback(server.stop)
+        daemon = Daemon(tmp_path / "data", env={"PREFIXCACHE_REDIS_URL": index.url}).start()
+        running.callback(daemon.stop)
+
+        def redis_health() -> dict:
+            return httpx.get(daemon.url + "/v1/health", timeout=10).json()["components"]["redis"]
+
+        assert redis_health()["ok"]
+        with redis_client(index.admin_url) as admin:
+            admin.execute_command("REPLICAOF", other.host, other.port)
+            assert wait_for(lambda: not redis_health()["ok"], timeout_s=10)
+            assert "is a replica" in redis_health()["detail"] and index.password not in redis_health()["detail"]
+            admin.execute_command("REPLICAOF", "NO", "ONE")
+            assert wait_for(lambda: redis_health()["ok"], timeout_s=10)
