@@ -13,58 +13,25 @@ Both sides of the comparison are learned from what this engine does, never confi
 - each path's bandwidth from the workers' reads over it (bytes and seconds, per path, sent with the step's
   statistics). A read abandoned at its deadline counts with the seconds it was given: the path is at most that fast.
 
-Each is a moving average that weighs the last ``HALF_LIFE`` samples most, so a link that became slow (or fast
-again) is followed within a few reads. A path not yet measured, or an engine whose rate is not yet known, loads:
-nothing says the hit costs more than it saves. A path skipped is not measured again by this engine: its estimate
-is forgotten after ``FORGET_S``, so the hit is tried once more.
+Each is a moving average (cachestore/client/moving_rate.py) that weighs the last ``HALF_LIFE`` samples most, so
+a link that became slow (or fast again) is followed within a few reads. A path not yet measured, or an engine whose
+rate is not yet known, loads: nothing says the hit costs more than it saves. A path skipped is not measured again
+by this engine: its estimate is forgotten after ``FORGET_S``, so the hit is tried once more.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from prefixcache.cachestore.client.moving_rate import MovingRate
+
 ReadPath = Literal["local_dram", "remote_dram", "nvme"]
 READ_PATHS: tuple[ReadPath, ...] = ("local_dram", "remote_dram", "nvme")
 #: A step counts for the prefill rate when it computed at least this many tokens (mostly prompt tokens).
 PREFILL_SAMPLE_TOKENS = 256
-#: Samples after which an old one weighs half as much as the newest.
-HALF_LIFE = 4
-#: How long an estimate holds without a new sample.
-FORGET_S = 60.0
-
-
-class MovingRate:
-    """A quantity per second (tokens/s, bytes/s), from samples of (amount, seconds), the recent ones weighed most."""
-
-    def __init__(
-        self, half_life: int = HALF_LIFE, forget_s: float = FORGET_S, clock: Callable[[], float] = time.monotonic
-    ):
-        self._keep = 0.5 ** (1 / half_life)
-        self._forget_s = forget_s
-        self._clock = clock
-        self._amount = 0.0
-        self._seconds = 0.0
-        self._at = -math.inf
-
-    def add(self, amount: float, seconds: float) -> None:
-        if amount <= 0 or seconds <= 0:
-            return
-        if self._clock() - self._at > self._forget_s:
-            self._amount = self._seconds = 0.0
-        self._amount = self._amount * self._keep + amount
-        self._seconds = self._seconds * self._keep + seconds
-        self._at = self._clock()
-
-    @property
-    def per_second(self) -> float | None:
-        """The rate, or None before a sample (or once the last one is older than ``forget_s``)."""
-        if self._seconds <= 0 or self._clock() - self._at > self._forget_s:
-            return None
-        return self._amount / self._seconds
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from prefixcache.connector.load_costs import PREFILL_SAMPLE_TOKENS, HitPart, LoadCosts, MovingRate
+from prefixcache.cachestore.client.cache_client import READ_DEADLINE_FLOOR_S, read_deadline_s
+from prefixcache.cachestore.client.moving_rate import MovingRate
+from prefixcache.connector.load_costs import PREFILL_SAMPLE_TOKENS, HitPart, LoadCosts
 from prefixcache.connector.plans import hit_parts
 from prefixcache.indexer.index import PartialHit, PrefixMatch
 
@@ -92,3 +94,10 @@ def test_a_hits_parts_follow_the_path_of_each_chunk_on_any_rank():
         HitPart(100, "local_dram"),
         HitPart(49, "nvme"),
     ]
+
+
+def test_a_read_across_the_network_is_given_its_bytes_at_half_the_bandwidth_such_reads_had():
+    assert read_deadline_s(0) == READ_DEADLINE_FLOOR_S
+    assert read_deadline_s(500_000_000) == pytest.approx(READ_DEADLINE_FLOOR_S + 1.0)  # 500 MB/s until measured
+    assert read_deadline_s(125_000_000, bandwidth=125e6) == pytest.approx(READ_DEADLINE_FLOOR_S + 2.0)  # 1 GbE
+    assert read_deadline_s(10_000_000_000, bandwidth=10e9) == pytest.approx(READ_DEADLINE_FLOOR_S + 2.0)

@@ -27,6 +27,7 @@ from prefixcache.cachestore.chunks.codec import BodyCheck, ChunkError, ChunkMeta
 from prefixcache.cachestore.chunks.mac import ChunkMacKey
 from prefixcache.cachestore.client.client_stats import ClientStatsRecorder
 from prefixcache.cachestore.client.config import ClientConfig, chunk_mac_key, fetch_config, index_url
+from prefixcache.cachestore.client.moving_rate import MovingRate
 from prefixcache.cachestore.client.node_requests import PromotionStream, locate
 from prefixcache.cachestore.tiers.dram import LATE, MooncakeTier
 from prefixcache.cachestore.tiers.nvme import Extent, read_extent
@@ -46,12 +47,15 @@ log = logging.getLogger("prefixcache.client")
 UNPERSISTED_PROTECTION_S = 60.0
 #: O_DIRECT reads in flight when loading from this node's NVMe: a few in flight keep the disk busier than one.
 DISK_READERS = 4
-#: The deadline of a read that may cross the network (another node's DRAM copy): this floor, plus its bytes at
-#: ``READ_FLOOR_BYTES_PER_S``, a rate any link between serving nodes beats. A read past it is a miss, recomputed,
-#: and the nodes holding its chunks are marked suspect, so that a lost or congested node costs a request at most
-#: about this much more than computing it.
+#: The deadline of a read that may cross the network (another node's DRAM copy): this floor, plus its bytes at half
+#: the bandwidth this client's reads across the network have had (``READ_SLOWDOWN``), or at
+#: ``READ_FLOOR_BYTES_PER_S`` before any was measured. A read past it is a miss, recomputed, and the nodes holding
+#: its chunks are marked suspect, so that a lost or congested node costs a request at most about this much more
+#: than computing it, while a large read on a modest link (a 1 GbE network moves 512 MiB in 4.3 s) is given the
+#: time it needs.
 READ_DEADLINE_FLOOR_S = 0.5
 READ_FLOOR_BYTES_PER_S = 500e6
+READ_SLOWDOWN = 2.0
 
 #: What ``fetch_checking_later`` gives per chunk: its verified payload, a future of it, or None (a miss).
 FetchedPayload = memoryview | Future[memoryview | None] | None
@@ -84,9 +88,11 @@ class ClientCounters:
                 setattr(self, name, getattr(self, name) + delta)
 
 
-def read_deadline_s(size_bytes: int) -> float:
-    """How long a read of ``size_bytes`` that may cross the network may take before it is a miss."""
-    return READ_DEADLINE_FLOOR_S + size_bytes / READ_FLOOR_BYTES_PER_S
+def read_deadline_s(size_bytes: int, bandwidth: float | None = None) -> float:
+    """How long a read of ``size_bytes`` that may cross the network may take before it is a miss, where such reads
+    have moved ``bandwidth`` bytes/s (None: not measured yet)."""
+    rate = READ_FLOOR_BYTES_PER_S if bandwidth is None else bandwidth / READ_SLOWDOWN
+    return READ_DEADLINE_FLOOR_S + size_bytes / rate
 
 
 class CacheClient:
@@ -133,6 +139,8 @@ class CacheClient:
             preferred_segment=config.mooncake.segment,
             thread_setup=io_thread_setup,
         )
+        # what reads across the network moved when they were not late: their deadlines follow it
+        self._remote_bandwidth = MovingRate()
         # told of each read that crossed the network: its bytes, and the seconds it took or was given (the connector
         # learns the path's bandwidth from them)
         self.on_remote_read: Callable[[int, float], None] | None = None
@@ -461,12 +469,16 @@ class CacheClient:
             wanted,
             [slots[i] for i in positions],
             [cuts[i] for i in positions] if cuts else (),
-            deadline_s=read_deadline_s(size_bytes) if across_network else None,
+            deadline_s=read_deadline_s(size_bytes, self._remote_bandwidth.per_second) if across_network else None,
         )
-        # a read past its deadline moved its bytes no faster than that; one that found nothing says nothing
-        moved = size_bytes if LATE in sizes else sum(size for size in sizes if size > 0)
-        if across_network and moved and self.on_remote_read is not None:
-            self.on_remote_read(moved, time.perf_counter() - started)
+        if across_network:
+            seconds = time.perf_counter() - started
+            # a read past its deadline moved its bytes no faster than that; one that found nothing says nothing
+            moved = size_bytes if LATE in sizes else sum(size for size in sizes if size > 0)
+            if moved and LATE not in sizes:  # a late read would loosen the next deadline
+                self._remote_bandwidth.add(moved, seconds)
+            if moved and self.on_remote_read is not None:
+                self.on_remote_read(moved, seconds)
         if LATE in sizes:
             self._late([key for key, size in zip(wanted, sizes, strict=True) if size == LATE])
         for i, size in zip(positions, sizes, strict=True):

@@ -52,10 +52,6 @@ OWNER_RPC_THREADS = 4
 #: transfer, at its raised priority, on the cores vLLM computes on: a frozen node's first lost read cost the
 #: surviving node's recompute 8 s with 5 s here, 1.8 s with 1 s (benchmarks/node_loss.py).
 TCP_PROGRESS_TIMEOUT_S = 1
-#: How long the owner's connect to another node's handshake port may take (``MC_HANDSHAKE_CONNECT_TIMEOUT``, whole
-#: seconds; a user's value wins). With Mooncake's 5 s, a read of a node whose cable was pulled stayed pending
-#: for 12 s, the owner busy-polling it all along.
-HANDSHAKE_CONNECT_TIMEOUT_S = 1
 _PACKAGE_DIR = Path(mooncake.__file__).parent
 log = logging.getLogger("prefixcache.daemon")
 
@@ -274,7 +270,6 @@ class SegmentOwner(ManagedProcess):
         env = mooncake_env(host)
         env.setdefault("MC_TE_METADATA_REFRESH_INTERVAL_SECONDS", str(PEER_ENDPOINTS_REFRESH_S))
         env.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(TCP_PROGRESS_TIMEOUT_S))
-        env.setdefault("MC_HANDSHAKE_CONNECT_TIMEOUT", str(HANDSHAKE_CONNECT_TIMEOUT_S))
         if cluster_id:
             env["MC_STORE_CLUSTER_ID"] = cluster_id  # the group whose leader it looks up in etcd
         super().__init__(
