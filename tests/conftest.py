@@ -49,6 +49,7 @@ MODULE_TIERS = {
         "test_load_reports",
         "test_layering",  # one fresh interpreter importing the client and the connector
         "test_log_limits",
+        "test_metrics_exposition",
         "test_missing_extra",  # fresh interpreters without Mooncake
         "test_pages",
         "test_quota_rounds",
