@@ -67,12 +67,14 @@ MODULE_TIERS = {
     },
     "integration": {
         "test_admin_cli",
+        "test_alert_rules",  # promtool, Prometheus's own checker, as a process
         "test_api_admin",
         "test_api_schema",
         "test_api_security",
         "test_cachestore",
         "test_clustered_index",
         "test_cuda_copies",
+        "test_dashboard",  # a real Prometheus scraping two daemons
         "test_data_dir_lock",
         "test_deploy_files",
         "test_dram",

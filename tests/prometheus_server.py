@@ -1,0 +1,95 @@
+"""A real Prometheus for tests: a config of its own in a temp dir, loopback, a free port, a short scrape interval,
+and its HTTP API's instant queries."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import yaml
+
+from prefixcache.cachestore.host.processes import ManagedProcess, free_port
+
+SCRAPE_INTERVAL_S = 1
+
+
+class Prometheus:
+    """Prometheus's HTTP API at ``url``."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def query(self, expr: str) -> list[dict]:
+        """The instant vector ``expr`` gives now: a list of ``{"metric": labels, "value": [time, "text"]}``."""
+        answer = httpx.get(self.url + "/api/v1/query", params={"query": expr}, timeout=10).raise_for_status().json()
+        assert answer["data"]["resultType"] == "vector", f"{expr} is no instant vector: {answer['data']}"
+        return answer["data"]["result"]
+
+    def has_numbers(self, expr: str) -> bool:
+        """Whether ``expr`` gives at least one sample that is a number (not NaN)."""
+        return any(not math.isnan(float(sample["value"][1])) for sample in self.query(expr))
+
+    def label_values(self, label: str, metric: str) -> list[str]:
+        """Grafana's ``label_values(metric, label)``."""
+        params = {"match[]": metric}
+        answer = httpx.get(f"{self.url}/api/v1/label/{label}/values", params=params, timeout=10)
+        return answer.raise_for_status().json()["data"]
+
+    def metric_names(self) -> set[str]:
+        answer = httpx.get(self.url + "/api/v1/label/__name__/values", timeout=10).raise_for_status().json()
+        return set(answer["data"])
+
+    def targets_up(self) -> bool:
+        answer = httpx.get(self.url + "/api/v1/targets", timeout=10).raise_for_status().json()
+        targets = answer["data"]["activeTargets"]
+        return bool(targets) and all(t["health"] == "up" for t in targets)
+
+
+@contextmanager
+def prometheus(directory: Path, job: str, targets: Sequence[str], bearer_token: str) -> Iterator[Prometheus]:
+    """A Prometheus scraping ``targets`` (host:port) as ``job`` every ``SCRAPE_INTERVAL_S``, with the admin token;
+    stopped on exit."""
+    binary = shutil.which("prometheus")
+    assert binary, "prometheus is not installed (deploy/setup.sh installs Debian's)"
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {
+        "global": {"scrape_interval": f"{SCRAPE_INTERVAL_S}s", "evaluation_interval": f"{SCRAPE_INTERVAL_S}s"},
+        "scrape_configs": [
+            {
+                "job_name": job,
+                "authorization": {"credentials": bearer_token},
+                "static_configs": [{"targets": list(targets)}],
+            }
+        ],
+    }
+    (directory / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        try:
+            return httpx.get(url + "/-/ready", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    server = ManagedProcess(
+        "prometheus",
+        [
+            binary,
+            f"--config.file={directory / 'prometheus.yml'}",
+            f"--storage.tsdb.path={directory / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        directory / "prometheus.log",
+        ready,
+        listens_on=[("127.0.0.1", port)],
+    )
+    server.start()
+    try:
+        yield Prometheus(url)
+    finally:
+        server.stop()
