@@ -52,6 +52,7 @@ MODULE_TIERS = {
         "test_metrics_exposition",
         "test_missing_extra",  # fresh interpreters without Mooncake
         "test_pages",
+        "test_plots",  # one plot drawn (matplotlib, Agg)
         "test_quota_rounds",
         "test_quota_scopes",
         "test_promotion_stream",
