@@ -36,6 +36,7 @@ MODULE_TIERS = {
         "test_bench_results",
         "test_burst_bench",
         "test_node_loss_bench",
+        "test_cli_help",  # typer and rich in this process, at 80 columns
         "test_codec",
         "test_connector_attachment",
         "test_connector_plans",
