@@ -7,6 +7,7 @@ import math
 import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -43,28 +44,31 @@ class Prometheus:
         answer = httpx.get(self.url + "/api/v1/label/__name__/values", timeout=10).raise_for_status().json()
         return set(answer["data"])
 
-    def targets_up(self) -> bool:
-        answer = httpx.get(self.url + "/api/v1/targets", timeout=10).raise_for_status().json()
-        targets = answer["data"]["activeTargets"]
-        return bool(targets) and all(t["health"] == "up" for t in targets)
+
+@dataclass(frozen=True)
+class ScrapeJob:
+    """A scrape job: its name (the ``job`` label), its targets (host:port), and the bearer token it sends, if any."""
+
+    name: str
+    targets: Sequence[str]
+    bearer_token: str | None = None
+
+    def config(self) -> dict:
+        job: dict = {"job_name": self.name, "static_configs": [{"targets": list(self.targets)}]}
+        if self.bearer_token is not None:
+            job["authorization"] = {"credentials": self.bearer_token}
+        return job
 
 
 @contextmanager
-def prometheus(directory: Path, job: str, targets: Sequence[str], bearer_token: str) -> Iterator[Prometheus]:
-    """A Prometheus scraping ``targets`` (host:port) as ``job`` every ``SCRAPE_INTERVAL_S``, with the admin token;
-    stopped on exit."""
+def prometheus(directory: Path, jobs: Sequence[ScrapeJob]) -> Iterator[Prometheus]:
+    """A Prometheus scraping ``jobs`` every ``SCRAPE_INTERVAL_S``; stopped on exit."""
     binary = shutil.which("prometheus")
     assert binary, "prometheus is not installed (deploy/setup.sh installs Debian's)"
     directory.mkdir(parents=True, exist_ok=True)
     config = {
         "global": {"scrape_interval": f"{SCRAPE_INTERVAL_S}s", "evaluation_interval": f"{SCRAPE_INTERVAL_S}s"},
-        "scrape_configs": [
-            {
-                "job_name": job,
-                "authorization": {"credentials": bearer_token},
-                "static_configs": [{"targets": list(targets)}],
-            }
-        ],
+        "scrape_configs": [job.config() for job in jobs],
     }
     (directory / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
