@@ -69,7 +69,7 @@ MODULE_TIERS = {
     },
     "integration": {
         "test_admin_cli",
-        "test_alert_rules",  # promtool, Prometheus's own checker, as a process
+        "test_alert_rules",  # promtool; a real Prometheus with the rules, scraping a daemon
         "test_api_admin",
         "test_api_schema",
         "test_api_security",

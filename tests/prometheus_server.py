@@ -34,6 +34,11 @@ class Prometheus:
         """Whether ``expr`` gives at least one sample that is a number (not NaN)."""
         return any(not math.isnan(float(sample["value"][1])) for sample in self.query(expr))
 
+    def alerts(self) -> list[dict]:
+        """The alerts pending or firing now, each with its ``labels`` and ``state``."""
+        answer = httpx.get(self.url + "/api/v1/alerts", timeout=10).raise_for_status().json()
+        return answer["data"]["alerts"]
+
     def label_values(self, label: str, metric: str) -> list[str]:
         """Grafana's ``label_values(metric, label)``."""
         params = {"match[]": metric}
@@ -52,23 +57,32 @@ class ScrapeJob:
     name: str
     targets: Sequence[str]
     bearer_token: str | None = None
+    #: Seconds between scrapes, and the longest a scrape may take (Prometheus's default, 10 s, needs as long)
+    interval_s: float = SCRAPE_INTERVAL_S
 
     def config(self) -> dict:
-        job: dict = {"job_name": self.name, "static_configs": [{"targets": list(self.targets)}]}
+        job: dict = {
+            "job_name": self.name,
+            "static_configs": [{"targets": list(self.targets)}],
+            "scrape_interval": f"{self.interval_s}s",
+            "scrape_timeout": f"{self.interval_s}s",
+        }
         if self.bearer_token is not None:
             job["authorization"] = {"credentials": self.bearer_token}
         return job
 
 
 @contextmanager
-def prometheus(directory: Path, jobs: Sequence[ScrapeJob]) -> Iterator[Prometheus]:
-    """A Prometheus scraping ``jobs`` every ``SCRAPE_INTERVAL_S``; stopped on exit."""
+def prometheus(directory: Path, jobs: Sequence[ScrapeJob], rule_files: Sequence[Path] = ()) -> Iterator[Prometheus]:
+    """A Prometheus scraping ``jobs`` and evaluating the rules of ``rule_files`` every ``SCRAPE_INTERVAL_S``;
+    stopped on exit."""
     binary = shutil.which("prometheus")
     assert binary, "prometheus is not installed (deploy/setup.sh installs Debian's)"
     directory.mkdir(parents=True, exist_ok=True)
     config = {
         "global": {"scrape_interval": f"{SCRAPE_INTERVAL_S}s", "evaluation_interval": f"{SCRAPE_INTERVAL_S}s"},
         "scrape_configs": [job.config() for job in jobs],
+        "rule_files": [str(path) for path in rule_files],
     }
     (directory / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()

@@ -4,7 +4,8 @@ components, for Prometheus.
 Nothing is counted here: custom collectors read the daemon's state when scraped (tiers, services,
 the index's usage counters, the client stats clients add up in Redis, and the health probes), so the exposition,
 ``/v1/stats`` and ``/v1/health`` can never disagree. While the index does not answer, the figures it holds cannot
-be read: the exposition then carries the components' health alone, which says so.
+be read, and are not tried: the exposition then carries the components' health alone, which says so, within the
+probes' time (about 4 s for a frozen index) rather than past a scrape's timeout (10 s by default).
 """
 
 from __future__ import annotations
@@ -19,13 +20,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from prefixcache.cachestore.api.app import HealthProbe, Stats
+from prefixcache.cachestore.api.app import ComponentHealth, HealthProbe, Stats
 from prefixcache.cachestore.api.auth import require_reader
 from prefixcache.cachestore.client.client_stats import LATENCY_BUCKETS_S, ClientStatsRecord
 from prefixcache.cachestore.services.persist_failures import PersistFailureReason
 from prefixcache.indexer.errors import IndexUnavailableError
 
 log = logging.getLogger(__name__)
+
+#: The component ``/v1/health`` names the index by (the daemon's probes), which holds most of the figures.
+INDEX_COMPONENT = "redis"
 
 #: Client counters exposed per namespace, with their help text.
 CLIENT_COUNTERS = {
@@ -46,11 +50,24 @@ CLIENT_COUNTERS = {
 
 
 class CacheCollector(Collector):
-    def __init__(self, stats: Callable[[], Stats], client_stats: Callable[[], dict[bytes, ClientStatsRecord]]) -> None:
+    """The node's health first, then, while the index answers, the figures of ``/v1/stats`` and the clients'."""
+
+    def __init__(
+        self,
+        stats: Callable[[], Stats],
+        client_stats: Callable[[], dict[bytes, ClientStatsRecord]],
+        probes: Mapping[str, HealthProbe],
+    ) -> None:
         self._stats = stats
         self._client_stats = client_stats
+        self._probes = probes
 
     def collect(self) -> Iterator[Metric]:
+        health = {name: probe() for name, probe in self._probes.items()}
+        yield from _health_metrics(health)
+        index = health.get(INDEX_COMPONENT)
+        if index is not None and not index.ok:
+            return  # reading the figures would wait out the index's timeouts again, past a scrape's
         try:
             s = self._stats()
         except (IndexUnavailableError, redis.RedisError) as exc:
@@ -111,26 +128,20 @@ class CacheCollector(Collector):
         yield from _latency_metrics(self._client_stats())
 
 
-class HealthCollector(Collector):
+def _health_metrics(health: Mapping[str, ComponentHealth]) -> Iterator[Metric]:
     """``/v1/health``'s components as gauges: whether each answers, and whether it is degraded."""
-
-    def __init__(self, probes: Mapping[str, HealthProbe]) -> None:
-        self._probes = probes
-
-    def collect(self) -> Iterator[Metric]:
-        up = GaugeMetricFamily(
-            "prefixcache_component_up", "1 while the component answers (/v1/health's ok)", labels=["component"]
-        )
-        degraded = GaugeMetricFamily(
-            "prefixcache_component_degraded",
-            "1 while the component serves but fails part of its job (/v1/health's degraded)",
-            labels=["component"],
-        )
-        for name, probe in self._probes.items():
-            health = probe()
-            up.add_metric([name], int(health.ok))
-            degraded.add_metric([name], int(health.degraded))
-        yield from (up, degraded)
+    up = GaugeMetricFamily(
+        "prefixcache_component_up", "1 while the component answers (/v1/health's ok)", labels=["component"]
+    )
+    degraded = GaugeMetricFamily(
+        "prefixcache_component_degraded",
+        "1 while the component serves but fails part of its job (/v1/health's degraded)",
+        labels=["component"],
+    )
+    for name, state in health.items():
+        up.add_metric([name], int(state.ok))
+        degraded.add_metric([name], int(state.degraded))
+    yield from (up, degraded)
 
 
 def _tier_metrics(s: Stats) -> Iterator[Metric]:
@@ -205,8 +216,7 @@ def metrics_router(
     probes: Mapping[str, HealthProbe],
 ) -> APIRouter:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(HealthCollector(probes))
-    registry.register(CacheCollector(stats, client_stats))
+    registry.register(CacheCollector(stats, client_stats, probes))
     router = APIRouter(dependencies=[Depends(require_reader)])
 
     @router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
