@@ -395,7 +395,8 @@ def render() -> str:
         "# Settings",
         "",
         "Every setting of the node daemon, the vLLM connector and the disaggregated-prefill proxy, with what it does. "
-        "`prefixcache serve --help` shows the daemon's flags with the same descriptions.",
+        "`prefixcache serve --help` and `prefixcache proxy --help` show each flag with a line of its own and its "
+        "default; this page has the whole descriptions.",
         "",
         *daemon_section(),
         "",
