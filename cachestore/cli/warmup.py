@@ -30,6 +30,8 @@ from prefixcache.cachestore.warmup.policy import TENANT_ENV
 from prefixcache.indexer.errors import ConfigError
 
 CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
+#: The defaults of options whose help shows them on its line (typer would put them on a line of their own).
+BATCH_SIZE, SERVICE_URL, ON_ERROR = 16, "http://127.0.0.1:8600", "fail"
 #: The help panels of ``warmup``'s options.
 RUN, JOB, FILES = "Run", "Job", "Files and output"
 EXIT_CODES = {"finished": 0, "nothing_to_do": 0, "stopped": 0, "incomplete": 1, "interrupted": 130}
@@ -47,22 +49,22 @@ def warmup(
         typer.Option(rich_help_panel=RUN, help="cache_salt of lines without one", envvar=TENANT_ENV, show_envvar=False),
     ] = None,
     batch_size: Annotated[
-        int, typer.Option(rich_help_panel=RUN, show_default=False, help="Prompts a batch \\[default: 16]")
-    ] = 16,
+        int, typer.Option(rich_help_panel=RUN, show_default=False, help=f"Prompts a batch \\[default: {BATCH_SIZE}]")
+    ] = BATCH_SIZE,
     arena_mb: Annotated[
         int | None, typer.Option(rich_help_panel=RUN, help="Arena, MiB \\[default: the connector's]")
     ] = None,
     service_url: Annotated[
-        str, typer.Option(rich_help_panel=RUN, show_default=False, help="The daemon \\[default: http://127.0.0.1:8600]")
-    ] = "http://127.0.0.1:8600",
+        str, typer.Option(rich_help_panel=RUN, show_default=False, help=f"The daemon \\[default: {SERVICE_URL}]")
+    ] = SERVICE_URL,
     state_dir: Annotated[
         Path | None, typer.Option(rich_help_panel=FILES, help="Job state files \\[default: DATA_DIR/warmup]")
     ] = None,
     max_prompts: Annotated[int | None, typer.Option(rich_help_panel=JOB, help="Compute at most this many now")] = None,
     on_error: Annotated[
         Literal["skip", "fail"],
-        typer.Option(rich_help_panel=JOB, show_default=False, help="Bad entries \\[default: fail]"),
-    ] = "fail",
+        typer.Option(rich_help_panel=JOB, show_default=False, help=f"Bad entries \\[default: {ON_ERROR}]"),
+    ] = ON_ERROR,
     redis_password_stdin: Annotated[
         bool,
         typer.Option("--redis-password-stdin", rich_help_panel=JOB, help="Index password from stdin"),
