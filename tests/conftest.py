@@ -37,6 +37,7 @@ MODULE_TIERS = {
         "test_burst_bench",
         "test_node_loss_bench",
         "test_load_costs",
+        "test_cli_help",  # typer and rich in this process, at 80 columns
         "test_codec",
         "test_connector_attachment",
         "test_connector_plans",
@@ -50,8 +51,10 @@ MODULE_TIERS = {
         "test_load_reports",
         "test_layering",  # one fresh interpreter importing the client and the connector
         "test_log_limits",
+        "test_metrics_exposition",
         "test_missing_extra",  # fresh interpreters without Mooncake
         "test_pages",
+        "test_plots",  # one plot drawn (matplotlib, Agg)
         "test_quota_rounds",
         "test_quota_scopes",
         "test_promotion_stream",
@@ -68,12 +71,14 @@ MODULE_TIERS = {
     "integration": {
         "test_owner_priority",
         "test_admin_cli",
+        "test_alert_rules",  # promtool; a real Prometheus with the rules, scraping a daemon
         "test_api_admin",
         "test_api_schema",
         "test_api_security",
         "test_cachestore",
         "test_clustered_index",
         "test_cuda_copies",
+        "test_dashboard",  # a real Prometheus scraping two daemons
         "test_data_dir_lock",
         "test_deploy_files",
         "test_dram",

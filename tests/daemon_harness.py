@@ -227,9 +227,10 @@ class Daemon:
         joined.index_password = servers.redis_password  # its clients are given it: the index is not its own
         return joined
 
-    def joined_by(self, data_dir: Path, node: str) -> Daemon:
+    def joined_by(self, data_dir: Path, node: str, *extra: str) -> Daemon:
         """Another node of this daemon's cluster: its own DRAM segment and NVMe tier, this daemon's Redis
-        and Mooncake master (ports ``PORT+1``, ``+4``, ``+5``, ``+6``, as ``serve`` derives them)."""
+        and Mooncake master (ports ``PORT+1``, ``+4``, ``+5``, ``+6``, as ``serve`` derives them); ``extra``:
+        more options of its ``serve``."""
         servers = ClusterServers(
             "127.0.0.1",
             self.port + 1,
@@ -239,7 +240,7 @@ class Daemon:
             self.port + 6,
             self.chunk_key_file,
         )
-        return Daemon.joining(servers, data_dir, node)
+        return Daemon.joining(servers, data_dir, node, *extra)
 
     @property
     def chunk_key_file(self) -> Path:

@@ -96,4 +96,4 @@ def test_serve_help_points_at_the_page():
     result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0
     assert "All settings: docs/settings.md" in result.output
-    assert "Address the REST API binds to" in result.output  # Settings.host's description
+    assert "REST API address [default: 127.0.0.1]" in result.output  # Settings.host's short help and default

@@ -48,4 +48,6 @@ def test_prometheus_counters_grow_per_engine():
     sample = functools.partial(registry.get_sample_value, labels={"model_name": "m", "engine": "1"})
     assert sample("vllm:prefixcache_loaded_chunks_total") == 5
     assert sample("vllm:prefixcache_published_bytes_total") == 4096
-    assert registry.get_sample_value("vllm:prefixcache_loaded_chunks_total", {"model_name": "m", "engine": "0"}) is None
+    # every engine's series from the start: 0 where nothing moved
+    assert registry.get_sample_value("vllm:prefixcache_loaded_chunks_total", {"model_name": "m", "engine": "0"}) == 0
+    assert sample("vllm:prefixcache_load_failed_blocks_total") == 0

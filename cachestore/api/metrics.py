@@ -1,24 +1,35 @@
-"""``GET /metrics``: the numbers of ``/v1/stats`` and the clients' latency histograms, for Prometheus.
+"""``GET /metrics``: the numbers of ``/v1/stats``, the clients' latency histograms and ``/v1/health``'s
+components, for Prometheus.
 
-Nothing is counted here: a custom collector reads the daemon's state when scraped (tiers, services,
-the index's usage counters, and the client stats clients add up in Redis), so the exposition
-and ``/v1/stats`` can never disagree.
+Nothing is counted here: custom collectors read the daemon's state when scraped (tiers, services,
+the index's usage counters, the client stats clients add up in Redis, and the health probes), so the exposition,
+``/v1/stats`` and ``/v1/health`` can never disagree. While the index does not answer, the figures it holds cannot
+be read, and are not tried: the exposition then carries the components' health alone, which says so, within the
+probes' time (about 4 s for a frozen index) rather than past a scrape's timeout (10 s by default).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import logging
+from collections.abc import Callable, Iterator, Mapping
 from typing import get_args
 
+import redis
 from fastapi import APIRouter, Depends, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from prefixcache.cachestore.api.app import Stats
+from prefixcache.cachestore.api.app import ComponentHealth, HealthProbe, Stats
 from prefixcache.cachestore.api.auth import require_reader
 from prefixcache.cachestore.client.client_stats import LATENCY_BUCKETS_S, ClientStatsRecord
 from prefixcache.cachestore.services.persist_failures import PersistFailureReason
+from prefixcache.indexer.errors import IndexUnavailableError
+
+log = logging.getLogger(__name__)
+
+#: The component ``/v1/health`` names the index by (the daemon's probes), which holds most of the figures.
+INDEX_COMPONENT = "redis"
 
 #: Client counters exposed per namespace, with their help text.
 CLIENT_COUNTERS = {
@@ -40,12 +51,29 @@ CLIENT_COUNTERS = {
 
 
 class CacheCollector(Collector):
-    def __init__(self, stats: Callable[[], Stats], client_stats: Callable[[], dict[bytes, ClientStatsRecord]]) -> None:
+    """The node's health first, then, while the index answers, the figures of ``/v1/stats`` and the clients'."""
+
+    def __init__(
+        self,
+        stats: Callable[[], Stats],
+        client_stats: Callable[[], dict[bytes, ClientStatsRecord]],
+        probes: Mapping[str, HealthProbe],
+    ) -> None:
         self._stats = stats
         self._client_stats = client_stats
+        self._probes = probes
 
     def collect(self) -> Iterator[Metric]:
-        s = self._stats()
+        health = {name: probe() for name, probe in self._probes.items()}
+        yield from _health_metrics(health)
+        index = health.get(INDEX_COMPONENT)
+        if index is not None and not index.ok:
+            return  # reading the figures would wait out the index's timeouts again, past a scrape's
+        try:
+            s = self._stats()
+        except (IndexUnavailableError, redis.RedisError) as exc:
+            log.debug("metrics without the index's figures: %s", exc)  # prefixcache_component_up says so
+            return
         yield from _tier_metrics(s)
         yield from _namespace_metrics(s)
         yield from _quota_metrics(s)
@@ -104,6 +132,22 @@ class CacheCollector(Collector):
             "prefixcache_persisted_chunks", "chunks the write-behind persisted", value=s.write_behind.persisted
         )
         yield from _latency_metrics(self._client_stats())
+
+
+def _health_metrics(health: Mapping[str, ComponentHealth]) -> Iterator[Metric]:
+    """``/v1/health``'s components as gauges: whether each answers, and whether it is degraded."""
+    up = GaugeMetricFamily(
+        "prefixcache_component_up", "1 while the component answers (/v1/health's ok)", labels=["component"]
+    )
+    degraded = GaugeMetricFamily(
+        "prefixcache_component_degraded",
+        "1 while the component serves but fails part of its job (/v1/health's degraded)",
+        labels=["component"],
+    )
+    for name, state in health.items():
+        up.add_metric([name], int(state.ok))
+        degraded.add_metric([name], int(state.degraded))
+    yield from (up, degraded)
 
 
 def _tier_metrics(s: Stats) -> Iterator[Metric]:
@@ -172,14 +216,18 @@ def _latency_metrics(records: dict[bytes, ClientStatsRecord]) -> Iterator[Metric
         yield family
 
 
-def metrics_router(stats: Callable[[], Stats], client_stats: Callable[[], dict[bytes, ClientStatsRecord]]) -> APIRouter:
+def metrics_router(
+    stats: Callable[[], Stats],
+    client_stats: Callable[[], dict[bytes, ClientStatsRecord]],
+    probes: Mapping[str, HealthProbe],
+) -> APIRouter:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(CacheCollector(stats, client_stats))
+    registry.register(CacheCollector(stats, client_stats, probes))
     router = APIRouter(dependencies=[Depends(require_reader)])
 
     @router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
     def metrics() -> Response:
-        """Prometheus exposition of the node's tiers, services, namespaces and client latencies."""
+        """Prometheus exposition of the node's health, tiers, services, namespaces and client latencies."""
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return router

@@ -17,6 +17,15 @@ from prefixcache.cachestore.cli.warmup import CONTEXT as WARMUP_CONTEXT
 from prefixcache.cachestore.cli.warmup import warmup
 from prefixcache.cachestore.proxy.settings import AUTH_TOKEN_ENV, REDIS_PASSWORD_ENV, ProxySettings
 
+#: The help panels of ``serve``'s options (``prefixcache serve --help``), each a table of its own.
+NODE = "Node"
+INDEX = "Index"
+MOONCAKE = "Mooncake"
+TIERS = "Tiers"
+SECURITY = "Security"
+KV_EVENTS = "KV events"
+WARMUP = "Warm-up jobs"
+
 app = typer.Typer(help="prefixcache: a persistent prefix KV cache for vLLM.", no_args_is_help=True)
 
 
@@ -31,34 +40,67 @@ def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="debug lo
 
 @app.command(epilog="All settings: docs/settings.md")
 def serve(
-    config: Annotated[Path | None, typer.Option(help="TOML or JSON settings file")] = None,
-    host: Annotated[str | None, typer.Option(help=field_help("host"))] = None,
-    port: Annotated[int | None, typer.Option(help=field_help("port"))] = None,
-    data_dir: Annotated[Path | None, typer.Option(help=field_help("data_dir"))] = None,
-    node: Annotated[str | None, typer.Option(help=field_help("node"))] = None,
-    redis_url: Annotated[str | None, typer.Option(help=field_help("redis_url"))] = None,
-    redis_port: Annotated[int | None, typer.Option(help=field_help("redis_port"))] = None,
-    key_prefix: Annotated[str | None, typer.Option(help=field_help("key_prefix"))] = None,
-    chunk_tokens: Annotated[int | None, typer.Option(help=field_help("chunk_tokens"))] = None,
-    dram_bytes: Annotated[str | None, typer.Option(help=field_help("dram_bytes"))] = None,
-    nvme_bytes: Annotated[str | None, typer.Option(help=field_help("nvme_bytes"))] = None,
-    nvme_dir: Annotated[Path | None, typer.Option(help=field_help("nvme_dir"))] = None,
-    mooncake_master: Annotated[str | None, typer.Option(help=field_help("mooncake_master"))] = None,
-    mooncake_metadata_url: Annotated[str | None, typer.Option(help=field_help("mooncake_metadata_url"))] = None,
-    mooncake_protocol: Annotated[str | None, typer.Option(help=field_help("mooncake_protocol"))] = None,
-    mooncake_device_names: Annotated[str | None, typer.Option(help=field_help("mooncake_device_names"))] = None,
-    mooncake_host: Annotated[str | None, typer.Option(help=field_help("mooncake_host"))] = None,
-    chunk_key_file: Annotated[Path | None, typer.Option(help=field_help("chunk_key_file"))] = None,
-    admin_token: Annotated[str | None, typer.Option(help=field_help("admin_token"))] = None,
-    open_reads: Annotated[bool | None, typer.Option("--open-reads", help=field_help("open_reads"))] = None,
-    kv_events_endpoint: Annotated[str | None, typer.Option(help=field_help("kv_events_endpoint"))] = None,
-    kv_events_replay_endpoint: Annotated[str | None, typer.Option(help=field_help("kv_events_replay_endpoint"))] = None,
-    cpus: Annotated[str | None, typer.Option(help=field_help("cpus"))] = None,
-    allowed_host: Annotated[list[str] | None, typer.Option(help=field_help("allowed_hosts", repeated=True))] = None,
-    max_body_bytes: Annotated[str | None, typer.Option(help=field_help("max_body_bytes"))] = None,
-    warmup_root: Annotated[list[Path] | None, typer.Option(help=field_help("warmup_roots", repeated=True))] = None,
+    config: Annotated[Path | None, typer.Option(rich_help_panel=NODE, help="TOML or JSON settings file")] = None,
+    host: Annotated[str | None, typer.Option(rich_help_panel=NODE, help=field_help("host"))] = None,
+    port: Annotated[int | None, typer.Option(rich_help_panel=NODE, help=field_help("port"))] = None,
+    data_dir: Annotated[Path | None, typer.Option(rich_help_panel=NODE, help=field_help("data_dir"))] = None,
+    node: Annotated[str | None, typer.Option(rich_help_panel=NODE, help=field_help("node"))] = None,
+    redis_url: Annotated[str | None, typer.Option(rich_help_panel=INDEX, help=field_help("redis_url"))] = None,
+    redis_port: Annotated[int | None, typer.Option(rich_help_panel=INDEX, help=field_help("redis_port"))] = None,
+    key_prefix: Annotated[str | None, typer.Option(rich_help_panel=INDEX, help=field_help("key_prefix"))] = None,
+    chunk_tokens: Annotated[int | None, typer.Option(rich_help_panel=INDEX, help=field_help("chunk_tokens"))] = None,
+    dram_bytes: Annotated[str | None, typer.Option(rich_help_panel=TIERS, help=field_help("dram_bytes"))] = None,
+    nvme_bytes: Annotated[str | None, typer.Option(rich_help_panel=TIERS, help=field_help("nvme_bytes"))] = None,
+    nvme_dir: Annotated[Path | None, typer.Option(rich_help_panel=TIERS, help=field_help("nvme_dir"))] = None,
+    mooncake_master: Annotated[
+        str | None, typer.Option(rich_help_panel=MOONCAKE, help=field_help("mooncake_master"))
+    ] = None,
+    mooncake_metadata_url: Annotated[
+        str | None, typer.Option(rich_help_panel=MOONCAKE, help=field_help("mooncake_metadata_url"))
+    ] = None,
+    mooncake_protocol: Annotated[
+        str | None, typer.Option(rich_help_panel=MOONCAKE, help=field_help("mooncake_protocol"))
+    ] = None,
+    mooncake_device_names: Annotated[
+        str | None, typer.Option(rich_help_panel=MOONCAKE, help=field_help("mooncake_device_names"))
+    ] = None,
+    mooncake_host: Annotated[
+        str | None, typer.Option(rich_help_panel=MOONCAKE, help=field_help("mooncake_host"))
+    ] = None,
+    chunk_key_file: Annotated[
+        Path | None, typer.Option(rich_help_panel=SECURITY, help=field_help("chunk_key_file"))
+    ] = None,
+    admin_token: Annotated[str | None, typer.Option(rich_help_panel=SECURITY, help=field_help("admin_token"))] = None,
+    open_reads: Annotated[
+        bool | None, typer.Option("--open-reads", rich_help_panel=SECURITY, help=field_help("open_reads"))
+    ] = None,
+    kv_events_endpoint: Annotated[
+        str | None, typer.Option(rich_help_panel=KV_EVENTS, help=field_help("kv_events_endpoint"))
+    ] = None,
+    kv_events_replay_endpoint: Annotated[
+        str | None, typer.Option(rich_help_panel=KV_EVENTS, help=field_help("kv_events_replay_endpoint"))
+    ] = None,
+    cpus: Annotated[str | None, typer.Option(rich_help_panel=NODE, help=field_help("cpus"))] = None,
+    allowed_host: Annotated[
+        list[str] | None,
+        typer.Option(rich_help_panel=SECURITY, metavar="<name>", help=field_help("allowed_hosts", repeated=True)),
+    ] = None,
+    max_body_bytes: Annotated[
+        str | None, typer.Option(rich_help_panel=SECURITY, help=field_help("max_body_bytes"))
+    ] = None,
+    warmup_root: Annotated[
+        list[Path] | None,
+        # no type column in this panel: beside its 32-character flag, one leaves the help no room in 80 columns
+        typer.Option(rich_help_panel=WARMUP, metavar="", help=field_help("warmup_roots", repeated=True)),
+    ] = None,
     warmup_allow_trust_remote_code: Annotated[
-        bool, typer.Option(help=field_help("warmup_allow_trust_remote_code"))
+        bool,
+        typer.Option(
+            "--warmup-allow-trust-remote-code",
+            rich_help_panel=WARMUP,
+            metavar="",
+            help=field_help("warmup_allow_trust_remote_code"),
+        ),
     ] = False,
 ) -> None:
     """Run this node's daemon. With no --redis-url it starts its own redis-server under the data dir.
@@ -100,23 +142,37 @@ def serve(
         NodeDaemon(load_settings(flags, config)).serve()
 
 
-def proxy_help(name: str) -> str:
+#: The help panels of ``proxy``'s options.
+INSTANCES, SERVER, TIMING = "Instances", "Server", "Timing"
+
+
+def proxy_help(name: str, *, repeated: bool = False) -> str:
     """The help of ``prefixcache proxy``'s option for proxy setting ``name``."""
-    return field_help(name, model=ProxySettings)
+    return field_help(name, model=ProxySettings, repeated=repeated)
 
 
 @app.command()
 def proxy(
-    prefill: Annotated[list[str], typer.Option(help=proxy_help("prefill"))],
-    decode: Annotated[list[str], typer.Option(help=proxy_help("decode"))],
-    host: Annotated[str | None, typer.Option(help=proxy_help("host"))] = None,
-    port: Annotated[int | None, typer.Option(help=proxy_help("port"))] = None,
-    routing: Annotated[str | None, typer.Option(help=proxy_help("routing"))] = None,
-    service_url: Annotated[str | None, typer.Option(help=proxy_help("service_url"))] = None,
-    timeout_s: Annotated[float | None, typer.Option(help=proxy_help("timeout_s"))] = None,
-    publish_wait_s: Annotated[float | None, typer.Option(help=proxy_help("publish_wait_s"))] = None,
-    retry_after_s: Annotated[float | None, typer.Option(help=proxy_help("retry_after_s"))] = None,
-    auth_token_file: Annotated[Path | None, typer.Option(help="a file holding auth_token")] = None,
+    prefill: Annotated[
+        list[str], typer.Option(rich_help_panel=INSTANCES, metavar="<url>", help=proxy_help("prefill", repeated=True))
+    ],
+    decode: Annotated[
+        list[str], typer.Option(rich_help_panel=INSTANCES, metavar="<url>", help=proxy_help("decode", repeated=True))
+    ],
+    host: Annotated[str | None, typer.Option(rich_help_panel=SERVER, help=proxy_help("host"))] = None,
+    port: Annotated[int | None, typer.Option(rich_help_panel=SERVER, help=proxy_help("port"))] = None,
+    routing: Annotated[str | None, typer.Option(rich_help_panel=INSTANCES, help=proxy_help("routing"))] = None,
+    service_url: Annotated[str | None, typer.Option(rich_help_panel=INSTANCES, help=proxy_help("service_url"))] = None,
+    timeout_s: Annotated[float | None, typer.Option(rich_help_panel=TIMING, help=proxy_help("timeout_s"))] = None,
+    publish_wait_s: Annotated[
+        float | None, typer.Option(rich_help_panel=TIMING, help=proxy_help("publish_wait_s"))
+    ] = None,
+    retry_after_s: Annotated[
+        float | None, typer.Option(rich_help_panel=TIMING, help=proxy_help("retry_after_s"))
+    ] = None,
+    auth_token_file: Annotated[
+        Path | None, typer.Option(rich_help_panel=SERVER, help="A file holding the bearer token")
+    ] = None,
 ) -> None:
     """OpenAI-compatible front for disaggregated prefill: each request is prefilled on a prefill instance,
     which publishes the prompt's KV, then generated on a decode instance, which loads it from the store. Secrets come

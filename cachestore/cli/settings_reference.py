@@ -107,15 +107,25 @@ def description(model: type[BaseModel], name: str) -> str:
     return " ".join(text.split())
 
 
+def short_help(model: type[BaseModel], name: str) -> str:
+    """The one-line help of setting ``name`` of ``model`` (its ``json_schema_extra`` ``short``), which a command's
+    option shows; the settings page has the whole description."""
+    extra = model.model_fields[name].json_schema_extra
+    short = extra.get("short") if isinstance(extra, dict) else None
+    if not isinstance(short, str) or not short.strip():
+        raise ValueError(f"{model.__name__}.{name} has no one-line help: give its Field json_schema_extra short")
+    return short
+
+
 def field_help(name: str, *, model: type[BaseModel] = Settings, repeated: bool = False) -> str:
-    """The help of a command's option for setting ``name`` of ``model`` (``prefixcache serve``'s, by default):
-    its description, as the terminal shows it (no backticks; brackets escaped from Rich's markup), and its default
-    where it has one. A ``repeated`` option takes one of the list's values at a time."""
+    """The help of a command's option for setting ``name`` of ``model`` (``prefixcache serve``'s, by default): its
+    one line (``short_help``), as the terminal shows it (no backticks; brackets escaped from Rich's markup), and its
+    default where it has one. A ``repeated`` option takes one value a time."""
     from rich.markup import escape
 
-    text = description(model, name).replace("`", "")
+    text = short_help(model, name).replace("`", "")
     if repeated:
-        text += " Give the flag once for each."
+        text += " (repeatable)"
     field = model.model_fields[name]
     default = default_text(field, name)
     if field.annotation is not bool and default not in ("unset", "empty", "required"):
@@ -385,7 +395,8 @@ def render() -> str:
         "# Settings",
         "",
         "Every setting of the node daemon, the vLLM connector and the disaggregated-prefill proxy, with what it does. "
-        "`prefixcache serve --help` shows the daemon's flags with the same descriptions.",
+        "`prefixcache serve --help` and `prefixcache proxy --help` show each flag with a line of its own and its "
+        "default; this page has the whole descriptions.",
         "",
         *daemon_section(),
         "",

@@ -30,27 +30,55 @@ from prefixcache.cachestore.warmup.policy import TENANT_ENV
 from prefixcache.indexer.errors import ConfigError
 
 CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
+#: The defaults of options whose help shows them on its line (typer would put them on a line of their own).
+BATCH_SIZE, SERVICE_URL, ON_ERROR = 16, "http://127.0.0.1:8600", "fail"
+#: The help panels of ``warmup``'s options.
+RUN, JOB, FILES = "Run", "Job", "Files and output"
 EXIT_CODES = {"finished": 0, "nothing_to_do": 0, "stopped": 0, "incomplete": 1, "interrupted": 130}
 
 
 def warmup(
     ctx: typer.Context,
-    corpus: Annotated[Path, typer.Argument(help="JSONL file (prompt or token_ids per line) or folder of text files")],
-    model: Annotated[str, typer.Option(help="model path or name, as the vLLM server to warm loads it")],
-    tokenizer: Annotated[str | None, typer.Option(help="tokenizer (default: the model's)")] = None,
-    tenant: Annotated[str | None, typer.Option(help="cache_salt of lines without one", envvar=TENANT_ENV)] = None,
-    service_url: Annotated[str, typer.Option(help="this node's daemon")] = "http://127.0.0.1:8600",
-    state_dir: Annotated[Path | None, typer.Option(help="job state files (default: DATA_DIR/warmup)")] = None,
-    batch_size: Annotated[int, typer.Option(help="prompts per engine batch (and per checkpoint)")] = 16,
-    max_prompts: Annotated[int | None, typer.Option(help="compute at most this many prompts now")] = None,
-    on_error: Annotated[Literal["skip", "fail"], typer.Option(help="bad corpus entries: skip them or fail")] = "fail",
-    arena_mb: Annotated[int | None, typer.Option(help="connector arena in MiB (default: the connector's)")] = None,
-    json_output: Annotated[bool, typer.Option("--json", help="print the report as JSON only")] = False,
-    progress_file: Annotated[Path | None, typer.Option(help="keep a JSON progress snapshot here")] = None,
-    redis_password_stdin: Annotated[bool, typer.Option(help="the index's password: stdin's first line")] = False,
+    corpus: Annotated[Path, typer.Argument(help="JSONL file (prompt or token_ids a line) or folder of text files")],
+    model: Annotated[str, typer.Option(rich_help_panel=RUN, help="Model path or name, as the server loads it")],
+    tokenizer: Annotated[
+        str | None, typer.Option(rich_help_panel=RUN, help="Tokenizer \\[default: the model's]")
+    ] = None,
+    tenant: Annotated[
+        str | None,
+        typer.Option(rich_help_panel=RUN, help="cache_salt of lines without one", envvar=TENANT_ENV, show_envvar=False),
+    ] = None,
+    batch_size: Annotated[
+        int, typer.Option(rich_help_panel=RUN, show_default=False, help=f"Prompts a batch \\[default: {BATCH_SIZE}]")
+    ] = BATCH_SIZE,
+    arena_mb: Annotated[
+        int | None, typer.Option(rich_help_panel=RUN, help="Arena, MiB \\[default: the connector's]")
+    ] = None,
+    service_url: Annotated[
+        str, typer.Option(rich_help_panel=RUN, show_default=False, help=f"The daemon \\[default: {SERVICE_URL}]")
+    ] = SERVICE_URL,
+    state_dir: Annotated[
+        Path | None, typer.Option(rich_help_panel=FILES, help="Job state files \\[default: DATA_DIR/warmup]")
+    ] = None,
+    max_prompts: Annotated[int | None, typer.Option(rich_help_panel=JOB, help="Compute at most this many now")] = None,
+    on_error: Annotated[
+        Literal["skip", "fail"],
+        typer.Option(rich_help_panel=JOB, show_default=False, help=f"Bad entries \\[default: {ON_ERROR}]"),
+    ] = ON_ERROR,
+    redis_password_stdin: Annotated[
+        bool,
+        typer.Option("--redis-password-stdin", rich_help_panel=JOB, help="Index password from stdin"),
+    ] = False,
+    json_output: Annotated[
+        bool, typer.Option("--json", rich_help_panel=FILES, help="Print the report as JSON only")
+    ] = False,
+    progress_file: Annotated[
+        Path | None, typer.Option(rich_help_panel=FILES, help="Keep a JSON progress snapshot here")
+    ] = None,
 ) -> None:
     """Precompute and store the KV of a prompt corpus, so the first real request hits. Resumable; reruns skip
-    what is done. Further options go to the vLLM engine, as for `vllm serve` (e.g. --dtype bfloat16)."""
+    what is done. Further options go to the vLLM engine, as for `vllm serve` (e.g. --dtype bfloat16).
+    PREFIXCACHE_WARMUP_TENANT gives --tenant."""
 
     with clear_errors():
         password = sys.stdin.readline().rstrip("\r\n") if redis_password_stdin else None

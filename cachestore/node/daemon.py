@@ -677,17 +677,18 @@ class NodeDaemon:
             self.start()
             self.check_listeners()
             s = self.settings
+            probes = self.probes()
             routers = [
                 *admin_routers(self.admin),
                 quota_router(self.quotas),
-                metrics_router(self.stats, self.client_stats),
+                metrics_router(self.stats, self.client_stats, probes),
                 warmup_router(self.warmup_jobs),
                 liveness_router(self.supervisor.alive),
             ]
             hosts = trusted_hosts(s.host, s.node, extra=s.allowed_hosts)
             app = create_app(
                 self.client_config(),
-                self.probes(),
+                probes,
                 self.stats,
                 routers=routers,
                 access=AccessPolicy(admin_token=self.admin_token, open_reads=s.open_reads),

@@ -90,11 +90,13 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PREFIXCACHE_", extra="forbid", validate_default=True)
 
     host: str = Field(
+        json_schema_extra={"short": "REST API address"},
         default="127.0.0.1",
         description="Address the REST API binds to: loopback unless told. In Kubernetes, the node's IP (the vLLM "
         "pods on the node call the daemon there).",
     )
     port: int = Field(
+        json_schema_extra={"short": "REST API port"},
         default=8600,
         ge=1,
         le=65535,
@@ -103,11 +105,13 @@ class Settings(BaseSettings):
         "With several daemons on one host, give each its own `port` and `data_dir`.",
     )
     data_dir: Path = Field(
+        json_schema_extra={"short": "State dir"},
         default_factory=default_data_dir,
         description="Where the daemon keeps its embedded servers' files, its logs, its secrets and warm-up jobs "
         "(`redis/`, `logs/`, `secrets/`, `warmup/`), and the NVMe tier unless `nvme_dir` is set.",
     )
     node: str = Field(
+        json_schema_extra={"short": "Node name"},
         default_factory=socket.gethostname,
         min_length=1,
         max_length=128,
@@ -116,6 +120,7 @@ class Settings(BaseSettings):
         "stable across restarts.",
     )
     redis_url: str | None = Field(
+        json_schema_extra={"short": "The shared index's URL"},
         default=None,
         description="The shared index: `redis://[user:password@]host:6379/0`, `rediss://` (TLS) or `unix://`; "
         "`redis+sentinel://[user:password@]host:26379[,host:port...]/SERVICE` for the primary Sentinel names; "
@@ -124,6 +129,7 @@ class Settings(BaseSettings):
         "may hold a password. Unset: the daemon starts an embedded redis-server under `data_dir`.",
     )
     redis_port: int | None = Field(
+        json_schema_extra={"short": "Embedded redis-server's port"},
         default=None,
         ge=1,
         le=65535,
@@ -131,6 +137,7 @@ class Settings(BaseSettings):
         "the password the daemon generates at its first start into `data_dir`/secrets/redis-password (0600).",
     )
     key_prefix: str = Field(
+        json_schema_extra={"short": "Prefix of every index key"},
         default="pc",
         min_length=1,
         max_length=32,
@@ -138,6 +145,7 @@ class Settings(BaseSettings):
         description="Prefix of every index key in Redis, so that several deployments can share one Redis.",
     )
     chunk_tokens: int = Field(
+        json_schema_extra={"short": "Tokens per chunk"},
         default=DEFAULT_CHUNK_TOKENS,
         gt=0,
         le=MAX_CHUNK_TOKENS,
@@ -146,14 +154,17 @@ class Settings(BaseSettings):
     )
 
     dram_bytes: ByteSize = Field(
+        json_schema_extra={"short": "DRAM this node adds to the pool"},
         default=ByteSize(2 << 30),
         description="DRAM this node adds to the Mooncake pool (at least 64 MiB).",
     )
     nvme_bytes: ByteSize = Field(
+        json_schema_extra={"short": "NVMe tier capacity"},
         default=ByteSize(16 << 30),
         description="Capacity of this node's NVMe tier (at least two 256 MiB segments).",
     )
     nvme_dir: Path | None = Field(
+        json_schema_extra={"short": "NVMe tier directory"},
         default=None,
         description="NVMe tier directory: a local NVMe file system that supports O_DIRECT; unset: `data_dir`/nvme.",
     )
@@ -181,6 +192,7 @@ class Settings(BaseSettings):
     )
 
     mooncake_master: str | None = Field(
+        json_schema_extra={"short": "External master, host:port"},
         default=None,
         description="External Mooncake master, `host:port` (its RPC port, 50051 by convention; needs "
         "`mooncake_metadata_url`), or masters in high-availability mode, found through etcd: "
@@ -189,6 +201,7 @@ class Settings(BaseSettings):
         "master. Nodes that share a pool need an external master on an address they all reach.",
     )
     mooncake_metadata_url: str | None = Field(
+        json_schema_extra={"short": "Metadata server URL"},
         default=None,
         description="Mooncake metadata server, which maps segment names to their transfer endpoints; required "
         "with a `host:port` master: `http://master:8080/metadata` (the master's built-in server), "
@@ -207,17 +220,20 @@ class Settings(BaseSettings):
         "master's own (`port`+6).",
     )
     mooncake_host: str = Field(
+        json_schema_extra={"short": "Pool address"},
         default="127.0.0.1",
         description="This node's address in the Mooncake pool: with more than one node, its IP on the transfer "
         "network (the RDMA network, with `rdma`), where its segment is advertised.",
     )
     mooncake_protocol: Literal["tcp", "rdma"] = Field(
+        json_schema_extra={"short": "tcp or rdma"},
         default="tcp",
         description="How the pool moves data between nodes: `tcp`, or `rdma` over `mooncake_device_names`. "
         "Every daemon and connector uses the protocol the daemon advertises; local attach is always shared "
         "memory.",
     )
     mooncake_device_names: str = Field(
+        json_schema_extra={"short": "RDMA NICs, comma-separated"},
         default="",
         description="RDMA NICs (HCAs) to use, comma-separated, as `ibv_devices` names them: `mlx5_0`, or "
         "`mlx5_0,mlx5_1` to stripe over two ports.",
@@ -242,6 +258,7 @@ class Settings(BaseSettings):
         "its metrics on `port`+6).",
     )
     chunk_key_file: Path | None = Field(
+        json_schema_extra={"short": "Chunk-signing key file"},
         default=None,
         description="File holding the key every chunk is signed with (64 hex digits, keyed BLAKE3). One node "
         "needs nothing: unset, the daemon generates `data_dir`/secrets/chunk-key (0600) at its first start, and "
@@ -249,40 +266,47 @@ class Settings(BaseSettings):
         "(a Kubernetes Secret): a chunk signed with another key is a miss.",
     )
     admin_token: SecretStr | None = Field(
+        json_schema_extra={"short": "Bearer token of admin calls"},
         default=None,
         description="Bearer token (16 characters or more) every admin call needs: mutating ones and warm-up jobs "
         "always, reading ones unless `open_reads`. Never echoed. Unset: generated at the first start into "
         "`data_dir`/secrets/admin-token (0600), and kept.",
     )
     open_reads: bool = Field(
+        json_schema_extra={"short": "Read-only calls need no token"},
         default=False,
         description="Read-only REST endpoints (stats, metrics, listings, lookups, warm-up job status) answer "
         "without the admin token; writes and warm-up jobs never do.",
     )
     allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        json_schema_extra={"short": "Another Host name"},
         default=[],
         description="Host header names the REST API answers besides `localhost`, `127.0.0.1`, `::1`, `host` and "
         "`node`: a DNS name clients reach the daemon by, a load balancer's name, `*.example.internal` for a "
         "domain. Any other Host header gets 400. Comma-separated in the environment.",
     )
     max_body_bytes: ByteSize = Field(
+        json_schema_extra={"short": "Largest request body"},
         default=ByteSize(DEFAULT_MAX_BODY_BYTES),
         ge=1024,
         description="A REST request body larger than this gets 413 before it is read (a 1M-token lookup is "
         "about 8 MB of JSON).",
     )
     warmup_roots: Annotated[list[Path], NoDecode] = Field(
+        json_schema_extra={"short": "Jobs' root folder"},
         default=[],
         description="Folders (absolute) the models, tokenizers and corpora of `POST /v1/warmup` jobs must lie "
         "in; `:`-separated in the environment. With none, the daemon refuses every warm-up job. `prefixcache "
         "warmup` run by hand is not bound by it.",
     )
     warmup_allow_trust_remote_code: bool = Field(
+        json_schema_extra={"short": "Allow --trust-remote-code"},
         default=False,
         description="`POST /v1/warmup` jobs may pass `--trust-remote-code`, which runs Python shipped with the "
         "model: allow it only for roots holding models you trust.",
     )
     kv_events_endpoint: str | None = Field(
+        json_schema_extra={"short": "ZMQ PUB endpoint of KV events"},
         default=None,
         description="ZMQ PUB endpoint for vLLM-format KV events (`BlockStored`/`BlockRemoved`; medium `CPU` = "
         "DRAM, `STORAGE` = NVMe), for routers such as llm-d or Dynamo: `tcp://127.0.0.1:5557`, "
@@ -290,6 +314,7 @@ class Settings(BaseSettings):
         "name the address (`tcp://0.0.0.0:PORT` if every interface is meant). Unset: off.",
     )
     kv_events_replay_endpoint: str | None = Field(
+        json_schema_extra={"short": "ZMQ ROUTER endpoint of replays"},
         default=None,
         description="ZMQ ROUTER endpoint where a KV-event subscriber that saw a gap in the sequence numbers asks for "
         "the batches it missed, as from a vLLM instance's `replay_endpoint` (the last 10,000 batches since the "
@@ -334,6 +359,7 @@ class Settings(BaseSettings):
         "read whole and trimmed exactly by last access.",
     )
     cpus: str | None = Field(
+        json_schema_extra={"short": "CPUs to run on (1,2-3)"},
         default=None,
         description="CPUs the daemon and every server it starts run on (`1`, `2-3,6`). On a vLLM CPU host, give "
         "it the cores vLLM reserves (`VLLM_CPU_NUM_OF_RESERVED_CPU`; vLLM reserves the last ones), so that "

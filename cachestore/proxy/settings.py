@@ -24,36 +24,60 @@ class ProxySettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     prefill: list[str] = Field(
+        json_schema_extra={"short": "A prefill instance's URL"},
         min_length=1,
         description="prefill instances (vLLM with a `kv_producer` connector), as `http://HOST:PORT`; repeat the "
         "flag or separate them with commas",
     )
     decode: list[str] = Field(
+        json_schema_extra={"short": "A decode instance's URL"},
         min_length=1,
         description="decode instances (vLLM with a `kv_consumer` or `kv_both` connector), as `http://HOST:PORT`; "
         "repeat the flag or separate them with commas",
     )
-    host: str = Field(default="127.0.0.1", description="address the proxy binds to")
-    port: int = Field(default=8000, ge=1, le=65535, description="port the proxy listens on")
+    host: str = Field(
+        json_schema_extra={"short": "Address to bind"}, default="127.0.0.1", description="address the proxy binds to"
+    )
+    port: int = Field(
+        json_schema_extra={"short": "Port to listen on"},
+        default=8000,
+        ge=1,
+        le=65535,
+        description="port the proxy listens on",
+    )
     routing: Literal["round-robin", "cache-aware"] = Field(
+        json_schema_extra={"short": "Routing policy"},
         default="round-robin",
         description="`round-robin`, or `cache-aware`: ask the index how much of the prompt is cached and skip the "
         "prefill step where it could add nothing (needs `service_url`)",
     )
-    service_url: str | None = Field(default=None, description="a prefixcache daemon, for cache-aware routing")
+    service_url: str | None = Field(
+        json_schema_extra={"short": "A daemon, for cache-aware routing"},
+        default=None,
+        description="a prefixcache daemon, for cache-aware routing",
+    )
     redis_password: str | None = Field(
         default=None,
         description="the index's password, for cache-aware routing where the daemon's password file cannot be "
         "read; never logged",
     )
-    timeout_s: float = Field(default=600.0, gt=0, description="longest a request to an instance may take, seconds")
+    timeout_s: float = Field(
+        json_schema_extra={"short": "Request timeout, s"},
+        default=600.0,
+        gt=0,
+        description="longest a request to an instance may take, seconds",
+    )
     publish_wait_s: float = Field(
+        json_schema_extra={"short": "Wait for prefill chunks, s"},
         default=2.0,
         ge=0,
         description="cache-aware: how long to wait for a prefill's chunks to appear in the index, seconds",
     )
     retry_after_s: float = Field(
-        default=10.0, gt=0, description="a failed instance is tried last for this long, seconds"
+        json_schema_extra={"short": "Failed instance last for, s"},
+        default=10.0,
+        gt=0,
+        description="a failed instance is tried last for this long, seconds",
     )
     auth_token: SecretStr | None = Field(
         default=None,
