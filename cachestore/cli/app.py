@@ -105,8 +105,7 @@ def serve(
 ) -> None:
     """Run this node's daemon. With no --redis-url it starts its own redis-server under the data dir.
 
-    Each setting comes from its default, the --config file, its PREFIXCACHE_* variable and its flag, each
-    overriding the one before."""
+    A flag wins over its PREFIXCACHE_* variable, which wins over the --config file, which wins over the default."""
     flags = dict(
         host=host,
         port=port,

@@ -192,7 +192,7 @@ class Settings(BaseSettings):
     )
 
     mooncake_master: str | None = Field(
-        json_schema_extra={"short": "External master, host:port"},
+        json_schema_extra={"short": "External master or etcd:// (HA)"},
         default=None,
         description="External Mooncake master, `host:port` (its RPC port, 50051 by convention; needs "
         "`mooncake_metadata_url`), or masters in high-availability mode, found through etcd: "
