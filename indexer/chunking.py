@@ -35,9 +35,3 @@ class ChunkGeometry:
                     f"chunk_tokens={self.chunk_tokens} is not a multiple of the engine's KV block size "
                     f"{self.block_tokens}; choose e.g. {nearest}"
                 )
-
-    def full_chunks(self, num_tokens: int) -> int:
-        return num_tokens // self.chunk_tokens
-
-    def tail_tokens(self, num_tokens: int) -> int:
-        return num_tokens % self.chunk_tokens

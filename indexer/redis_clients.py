@@ -61,10 +61,6 @@ def scheme_of(url: str) -> str:
     return urlsplit(url).scheme
 
 
-def is_cluster_url(url: str) -> bool:
-    return scheme_of(url) == CLUSTER_SCHEME
-
-
 def check_redis_url(url: str) -> None:
     """Raise ``ConfigError`` unless ``url`` names a Redis in one of the ``SCHEMES``."""
     scheme = scheme_of(url)
