@@ -51,6 +51,7 @@ MODULE_TIERS = {
         "test_log_limits",
         "test_missing_extra",  # fresh interpreters without Mooncake
         "test_pages",
+        "test_eviction_policy",
         "test_quota_rounds",
         "test_quota_scopes",
         "test_promotion_stream",
@@ -98,6 +99,7 @@ MODULE_TIERS = {
         "test_serve",
         "test_supervision",
         "test_supervisor",
+        "test_tier_contract",
         "test_two_nodes",
         "test_warmup",
         "test_warmup_api",

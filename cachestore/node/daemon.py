@@ -7,6 +7,7 @@ demotion). With no external addresses it also runs the index (redis-server) and 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -568,20 +569,17 @@ class NodeDaemon:
     def _dram_health(self) -> ComponentHealth:
         if not self.owner.alive():
             return ComponentHealth(ok=False, detail=f"segment owner exited (log: {self.owner.log_path})")
-        if not self.dram.available:
-            return ComponentHealth(ok=False, detail="Mooncake unreachable; retrying")
-        return ComponentHealth(ok=True, detail=f"segment {self.owner.segment}")
+        return ComponentHealth(**dataclasses.asdict(self.dram.health()))
 
     def _nvme_health(self) -> ComponentHealth:
-        """Degraded while the write-behind fails to persist chunks (they wait in DRAM), naming why."""
-        usage = self.nvme.usage()
-        ok = Path(self.nvme.directory).is_dir()
-        detail = f"{usage.chunks} chunks, {usage.bytes_used >> 20} MiB of {usage.capacity_bytes >> 20} MiB"
+        """The tier's own health, degraded too while the write-behind fails to persist chunks (they wait in
+        DRAM), naming why."""
+        health = self.nvme.health()
         failures = self.write_behind.stats.failures
         if failures.failing is None:
-            return ComponentHealth(ok=ok, detail=detail)
+            return ComponentHealth(**dataclasses.asdict(health))
         why = f"persisting fails ({failures.failing}: {failures.detail}); unpersisted chunks wait in DRAM"
-        return ComponentHealth(ok=ok, degraded=True, detail=f"{why}; {detail}")
+        return ComponentHealth(ok=health.ok, degraded=True, detail=f"{why}; {health.detail}")
 
     def _peers_health(self) -> ComponentHealth:
         """The other nodes this one's clients skip (indexer/peers.py), named with why: degraded while any is down,

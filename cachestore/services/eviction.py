@@ -15,8 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from prefixcache.cachestore.services.eviction_orders import EvictionOrders
-from prefixcache.cachestore.tiers.dram import MooncakeTier
-from prefixcache.cachestore.tiers.nvme import NvmeStore
+from prefixcache.cachestore.tiers.tier import StorageTier
 from prefixcache.indexer.index import ChunkEntry, Location, PrefixIndex
 
 
@@ -35,7 +34,7 @@ class Eviction:
 
 class Evictor:
     def __init__(
-        self, index: PrefixIndex, dram: MooncakeTier, nvme: NvmeStore, node: str, orders: EvictionOrders | None = None
+        self, index: PrefixIndex, dram: StorageTier, nvme: StorageTier, node: str, orders: EvictionOrders | None = None
     ) -> None:
         """``orders``: how copies on other nodes are reached (None: they are kept and reported)."""
         self.index = index
@@ -75,7 +74,8 @@ class Evictor:
         outcome = Eviction()
         if not entries:
             return outcome
-        gone = dict(zip((e.key for e in entries), self.dram.remove([e.key for e in entries]), strict=True))
+        removals = self.dram.delete([e.key for e in entries])
+        gone = {e.key: removal.gone for e, removal in zip(entries, removals, strict=True)}
         for entry in entries:
             in_dram = any(loc.tier == "dram" for loc in entry.locations)
             if in_dram and not gone[entry.key]:
