@@ -1,0 +1,163 @@
+"""The object tier (cachestore/tiers/object_store.py) against a real S3 server (SeaweedFS, tests/s3_server.py)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from prefixcache.cachestore.chunks.mac import ChunkMacKey
+from prefixcache.cachestore.chunks.seal import OVERHEAD, ChunkSealer
+from prefixcache.cachestore.tiers.object_store import LATE, ObjectStoreAddress, ObjectTier
+from prefixcache.cachestore.tiers.tier import Removal
+from prefixcache.indexer.errors import ConfigError
+from tests.s3_server import SeaweedS3
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
+    server = SeaweedS3(tmp_path_factory.mktemp("s3"))
+    server.start()
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in server.credentials().items():
+            env.setenv(name, value)
+        yield server
+    server.stop()
+
+
+SEALER = ChunkSealer(ChunkMacKey(os.urandom(32)))
+
+
+def tier_of(s3: SeaweedS3, prefix: str | None = None, sealer: ChunkSealer = SEALER, **options) -> ObjectTier:
+    """A tier on a prefix (a fresh one unless given) of one bucket (created by the first put: the identity is an
+    admin)."""
+    url = f"s3://prefixcache-test/{prefix or secrets.token_hex(4)}"
+    address = ObjectStoreAddress.parse(url, endpoint=s3.endpoint, region="us-east-1", path_style=True)
+    return ObjectTier(address, sealer, **options)
+
+
+@pytest.fixture
+def tier(s3: SeaweedS3) -> Iterator[ObjectTier]:
+    tier = tier_of(s3)
+    yield tier
+    tier.close()
+
+
+def test_put_get_contains_delete_and_list_in_pages(tier: ObjectTier) -> None:
+    objects = {os.urandom(16): os.urandom(size) for size in (1, 4096, 1 << 20, 3 << 20)}
+    assert tier.put(list(objects.items())) == [True] * 4
+    absent = os.urandom(16)
+    keys = [*objects, absent]
+    buffers = [memoryview(bytearray(4 << 20)) for _ in keys]
+    lengths = tier.get_into(keys, buffers)
+    assert lengths == [len(data) for data in objects.values()] + [-1]
+    assert all(bytes(buffer[: len(data)]) == data for buffer, data in zip(buffers, objects.values(), strict=False))
+    assert tier.get_into([next(iter(objects))], [memoryview(bytearray(0))]) == [-1]  # a buffer too small: a miss
+    assert tier.contains(keys) == [True] * 4 + [False]
+    pages = list(tier.list_pages(page_keys=3))
+    assert [len(page) for page in pages] == [3, 1]
+    assert {key: size for page in pages for key, size, _ in page} == {k: len(v) + OVERHEAD for k, v in objects.items()}
+    usage = tier.usage()
+    sealed = sum(len(data) + OVERHEAD for data in objects.values())
+    assert (usage.tier, usage.chunks, usage.bytes_used) == ("object", 4, sealed)
+    assert tier.delete([keys[0], absent]) == [Removal.REMOVED, Removal.ABSENT]
+    assert tier.contains(keys[:2]) == [False, True]
+    assert tier.health().ok and not tier.health().degraded
+
+
+def test_a_stopped_bucket_is_fast_misses_degraded_health_then_service_again(tmp_path: Path, monkeypatch) -> None:
+    server = SeaweedS3(tmp_path / "s3")
+    server.start()
+    for name, value in server.credentials().items():
+        monkeypatch.setenv(name, value)
+    tier = tier_of(server, read_deadline_s=0.5, request_timeout_s=2.0, breaker_s=0.5)
+    try:
+        key = os.urandom(16)
+        assert tier.put([(key, b"kept")]) == [True]
+        server.stop()
+        assert tier.put([(os.urandom(16), b"x")]) == [False]
+        assert tier.health().degraded and "unreachable" in tier.health().detail
+        started = time.monotonic()
+        assert tier.get_into([key], [memoryview(bytearray(16))]) == [-1]  # the breaker is open: answered at once
+        assert tier.delete([key]) == [Removal.FAILED]
+        assert time.monotonic() - started < 0.1
+        server.start()
+        time.sleep(0.6)
+        buffer = memoryview(bytearray(16))
+        assert tier.get_into([key], [buffer]) == [4] and bytes(buffer[:4]) == b"kept"
+        assert not tier.health().degraded
+    finally:
+        tier.close()
+        server.stop()
+
+
+def test_a_read_past_its_deadline_is_a_miss(tier: ObjectTier, monkeypatch) -> None:
+    key = os.urandom(16)
+    assert tier.put([(key, b"slow")]) == [True]
+    import obstore
+
+    real_get = obstore.get
+    monkeypatch.setattr(obstore, "get", lambda *args: time.sleep(1.0) or real_get(*args))
+    tier._read_deadline_s = 0.2
+    assert tier.get_into([key], [memoryview(bytearray(16))]) == [LATE]
+    assert tier.late_reads == 1
+
+
+@pytest.mark.parametrize(
+    ("url", "endpoint", "why"),
+    [
+        ("http://bucket/prefix", None, "s3://BUCKET"),
+        ("s3:///prefix", None, "s3://BUCKET"),
+        ("s3://key:secret@bucket/prefix", None, "no credentials"),
+        ("s3://bucket/prefix?x=1", None, "no credentials, query"),
+        ("s3://bucket", "ftp://host", "http(s)://HOST"),
+        ("s3://bucket", "http://user:pw@host:9000", "without credentials"),
+    ],
+)
+def test_bad_addresses_are_refused_clearly(url: str, endpoint: str | None, why: str) -> None:
+    with pytest.raises(ConfigError, match=why.replace("(", r"\(").replace(")", r"\)")):
+        ObjectStoreAddress.parse(url, endpoint=endpoint)
+
+
+def test_object_names_hold_keys_under_the_prefix() -> None:
+    address = ObjectStoreAddress.parse("s3://bucket/a/b/")
+    key = bytes(range(16))
+    assert address.name_of(key) == "a/b/chunks/" + key.hex()
+    assert address.key_of(address.name_of(key)) == key
+    assert address.key_of("a/b/other/" + key.hex()) is None
+    assert address.key_of("a/b/chunks/zz") is None
+    assert ObjectStoreAddress.parse("s3://bucket").name_of(key) == "chunks/" + key.hex()
+
+
+def test_sealed_objects_reveal_nothing_and_a_tampered_swapped_or_foreign_one_is_a_counted_miss(s3: SeaweedS3) -> None:
+    import obstore
+
+    tier = tier_of(s3)
+    try:
+        first, second = os.urandom(16), os.urandom(16)
+        data = {first: b"tokens and KV values " * 200, second: os.urandom(5000)}
+        assert tier.put(list(data.items())) == [True, True]
+        names = {key: tier.address.name_of(key) for key in data}
+        raw = bytes(obstore.get(tier._store, names[first]).bytes())
+        assert b"tokens and KV values" not in raw and len(raw) == len(data[first]) + OVERHEAD
+        buffer = memoryview(bytearray(8192))
+
+        tampered = bytearray(raw)
+        tampered[100] ^= 1
+        obstore.put(tier._store, names[first], bytes(tampered))
+        assert tier.get_into([first], [buffer]) == [-1] and tier.rejected == 1
+
+        obstore.put(tier._store, names[first], bytes(obstore.get(tier._store, names[second]).bytes()))  # swapped
+        assert tier.get_into([first], [buffer]) == [-1] and tier.rejected == 2
+
+        assert tier.get_into([second], [buffer]) == [5000] and bytes(buffer[:5000]) == data[second]
+        other_cluster = tier_of(s3, prefix=tier.address.prefix, sealer=ChunkSealer(ChunkMacKey(os.urandom(32))))
+        assert other_cluster.get_into([second], [buffer]) == [-1] and other_cluster.rejected == 1
+        other_cluster.close()
+        assert tier.health().ok and not tier.health().degraded  # a bad object is the object's fault, not the bucket's
+    finally:
+        tier.close()
