@@ -87,6 +87,7 @@ MODULE_TIERS = {
         "test_nvme",
         "test_nvme_full",
         "test_nvme_recovery",
+        "test_object_store_node",
         "test_object_tier",
         "test_peers",
         "test_private_node",

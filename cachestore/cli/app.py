@@ -43,6 +43,12 @@ def serve(
     dram_bytes: Annotated[str | None, typer.Option(help=field_help("dram_bytes"))] = None,
     nvme_bytes: Annotated[str | None, typer.Option(help=field_help("nvme_bytes"))] = None,
     nvme_dir: Annotated[Path | None, typer.Option(help=field_help("nvme_dir"))] = None,
+    object_store_url: Annotated[str | None, typer.Option(help=field_help("object_store_url"))] = None,
+    object_store_endpoint: Annotated[str | None, typer.Option(help=field_help("object_store_endpoint"))] = None,
+    object_store_region: Annotated[str | None, typer.Option(help=field_help("object_store_region"))] = None,
+    object_store_path_style: Annotated[
+        bool | None, typer.Option("--object-store-path-style", help=field_help("object_store_path_style"))
+    ] = None,
     mooncake_master: Annotated[str | None, typer.Option(help=field_help("mooncake_master"))] = None,
     mooncake_metadata_url: Annotated[str | None, typer.Option(help=field_help("mooncake_metadata_url"))] = None,
     mooncake_protocol: Annotated[str | None, typer.Option(help=field_help("mooncake_protocol"))] = None,
@@ -77,6 +83,10 @@ def serve(
         dram_bytes=dram_bytes,
         nvme_bytes=nvme_bytes,
         nvme_dir=nvme_dir,
+        object_store_url=object_store_url,
+        object_store_endpoint=object_store_endpoint,
+        object_store_region=object_store_region,
+        object_store_path_style=object_store_path_style,
         mooncake_master=mooncake_master,
         mooncake_metadata_url=mooncake_metadata_url,
         mooncake_protocol=mooncake_protocol,

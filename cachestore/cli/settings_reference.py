@@ -51,6 +51,10 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     (
+        "The object tier: a shared S3 bucket",
+        ("object_store_url", "object_store_endpoint", "object_store_region", "object_store_path_style"),
+    ),
+    (
         "The Mooncake pool",
         (
             "mooncake_master",

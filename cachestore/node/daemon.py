@@ -8,6 +8,7 @@ demotion). With no external addresses it also runs the index (redis-server) and 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -62,6 +63,7 @@ from prefixcache.cachestore.services.eviction_orders import EvictionOrders, Orde
 from prefixcache.cachestore.services.heartbeat import Heartbeat
 from prefixcache.cachestore.services.kv_events import KvEventPublisher
 from prefixcache.cachestore.services.nvme_extents import ExtentServer
+from prefixcache.cachestore.services.object_write_behind import ObjectWriteBehind
 from prefixcache.cachestore.services.promotion import Promoter
 from prefixcache.cachestore.services.quotas import QuotaEnforcer
 from prefixcache.cachestore.services.reconcile import reconcile
@@ -70,6 +72,7 @@ from prefixcache.cachestore.services.write_behind import WriteBehind
 from prefixcache.cachestore.tiers.dram import MooncakeTier
 from prefixcache.cachestore.tiers.mooncake_servers import MooncakeMaster, SegmentOwner
 from prefixcache.cachestore.tiers.nvme import NvmeStore
+from prefixcache.cachestore.tiers.tier import StorageTier
 from prefixcache.cachestore.warmup.jobs import WarmupJobs, local_url
 from prefixcache.cachestore.warmup.policy import WarmupPolicy
 from prefixcache.indexer.errors import ConfigError, IndexUnavailableError
@@ -151,6 +154,9 @@ class NodeDaemon:
         self.quotas: QuotaEnforcer
         self.admin: CacheAdmin
         self.nvme_evicted = 0
+        #: the object tier, when one is set (``object_store_url``), and what copies chunks to it
+        self.bucket: StorageTier | None = None
+        self.object_write_behind: ObjectWriteBehind
         self.mac_key_file: Path
         self.mac_key: ChunkMacKey
         self.warmup_jobs: WarmupJobs
@@ -199,10 +205,21 @@ class NodeDaemon:
         self.write_behind = WriteBehind(
             self.index, self.dram, self.nvme, s.node, hold_s=s.write_behind_hold_s, mac_key=self.mac_key
         )
+        self.bucket = self._open_bucket()
         self.promoter = Promoter(
-            self._waiting_redis(), s.key_prefix + ":", self.index, self.dram, self.nvme, s.node, mac_key=self.mac_key
+            self._waiting_redis(),
+            s.key_prefix + ":",
+            self.index,
+            self.dram,
+            self.nvme,
+            s.node,
+            mac_key=self.mac_key,
+            bucket=self.bucket,
         )
         self.extents = ExtentServer(self._waiting_redis(), s.key_prefix + ":", self.nvme, s.node)
+        if self.bucket is not None:
+            self.object_write_behind = ObjectWriteBehind(self.index, self.nvme, self.bucket, s.node)
+            self._start_service(self.object_write_behind)
         self.demoter = Demoter(
             self.index,
             self.dram,
@@ -229,7 +246,12 @@ class NodeDaemon:
             )
             log.info("publishing KV events on %s", s.kv_events_endpoint)
         self.evictor = Evictor(
-            self.index, self.dram, self.nvme, s.node, EvictionOrders(self._waiting_redis(), s.key_prefix + ":")
+            self.index,
+            self.dram,
+            self.nvme,
+            s.node,
+            EvictionOrders(self._waiting_redis(), s.key_prefix + ":"),
+            bucket=self.bucket,
         )
         # after reconcile: orders queued while this node was down remove copies the index still names
         self.orders = orders = OrderServer(
@@ -523,6 +545,26 @@ class NodeDaemon:
         """The client stats of this node (what clients attached to it recorded), per namespace."""
         return read_client_stats(self.promoter.client, self.settings.key_prefix + ":", self.settings.node)
 
+    def _open_bucket(self) -> StorageTier | None:
+        """The object tier, when ``object_store_url`` names one (imported only then: it needs the ``object`` extra);
+        its objects are sealed with a key derived from the chunk-signing key."""
+        s = self.settings
+        if s.object_store_url is None:
+            return None
+        from prefixcache.cachestore.chunks.seal import ChunkSealer
+        from prefixcache.cachestore.tiers.object_store import ObjectStoreAddress, ObjectTier
+
+        address = ObjectStoreAddress.parse(
+            s.object_store_url,
+            endpoint=s.object_store_endpoint,
+            region=s.object_store_region,
+            path_style=s.object_store_path_style,
+        )
+        bucket = ObjectTier(address, ChunkSealer(self.mac_key))
+        self._stack.callback(bucket.close)
+        log.info("object tier: s3://%s/%s", address.bucket, address.prefix)
+        return bucket
+
     def probes(self) -> dict[str, Callable[[], ComponentHealth]]:
         probes = {
             "redis": self._index_health,
@@ -531,6 +573,8 @@ class NodeDaemon:
             "nvme": self._nvme_health,
             "peers": self._peers_health,
         }
+        if self.bucket is not None:
+            probes["object"] = functools.partial(self._object_health, self.bucket)
         return {name: self._unless_restarting(SERVER_OF_COMPONENT.get(name), probe) for name, probe in probes.items()}
 
     def _unless_restarting(
@@ -579,6 +623,16 @@ class NodeDaemon:
         if failures.failing is None:
             return ComponentHealth(**dataclasses.asdict(health))
         why = f"persisting fails ({failures.failing}: {failures.detail}); unpersisted chunks wait in DRAM"
+        return ComponentHealth(ok=health.ok, degraded=True, detail=f"{why}; {health.detail}")
+
+    def _object_health(self, bucket: StorageTier) -> ComponentHealth:
+        """The bucket's own health (degraded while unreachable: the node serves without it), degraded too while
+        copies to it fail (the chunks stay on NVMe and are copied once it takes them)."""
+        health = bucket.health()
+        failures = self.object_write_behind.failures
+        if failures.failing is None:
+            return ComponentHealth(**dataclasses.asdict(health))
+        why = f"copying to the bucket fails ({failures.failing}: {failures.detail}); the chunks stay on NVMe"
         return ComponentHealth(ok=health.ok, degraded=True, detail=f"{why}; {health.detail}")
 
     def _peers_health(self) -> ComponentHealth:

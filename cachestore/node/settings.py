@@ -118,6 +118,30 @@ class Settings(BaseSettings):
         default=None,
         description="NVMe tier directory: a local NVMe file system that supports O_DIRECT; unset: `data_dir`/nvme.",
     )
+    object_store_url: str | None = Field(
+        default=None,
+        pattern=r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/[^?#]*)?$",
+        description="The object tier: `s3://BUCKET/PREFIX`, a bucket every node of the cluster shares. Chunks "
+        "persisted to NVMe are copied to it behind, sealed. Credentials come from the standard AWS chain "
+        "(environment, web identity, container and instance-role credentials), never from a setting. Needs the "
+        "`object` extra; unset: no object tier.",
+    )
+    object_store_endpoint: str | None = Field(
+        default=None,
+        pattern=r"^https?://[^@/?#]+/?$",
+        description="URL of an S3-compatible server for `object_store_url` (`https://` is reached over TLS, "
+        "`http://` in the clear); unset: AWS.",
+    )
+    object_store_region: str | None = Field(
+        default=None,
+        pattern=r"^[a-z0-9\-]+$",
+        description="The bucket's region; unset: the AWS chain's (`AWS_REGION`).",
+    )
+    object_store_path_style: bool = Field(
+        default=False,
+        description="Address the bucket as `ENDPOINT/BUCKET/KEY` rather than `BUCKET.ENDPOINT/KEY` (most "
+        "S3-compatible servers need it).",
+    )
     dram_high_watermark: float = Field(
         default=0.85,
         gt=0,
