@@ -98,3 +98,28 @@ def test_a_stopped_bucket_fails_no_request_degrades_health_and_copies_resume_aft
     finally:
         client.close()
         a.stop()
+
+
+def test_an_index_lost_with_the_disk_is_registered_again_from_the_bucket(s3, tmp_path):
+    a = Daemon(tmp_path / "a")
+    a.start()
+    try:
+        client = connect(a)
+        tokens = list(range(64 * 3))
+        keys, payloads = publish_prompt(client, tokens, seed=13)
+        wait_persisted(client, keys)
+        assert wait_for(lambda: in_bucket(client, keys, "node-a"), timeout_s=15)
+        client.close()
+        a.stop()
+        for lost in ("redis", "nvme"):  # the index and the disk; the cluster's secrets stay
+            shutil.rmtree(tmp_path / "a" / lost)
+        a.start()
+        reader = connect(a)
+        try:
+            assert wait_for(lambda: in_bucket(reader, keys, "node-a"), timeout_s=30)  # the bucket reconciler's pass
+            assert reader.lookup(prompt_query(reader.spec.root(), reader.geometry, tokens)).keys == keys
+            assert fetch_payloads(reader, keys) == payloads
+        finally:
+            reader.close()
+    finally:
+        a.stop()

@@ -1,4 +1,5 @@
-"""The object tier (cachestore/tiers/object_store.py) against a real S3 server (SeaweedFS, tests/s3_server.py)."""
+"""The object tier (cachestore/tiers/object_store.py) and its reconcile (cachestore/services/bucket_reconcile.py)
+against a real S3 server (SeaweedFS, tests/s3_server.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,16 @@ from pathlib import Path
 
 import pytest
 
+from prefixcache.cachestore.chunks.codec import ChunkMeta, encode
 from prefixcache.cachestore.chunks.mac import ChunkMacKey
 from prefixcache.cachestore.chunks.seal import OVERHEAD, ChunkSealer
+from prefixcache.cachestore.services.bucket_reconcile import BucketLimits, reconcile_bucket
 from prefixcache.cachestore.tiers.object_store import LATE, ObjectStoreAddress, ObjectTier
 from prefixcache.cachestore.tiers.tier import Removal
 from prefixcache.indexer.errors import ConfigError
+from prefixcache.indexer.index import Location
+from prefixcache.indexer.tokens import pack_tokens
+from tests.in_memory_index import InMemoryIndex
 from tests.s3_server import SeaweedS3
 
 
@@ -161,3 +167,33 @@ def test_sealed_objects_reveal_nothing_and_a_tampered_swapped_or_foreign_one_is_
         assert tier.health().ok and not tier.health().degraded  # a bad object is the object's fault, not the bucket's
     finally:
         tier.close()
+
+
+def test_a_pass_registers_what_the_index_lacks_and_keeps_the_tier_within_its_limits(tier: ObjectTier) -> None:
+    chunks = [chunk_object(layers=2) for _ in range(3)]
+    for key, data in chunks:  # one a second: the bucket's times are whole seconds
+        assert tier.put([(key, data)]) == [True]
+        time.sleep(1.1)
+    keys = [key for key, _ in chunks]
+    index = InMemoryIndex()
+    report = reconcile_bucket(index, tier, "node-x", deadline_s=30)
+    assert (report.listed, report.registered, report.complete, report.expired) == (3, 3, True, 0)
+    assert all(e is not None and e.locations == {Location("object", "node-x")} for e in index.get(keys))
+    assert [e.size_bytes for e in index.get(keys)] == [len(data) for _, data in chunks]
+
+    room = sum(len(data) + OVERHEAD for _, data in chunks[1:])  # all but one object
+    oldest_pinned = lambda asked: [key == keys[0] for key in asked]  # noqa: E731
+    report = reconcile_bucket(index, tier, "node-x", 30, BucketLimits(capacity_bytes=room), oldest_pinned)
+    assert (report.registered, report.expired) == (0, 1)
+    assert tier.contains(keys) == [True, False, True]  # the oldest unpinned went
+    assert [e is not None for e in index.get(keys)] == [True, False, True]  # with its last location, its entry
+    report = reconcile_bucket(index, tier, "node-x", 30, BucketLimits(max_age_s=0.5))
+    assert report.expired == 2 and tier.contains(keys) == [False] * 3
+
+
+def chunk_object(layers: int) -> tuple[bytes, bytes]:
+    """A chunk's stored form (key, object): a root chunk of 40 tokens, ``layers`` rows of random bytes."""
+    meta = ChunkMeta(
+        os.urandom(16), os.urandom(16), os.urandom(16), pack_tokens(list(range(40))), "uint8", (layers, 5000)
+    )
+    return meta.key, bytes(encode(meta, os.urandom(layers * 5000), ChunkMacKey(os.urandom(32))))

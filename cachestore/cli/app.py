@@ -49,6 +49,8 @@ def serve(
     object_store_path_style: Annotated[
         bool | None, typer.Option("--object-store-path-style", help=field_help("object_store_path_style"))
     ] = None,
+    object_store_bytes: Annotated[str | None, typer.Option(help=field_help("object_store_bytes"))] = None,
+    object_store_max_age_s: Annotated[float | None, typer.Option(help=field_help("object_store_max_age_s"))] = None,
     mooncake_master: Annotated[str | None, typer.Option(help=field_help("mooncake_master"))] = None,
     mooncake_metadata_url: Annotated[str | None, typer.Option(help=field_help("mooncake_metadata_url"))] = None,
     mooncake_protocol: Annotated[str | None, typer.Option(help=field_help("mooncake_protocol"))] = None,
@@ -87,6 +89,8 @@ def serve(
         object_store_endpoint=object_store_endpoint,
         object_store_region=object_store_region,
         object_store_path_style=object_store_path_style,
+        object_store_bytes=object_store_bytes,
+        object_store_max_age_s=object_store_max_age_s,
         mooncake_master=mooncake_master,
         mooncake_metadata_url=mooncake_metadata_url,
         mooncake_protocol=mooncake_protocol,

@@ -19,6 +19,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import redis
@@ -56,6 +57,7 @@ from prefixcache.cachestore.node.data_dir_lock import DataDirLock
 from prefixcache.cachestore.node.redis_server import EmbeddedRedis
 from prefixcache.cachestore.node.settings import NVME_PACK_FILE_BYTES, Settings
 from prefixcache.cachestore.node.supervisor import Supervisor
+from prefixcache.cachestore.services.bucket_reconcile import BucketLimits, BucketReconciler
 from prefixcache.cachestore.services.cache_admin import CacheAdmin
 from prefixcache.cachestore.services.demotion import Demoter
 from prefixcache.cachestore.services.eviction import Evictor
@@ -82,6 +84,9 @@ from prefixcache.indexer.peers import HEARTBEAT_TTL_S, PeerRegistry, PeerTable
 from prefixcache.indexer.quotas import NO_TENANT, QuotaStore
 from prefixcache.indexer.redis_clients import WAITING_SOCKET_TIMEOUT_S, public_redis_url, redis_client
 from prefixcache.indexer.redis_index import RedisIndex
+
+if TYPE_CHECKING:  # the object extra's: imported where a bucket is set (``_open_bucket``)
+    from prefixcache.cachestore.tiers.object_store import ObjectTier
 
 log = logging.getLogger("prefixcache.daemon")
 #: The embedded redis-server's password, under ``secrets_dir(data_dir)``.
@@ -155,7 +160,7 @@ class NodeDaemon:
         self.admin: CacheAdmin
         self.nvme_evicted = 0
         #: the object tier, when one is set (``object_store_url``), and what copies chunks to it
-        self.bucket: StorageTier | None = None
+        self.bucket: ObjectTier | None = None
         self.object_write_behind: ObjectWriteBehind
         self.mac_key_file: Path
         self.mac_key: ChunkMacKey
@@ -220,6 +225,13 @@ class NodeDaemon:
         if self.bucket is not None:
             self.object_write_behind = ObjectWriteBehind(self.index, self.nvme, self.bucket, s.node)
             self._start_service(self.object_write_behind)
+            # what the bucket holds and the index lost (a flushed Redis, a lost node's registrations)
+            limits = BucketLimits(
+                None if s.object_store_bytes is None else int(s.object_store_bytes), s.object_store_max_age_s
+            )
+            self._start_service(
+                BucketReconciler(self.index, self.bucket, s.node, limits=limits, is_protected=self._protected)
+            )
         self.demoter = Demoter(
             self.index,
             self.dram,
@@ -545,7 +557,7 @@ class NodeDaemon:
         """The client stats of this node (what clients attached to it recorded), per namespace."""
         return read_client_stats(self.promoter.client, self.settings.key_prefix + ":", self.settings.node)
 
-    def _open_bucket(self) -> StorageTier | None:
+    def _open_bucket(self) -> ObjectTier | None:
         """The object tier, when ``object_store_url`` names one (imported only then: it needs the ``object`` extra);
         its objects are sealed with a key derived from the chunk-signing key."""
         s = self.settings

@@ -142,6 +142,17 @@ class Settings(BaseSettings):
         description="Address the bucket as `ENDPOINT/BUCKET/KEY` rather than `BUCKET.ENDPOINT/KEY` (most "
         "S3-compatible servers need it).",
     )
+    object_store_bytes: ByteSize | None = Field(
+        default=None,
+        description="The object tier's capacity: above it, the bucket's oldest chunks go (pinned and leased ones "
+        "never), checked on every pass over the bucket (at start, then every 5 minutes); unset: no limit.",
+    )
+    object_store_max_age_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Chunks in the bucket older than this go (pinned and leased ones never), checked on every pass "
+        "over the bucket; unset: no limit.",
+    )
     dram_high_watermark: float = Field(
         default=0.85,
         gt=0,
