@@ -197,3 +197,26 @@ def chunk_object(layers: int) -> tuple[bytes, bytes]:
         os.urandom(16), os.urandom(16), os.urandom(16), pack_tokens(list(range(40))), "uint8", (layers, 5000)
     )
     return meta.key, bytes(encode(meta, os.urandom(layers * 5000), ChunkMacKey(os.urandom(32))))
+
+
+def test_credentials_come_from_the_shared_file_where_the_environment_has_none(s3: SeaweedS3, tmp_path, monkeypatch):
+    credentials = tmp_path / "credentials"
+    credentials.write_text(
+        f"[other]\naws_access_key_id = nobody\naws_secret_access_key = nothing\n\n"
+        f"[cache]\naws_access_key_id = {s3.access_key}\naws_secret_access_key = {s3.secret_key}\n"
+    )
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    monkeypatch.setenv("AWS_PROFILE", "cache")
+    tier = tier_of(s3)
+    try:
+        assert tier.put([(os.urandom(16), b"signed with the file's keys")]) == [True]
+    finally:
+        tier.close()
+    monkeypatch.setenv("AWS_PROFILE", "other")
+    tier = tier_of(s3)
+    try:
+        assert tier.put([(os.urandom(16), b"refused")]) == [False]
+    finally:
+        tier.close()

@@ -123,7 +123,8 @@ class Settings(BaseSettings):
         pattern=r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/[^?#]*)?$",
         description="The object tier: `s3://BUCKET/PREFIX`, a bucket every node of the cluster shares. Chunks "
         "persisted to NVMe are copied to it behind, sealed. Credentials come from the standard AWS chain "
-        "(environment, web identity, container and instance-role credentials), never from a setting. Needs the "
+        "(environment, shared credentials file, web identity, container and instance-role credentials), never "
+        "from a setting. Needs the "
         "`object` extra; unset: no object tier.",
     )
     object_store_endpoint: str | None = Field(

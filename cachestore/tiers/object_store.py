@@ -2,8 +2,10 @@
 
 A chunk is the object ``<prefix>/chunks/<key hex>`` of the bucket named by ``s3://BUCKET/PREFIX``
 (``ObjectStoreAddress``). The client is obstore (docs/decisions.md, "The object tier's client is obstore"),
-installed by the ``object`` extra; credentials come from the standard AWS chain as obstore reads it
-(environment, web identity, container and instance-role credentials), never from a flag, and appear in no log.
+installed by the ``object`` extra; credentials come from the standard AWS chain, never from a flag, and appear in
+no log: the environment, then the shared credentials file (``AWS_SHARED_CREDENTIALS_FILE`` or ~/.aws/credentials,
+profile ``AWS_PROFILE`` or ``default``: read here, since obstore does not), then what obstore reads itself (web
+identity, container and instance-role credentials).
 An ``https`` endpoint (and AWS itself) is reached over TLS; plain ``http`` only where the endpoint says so.
 
 Every object is sealed (cachestore/chunks/seal.py): encrypted and authenticated under its name with a key derived
@@ -18,7 +20,9 @@ copied into the caller's buffer by the calling thread, once the read is over: an
 
 from __future__ import annotations
 
+import configparser
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -109,12 +113,39 @@ class ObjectStoreAddress:
             config["endpoint"] = self.endpoint
         if self.region is not None:
             config["region"] = self.region
+        provider = shared_file_credentials()
         return S3Store(
             self.bucket,
+            credential_provider=(lambda: provider) if provider is not None else None,
             client_options=options,  # type: ignore[arg-type]
             retry_config={"max_retries": 0, "retry_timeout": timedelta(seconds=request_timeout_s)},  # type: ignore[typeddict-item]
             **config,  # type: ignore[arg-type]
         )
+
+
+def shared_file_credentials() -> dict[str, str | None] | None:
+    """The AWS chain's shared credentials file, where the environment names no keys: the profile's keys as obstore
+    takes them, or None (no file, no such profile, no keys in it)."""
+    if os.environ.get("AWS_ACCESS_KEY_ID"):
+        return None
+    path = os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.expanduser("~/.aws/credentials")
+    profile = os.environ.get("AWS_PROFILE") or "default"
+    parser = configparser.RawConfigParser()
+    try:
+        found = parser.read(path)
+    except configparser.Error as exc:
+        raise ConfigError(f"AWS shared credentials file {path} is not readable as INI: {type(exc).__name__}") from None
+    if not found or not parser.has_section(profile):
+        return None
+    section = parser[profile]
+    if "aws_access_key_id" not in section or "aws_secret_access_key" not in section:
+        return None
+    return {
+        "access_key_id": section["aws_access_key_id"],
+        "secret_access_key": section["aws_secret_access_key"],
+        "token": section.get("aws_session_token"),
+        "expires_at": None,
+    }
 
 
 class ObjectTier:
