@@ -74,6 +74,7 @@ def test_a_node_lost_with_its_disk_loses_nothing_a_fresh_node_loads_it_from_the_
             assert fetch_payloads(reader, keys) == payloads  # object -> C's DRAM -> the client, verified
             assert reader.counters.promoted == len(keys)
             assert object_health(c) == {"ok": True, "degraded": False, "detail": "s3://prefixcache/cluster"}
+            assert httpx.get(c.url + "/v1/stats", headers=c.headers).json()["corrupt_chunks"] == 0
         finally:
             reader.close()
     finally:

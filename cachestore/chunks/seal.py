@@ -16,6 +16,7 @@ import os
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from prefixcache.cachestore.chunks.codec import ChunkError
 from prefixcache.cachestore.chunks.mac import ChunkMacKey
 
 MAGIC = b"PCS1"
@@ -26,8 +27,9 @@ OVERHEAD = len(MAGIC) + NONCE_BYTES + TAG_BYTES
 CONTEXT = "prefixcache object tier chunk seal v1"
 
 
-class SealError(ValueError):
-    """A sealed object that does not open: damaged, forged, sealed with another key or under another name."""
+class SealError(ChunkError):
+    """A sealed object that does not open: not one at all (``damaged``), or forged, damaged, sealed with another key
+    or under another name (``mac``: it does not authenticate)."""
 
 
 class ChunkSealer:
@@ -56,7 +58,7 @@ class ChunkSealer:
         try:
             return self._aead.decrypt(nonce, view[len(MAGIC) + NONCE_BYTES :], name.encode())
         except InvalidTag:
-            raise SealError("sealed chunk object does not authenticate") from None
+            raise SealError("sealed chunk object does not authenticate", "mac") from None
 
     def __repr__(self) -> str:
         return "ChunkSealer(<secret>)"

@@ -503,6 +503,7 @@ class NodeDaemon:
         clients = all_client_stats(client_stats)
         delays = sorted(wb.delays_s) or [0.0]
         usage, tenants = self.index.usage(), self.index.tenant_usage()  # read once for the figures and the quotas
+        refused = [wb.corrupt, self.promoter.corrupt, *([self.bucket.rejected] if self.bucket is not None else [])]
         return Stats(
             node=self.settings.node,
             dram=TierStats(
@@ -526,8 +527,8 @@ class NodeDaemon:
                 nvme_capacity=self.nvme_evicted,
                 dram_demoted=self.demoter.demoted,
             ),
-            corrupt_chunks=wb.corrupt.total + self.promoter.corrupt.total + clients.corrupt_chunks,
-            corrupt_by_reason=corrupt_by_reason(clients, wb.corrupt, self.promoter.corrupt),
+            corrupt_chunks=sum(counts.total for counts in refused) + clients.corrupt_chunks,
+            corrupt_by_reason=corrupt_by_reason(clients, *refused),
             persist_failures=dict(wb.failures.counts),
             queues=QueueDepths(
                 promotion=self.promoter.client.llen(self.promoter.queue),

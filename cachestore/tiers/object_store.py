@@ -10,7 +10,8 @@ An ``https`` endpoint (and AWS itself) is reached over TLS; plain ``http`` only 
 
 Every object is sealed (cachestore/chunks/seal.py): encrypted and authenticated under its name with a key derived
 from the cluster secret, so that a reader of the bucket learns nothing and can forge nothing. An object that
-does not open (tampered, swapped, sealed with another key) is a miss, counted in ``rejected``.
+does not open (tampered, swapped, sealed with another key) is a miss, counted in ``rejected`` (with the corrupt
+chunks of ``/v1/stats``).
 
 Errors are answers, as in every tier (cachestore/tiers/tier.py): a read not over by its deadline is a miss
 (``LATE``), and a bucket that does not answer opens a circuit breaker for ``breaker_s``, during which every call
@@ -31,6 +32,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import urlsplit
 
+from prefixcache.cachestore.chunks.codec import RejectCounts
 from prefixcache.cachestore.chunks.seal import ChunkSealer, SealError
 from prefixcache.cachestore.tiers.tier import Removal, TierHealth
 from prefixcache.cachestore.tiers.usage import TierUsage
@@ -173,7 +175,7 @@ class ObjectTier:
         self._last_error = ""
         self._lanes = ThreadPoolExecutor(LANES, thread_name_prefix="prefixcache-object")
         self.late_reads = 0  # reads abandoned at their deadline
-        self.rejected = 0  # objects that did not open: tampered, swapped, sealed with another key
+        self.rejected = RejectCounts()  # objects that did not open: tampered, swapped, sealed with another key
 
     # ---- StorageTier ------------------------------------------------------------------------------
 
@@ -209,7 +211,7 @@ class ObjectTier:
                 lengths.append(-1)
                 continue
             except SealError as exc:
-                self.rejected += 1
+                self.rejected.count(exc)
                 log.warning("an object in the bucket did not open (%s): a miss", exc)
                 lengths.append(-1)
                 continue
