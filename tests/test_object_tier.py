@@ -14,6 +14,7 @@ import pytest
 from prefixcache.cachestore.chunks.codec import ChunkMeta, encode
 from prefixcache.cachestore.chunks.mac import ChunkMacKey
 from prefixcache.cachestore.chunks.seal import OVERHEAD, ChunkSealer
+from prefixcache.cachestore.node.settings import load_settings
 from prefixcache.cachestore.services.bucket_reconcile import BucketLimits, reconcile_bucket
 from prefixcache.cachestore.tiers.object_store import LATE, ObjectStoreAddress, ObjectTier
 from prefixcache.cachestore.tiers.tier import Removal
@@ -220,3 +221,17 @@ def test_credentials_come_from_the_shared_file_where_the_environment_has_none(s3
         assert tier.put([(os.urandom(16), b"refused")]) == [False]
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "why"),
+    [
+        ("object_store_url", "http://bucket/prefix", "must be s3://BUCKET"),
+        ("object_store_url", "s3://AKIAEXAMPLE:secret@bucket", "without credentials"),
+        ("object_store_endpoint", "https://AKIAEXAMPLE:secret@s3.example:9000", "without credentials"),
+    ],
+)
+def test_bad_object_store_settings_are_refused_clearly_and_never_echoed(setting, value, why, tmp_path):
+    with pytest.raises(ConfigError, match=why) as refused:
+        load_settings({setting: value, "data_dir": tmp_path}, None)
+    assert "secret" not in str(refused.value) and value not in str(refused.value)

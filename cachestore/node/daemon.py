@@ -564,8 +564,14 @@ class NodeDaemon:
         s = self.settings
         if s.object_store_url is None:
             return None
-        from prefixcache.cachestore.chunks.seal import ChunkSealer
-        from prefixcache.cachestore.tiers.object_store import ObjectStoreAddress, ObjectTier
+        try:
+            from prefixcache.cachestore.chunks.seal import ChunkSealer
+            from prefixcache.cachestore.tiers.object_store import ObjectStoreAddress, ObjectTier
+        except ImportError as exc:
+            missing = (exc.name or "a module").split(".")[0]
+            raise ConfigError(
+                f"object_store_url needs the object extra: pip install 'prefixcache[object]' ({missing} is missing)"
+            ) from exc
 
         address = ObjectStoreAddress.parse(
             s.object_store_url,

@@ -120,7 +120,6 @@ class Settings(BaseSettings):
     )
     object_store_url: str | None = Field(
         default=None,
-        pattern=r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/[^?#]*)?$",
         description="The object tier: `s3://BUCKET/PREFIX`, a bucket every node of the cluster shares. Chunks "
         "persisted to NVMe are copied to it behind, sealed. Credentials come from the standard AWS chain "
         "(environment, shared credentials file, web identity, container and instance-role credentials), never "
@@ -129,7 +128,6 @@ class Settings(BaseSettings):
     )
     object_store_endpoint: str | None = Field(
         default=None,
-        pattern=r"^https?://[^@/?#]+/?$",
         description="URL of an S3-compatible server for `object_store_url` (`https://` is reached over TLS, "
         "`http://` in the clear); unset: AWS.",
     )
@@ -464,6 +462,23 @@ class Settings(BaseSettings):
                 addresses.append((host.strip("[]"), int(port)))
         return addresses
 
+    @field_validator("object_store_url")
+    @classmethod
+    def _bucket_url(cls, url: str | None) -> str | None:
+        if url is not None and not re.fullmatch(r"s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/[^?#@]*)?", url):
+            raise ValueError(
+                "must be s3://BUCKET or s3://BUCKET/PREFIX (a bucket name: 3 to 63 lowercase letters, digits, dots "
+                "and hyphens), without credentials, query or fragment"
+            )
+        return url
+
+    @field_validator("object_store_endpoint")
+    @classmethod
+    def _endpoint_url(cls, url: str | None) -> str | None:
+        if url is not None and not re.fullmatch(r"https?://[^@/?#]+/?", url):
+            raise ValueError("must be http(s)://HOST[:PORT], without credentials (the AWS chain gives those) or a path")
+        return url
+
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
         if self.dram_low_watermark >= self.dram_high_watermark:
@@ -548,7 +563,7 @@ def load_settings(flags: dict[str, Any], config_file: Path | None = None) -> Set
 
 
 #: Fields whose values may carry credentials: never echoed in errors.
-_SECRET_FIELDS = frozenset({"redis_url", "admin_token"})
+_SECRET_FIELDS = frozenset({"redis_url", "admin_token", "object_store_url", "object_store_endpoint"})
 
 
 def _describe(exc: ValidationError, config_file: Path | None) -> str:
