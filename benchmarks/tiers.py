@@ -42,6 +42,7 @@ from benchmarks.common import print_table, write_results
 from prefixcache.cachestore.chunks.mac import KEY_BYTES, ChunkMacKey
 from prefixcache.cachestore.tiers.dram import MooncakeTier
 from prefixcache.cachestore.tiers.nvme import NvmeStore
+from prefixcache.cachestore.tiers.tier import Removal
 from tests.mooncake_pool import LocalMooncakePool
 
 ROOT = Path(__file__).resolve().parent.parent / ".bench-tmp"
@@ -98,7 +99,7 @@ def warm_segment(tier: MooncakeTier, slot: memoryview) -> None:
     per_call = BATCH // len(slot)
     for first in range(0, len(keys), per_call):
         assert all(tier.put([(k, slot) for k in keys[first : first + per_call]])), "warm-up put failed"
-    assert tier.delete(keys) == len(keys)
+    assert tier.delete(keys) == [Removal.REMOVED] * len(keys)
 
 
 @contextlib.contextmanager
@@ -147,7 +148,7 @@ def dram_round(
     get_s, memcpy_s = interleaved(len(batches), get, memcpy)
     assert dests[-1] == sources[-1]
     keys = [k for batch in batches for k in batch]
-    assert tier.delete(keys) == len(keys)
+    assert tier.delete(keys) == [Removal.REMOVED] * len(keys)
     return {
         "dram_put_gbps": put_gbps,
         "dram_get_gbps": DRAM_ROUND / get_s / 1e9,
@@ -205,7 +206,7 @@ def nvme_round(store: NvmeStore, sources: list[memoryview], dests: list[memoryvi
         os.close(fd)
     assert dests[-1] == sources[-1]
     keys = [k for batch in batches for k in batch]
-    assert store.delete(keys) == len(keys)
+    assert store.delete(keys) == [Removal.REMOVED] * len(keys)
     return {
         "nvme_put_gbps": put_gbps,
         "nvme_get_gbps": NVME_ROUND / get_s / 1e9,

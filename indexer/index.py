@@ -28,8 +28,10 @@ from prefixcache.indexer.keys import KEY_BYTES, PrefixQuery, chunk_key, probe_of
 from prefixcache.indexer.namespace import NamespaceSpec, describe_mismatch, mismatched_fields, same_model
 from prefixcache.indexer.tokens import TOKEN_BYTES
 
-Tier = Literal["dram", "nvme"]
-TIERS: tuple[Tier, ...] = ("dram", "nvme")
+#: dram@node: in the Mooncake pool (the node's segment); nvme@node: in that node's NVMe tier; object@node: in the
+#: shared bucket, written by that node, readable by every node.
+Tier = Literal["dram", "nvme", "object"]
+TIERS: tuple[Tier, ...] = ("dram", "nvme", "object")
 #: Candidates a lookup considers in one probe bucket. Buckets hold the chunks under one parent that
 #: start with the same PROBE_TOKENS tokens; a busier bucket costs partial hits, never correctness.
 MAX_BUCKET_CANDIDATES = 32

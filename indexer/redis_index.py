@@ -284,11 +284,11 @@ class RedisIndex:
 
     def _reachable_candidates(self, candidates: list, avoid: AbstractSet[str]) -> list:
         """Of the (key hex, tokens, in-DRAM flag) triples ``candidates``, those with a copy on a node not in
-        ``avoid``, flagged in DRAM for a DRAM copy on such a node."""
+        ``avoid``, flagged in DRAM for a DRAM copy on such a node. A bucket copy lies on no node."""
         keys = [bytes.fromhex(candidates[j].decode()) for j in range(0, len(candidates), 3)]
         kept: list = []
         for j, entry in zip(range(0, len(candidates), 3), self.get(keys), strict=True):
-            usable = [loc for loc in entry.locations if loc.node not in avoid] if entry else []
+            usable = [loc for loc in entry.locations if loc.tier == "object" or loc.node not in avoid] if entry else []
             if usable:
                 in_dram = any(loc.tier == "dram" for loc in usable)
                 kept += [candidates[j], candidates[j + 1], b"1" if in_dram else b"0"]

@@ -55,6 +55,7 @@ MODULE_TIERS = {
         "test_missing_extra",  # fresh interpreters without Mooncake
         "test_pages",
         "test_plots",  # one plot drawn (matplotlib, Agg)
+        "test_eviction_policy",
         "test_quota_rounds",
         "test_quota_scopes",
         "test_promotion_stream",
@@ -94,6 +95,8 @@ MODULE_TIERS = {
         "test_nvme",
         "test_nvme_full",
         "test_nvme_recovery",
+        "test_object_store_node",
+        "test_object_tier",
         "test_peers",
         "test_private_node",
         "test_processes",
@@ -106,6 +109,7 @@ MODULE_TIERS = {
         "test_serve",
         "test_supervision",
         "test_supervisor",
+        "test_tier_contract",
         "test_two_nodes",
         "test_warmup",
         "test_warmup_api",

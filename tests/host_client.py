@@ -52,7 +52,7 @@ def answer(client: CacheClient, request: dict) -> dict:
     if request["call"] == "persisted":
         return {"waited_s": wait_persisted(client, keys)}
     if request["call"] == "demote":  # as the daemon's demotion does: DRAM copies go, their NVMe copies stay
-        gone = client.dram.remove(keys)
+        gone = [removal.gone for removal in client.dram.delete(keys)]
         client.index.drop_location([key for key, g in zip(keys, gone, strict=True) if g], client.location)
         return {"demoted": gone}
     if request["call"] == "counters":

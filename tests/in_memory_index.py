@@ -121,7 +121,7 @@ class InMemoryIndex:
 
     def _reachable(self, key: bytes, avoid: AbstractSet[str]) -> bool:
         """Whether ``key``'s entry lists a copy on a node not in ``avoid`` (call with the lock held)."""
-        return any(at.node not in avoid for at in self._slots[key].locations)
+        return any(at.tier == "object" or at.node not in avoid for at in self._slots[key].locations)
 
     def touch(self, matches: Sequence[PrefixMatch]) -> None:
         now = time.time()

@@ -14,6 +14,7 @@ from prefixcache.cachestore.chunks.codec import read_meta
 from prefixcache.cachestore.client.cache_client import CacheClient
 from prefixcache.cachestore.client.config import fetch_config
 from prefixcache.cachestore.services.write_behind import hold_left_s
+from prefixcache.cachestore.tiers.tier import Removal
 from prefixcache.indexer.index import Location
 from prefixcache.indexer.keys import prompt_query
 from prefixcache.indexer.leases import Leases
@@ -158,7 +159,7 @@ def test_dram_copies_gone_without_the_index_hearing_are_all_read_ahead_at_the_fi
     DRAM for the upcoming chunks too, and they must not be read from disk one fetch after another."""
     keys, payloads = publish_prompt(client, list(range(64 * 6)), seed=9)
     wait_persisted(client, keys)
-    assert client.dram.delete(keys) == 6
+    assert client.dram.delete(keys) == [Removal.REMOVED] * 6
     assert all(DRAM in e.locations for e in client.index.get(keys)), "the premise: the index still names DRAM"
     slots = [client.slot(4 << 20) for _ in keys]
     try:

@@ -14,6 +14,7 @@ from prefixcache.cachestore.chunks.codec import ChunkMeta, encode, payload_offse
 from prefixcache.cachestore.chunks.mac import ChunkMacKey
 from prefixcache.cachestore.tiers import dram
 from prefixcache.cachestore.tiers.dram import first_part_rows, split_at, split_offset, split_pieces
+from prefixcache.cachestore.tiers.tier import Removal
 from prefixcache.indexer.tokens import pack_tokens
 from tests.daemon_harness import CallCounter, wait_for
 
@@ -60,7 +61,7 @@ def test_delete_and_objects_outlive_the_tier_that_put_them(mooncake):
     try:
         out = bytearray(5000)
         assert reader.get_into([k], [memoryview(out)]) == [5000] and out == b"x" * 5000
-        assert reader.delete([k, os.urandom(16)]) == 1
+        assert reader.delete([k, os.urandom(16)]) == [Removal.REMOVED, Removal.ABSENT]
         assert reader.get_into([k], [memoryview(out)]) == [-1]
     finally:
         reader.close()
@@ -178,11 +179,11 @@ def test_a_chunk_whose_second_part_the_master_evicted_is_a_miss_and_delete_remov
     assert tier._store.batch_remove([tier._names(k)[1]], True) == [0]  # what the master's eviction may do to one part
     assert tier.get_into([k], [tier.arena.alloc(len(obj))]) == [-1]
     assert tier.contains([k]) == [True]  # its first part is still there: the read that needs the rest misses
-    assert tier.delete([k]) == 1
-    assert tier.contains([k]) == [False] and tier.remove([k]) == [True]
+    assert tier.delete([k]) == [Removal.REMOVED]
+    assert tier.contains([k]) == [False] and tier.delete([k]) == [Removal.ABSENT]
     k, obj = chunk_object(layers=4)
     assert tier.put([(k, obj)]) == [True]
-    assert tier.remove([k]) == [True]
+    assert tier.delete([k]) == [Removal.REMOVED]
     assert tier._store.batch_is_exist(list(tier._names(k))) == [0, 0]
 
 

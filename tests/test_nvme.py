@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from prefixcache.cachestore.tiers.nvme import PAGE, NvmeStore
+from prefixcache.cachestore.tiers.tier import Removal
 from prefixcache.indexer.errors import ConfigError
 
 SIZES = [1, 4095, 4096, 4097, (1 << 20) + 3]
@@ -164,7 +165,7 @@ def test_dead_space_of_deleted_chunks_is_compacted_not_evicted(tmp_path: Path) -
     budget = (512 - 64) << 10  # one pack file stays free for compaction
     assert all(store.put([(key(i), payload(i, 8192)) for i in range(budget // 8192)]))
     assert store.usage().bytes_used == budget
-    assert store.delete([key(i) for i in range(1, budget // 8192, 2)]) == budget // 8192 // 2
+    assert store.delete([key(i) for i in range(1, budget // 8192, 2)]).count(Removal.REMOVED) == budget // 8192 // 2
     deleted = store.usage()
     assert deleted.bytes_used == budget  # deleting leaves dead space in every pack file
 
@@ -207,9 +208,9 @@ def test_delete_contains_size_of_keys_and_overwrite(tmp_path: Path) -> None:
     store.put([(key(2), b"d" * 5000)])
     assert store.get(key(2)) == b"d" * 5000
     assert store.usage().live_bytes == 5030
-    assert store.delete([key(1), key(3), key(1)]) == 1
+    assert store.delete([key(1), key(3), key(1)]) == [Removal.REMOVED, Removal.ABSENT, Removal.REMOVED]
     assert store.keys() == [key(2)]
-    assert store.delete([key(2)]) == 1
+    assert store.delete([key(2)]) == [Removal.REMOVED]
     usage = store.usage()
     assert (usage.chunks, usage.bytes_used, pack_files(tmp_path)) == (0, 0, [])  # empty files are deleted
     store.close()

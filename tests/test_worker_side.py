@@ -20,6 +20,7 @@ import torch
 
 from prefixcache.cachestore.client.cache_client import CacheClient
 from prefixcache.cachestore.tiers.dram import first_part_rows
+from prefixcache.cachestore.tiers.tier import Removal
 from prefixcache.connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from prefixcache.connector.worker_side import WorkerSide
 from prefixcache.indexer.index import Location
@@ -404,7 +405,8 @@ def test_a_request_whose_load_failed_publishes_nothing_that_step(daemon, publish
 def test_chunks_missing_from_dram_load_through_slots_from_nvme(daemon, publisher):
     keys = publish(publisher, chunks=3)
     wait_persisted(publisher.client, keys)
-    assert publisher.client.dram.delete(keys[1:]) == 2  # the first chunk is read in place, the rest come from disk
+    # the first chunk is read in place, the rest come from disk
+    assert publisher.client.dram.delete(keys[1:]) == [Removal.REMOVED] * 2
     loader = worker(daemon, shared=True)
     try:
         assert (
@@ -423,7 +425,7 @@ def test_chunks_missing_from_dram_load_through_slots_from_nvme(daemon, publisher
 def test_chunks_missing_from_dram_are_read_from_nvme_from_the_steps_first_hook(daemon, publisher):
     keys = publish(publisher, chunks=3)
     wait_persisted(publisher.client, keys)
-    assert publisher.client.dram.delete(keys[:2]) == 2
+    assert publisher.client.dram.delete(keys[:2]) == [Removal.REMOVED] * 2
     loader = worker(daemon, shared=True)
     try:
         # the lookup says which chunks DRAM lacks: the first is read from disk at once, the second found missing
@@ -450,7 +452,7 @@ def nvme_only(publisher: WorkerSide, chunks: int, tail: int = 0) -> list[bytes]:
     of the node; their keys."""
     keys = publish(publisher, chunks=chunks, tail=tail)
     wait_persisted(publisher.client, keys)
-    assert publisher.client.dram.delete(keys) == len(keys)
+    assert publisher.client.dram.delete(keys) == [Removal.REMOVED] * len(keys)
     return keys
 
 
@@ -603,7 +605,7 @@ def test_a_load_larger_than_the_arena_loads_whole_in_windows(daemon, publisher, 
 def test_a_load_from_nvme_larger_than_the_arena_loads_whole_and_its_last_window_goes_back_to_dram(daemon, publisher):
     keys = publish(publisher, chunks=8)
     wait_persisted(publisher.client, keys)
-    assert publisher.client.dram.delete(keys) == 8
+    assert publisher.client.dram.delete(keys) == [Removal.REMOVED] * 8
     small = worker(daemon, shared=False, arena_bytes=THREE_SLOTS)  # in shared memory, they are read layer by layer
     try:
         plan = {
@@ -741,7 +743,7 @@ def test_a_damaged_chunk_of_an_asynchronous_load_fails_in_the_pass_that_reports_
 def test_an_asynchronous_load_from_nvme_puts_what_it_read_back_into_dram(daemon, publisher):
     keys = publish(publisher, chunks=2)
     wait_persisted(publisher.client, keys)
-    assert publisher.client.dram.delete(keys) == 2
+    assert publisher.client.dram.delete(keys) == [Removal.REMOVED] * 2
     loader = worker(daemon, shared=True)
     try:
         plan = {

@@ -54,5 +54,10 @@ class ChunkMacKey:
     def hasher(self) -> blake3.blake3:
         return blake3.blake3(key=self._key)
 
+    def derive(self, context: str) -> bytes:
+        """A 32-byte key for another use of the same cluster secret (BLAKE3's key derivation under ``context``,
+        a string naming that use): knowing it tells nothing of this key or of keys for other contexts."""
+        return blake3.blake3(self._key, derive_key_context=context).digest()
+
     def __repr__(self) -> str:
         return "ChunkMacKey(<secret>)"

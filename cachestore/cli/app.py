@@ -22,6 +22,7 @@ NODE = "Node"
 INDEX = "Index"
 MOONCAKE = "Mooncake"
 TIERS = "Tiers"
+OBJECT_TIER = "Object tier"
 SECURITY = "Security"
 KV_EVENTS = "KV events"
 WARMUP = "Warm-up jobs"
@@ -52,6 +53,27 @@ def serve(
     dram_bytes: Annotated[str | None, typer.Option(rich_help_panel=TIERS, help=field_help("dram_bytes"))] = None,
     nvme_bytes: Annotated[str | None, typer.Option(rich_help_panel=TIERS, help=field_help("nvme_bytes"))] = None,
     nvme_dir: Annotated[Path | None, typer.Option(rich_help_panel=TIERS, help=field_help("nvme_dir"))] = None,
+    object_store_url: Annotated[
+        str | None, typer.Option(rich_help_panel=OBJECT_TIER, help=field_help("object_store_url"))
+    ] = None,
+    object_store_endpoint: Annotated[
+        str | None, typer.Option(rich_help_panel=OBJECT_TIER, help=field_help("object_store_endpoint"))
+    ] = None,
+    object_store_region: Annotated[
+        str | None, typer.Option(rich_help_panel=OBJECT_TIER, help=field_help("object_store_region"))
+    ] = None,
+    object_store_path_style: Annotated[
+        bool | None,
+        typer.Option(
+            "--object-store-path-style", rich_help_panel=OBJECT_TIER, help=field_help("object_store_path_style")
+        ),
+    ] = None,
+    object_store_bytes: Annotated[
+        str | None, typer.Option(rich_help_panel=OBJECT_TIER, help=field_help("object_store_bytes"))
+    ] = None,
+    object_store_max_age_s: Annotated[
+        float | None, typer.Option(rich_help_panel=OBJECT_TIER, help=field_help("object_store_max_age_s"))
+    ] = None,
     mooncake_master: Annotated[
         str | None, typer.Option(rich_help_panel=MOONCAKE, help=field_help("mooncake_master"))
     ] = None,
@@ -118,6 +140,12 @@ def serve(
         dram_bytes=dram_bytes,
         nvme_bytes=nvme_bytes,
         nvme_dir=nvme_dir,
+        object_store_url=object_store_url,
+        object_store_endpoint=object_store_endpoint,
+        object_store_region=object_store_region,
+        object_store_path_style=object_store_path_style,
+        object_store_bytes=object_store_bytes,
+        object_store_max_age_s=object_store_max_age_s,
         mooncake_master=mooncake_master,
         mooncake_metadata_url=mooncake_metadata_url,
         mooncake_protocol=mooncake_protocol,

@@ -51,6 +51,17 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     (
+        "The object tier: a shared S3 bucket",
+        (
+            "object_store_url",
+            "object_store_endpoint",
+            "object_store_region",
+            "object_store_path_style",
+            "object_store_bytes",
+            "object_store_max_age_s",
+        ),
+    ),
+    (
         "The Mooncake pool",
         (
             "mooncake_master",

@@ -517,6 +517,7 @@ class CacheClient:
         if in_dram & wanted:
             in_dram -= self._gone_from_dram([key for key, _ in ahead if key in in_dram])
         by_node: defaultdict[str, list[bytes]] = defaultdict(list)
+        from_bucket: list[bytes] = []  # on no reachable node's NVMe, but in the shared bucket
         down = self.peers.down
         for key, entry in zip(candidates, entries, strict=True):
             locations = entry.locations if entry else ()
@@ -524,11 +525,15 @@ class CacheClient:
                 continue  # an upcoming chunk DRAM should still serve
             if nodes := {loc.node for loc in locations if loc.tier == "nvme" and loc.node not in down}:
                 by_node[self.node if self.node in nodes else min(nodes)].append(key)
+            elif any(loc.tier == "object" for loc in locations):
+                from_bucket.append(key)
         for node, node_keys in by_node.items():
             if node != self.node:
                 self._request_promotion(node, node_keys)
             else:
                 self._read_here(node_keys, slots)
+        if from_bucket:  # this node's daemon reads them from the bucket into DRAM, as it promotes from its NVMe
+            self._request_promotion(self.node, from_bucket)
 
     def _gone_from_dram(self, keys: list[bytes]) -> set[bytes]:
         """Which of ``keys``, which the index says DRAM holds, it does not hold after all.

@@ -7,6 +7,8 @@ demotion). With no external addresses it also runs the index (redis-server) and 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -17,7 +19,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import redis
@@ -55,6 +57,7 @@ from prefixcache.cachestore.node.data_dir_lock import DataDirLock
 from prefixcache.cachestore.node.redis_server import EmbeddedRedis
 from prefixcache.cachestore.node.settings import NVME_PACK_FILE_BYTES, Settings
 from prefixcache.cachestore.node.supervisor import Supervisor
+from prefixcache.cachestore.services.bucket_reconcile import BucketLimits, BucketReconciler
 from prefixcache.cachestore.services.cache_admin import CacheAdmin
 from prefixcache.cachestore.services.demotion import Demoter
 from prefixcache.cachestore.services.eviction import Evictor
@@ -62,6 +65,7 @@ from prefixcache.cachestore.services.eviction_orders import EvictionOrders, Orde
 from prefixcache.cachestore.services.heartbeat import Heartbeat
 from prefixcache.cachestore.services.kv_events import KvEventPublisher
 from prefixcache.cachestore.services.nvme_extents import ExtentServer
+from prefixcache.cachestore.services.object_write_behind import ObjectWriteBehind
 from prefixcache.cachestore.services.owner_priority import CALM_NICE, OwnerPriority
 from prefixcache.cachestore.services.promotion import Promoter
 from prefixcache.cachestore.services.quotas import QuotaEnforcer
@@ -71,6 +75,7 @@ from prefixcache.cachestore.services.write_behind import WriteBehind
 from prefixcache.cachestore.tiers.dram import MooncakeTier
 from prefixcache.cachestore.tiers.mooncake_servers import HaMasters, MooncakeMaster, SegmentOwner, leads
 from prefixcache.cachestore.tiers.nvme import NvmeStore
+from prefixcache.cachestore.tiers.tier import StorageTier
 from prefixcache.cachestore.tiers.usage import TierUsage
 from prefixcache.cachestore.warmup.jobs import WarmupJobs, local_url
 from prefixcache.cachestore.warmup.policy import WarmupPolicy
@@ -81,6 +86,9 @@ from prefixcache.indexer.peers import HEARTBEAT_TTL_S, PeerRegistry, PeerTable
 from prefixcache.indexer.quotas import NO_TENANT, QuotaStore
 from prefixcache.indexer.redis_clients import WAITING_SOCKET_TIMEOUT_S, public_redis_url, redis_client
 from prefixcache.indexer.redis_index import RedisIndex
+
+if TYPE_CHECKING:  # the object extra's: imported where a bucket is set (``_open_bucket``)
+    from prefixcache.cachestore.tiers.object_store import ObjectTier
 
 log = logging.getLogger("prefixcache.daemon")
 #: The embedded redis-server's password, under ``secrets_dir(data_dir)``.
@@ -173,6 +181,9 @@ class NodeDaemon:
         self.quotas: QuotaEnforcer
         self.admin: CacheAdmin
         self.nvme_evicted = 0
+        #: the object tier, when one is set (``object_store_url``), and what copies chunks to it
+        self.bucket: ObjectTier | None = None
+        self.object_write_behind: ObjectWriteBehind
         self.mac_key_file: Path
         self.mac_key: ChunkMacKey
         self.warmup_jobs: WarmupJobs
@@ -221,10 +232,28 @@ class NodeDaemon:
         self.write_behind = WriteBehind(
             self.index, self.dram, self.nvme, s.node, hold_s=s.write_behind_hold_s, mac_key=self.mac_key
         )
+        self.bucket = self._open_bucket()
         self.promoter = Promoter(
-            self._waiting_redis(), s.key_prefix + ":", self.index, self.dram, self.nvme, s.node, mac_key=self.mac_key
+            self._waiting_redis(),
+            s.key_prefix + ":",
+            self.index,
+            self.dram,
+            self.nvme,
+            s.node,
+            mac_key=self.mac_key,
+            bucket=self.bucket,
         )
         self.extents = ExtentServer(self._waiting_redis(), s.key_prefix + ":", self.nvme, s.node)
+        if self.bucket is not None:
+            self.object_write_behind = ObjectWriteBehind(self.index, self.nvme, self.bucket, s.node)
+            self._start_service(self.object_write_behind)
+            # what the bucket holds and the index lost (a flushed Redis, a lost node's registrations)
+            limits = BucketLimits(
+                None if s.object_store_bytes is None else int(s.object_store_bytes), s.object_store_max_age_s
+            )
+            self._start_service(
+                BucketReconciler(self.index, self.bucket, s.node, limits=limits, is_protected=self._protected)
+            )
         self.demoter = Demoter(
             self.index,
             self.dram,
@@ -251,7 +280,12 @@ class NodeDaemon:
             )
             log.info("publishing KV events on %s", s.kv_events_endpoint)
         self.evictor = Evictor(
-            self.index, self.dram, self.nvme, s.node, EvictionOrders(self._waiting_redis(), s.key_prefix + ":")
+            self.index,
+            self.dram,
+            self.nvme,
+            s.node,
+            EvictionOrders(self._waiting_redis(), s.key_prefix + ":"),
+            bucket=self.bucket,
         )
         # after reconcile: orders queued while this node was down remove copies the index still names
         self.orders = orders = OrderServer(
@@ -506,6 +540,7 @@ class NodeDaemon:
         clients = all_client_stats(client_stats)
         delays = sorted(wb.delays_s) or [0.0]
         usage, tenants = self.index.usage(), self.index.tenant_usage()  # read once for the figures and the quotas
+        refused = [wb.corrupt, self.promoter.corrupt, *([self.bucket.rejected] if self.bucket is not None else [])]
         return Stats(
             node=self.settings.node,
             dram=TierStats(
@@ -529,8 +564,8 @@ class NodeDaemon:
                 nvme_capacity=self.nvme_evicted,
                 dram_demoted=self.demoter.demoted,
             ),
-            corrupt_chunks=wb.corrupt.total + self.promoter.corrupt.total + clients.corrupt_chunks,
-            corrupt_by_reason=corrupt_by_reason(clients, wb.corrupt, self.promoter.corrupt),
+            corrupt_chunks=sum(counts.total for counts in refused) + clients.corrupt_chunks,
+            corrupt_by_reason=corrupt_by_reason(clients, *refused),
             persist_failures=dict(wb.failures.counts),
             queues=QueueDepths(
                 promotion=self.promoter.client.llen(self.promoter.queue),
@@ -561,6 +596,32 @@ class NodeDaemon:
         """The client stats of this node (what clients attached to it recorded), per namespace."""
         return read_client_stats(self.promoter.client, self.settings.key_prefix + ":", self.settings.node)
 
+    def _open_bucket(self) -> ObjectTier | None:
+        """The object tier, when ``object_store_url`` names one (imported only then: it needs the ``object`` extra);
+        its objects are sealed with a key derived from the chunk-signing key."""
+        s = self.settings
+        if s.object_store_url is None:
+            return None
+        try:
+            from prefixcache.cachestore.chunks.seal import ChunkSealer
+            from prefixcache.cachestore.tiers.object_store import ObjectStoreAddress, ObjectTier
+        except ImportError as exc:
+            missing = (exc.name or "a module").split(".")[0]
+            raise ConfigError(
+                f"object_store_url needs the object extra: pip install 'prefixcache[object]' ({missing} is missing)"
+            ) from exc
+
+        address = ObjectStoreAddress.parse(
+            s.object_store_url,
+            endpoint=s.object_store_endpoint,
+            region=s.object_store_region,
+            path_style=s.object_store_path_style,
+        )
+        bucket = ObjectTier(address, ChunkSealer(self.mac_key))
+        self._stack.callback(bucket.close)
+        log.info("object tier: s3://%s/%s", address.bucket, address.prefix)
+        return bucket
+
     def probes(self) -> dict[str, Callable[[], ComponentHealth]]:
         probes = {
             "redis": self._index_health,
@@ -569,6 +630,8 @@ class NodeDaemon:
             "nvme": self._nvme_health,
             "peers": self._peers_health,
         }
+        if self.bucket is not None:
+            probes["object"] = functools.partial(self._object_health, self.bucket)
         return {name: self._unless_restarting(SERVER_OF_COMPONENT.get(name), probe) for name, probe in probes.items()}
 
     def _unless_restarting(
@@ -632,20 +695,27 @@ class NodeDaemon:
     def _dram_health(self) -> ComponentHealth:
         if not self.owner.alive():
             return ComponentHealth(ok=False, detail=f"segment owner exited (log: {self.owner.log_path})")
-        if not self.dram.available:
-            return ComponentHealth(ok=False, detail="Mooncake unreachable; retrying")
-        return ComponentHealth(ok=True, detail=f"segment {self.owner.segment}")
+        return ComponentHealth(**dataclasses.asdict(self.dram.health()))
 
     def _nvme_health(self) -> ComponentHealth:
-        """Degraded while the write-behind fails to persist chunks (they wait in DRAM), naming why."""
-        usage = self.nvme.usage()
-        ok = Path(self.nvme.directory).is_dir()
-        detail = f"{usage.chunks} chunks, {usage.bytes_used >> 20} MiB of {usage.capacity_bytes >> 20} MiB"
+        """The tier's own health, degraded too while the write-behind fails to persist chunks (they wait in
+        DRAM), naming why."""
+        health = self.nvme.health()
         failures = self.write_behind.stats.failures
         if failures.failing is None:
-            return ComponentHealth(ok=ok, detail=detail)
+            return ComponentHealth(**dataclasses.asdict(health))
         why = f"persisting fails ({failures.failing}: {failures.detail}); unpersisted chunks wait in DRAM"
-        return ComponentHealth(ok=ok, degraded=True, detail=f"{why}; {detail}")
+        return ComponentHealth(ok=health.ok, degraded=True, detail=f"{why}; {health.detail}")
+
+    def _object_health(self, bucket: StorageTier) -> ComponentHealth:
+        """The bucket's own health (degraded while unreachable: the node serves without it), degraded too while
+        copies to it fail (the chunks stay on NVMe and are copied once it takes them)."""
+        health = bucket.health()
+        failures = self.object_write_behind.failures
+        if failures.failing is None:
+            return ComponentHealth(**dataclasses.asdict(health))
+        why = f"copying to the bucket fails ({failures.failing}: {failures.detail}); the chunks stay on NVMe"
+        return ComponentHealth(ok=health.ok, degraded=True, detail=f"{why}; {health.detail}")
 
     def _peers_health(self) -> ComponentHealth:
         """The other nodes this one's clients skip (indexer/peers.py), named with why: degraded while any is down,

@@ -168,6 +168,46 @@ class Settings(BaseSettings):
         default=None,
         description="NVMe tier directory: a local NVMe file system that supports O_DIRECT; unset: `data_dir`/nvme.",
     )
+    object_store_url: str | None = Field(
+        default=None,
+        description="The object tier: `s3://BUCKET/PREFIX`, a bucket every node of the cluster shares. Chunks "
+        "persisted to NVMe are copied to it behind, sealed. Credentials come from the standard AWS chain "
+        "(environment, shared credentials file, web identity, container and instance-role credentials), never "
+        "from a setting. Needs the "
+        "`object` extra; unset: no object tier.",
+        json_schema_extra={"short": "Object tier, s3://BUCKET/PREFIX"},
+    )
+    object_store_endpoint: str | None = Field(
+        default=None,
+        description="URL of an S3-compatible server for `object_store_url` (`https://` is reached over TLS, "
+        "`http://` in the clear); unset: AWS.",
+        json_schema_extra={"short": "S3-compatible server URL"},
+    )
+    object_store_region: str | None = Field(
+        default=None,
+        pattern=r"^[a-z0-9\-]+$",
+        description="The bucket's region; unset: the AWS chain's (`AWS_REGION`).",
+        json_schema_extra={"short": "The bucket's region"},
+    )
+    object_store_path_style: bool = Field(
+        default=False,
+        description="Address the bucket as `ENDPOINT/BUCKET/KEY` rather than `BUCKET.ENDPOINT/KEY` (most "
+        "S3-compatible servers need it).",
+        json_schema_extra={"short": "Path-style bucket addresses"},
+    )
+    object_store_bytes: ByteSize | None = Field(
+        default=None,
+        description="The object tier's capacity: above it, the bucket's oldest chunks go (pinned and leased ones "
+        "never), checked on every pass over the bucket (at start, then every 5 minutes); unset: no limit.",
+        json_schema_extra={"short": "Object tier capacity"},
+    )
+    object_store_max_age_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Chunks in the bucket older than this go (pinned and leased ones never), checked on every pass "
+        "over the bucket; unset: no limit.",
+        json_schema_extra={"short": "Oldest age kept in the bucket"},
+    )
     dram_high_watermark: float = Field(
         default=0.85,
         gt=0,
@@ -511,6 +551,23 @@ class Settings(BaseSettings):
                 addresses.append((host.strip("[]"), int(port)))
         return addresses
 
+    @field_validator("object_store_url")
+    @classmethod
+    def _bucket_url(cls, url: str | None) -> str | None:
+        if url is not None and not re.fullmatch(r"s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/[^?#@]*)?", url):
+            raise ValueError(
+                "must be s3://BUCKET or s3://BUCKET/PREFIX (a bucket name: 3 to 63 lowercase letters, digits, dots "
+                "and hyphens), without credentials, query or fragment"
+            )
+        return url
+
+    @field_validator("object_store_endpoint")
+    @classmethod
+    def _endpoint_url(cls, url: str | None) -> str | None:
+        if url is not None and not re.fullmatch(r"https?://[^@/?#]+/?", url):
+            raise ValueError("must be http(s)://HOST[:PORT], without credentials (the AWS chain gives those) or a path")
+        return url
+
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
         if self.dram_low_watermark >= self.dram_high_watermark:
@@ -608,7 +665,7 @@ def load_settings(flags: dict[str, Any], config_file: Path | None = None) -> Set
 
 
 #: Fields whose values may carry credentials: never echoed in errors.
-_SECRET_FIELDS = frozenset({"redis_url", "admin_token"})
+_SECRET_FIELDS = frozenset({"redis_url", "admin_token", "object_store_url", "object_store_endpoint"})
 
 
 def _describe(exc: ValidationError, config_file: Path | None) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 from prefixcache.cachestore.host.background_loop import PeriodicLoop
 from prefixcache.cachestore.services.write_behind import WriteBehind
-from prefixcache.cachestore.tiers.dram import MooncakeTier
+from prefixcache.cachestore.tiers.tier import StorageTier
 from prefixcache.indexer.index import Location, PrefixIndex
 
 log = logging.getLogger("prefixcache.demotion")
@@ -27,7 +27,7 @@ class Demoter(PeriodicLoop):
     def __init__(
         self,
         index: PrefixIndex,
-        dram: MooncakeTier,
+        dram: StorageTier,
         write_behind: WriteBehind,
         node: str,
         is_protected: Callable[[Sequence[bytes]], list[bool]],

@@ -3,7 +3,8 @@
 Order matters for consistency. Bytes go first (DRAM objects pool-wide, this node's NVMe copies), the
 index after: in between, a reader finds an entry whose bytes are gone, which is a miss it recomputes,
 never wrong data; the reverse order would leave bytes no entry points to. A chunk whose DRAM copy
-cannot be removed (Mooncake unreachable) keeps everything, index entry included. Copies on other
+cannot be removed (Mooncake unreachable) keeps everything, index entry included; so does one whose bucket copy
+cannot be removed (the object tier is the same bucket from every node, so any node removes it). Copies on other
 nodes' NVMe tiers only their daemons can delete: this node sends them eviction orders
 (cachestore/services/eviction_orders.py) and waits a moment for them to confirm. Until a node does, its copies
 stay indexed, so nothing is left on a disk that the index does not name.
@@ -15,8 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from prefixcache.cachestore.services.eviction_orders import EvictionOrders
-from prefixcache.cachestore.tiers.dram import MooncakeTier
-from prefixcache.cachestore.tiers.nvme import NvmeStore
+from prefixcache.cachestore.tiers.tier import StorageTier
 from prefixcache.indexer.index import ChunkEntry, Location, PrefixIndex
 
 
@@ -27,7 +27,7 @@ class Eviction:
     removed: list[ChunkEntry] = field(default_factory=list)
     #: lost their DRAM and local NVMe copies, but copies on other nodes' NVMe remain indexed
     kept_elsewhere: list[ChunkEntry] = field(default_factory=list)
-    #: untouched: their DRAM copy could not be removed
+    #: untouched: their DRAM or bucket copy could not be removed
     failed: list[ChunkEntry] = field(default_factory=list)
     #: nodes that hold copies of ``kept_elsewhere`` and did not confirm their orders in time
     pending_nodes: list[str] = field(default_factory=list)
@@ -35,10 +35,18 @@ class Eviction:
 
 class Evictor:
     def __init__(
-        self, index: PrefixIndex, dram: MooncakeTier, nvme: NvmeStore, node: str, orders: EvictionOrders | None = None
+        self,
+        index: PrefixIndex,
+        dram: StorageTier,
+        nvme: StorageTier,
+        node: str,
+        orders: EvictionOrders | None = None,
+        bucket: StorageTier | None = None,
     ) -> None:
-        """``orders``: how copies on other nodes are reached (None: they are kept and reported)."""
+        """``orders``: how copies on other nodes are reached (None: they are kept and reported); ``bucket``: the
+        object tier (None: this node has none, and chunks with a bucket copy are left as they are)."""
         self.index = index
+        self.bucket = bucket
         self.orders = orders
         self.dram = dram
         self.nvme = nvme
@@ -75,10 +83,16 @@ class Evictor:
         outcome = Eviction()
         if not entries:
             return outcome
-        gone = dict(zip((e.key for e in entries), self.dram.remove([e.key for e in entries]), strict=True))
+        removals = self.dram.delete([e.key for e in entries])
+        gone = {e.key: removal.gone for e, removal in zip(entries, removals, strict=True)}
+        in_bucket = [e.key for e in entries if any(loc.tier == "object" for loc in e.locations)]
+        bucket_gone = set()
+        if in_bucket and self.bucket is not None:
+            removed = self.bucket.delete(in_bucket)
+            bucket_gone = {key for key, removal in zip(in_bucket, removed, strict=True) if removal.gone}
         for entry in entries:
             in_dram = any(loc.tier == "dram" for loc in entry.locations)
-            if in_dram and not gone[entry.key]:
+            if (in_dram and not gone[entry.key]) or (entry.key in in_bucket and entry.key not in bucket_gone):
                 outcome.failed.append(entry)
             elif any(loc.tier == "nvme" and loc != self.nvme_here for loc in entry.locations):
                 outcome.kept_elsewhere.append(entry)
@@ -87,7 +101,7 @@ class Evictor:
         done = outcome.removed + outcome.kept_elsewhere
         self.nvme.delete([e.key for e in done if self.nvme_here in e.locations])
         self.index.remove([e.key for e in outcome.removed])
-        for location in {loc for e in outcome.kept_elsewhere for loc in e.locations if loc.tier == "dram"}:
+        for location in {loc for e in outcome.kept_elsewhere for loc in e.locations if loc.tier in ("dram", "object")}:
             self.index.drop_location([e.key for e in outcome.kept_elsewhere], location)
         self.index.drop_location([e.key for e in outcome.kept_elsewhere], self.nvme_here)
         self.evicted_chunks += len(outcome.removed)

@@ -46,7 +46,7 @@ REPLAY_BATCHES = 10_000
 #: The sequence number of the replay's end marker.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 #: vLLM's names for where a block lives (vllm/distributed/kv_events.py MEDIUM_*), per tier.
-MEDIUM = {"dram": "CPU", "nvme": "STORAGE"}
+MEDIUM = {"dram": "CPU", "nvme": "STORAGE"}  # bucket copies are no node's cache: not published
 
 
 # The classes below mirror vllm.distributed.kv_events field for field (names, tags, array_like):
@@ -147,7 +147,9 @@ class KvEventPublisher(BackgroundLoop):
         chunks = self.index.stored_chunks(added) if added else {}
         out: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
         for event in events:
-            medium = MEDIUM[event.location.tier]
+            medium = MEDIUM.get(event.location.tier)
+            if medium is None:
+                continue
             if event.op == "drop":
                 out.append(BlockRemoved(block_hashes=[event.key], medium=medium))
             elif (chunk := chunks.get(event.key)) is not None:

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 #: enospc: no room on the NVMe tier (its filesystem's or its capacity's, every unpinned chunk evicted);
-#: eio: the disk failed a write; index: the index refused a write or could not be reached; error: anything else.
-PersistFailureReason = Literal["enospc", "eio", "index", "error"]
+#: eio: the disk failed a write; index: the index refused a write or could not be reached; bucket: the object tier
+#: refused a copy or could not be reached; error: anything else.
+PersistFailureReason = Literal["enospc", "eio", "index", "bucket", "error"]
 FIRST_RETRY_S = 0.1
 MAX_RETRY_S = 5.0
 

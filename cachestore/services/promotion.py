@@ -10,6 +10,10 @@ slice it pushes ``<first>:<flags>`` onto ``P:pr:<reply id>``, one '1'/'0' per ke
 ``first`` on. The client loads each slice as soon as its answer arrives, so a long NVMe-only prefix
 costs about one pass over the disk rather than, per group, a disk read and then a copy in series.
 Any chunk the daemon cannot promote answers '0': a miss, recomputed.
+
+A chunk on no reachable node's NVMe but in the shared bucket (an ``object@`` location) is asked of the client's own
+daemon, which reads it from the bucket (within the object tier's read deadline) and promotes it the same way:
+object -> this node's DRAM -> the client, verified as every promoted chunk is.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from prefixcache.cachestore.client.node_requests import REPLY_TTL_S, parse_reque
 from prefixcache.cachestore.host.background_loop import BackgroundLoop
 from prefixcache.cachestore.tiers.dram import MooncakeTier
 from prefixcache.cachestore.tiers.nvme import NvmeStore, read_size
+from prefixcache.cachestore.tiers.tier import StorageTier
 from prefixcache.indexer.index import ChunkEntry, Location, PrefixIndex
 
 log = logging.getLogger("prefixcache.promotion")
@@ -65,6 +70,7 @@ class _Slice:
     keys: list[bytes]
     slots: list[memoryview]
     lengths: list[int]
+    from_bucket: set[bytes]
 
 
 class Promoter(BackgroundLoop):
@@ -83,8 +89,11 @@ class Promoter(BackgroundLoop):
         *,
         mac_key: ChunkMacKey,
         max_batch: int = 64,
+        bucket: StorageTier | None = None,
     ) -> None:
+        """``bucket``: the object tier, the source of chunks this node's NVMe lacks (None: none)."""
         super().__init__()
+        self.bucket = bucket
         self.mac_key = mac_key
         self.client = client
         self.queue = f"{prefix}pq:{node}"
@@ -132,6 +141,15 @@ class Promoter(BackgroundLoop):
         """Promote ``keys`` in order, yielding each slice's outcome as soon as it is known."""
         entries = {e.key: e for e in self.index.get(keys) if e is not None}
         sizes = dict(zip(keys, self.nvme.size_of(keys), strict=True))
+        from_bucket = {
+            k
+            for k in keys
+            if self.bucket is not None
+            and sizes[k] <= 0
+            and k in entries
+            and any(loc.tier == "object" for loc in entries[k].locations)
+        }
+        sizes.update((k, entries[k].size_bytes) for k in from_bucket)
         candidates = [k for k in keys if k in entries and sizes[k] > 0]
         if len(candidates) < len(keys):
             self.failed += len(keys) - len(candidates)
@@ -140,8 +158,10 @@ class Promoter(BackgroundLoop):
         reading: Future[_Slice] | None = None
         try:
             for i, keys_of_slice in enumerate(slices):
-                current = reading.result() if reading is not None else self._read(keys_of_slice, sizes)
-                reading = self._reader.submit(self._read, slices[i + 1], sizes) if i + 1 < len(slices) else None
+                current = reading.result() if reading is not None else self._read(keys_of_slice, sizes, from_bucket)
+                reading = (
+                    self._reader.submit(self._read, slices[i + 1], sizes, from_bucket) if i + 1 < len(slices) else None
+                )
                 try:
                     done = self._store(current, entries)
                 finally:
@@ -155,16 +175,22 @@ class Promoter(BackgroundLoop):
                 for slot in reading.result().slots:
                     self.dram.arena.free(slot)
 
-    def _read(self, keys: list[bytes], sizes: dict[bytes, int]) -> _Slice:
-        """Read one slice from NVMe into arena slots (page-aligned: O_DIRECT lands there with no bounce)."""
+    def _read(self, keys: list[bytes], sizes: dict[bytes, int], from_bucket: set[bytes]) -> _Slice:
+        """Read one slice into arena slots: from NVMe (page-aligned: O_DIRECT lands there with no bounce), those of
+        ``from_bucket`` from the bucket."""
         try:
             slots = self.dram.arena.alloc_batch([read_size(sizes[k]) for k in keys])
         except ArenaFullError:
             slots = []
         if len(slots) < len(keys):
             log.warning("promotion arena full: %d of %d chunks not promoted", len(keys) - len(slots), len(keys))
-        lengths = self.nvme.get_into(keys[: len(slots)], slots) if slots else []
-        return _Slice(keys, slots, lengths + [-1] * (len(keys) - len(slots)))
+        lengths = [-1] * len(keys)
+        for source, picked in ((self.nvme, False), (self.bucket, True)):
+            at = [i for i in range(len(slots)) if (keys[i] in from_bucket) == picked]
+            if at and source is not None:
+                for i, length in zip(at, source.get_into([keys[i] for i in at], [slots[i] for i in at]), strict=True):
+                    lengths[i] = length
+        return _Slice(keys, slots, lengths, from_bucket & set(keys))
 
     def _store(self, read: _Slice, entries: dict[bytes, ChunkEntry]) -> set[bytes]:
         """Verify a slice, put what is intact into DRAM and index it there; the keys promoted."""
@@ -175,10 +201,16 @@ class Promoter(BackgroundLoop):
             try:
                 decode(slot[:length], key=key, namespace=entries[key].namespace, mac_key=self.mac_key)
             except ChunkError as exc:
-                log.warning("chunk %s on NVMe is corrupt (%s): deleted", key.hex(), exc)
                 self.corrupt.count(exc)
-                self.nvme.delete([key])
-                self.index.drop_location([key], Location("nvme", self.location.node))
+                if key in read.from_bucket and self.bucket is not None:
+                    log.warning("chunk %s in the bucket is corrupt (%s): deleted", key.hex(), exc)
+                    self.bucket.delete([key])
+                    for location in [loc for loc in entries[key].locations if loc.tier == "object"]:
+                        self.index.drop_location([key], location)
+                else:
+                    log.warning("chunk %s on NVMe is corrupt (%s): deleted", key.hex(), exc)
+                    self.nvme.delete([key])
+                    self.index.drop_location([key], Location("nvme", self.location.node))
                 continue
             ready.append((key, slot[:length]))
         stored = self.dram.put(ready)

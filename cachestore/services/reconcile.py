@@ -61,11 +61,21 @@ def drop_locations(index: PrefixIndex, keys: list[bytes], location: Location) ->
 
 
 def _rebuild(index: PrefixIndex, nvme: NvmeStore, keys: list[bytes], location: Location) -> tuple[int, int]:
-    """Register the chunks of ``keys`` from their objects, each after its parent where both are rebuilt: on a
-    Cluster a chunk joins its parent's chain (``RedisIndex``), which must be known by then."""
+    """Register the chunks of ``keys`` from their objects; unreadable ones are deleted."""
+    records, unreadable = records_of([(key, nvme.get(key)) for key in keys], location)
+    register(index, records)
+    if unreadable:
+        nvme.delete(unreadable)
+    return len(records), len(unreadable)
+
+
+def records_of(
+    objects: list[tuple[bytes, bytes | memoryview | None]], location: Location
+) -> tuple[list[ChunkRecord], list[bytes]]:
+    """The records of chunks at ``location`` from their stored objects (key, bytes or None where unreadable), and
+    the keys whose objects are unreadable or another key's."""
     records, unreadable = [], []
-    for key in keys:
-        data = nvme.get(key)
+    for key, data in objects:
         try:
             if data is None:
                 raise ChunkError("unreadable")
@@ -87,12 +97,15 @@ def _rebuild(index: PrefixIndex, nvme: NvmeStore, keys: list[bytes], location: L
                 tenant=tenant,
             )
         )
+    return records, unreadable
+
+
+def register(index: PrefixIndex, records: list[ChunkRecord]) -> None:
+    """Register ``records``, each after its parent where both are among them: on a Cluster a chunk joins its
+    parent's chain (``RedisIndex``), which must be known by then."""
     ordered = parents_first(records)
     for start in range(0, len(ordered), BATCH):
         index.register(ordered[start : start + BATCH])
-    if unreadable:
-        nvme.delete(unreadable)
-    return len(keys) - len(unreadable), len(unreadable)
 
 
 def parents_first(records: list[ChunkRecord]) -> list[ChunkRecord]:

@@ -40,8 +40,10 @@ from prefixcache.cachestore.chunks.codec import ChunkError, ChunkMeta, read_meta
 from prefixcache.cachestore.tiers.mooncake_attachment import AttachmentKeeper
 from prefixcache.cachestore.tiers.mooncake_import import MooncakeDistributedStore, ReplicateConfig, SoftPinAction
 from prefixcache.cachestore.tiers.mooncake_servers import bound_rpc_timeouts
+from prefixcache.cachestore.tiers.tier import Removal, TierHealth
 from prefixcache.cachestore.tiers.usage import TierUsage
 from prefixcache.indexer.errors import PrefixCacheError
+from prefixcache.indexer.index import Tier
 
 log = logging.getLogger("prefixcache.dram")
 
@@ -71,7 +73,9 @@ class TierUnavailableError(PrefixCacheError, ConnectionError):
 
 
 class MooncakeTier:
-    tier = "dram"
+    """The DRAM tier (module docstring); a ``StorageTier`` (cachestore/tiers/tier.py)."""
+
+    tier: Tier = "dram"
 
     def __init__(
         self,
@@ -196,7 +200,7 @@ class MooncakeTier:
         """False while the circuit breaker is open after the master or owner stopped answering."""
         return time.monotonic() >= self._down_until
 
-    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]], soft_pin_s: float = 0) -> list[bool]:
+    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]], *, soft_pin_s: float = 0) -> list[bool]:
         """Store objects; ``soft_pin_s`` > 0 asks the master to evict them only after unpinned ones for that long.
 
         Publishers soft-pin new chunks: until the write-behind has persisted them they exist nowhere else,
@@ -427,22 +431,16 @@ class MooncakeTier:
             return [False] * len(keys)
         return [code == 1 for code in self._store.batch_is_exist([self._names(k)[0] for k in keys])]
 
-    def delete(self, keys: Sequence[bytes]) -> int:
+    def delete(self, keys: Sequence[bytes]) -> list[Removal]:
+        """Remove objects from the pool, wherever they are. ``REMOVED`` where a chunk's first part was there,
+        ``ABSENT`` where neither part was, ``FAILED`` while Mooncake is unreachable or refuses either part: the
+        caller must go on saying the copy exists."""
         if not keys or not self._usable():
-            return 0
-        codes = self._store.batch_remove([name for k in keys for name in self._names(k)], True)
-        return sum(1 for code in codes[::2] if code == OK)
-
-    def remove(self, keys: Sequence[bytes]) -> list[bool]:
-        """Remove objects from the pool, wherever they are; per key, whether it is gone now (removed or
-        absent). False while Mooncake is unreachable: the caller must go on saying the copy exists."""
-        if not keys or not self._usable():
-            return [False] * len(keys)
+            return [Removal.FAILED] * len(keys)
         codes = self._store.batch_remove([name for k in keys for name in self._names(k)], True)
         for code in codes:
             self._note(code)
-        gone = [code in (OK, MISS) for code in codes]
-        return [first and second for first, second in zip(gone[::2], gone[1::2], strict=True)]
+        return [_removal(first, second) for first, second in zip(codes[::2], codes[1::2], strict=True)]
 
     def usage(self) -> TierUsage:
         """This node's segment as the master reports it (zeros when the master's metrics are unreachable)."""
@@ -459,6 +457,12 @@ class MooncakeTier:
                 elif line.startswith("segment_total_capacity_bytes" + label):
                     capacity = int(float(line.split()[-1]))
         return TierUsage(tier="dram", bytes_used=used, live_bytes=used, capacity_bytes=capacity, chunks=-1)
+
+    def health(self) -> TierHealth:
+        """Down while the circuit breaker is open (the master or the segment owner stopped answering)."""
+        if not self.available:
+            return TierHealth(ok=False, detail="Mooncake unreachable; retrying")
+        return TierHealth(ok=True, detail=f"segment {self.segment}")
 
     def close(self) -> None:
         with self._close_lock:
@@ -537,6 +541,13 @@ def split_pieces(pieces: Sequence[memoryview], at: int | None) -> list[list[memo
             second.append(piece[cut:])
         start += len(piece)
     return [first, second]
+
+
+def _removal(first: int, second: int) -> Removal:
+    """What removing a chunk's two parts did, from Mooncake's answers for each."""
+    if first not in (OK, MISS) or second not in (OK, MISS):
+        return Removal.FAILED
+    return Removal.REMOVED if first == OK else Removal.ABSENT
 
 
 def _joined(first: int, second: int, cut: int) -> int:

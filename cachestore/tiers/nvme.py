@@ -40,7 +40,7 @@ import os
 import struct
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -50,8 +50,10 @@ from typing import Literal, NamedTuple
 
 import rocksdict
 
+from prefixcache.cachestore.tiers.eviction_policy import EvictionPolicy, LruPolicy
 from prefixcache.cachestore.tiers.nvme_io import PAGE, Extent, open_for_reading, page_align, page_aligned, read_size
 from prefixcache.cachestore.tiers.nvme_scan import scan_pack_file
+from prefixcache.cachestore.tiers.tier import Removal, TierHealth
 from prefixcache.cachestore.tiers.usage import TierUsage
 from prefixcache.indexer.errors import ConfigError
 from prefixcache.indexer.index import Tier
@@ -362,7 +364,8 @@ def _validate(capacity_bytes: int, pack_file_bytes: int) -> None:
 
 
 class NvmeStore:
-    """The NVMe tier of one node (see the module docstring for layout, durability and space rules).
+    """The NVMe tier of one node (see the module docstring for layout, durability and space rules); a
+    ``StorageTier`` (cachestore/tiers/tier.py), evicting in its ``EvictionPolicy``'s order.
 
     Two locks: ``_write_lock`` serialises mutations (put, delete, eviction, compaction) across their
     data I/O; ``_lock`` guards the in-memory maps and is never held across data I/O, so request threads
@@ -380,7 +383,9 @@ class NvmeStore:
         pack_file_bytes: int = 256 << 20,
         is_pinned: Callable[[Sequence[bytes]], list[bool]] = lambda keys: [False] * len(keys),
         on_evict: Callable[[list[bytes]], None] = lambda keys: None,
+        policy: EvictionPolicy | None = None,
     ) -> None:
+        """``policy`` orders the chunks evicted for room (least recently used first unless given)."""
         _validate(capacity_bytes, pack_file_bytes)
         self.directory = Path(directory)
         self.setting_bytes = capacity_bytes  # what it was given; ``capacity_bytes`` is what it may use now
@@ -393,7 +398,8 @@ class NvmeStore:
         self._on_evict = on_evict
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
-        self._entries: OrderedDict[bytes, _Extent] = OrderedDict()  # least recently used first
+        self._entries: dict[bytes, _Extent] = {}
+        self._policy: EvictionPolicy = policy if policy is not None else LruPolicy()
         self._packs: dict[int, _PackFile] = {}
         self._active: _PackFile | None = None
         self._next_pack_id = 1
@@ -528,28 +534,44 @@ class NvmeStore:
         with self._lock:
             return [extent.length if (extent := self._entries.get(key)) else -1 for key in keys]
 
-    def delete(self, keys: Sequence[bytes]) -> int:
-        """Forget these keys (durably, one synced manifest write); how many existed."""
+    def delete(self, keys: Sequence[bytes]) -> list[Removal]:
+        """Forget these keys (durably, one synced manifest write); ``FAILED`` for those present when the
+        manifest refuses the write, which leaves them stored."""
         for key in keys:
             _check_key(key)
         with self._write_lock:
             with self._lock:
                 self._check_open()
-                present = [key for key in dict.fromkeys(keys) if key in self._entries]
+                present = {key for key in keys if key in self._entries}
+            done = Removal.REMOVED
             if present:
-                self._forget(present)
-        return len(present)
+                try:
+                    self._forget(list(present))
+                except OSError as exc:
+                    log.warning("NVMe tier: deleting %d chunks failed (%s); they stay stored", len(present), exc)
+                    done = Removal.FAILED
+        return [done if key in present else Removal.ABSENT for key in keys]
 
     def keys(self) -> list[bytes]:
-        """Every stored key, least recently used first."""
+        """Every stored key, the first to evict first."""
         with self._lock:
-            return list(self._entries)
+            return list(self._policy)
 
     def usage(self) -> TierUsage:
         self.refresh_capacity()
         with self._lock:
             used, _ = self._space()
             return TierUsage(self.tier, used, self._live_length, self.capacity_bytes, len(self._entries))
+
+    def health(self) -> TierHealth:
+        """Down when its directory is gone; degraded while its last put stored less than it was given."""
+        usage = self.usage()
+        detail = f"{usage.chunks} chunks, {usage.bytes_used >> 20} MiB of {usage.capacity_bytes >> 20} MiB"
+        if not self.directory.is_dir():
+            return TierHealth(ok=False, detail=f"{self.directory} is gone; {detail}")
+        if self.write_failure is not None:
+            return TierHealth(ok=True, degraded=True, detail=f"the last put failed ({self.write_failure}); {detail}")
+        return TierHealth(ok=True, detail=detail)
 
     def close(self) -> None:
         """Release files and the manifest. Reads in flight finish; later calls raise."""
@@ -596,7 +618,7 @@ class NvmeStore:
         for key, extent in sorted(
             found.items(), key=lambda item: (item[1].created_ms, item[1].pack_id, item[1].offset)
         ):
-            self._place(key, extent)
+            self._place(key, extent, used=False)
         if self._packs:
             newest = self._packs[max(self._packs)]
             # Keep appending to the newest pack file: restarts then leave no trail of small files.
@@ -720,8 +742,8 @@ class NvmeStore:
         return bool(victims)
 
     def _unskipped(self, skipped: set[bytes]) -> list[bytes]:
-        """The next keys in LRU order not yet examined. A fresh walk each time: readers reorder the dict."""
-        return list(islice((key for key in self._entries if key not in skipped), _PIN_QUERY_KEYS))
+        """The next keys in eviction order not yet examined."""
+        return self._policy.coldest(skipped, _PIN_QUERY_KEYS)
 
     def _compact(self, pack: _PackFile) -> bool:
         """Copy the pack file's live objects to the active pack file (put's durability order), then delete it."""
@@ -766,10 +788,7 @@ class NvmeStore:
             self._delete_empty(runs)
             raise
         with self._lock:
-            emptied = [old for key, extent in placed if (old := self._place(key, extent)) is not None]
-            if touch:
-                for key, _ in placed:
-                    self._entries.move_to_end(key)
+            emptied = [old for key, extent in placed if (old := self._place(key, extent, used=touch)) is not None]
             self._close_sealed_writers(runs)
         self._delete_empty(emptied)
         return {key for key, _ in placed}
@@ -823,6 +842,8 @@ class NvmeStore:
         self._manifest.write(deletes=keys)
         with self._lock:
             emptied = [self._unlink(key) for key in keys]
+            for key in keys:
+                self._policy.forgotten(key)
         self._delete_empty(emptied)
 
     def _delete_empty(self, candidates: Iterable[_PackFile]) -> None:
@@ -838,10 +859,12 @@ class NvmeStore:
 
     # ---- in-memory state (call under the lock) ----------------------------------------------------
 
-    def _place(self, key: bytes, extent: _Extent) -> _PackFile | None:
-        """Point key at extent, keeping its recency; the pack file of the copy it replaces, if any."""
+    def _place(self, key: bytes, extent: _Extent, *, used: bool) -> _PackFile | None:
+        """Point key at extent (``used``: a caller's write, which the policy counts as a use); the pack file of
+        the copy it replaces, if any."""
         old = self._unlink(key) if key in self._entries else None
         self._entries[key] = extent
+        self._policy.stored(key, used=used)
         pack = self._packs[extent.pack_id]
         pack.keys.add(key)
         pack.live += extent.padded
@@ -892,7 +915,7 @@ class NvmeStore:
         except OSError:
             log.exception("NVMe tier: cannot open %s", pack.path)
             return None
-        self._entries.move_to_end(key)
+        self._policy.used(key)
         return _Located(pack, fd, extent)
 
     def _open_reader(self, path: Path) -> int:

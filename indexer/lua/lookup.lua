@@ -5,8 +5,8 @@
 -- prefix (common.lua: R on one Redis, R{<anchor>}: on a Cluster) and heads_elsewhere '1' where the probe bucket of a
 -- chain's first chunk lies on another shard (a Cluster): a chain broken in its first chunk then returns no candidates,
 -- and the client reads that bucket itself. avoided names the nodes to read nothing from (down or suspect:
--- indexer/peers.py) as ',a,b,', or is '': a chunk whose every copy lies on one of them ends the hit, and only copies on
--- other nodes count as DRAM copies. here names the asking node, or is '': a chunk with a DRAM copy on it is flagged '2'
+-- indexer/peers.py) as ',a,b,', or is '': a chunk whose every copy lies on one of them ends the hit (a bucket copy,
+-- object@<writer>, lies on no node: every node reads it), and only copies on other nodes count as DRAM copies. here names the asking node, or is '': a chunk with a DRAM copy on it is flagged '2'
 -- rather than '1' (a read of it stays on the node). keys concatenates a chain's n keys (32 hex chars each); probes
 -- concatenates the probe bucket of positions 0..n (32 '0's where the prompt has none). Returns one reply per chain,
 -- {hits, in_dram, cand_key_1, cand_tokens_1, cand_in_dram_1, ...}: the number of leading keys present; per such key '1'
@@ -24,9 +24,10 @@ local function reachable(name)
   for _, field in ipairs(redis.call('HKEYS', name)) do
     if string.sub(field, 1, 2) == 'l:' then
       local at = string.find(field, '@', 1, true)
-      if not string.find(avoided, ',' .. string.sub(field, at + 1) .. ',', 1, true) then
+      local tier = string.sub(field, 3, at - 1)
+      if tier == 'object' or not string.find(avoided, ',' .. string.sub(field, at + 1) .. ',', 1, true) then
         any = true
-        dram = dram or string.sub(field, 3, at - 1) == 'dram'
+        dram = dram or tier == 'dram'
       end
     end
   end
