@@ -206,16 +206,21 @@ def wait_for_hits(scene: Scene, timeout_s: float = SUSPECT_LONGEST_S + 20) -> No
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         ttft, cached, _ = complete(scene.url, scene.prompts[0])
-        if cached and ttft < scene.reference[0][0] / 2:
+        if loaded(ttft, cached, scene.reference[0][0]):
             return
         time.sleep(1)
     raise RuntimeError(f"no hit on the node brought back within {timeout_s:.0f} s")
 
 
-def hit(request: Request, reference: dict) -> bool:
-    """Whether the request loaded its prefix: cached tokens, and a first token in under half the cold time (vLLM
+def loaded(ttft_s: float, cached_tokens: int, cold_ttft_s: float) -> bool:
+    """Whether a completion loaded its prefix: cached tokens, and a first token in under half the cold time (vLLM
     still counts a load that failed and was recomputed as cached)."""
-    return request.cached_tokens > 0 and request.ttft_s < reference[request.prompt][0] / 2
+    return cached_tokens > 0 and ttft_s < cold_ttft_s / 2
+
+
+def hit(request: Request, reference: dict) -> bool:
+    """Whether the request loaded its prefix (``loaded``, against its prompt's cold time)."""
+    return loaded(request.ttft_s, request.cached_tokens, reference[request.prompt][0])
 
 
 def summary(requests: list[Request], reference: dict, lost_s: float) -> dict:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from benchmarks.node_loss import complete
+from benchmarks.node_loss import complete, loaded
 from tests.daemon_harness import Daemon, connector_config, ha_cluster_servers, wait_for
 from tests.e2e.openai_server import vllm_server
 from tests.e2e.tinymodel import random_prompt
@@ -37,10 +37,7 @@ def test_a_leader_killed_under_vllm_fails_no_request_and_hits_resume(tiny_model,
                 # computed whole, and published: the answers every request must equal, and the hits to come
                 cold = {i: complete(server.url, p, load=False) for i, p in enumerate(PROMPTS)}
 
-                def hit(i: int, ttft_s: float, cached: int) -> bool:
-                    return cached > 0 and ttft_s < cold[i][0] / 2
-
-                assert wait_for(lambda: hit(0, *complete(server.url, PROMPTS[0])[:2]), timeout_s=30)
+                assert wait_for(lambda: loaded(*complete(server.url, PROMPTS[0])[:2], cold[0][0]), timeout_s=30)
                 leader = servers.leader()
                 leader.kill()
                 killed = time.monotonic()
@@ -52,7 +49,7 @@ def test_a_leader_killed_under_vllm_fails_no_request_and_hits_resume(tiny_model,
                     sent = time.monotonic() - killed
                     ttft, cached, text = complete(server.url, PROMPTS[i])  # raises if the request fails
                     assert text == cold[i][2], f"request {turn} after the kill answered differently"
-                    seen.append((round(sent, 1), hit(i, ttft, cached)))
+                    seen.append((round(sent, 1), loaded(ttft, cached, cold[i][0])))
                 # hits may come and go while the standby takes over; from the bound on, requests hit (but for one
                 # now and then that this shared machine slows past half its cold time)
                 later = [was_hit for at, was_hit in seen if at > RESUMED_WITHIN_S]
