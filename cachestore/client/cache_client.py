@@ -471,15 +471,16 @@ class CacheClient:
             [cuts[i] for i in positions] if cuts else (),
             deadline_s=read_deadline_s(size_bytes, self._remote_bandwidth.per_second) if across_network else None,
         )
+        late = LATE in sizes
         if across_network:
             seconds = time.perf_counter() - started
             # a read past its deadline moved its bytes no faster than that; one that found nothing says nothing
-            moved = size_bytes if LATE in sizes else sum(size for size in sizes if size > 0)
-            if moved and LATE not in sizes:  # a late read would loosen the next deadline
+            moved = size_bytes if late else sum(size for size in sizes if size > 0)
+            if moved and not late:  # a late read would loosen the next deadline
                 self._remote_bandwidth.add(moved, seconds)
             if moved and self.on_remote_read is not None:
                 self.on_remote_read(moved, seconds)
-        if LATE in sizes:
+        if late:
             self._late([key for key, size in zip(wanted, sizes, strict=True) if size == LATE])
         for i, size in zip(positions, sizes, strict=True):
             if checks is None or size < 0:
