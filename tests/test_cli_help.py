@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field
 from typer.testing import CliRunner
 
 from prefixcache.cachestore.cli.app import app
-from prefixcache.cachestore.cli.settings_reference import short_help
+from prefixcache.cachestore.cli.option_help import short_help
 
 COLUMNS = 80
 DEFAULT = re.compile(r"\\?\[default: ([^\]]*)\]")

@@ -1,5 +1,5 @@
 """docs/settings.md and ``prefixcache serve --help`` say what the settings' own descriptions say, and nothing is
-left undescribed (cachestore/cli/settings_reference.py)."""
+left undescribed (devtools/settings_reference.py)."""
 
 from __future__ import annotations
 
@@ -10,40 +10,42 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from prefixcache.cachestore.cli import settings_reference
+from devtools import settings_reference
+from prefixcache.cachestore.cli import option_help
 from prefixcache.cachestore.cli.app import app
 from prefixcache.cachestore.node.settings import Settings
 from prefixcache.connector.settings import ConnectorSettings
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
-GENERATOR = [sys.executable, "-m", "prefixcache.cachestore.cli.settings_reference"]
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "settings.md"
+GENERATOR = [sys.executable, "-m", "devtools.settings_reference"]
 
 
 def test_the_page_is_what_the_generator_writes():
-    assert PAGE.read_text() == settings_reference.render(), (
-        "docs/settings.md is out of date: run python -m prefixcache.cachestore.cli.settings_reference"
-    )
+    assert PAGE.read_text() == settings_reference.render(), "docs/settings.md is out of date: run make docs"
 
 
 def test_check_passes_on_the_page_and_names_what_differs(tmp_path):
-    assert subprocess.run([*GENERATOR, "--check"], capture_output=True, text=True).returncode == 0
+    assert subprocess.run([*GENERATOR, "--check"], capture_output=True, text=True, cwd=ROOT).returncode == 0
     stale = tmp_path / "settings.md"
     stale.write_text(PAGE.read_text().replace("`PREFIXCACHE_KEY_PREFIX` |", "`PREFIXCACHE_KEY_PREFIXES` |"))
-    proc = subprocess.run([*GENERATOR, "--check", str(stale)], capture_output=True, text=True)
+    proc = subprocess.run([*GENERATOR, "--check", str(stale)], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 1
     assert str(stale) in proc.stderr and "key_prefix" in proc.stderr
     assert stale.read_text() != settings_reference.render()  # --check writes nothing
-    missing = subprocess.run([*GENERATOR, "--check", str(tmp_path / "none.md")], capture_output=True, text=True)
+    missing = subprocess.run(
+        [*GENERATOR, "--check", str(tmp_path / "none.md")], capture_output=True, text=True, cwd=ROOT
+    )
     assert missing.returncode == 1
 
 
 def test_the_generator_writes_the_page_without_a_web_framework(tmp_path):
     script = (
-        "import sys; from prefixcache.cachestore.cli.settings_reference import main; "
+        "import sys; from devtools.settings_reference import main; "
         f"main([{str(tmp_path / 'settings.md')!r}]); "
         "print(sorted(m for m in ('fastapi', 'starlette', 'uvicorn') if m in sys.modules))"
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT)
     assert proc.stdout.strip() == "[]"
     assert (tmp_path / "settings.md").read_text() == PAGE.read_text()
 
@@ -72,7 +74,7 @@ def test_every_serve_flag_sets_the_setting_it_is_listed_under(monkeypatch):
     assert options, "serve has no options"
     args = []
     for setting, option in options.items():
-        assert option.help == settings_reference.field_help(setting, repeated=option.multiple), option.opts[0]
+        assert option.help == option_help.field_help(setting, repeated=option.multiple), option.opts[0]
         if option.is_flag:
             args.append(option.opts[0])
         else:

@@ -11,8 +11,8 @@ from rich.logging import RichHandler
 
 from prefixcache.cachestore.cli.admin import register_admin_commands
 from prefixcache.cachestore.cli.errors import clear_errors, err
+from prefixcache.cachestore.cli.option_help import field_help
 from prefixcache.cachestore.cli.quotas import quota_app
-from prefixcache.cachestore.cli.settings_reference import field_help
 from prefixcache.cachestore.cli.warmup import CONTEXT as WARMUP_CONTEXT
 from prefixcache.cachestore.cli.warmup import warmup
 from prefixcache.cachestore.proxy.settings import AUTH_TOKEN_ENV, REDIS_PASSWORD_ENV, ProxySettings

@@ -1,22 +1,20 @@
 """docs/settings.md, rendered from the settings themselves: each setting is described once, in its ``Field``.
 
-``python -m prefixcache.cachestore.cli.settings_reference`` writes the page; with ``--check`` it writes nothing
-and exits 1 when the page differs from what it would write (tests/test_settings_reference.py runs it so). The
-daemon's settings (``Settings``) come in groups (``GROUPS``), each setting with its variable, the ``prefixcache
-serve`` flag that sets it (read off the command itself), its config-file key, type, default and description; the
-connector's (``ConnectorSettings``, vLLM's ``kv_connector_extra_config``) in one table. ``field_help`` gives
-``serve``'s options their help from the same descriptions.
+A development script, not part of the package: ``python -m devtools.settings_reference`` (``make docs``) writes the
+page; with ``--check`` it writes nothing and exits 1 when the page differs from what it would write
+(tests/test_settings_reference.py runs it so). The daemon's settings (``Settings``) come in groups (``GROUPS``),
+each setting with its variable, the ``prefixcache serve`` flag that sets it (read off the command itself), its
+config-file key, type, default and description; the connector's (``ConnectorSettings``, vLLM's
+``kv_connector_extra_config``) in one table. The options' one-line help and the defaults as text are the
+package's own (``prefixcache.cachestore.cli.option_help``), so the page and ``--help`` cannot disagree.
 
-The page is a pure function of the two settings classes and the command, and rendering it imports no web
-framework: the command (cachestore/cli/app.py, which imports ``field_help`` from here) and the connector's settings
-are imported when the page is rendered, not with this module.
+The page is a pure function of the settings classes and the command, and rendering it imports no web framework.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
-import json
 import re
 import sys
 import types
@@ -24,16 +22,20 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
+import typer
 from annotated_types import Ge, Gt, Le, Lt, MaxLen, MinLen
 from pydantic import BaseModel, ByteSize, SecretStr
 from pydantic.fields import FieldInfo
-from pydantic_core import PydanticUndefined
 
-from prefixcache.cachestore.node.settings import Settings, default_data_dir
+from prefixcache.cachestore.cli.app import app
+from prefixcache.cachestore.cli.option_help import default_text, size_text
+from prefixcache.cachestore.node.settings import Settings
+from prefixcache.cachestore.proxy.settings import AUTH_TOKEN_ENV, REDIS_PASSWORD_ENV, ProxySettings
+from prefixcache.connector.settings import ConnectorSettings
 
-#: The page, relative to the repository's root (this file is cachestore/cli/settings_reference.py in it).
+#: The page, relative to the repository's root (this file is devtools/settings_reference.py in it).
 DOCS_PAGE = Path("docs") / "settings.md"
-REPOSITORY = Path(__file__).resolve().parents[2]
+REPOSITORY = Path(__file__).resolve().parents[1]
 
 #: The daemon's settings by topic, in the page's order. Every setting is in exactly one group (``check_groups``).
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -85,14 +87,6 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("CPUs", ("cpus", "owner_nice")),
 )
 
-#: Defaults computed at start-up, as the page shows them (the machine that renders it is not the one that runs).
-FACTORY_DEFAULTS = {
-    "data_dir": f"`~/{default_data_dir().relative_to(Path.home()).as_posix()}`",
-    "node": "the host's name",
-}
-
-_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
-
 
 def check_groups() -> None:
     """Raise unless ``GROUPS`` names every daemon setting exactly once."""
@@ -107,70 +101,12 @@ def check_groups() -> None:
         )
 
 
-# Descriptions, defaults and types as text.
-
-
 def description(model: type[BaseModel], name: str) -> str:
     """The one description of setting ``name`` of ``model`` (Markdown: code in backticks)."""
     text = model.model_fields[name].description
     if not text or not text.strip():
         raise ValueError(f"{model.__name__}.{name} has no description")
     return " ".join(text.split())
-
-
-def short_help(model: type[BaseModel], name: str) -> str:
-    """The one-line help of setting ``name`` of ``model`` (its ``json_schema_extra`` ``short``), which a command's
-    option shows; the settings page has the whole description."""
-    extra = model.model_fields[name].json_schema_extra
-    short = extra.get("short") if isinstance(extra, dict) else None
-    if not isinstance(short, str) or not short.strip():
-        raise ValueError(f"{model.__name__}.{name} has no one-line help: give its Field json_schema_extra short")
-    return short
-
-
-def field_help(name: str, *, model: type[BaseModel] = Settings, repeated: bool = False) -> str:
-    """The help of a command's option for setting ``name`` of ``model`` (``prefixcache serve``'s, by default): its
-    one line (``short_help``), as the terminal shows it (no backticks; brackets escaped from Rich's markup), and its
-    default where it has one. A ``repeated`` option takes one value a time."""
-    from rich.markup import escape
-
-    text = short_help(model, name).replace("`", "")
-    if repeated:
-        text += " (repeatable)"
-    field = model.model_fields[name]
-    default = default_text(field, name)
-    if field.annotation is not bool and default not in ("unset", "empty", "required"):
-        text += f" [default: {default.replace('`', '')}]"
-    return escape(text)
-
-
-def size_text(size: int) -> str:
-    """``size`` bytes in the largest binary unit that divides it: ``2GiB``, ``1KiB``, ``1000``."""
-    for unit, scale in _UNITS:
-        if size and size % scale == 0:
-            return f"{size // scale}{unit}"
-    return str(size)
-
-
-def default_text(field: FieldInfo, name: str, *, json_values: bool = False) -> str:
-    """The default of ``field`` as the page shows it: as written in the environment (or, with ``json_values``, in
-    JSON), ``unset`` for None, ``required`` where there is none."""
-    if field.default_factory is not None:
-        return FACTORY_DEFAULTS[name]
-    value = field.default
-    if value is PydanticUndefined:
-        return "required"
-    if value is None:
-        return "unset"
-    if value in ("", []):
-        return "empty"
-    if json_values:
-        return f"`{json.dumps(value)}`"
-    if isinstance(value, bool):
-        return f"`{str(value).lower()}`"
-    if isinstance(value, ByteSize):
-        return f"`{size_text(int(value))}`"
-    return f"`{value}`"
 
 
 def type_text(annotation: Any, metadata: Iterable[Any] = ()) -> str:
@@ -247,10 +183,6 @@ def _bounds(metadata: Iterable[Any], *, unit: str = "", integer: bool = False, s
 
 def command_params(command: str) -> list[Any]:
     """The parameters (click's) of ``prefixcache COMMAND``."""
-    import typer
-
-    from prefixcache.cachestore.cli.app import app
-
     return typer.main.get_command(app).commands[command].params
 
 
@@ -340,8 +272,6 @@ def daemon_section() -> Iterator[str]:
 
 
 def connector_section() -> Iterator[str]:
-    from prefixcache.connector.settings import ConnectorSettings
-
     yield "## The connector: `kv_connector_extra_config`"
     yield ""
     yield (
@@ -368,8 +298,6 @@ def connector_section() -> Iterator[str]:
 
 
 def proxy_section() -> Iterator[str]:
-    from prefixcache.cachestore.proxy.settings import AUTH_TOKEN_ENV, REDIS_PASSWORD_ENV, ProxySettings
-
     secrets = {"auth_token": f"`{AUTH_TOKEN_ENV}`, or `--auth-token-file`", "redis_password": f"`{REDIS_PASSWORD_ENV}`"}
     yield "## The disaggregated-prefill proxy: `prefixcache proxy`"
     yield ""
@@ -399,7 +327,7 @@ def proxy_section() -> Iterator[str]:
 def render() -> str:
     """docs/settings.md, as it should read."""
     lines = [
-        "<!-- Written by `python -m prefixcache.cachestore.cli.settings_reference` from the settings' own "
+        "<!-- Written by `python -m devtools.settings_reference` from the settings' own "
         "descriptions (cachestore/node/settings.py, connector/settings.py, cachestore/proxy/settings.py): edit "
         "those and run it again. -->",
         "",
@@ -420,7 +348,7 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m prefixcache.cachestore.cli.settings_reference",
+        prog="python -m devtools.settings_reference",
         description="Write docs/settings.md from the settings' descriptions.",
     )
     parser.add_argument(
@@ -445,8 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     what = f" (settings {', '.join(changed)})" if changed else ""
     sys.stdout.write(diff)
     print(
-        f"{args.path} differs from what the settings say{what}: run "
-        "python -m prefixcache.cachestore.cli.settings_reference",
+        f"{args.path} differs from what the settings say{what}: run python -m devtools.settings_reference",
         file=sys.stderr,
     )
     return 1
