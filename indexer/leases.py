@@ -22,6 +22,7 @@ from contextlib import suppress
 import redis
 
 from prefixcache.indexer.errors import IndexUnavailableError
+from prefixcache.indexer.keyspace import Keyspace
 from prefixcache.indexer.redis_clients import RedisClient
 from prefixcache.indexer.redis_index import load_script
 from prefixcache.indexer.redis_shards import Shard, shards_of
@@ -32,8 +33,8 @@ DEFAULT_LEASE_S = 30.0
 
 
 class Leases:
-    def __init__(self, client: RedisClient, key_prefix: str) -> None:
-        self._shards = shards_of(client, f"{key_prefix}:")
+    def __init__(self, client: RedisClient, keyspace: Keyspace) -> None:
+        self._shards = shards_of(client, keyspace)
         self._grant = load_script(client, "lease", with_common=False)
 
     def _by_shard(self, keys: Sequence[bytes]) -> dict[str, tuple[Shard, list[int]]]:
@@ -51,7 +52,9 @@ class Leases:
         try:
             for shard, positions in self._by_shard(keys).values():
                 self._grant(
-                    keys=[shard.shared + "lease"], args=[ttl_s, *(keys[i] for i in positions)], client=shard.client
+                    keys=[Keyspace.lease(shard.shared)],
+                    args=[ttl_s, *(keys[i] for i in positions)],
+                    client=shard.client,
                 )
         except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
             self._shards_changed()
@@ -63,7 +66,7 @@ class Leases:
         try:
             for shard, positions in self._by_shard(keys).values():
                 with shard.client.pipeline(transaction=True) as pipe:
-                    pipe.time().zmscore(shard.shared + "lease", [keys[i] for i in positions])
+                    pipe.time().zmscore(Keyspace.lease(shard.shared), [keys[i] for i in positions])
                     (seconds, microseconds), expiries = pipe.execute()
                 now = seconds + microseconds / 1e6
                 for i, expiry in zip(positions, expiries, strict=True):

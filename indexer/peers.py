@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import redis
 
 from prefixcache.indexer.errors import IndexUnavailableError
+from prefixcache.indexer.keyspace import Keyspace
 from prefixcache.indexer.redis_clients import RedisClient
 from prefixcache.indexer.redis_index import load_script
 
@@ -111,9 +112,9 @@ class PeerRegistry:
     """The table's calls (``lua/peers.lua``), on one Redis, behind Sentinel, or on a Cluster (one key, so one
     shard). Every call raises ``IndexUnavailableError`` when Redis does not answer."""
 
-    def __init__(self, client: RedisClient, key_prefix: str) -> None:
+    def __init__(self, client: RedisClient, keyspace: Keyspace) -> None:
         self._client = client
-        self._key = f"{key_prefix}:peers"
+        self._key = keyspace.peers
         self._script = load_script(client, "peers", with_common=False)
 
     def _call(self, op: str, node: str = "", *ms: int) -> list:

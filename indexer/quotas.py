@@ -31,6 +31,7 @@ import redis
 
 from prefixcache.indexer.errors import ConfigError
 from prefixcache.indexer.index import ChunkIdentity
+from prefixcache.indexer.keyspace import Keyspace
 from prefixcache.indexer.redis_clients import RedisClient
 
 ScopeKind = Literal["tenant", "namespace"]
@@ -93,12 +94,12 @@ class QuotaStore:
     """The quotas set through the REST API, each scope's room, and whose turn it is to enforce them, in the index's
     Redis."""
 
-    def __init__(self, client: RedisClient, key_prefix: str) -> None:
+    def __init__(self, client: RedisClient, keyspace: Keyspace) -> None:
         self._redis = client
-        self._quotas = f"{key_prefix}:quotas"
-        self._room = f"{key_prefix}:quota:room"
-        self._spent = f"{key_prefix}:quota:spent"
-        self._lock = f"{key_prefix}:quota:lock"
+        self._keys = keyspace
+        self._quotas = keyspace.quotas
+        self._room = keyspace.quota_room
+        self._lock = keyspace.quota_lock
 
     def all(self) -> dict[QuotaScope, int]:
         """Every quota set; a field this version cannot read is left out."""
@@ -137,7 +138,7 @@ class QuotaStore:
         returns each scope's total spent, this call's included. One round trip."""
         pipe = self._redis.pipeline(transaction=False)
         for scope, amount in amounts.items():
-            key = f"{self._spent}:{round_id}:{scope}"
+            key = self._keys.quota_spent(round_id, str(scope))
             pipe.incrby(key, amount)
             pipe.pexpire(key, SPENT_TTL_MS)
         replies = pipe.execute()

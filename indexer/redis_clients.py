@@ -27,6 +27,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from prefixcache.indexer.errors import ConfigError
+from prefixcache.indexer.keyspace import Keyspace
 
 #: How long a command may wait for its reply: a lookup or registration answers in milliseconds.
 SOCKET_TIMEOUT_S = 2.0
@@ -159,16 +160,16 @@ def public_redis_url(url: str) -> tuple[str, bool]:
     return urlunsplit(parts._replace(netloc=f"{username}@{hosts}" if username else hosts)), True
 
 
-def deployment_problem(client: RedisClient, url: str, key_prefix: str) -> str | None:
+def deployment_problem(client: RedisClient, url: str, keyspace: Keyspace) -> str | None:
     """Why the server a ``redis://`` (``rediss://``, ``unix://``) URL names cannot hold the index, naming the URL form
     to use, or None where it can: a Redis Cluster node (every command on another node's slots fails with MOVED), a
     replica (every write is refused) or a Sentinel (it holds no data). Told by what the server answers to a delete
-    of a key that does not exist and to reads of keys spread over the slots (``key_prefix`` names them, e.g.
-    ``pc:``), which a least-privileged user may send. Sentinel and Cluster URLs find their primaries themselves."""
+    of a key that does not exist and to reads of keys spread over the slots (``keyspace`` names them), which a
+    least-privileged user may send. Sentinel and Cluster URLs find their primaries themselves."""
     if scheme_of(url) in (SENTINEL_SCHEME, CLUSTER_SCHEME) or not isinstance(client, redis.Redis):
         return None
     shown = redact_url(url)
-    probe = f"{key_prefix}deployment-probe"
+    probe = keyspace.deployment_probe
     try:
         client.delete(probe)
     except redis.exceptions.ReadOnlyError:
@@ -185,7 +186,7 @@ def deployment_problem(client: RedisClient, url: str, key_prefix: str) -> str | 
         )
     pipe = client.pipeline(transaction=False)
     for tag in range(CLUSTER_PROBES):
-        pipe.exists(f"{probe}{{{tag}}}")
+        pipe.exists(keyspace.cluster_probe(tag))
     if any(isinstance(reply, redis.exceptions.MovedError) for reply in pipe.execute(raise_on_error=False)):
         return (
             f"{shown} is a node of a Redis Cluster, where every command on another node's slots fails: give "

@@ -15,7 +15,7 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from contextlib import contextmanager, suppress
 from importlib import resources
@@ -26,7 +26,7 @@ from redis.exceptions import RedisClusterException
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from prefixcache.indexer.access_log import AccessLog, Hits
-from prefixcache.indexer.errors import ConfigError, IndexUnavailableError
+from prefixcache.indexer.errors import IndexUnavailableError
 from prefixcache.indexer.index import (
     MAX_BUCKET_CANDIDATES,
     ChunkEntry,
@@ -42,6 +42,7 @@ from prefixcache.indexer.index import (
     usage_of,
 )
 from prefixcache.indexer.keys import KEY_BYTES, PrefixQuery
+from prefixcache.indexer.keyspace import Keyspace
 from prefixcache.indexer.namespace import NamespaceSpec
 from prefixcache.indexer.redis_clients import (
     CONNECT_TIMEOUT_S,
@@ -124,16 +125,16 @@ class RedisIndex:
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         max_candidates: int = MAX_BUCKET_CANDIDATES,
     ) -> None:
-        if not key_prefix or any(c in key_prefix for c in " {}"):
-            raise ConfigError(f"key_prefix must be non-empty without spaces or braces, got {key_prefix!r}")
         self.url = url
-        self._prefix = key_prefix + ":"
+        #: the names of this index's keys (tests name raw keys through it too)
+        self.keyspace = Keyspace(key_prefix)
+        self._prefix = self.keyspace.root  # R, handed to the scripts
         self._max_candidates = max_candidates
         try:
             self._redis = redis_client(url, socket_timeout_s=socket_timeout_s, connect_timeout_s=connect_timeout_s)
         except (RedisConnectionError, RedisTimeoutError, RedisClusterException) as exc:  # a Cluster connects at once
             raise IndexUnavailableError(f"Redis index at {redact_url(url)} is unreachable: {exc}") from exc
-        self._shards = shards_of(self._redis, self._prefix)
+        self._shards = shards_of(self._redis, self.keyspace)
         self._refreshed_at = 0.0
         self._refresh_lock = threading.Lock()
         self._anchors: dict[str, str] = {}  # key hex -> anchor hex, Cluster only (see _ANCHOR_MEMORY)
@@ -190,7 +191,7 @@ class RedisIndex:
     def deployment_problem(self) -> str | None:
         """Why the server this index's URL names cannot hold it (``redis_clients.deployment_problem``), or None."""
         with self._reachable():
-            return deployment_problem(self._redis, self.url, self._prefix)
+            return deployment_problem(self._redis, self.url, self.keyspace)
 
     def clock_s(self) -> float:
         with self._reachable():
@@ -202,13 +203,13 @@ class RedisIndex:
             registered = self.namespaces()
             check = check_namespace(spec, registered)
             if not check.known:
-                self._redis.hsetnx(self._prefix + "ns", spec.digest.hex(), spec.canonical_json())
+                self._redis.hsetnx(self.keyspace.namespaces, spec.digest.hex(), spec.canonical_json())
         return check
 
     def namespaces(self) -> list[NamespaceSpec]:
         """The registered namespaces this version can read (others: ``indexer/unreadable_records.py``)."""
         with self._reachable():
-            raw = self._redis.hgetall(self._prefix + "ns")
+            raw = self._redis.hgetall(self.keyspace.namespaces)
         specs = []
         for digest, text in raw.items():
             try:
@@ -275,7 +276,9 @@ class RedisIndex:
         pipe = self._redis.pipeline(transaction=False)
         for i in wanted:
             probe = queries[i].probes[0].hex()  # type: ignore[union-attr]
-            pipe.hrandfield(f"{self._shards.chain_prefix(probe)}b:{probe}", self._max_candidates, withvalues=True)
+            pipe.hrandfield(
+                Keyspace.bucket(self._shards.chain_prefix(probe), probe), self._max_candidates, withvalues=True
+            )
         for i, fields in zip(wanted, pipe.execute(), strict=True):
             replies[i] = [0, b""] + [x for j in range(0, len(fields), 2) for x in (fields[j], fields[j + 1], b"1")]
         if avoid:
@@ -388,7 +391,9 @@ class RedisIndex:
         """The anchors of ``hex_keys`` that some shard's directory holds."""
         found: dict[str, str] = {}
         for shard in self._shards.all():
-            for key, anchor in zip(hex_keys, shard.client.hmget(shard.shared + "a", list(hex_keys)), strict=True):
+            for key, anchor in zip(
+                hex_keys, shard.client.hmget(Keyspace.directory(shard.shared), list(hex_keys)), strict=True
+            ):
                 if anchor is not None:
                     found[key] = anchor.decode()
         return found
@@ -401,7 +406,7 @@ class RedisIndex:
         pipe = self._redis.pipeline(transaction=False)
         for i in range(0, len(elsewhere), stride):
             probe = elsewhere[i].decode()
-            bucket = f"{self._shards.chain_prefix(probe)}b:{probe}"
+            bucket = Keyspace.bucket(self._shards.chain_prefix(probe), probe)
             if op == "add":
                 pipe.hset(bucket, elsewhere[i + 1], elsewhere[i + 2])
             else:
@@ -483,7 +488,7 @@ class RedisIndex:
                 parent, probe = fields[b"parent"], fields[b"probe"]
                 anchor = fields.get(b"anchor", b"").decode()
                 tag = probe.decode() if self.clustered and anchor == key.hex() else anchor
-                bucket = f"{self._shards.chain_prefix(tag)}b:{probe.decode()}"
+                bucket = Keyspace.bucket(self._shards.chain_prefix(tag), probe.decode())
                 first = parent == fields.get(b"root")
                 described[key] = (None if first else bytes.fromhex(parent.decode()), bucket)
             pipe = self._redis.pipeline(transaction=False)
@@ -513,7 +518,7 @@ class RedisIndex:
     def _read_stream(
         self, shard: Shard, node: str, group: str, consumer: str, count: int, block_s: float
     ) -> list[FeedEvent]:
-        stream = shard.shared + "f:" + node
+        stream = Keyspace.feed(shard.shared, node)
         cursor = (stream, group, consumer)
         if cursor not in self._feed_groups:
             try:  # from the stream's start: changes made before the first consumer existed count too
@@ -544,16 +549,16 @@ class RedisIndex:
         with self._reachable():
             for shard in self._shards.seen():
                 if msg_ids := by_tag.get(shard.name):
-                    shard.client.xack(shard.shared + "f:" + node, group, *msg_ids)
+                    shard.client.xack(Keyspace.feed(shard.shared, node), group, *msg_ids)
 
     def rewind_feed(self, node: str, group: str, consumer: str) -> None:
         for shard in self._shards.seen():
-            cursor = (shard.shared + "f:" + node, group, consumer)
+            cursor = (Keyspace.feed(shard.shared, node), group, consumer)
             if cursor in self._feed_groups:
                 self._feed_groups[cursor] = "0"
 
     def scan(self, batch: int = 512) -> Iterator[ChunkEntry]:
-        pattern = self._prefix + ("{*}:e:*" if self.clustered else "e:*")
+        pattern = self.keyspace.entry_pattern(self.clustered)
         with self._reachable():
             for shard in self._shards.all():
                 cursor = 0
@@ -586,7 +591,7 @@ class RedisIndex:
 
     def usage(self) -> dict[bytes, NamespaceUsage]:
         counts: dict[bytes, dict[str, int]] = {}
-        for name, value in self._summed_counters("u").items():
+        for name, value in self._summed_counters(Keyspace.usage).items():
             namespace, _, field = name.partition(":")
             try:
                 counts.setdefault(bytes.fromhex(namespace), {})[field] = value
@@ -596,7 +601,7 @@ class RedisIndex:
 
     def tenant_usage(self) -> dict[str, Usage]:
         counts: dict[str, dict[str, int]] = {}
-        for name, value in self._summed_counters("tu").items():
+        for name, value in self._summed_counters(Keyspace.tenant_usage).items():
             tenant, _, field = name.rpartition(":")
             counts.setdefault(tenant, {})[field] = value
         return {
@@ -620,12 +625,13 @@ class RedisIndex:
                         break
         return counted
 
-    def _summed_counters(self, name: str) -> Counter[str]:
-        """The counters of the shared hash ``name`` (``u``, ``tu``: see ``common.lua``), summed over the shards."""
+    def _summed_counters(self, name: Callable[[str], str]) -> Counter[str]:
+        """The counters of the shared hash ``name`` names on each shard (``Keyspace.usage``, ``tenant_usage``),
+        summed over the shards."""
         summed: Counter[str] = Counter()
         with self._reachable():
             for shard in self._shards.all():
-                for field, value in shard.client.hgetall(shard.shared + name).items():
+                for field, value in shard.client.hgetall(name(shard.shared)).items():
                     try:
                         summed[field.decode(errors="replace")] += int(value)
                     except ValueError as exc:  # another version's counter
@@ -637,7 +643,7 @@ class RedisIndex:
             return sum(self._stream_backlog(shard, node, group) for shard in self._shards.seen())
 
     def _stream_backlog(self, shard: Shard, node: str, group: str) -> int:
-        stream = shard.shared + "f:" + node
+        stream = Keyspace.feed(shard.shared, node)
         try:
             groups = shard.client.xinfo_groups(stream)
         except redis.exceptions.ResponseError:  # no feed yet
@@ -651,7 +657,7 @@ class RedisIndex:
         """Delete every key under this index's prefix (tests and `evict all`)."""
         with self._reachable():
             for shard in self._shards.all():
-                for name in shard.client.scan_iter(match=self._prefix + "*", count=1000):
+                for name in shard.client.scan_iter(match=self.keyspace.everything, count=1000):
                     shard.client.unlink(name)
         self._anchors.clear()
 

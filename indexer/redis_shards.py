@@ -23,6 +23,7 @@ import redis
 import redis.cluster
 from redis.crc import key_slot
 
+from prefixcache.indexer.keyspace import Keyspace
 from prefixcache.indexer.redis_clients import RedisClient
 
 
@@ -38,7 +39,7 @@ class Shard:
 class Shards(Protocol):
     """The shards of one index and how a chain's keys are routed to them."""
 
-    root: str  # R: the index's prefix, with its ':' ("pc:")
+    keyspace: Keyspace  # the key names, R among them
     router: RedisClient  # for single-key commands: a cluster client routes each by its key
     clustered: bool
 
@@ -63,9 +64,9 @@ class SingleRedis:
 
     clustered = False
 
-    def __init__(self, client: redis.Redis, root: str) -> None:
-        self.root, self.router = root, client
-        self._shard = Shard("", client, root)
+    def __init__(self, client: redis.Redis, keyspace: Keyspace) -> None:
+        self.keyspace, self.router = keyspace, client
+        self._shard = Shard("", client, keyspace.root)
 
     def all(self) -> list[Shard]:
         return [self._shard]
@@ -77,7 +78,7 @@ class SingleRedis:
         return self._shard
 
     def chain_prefix(self, anchor: str) -> str:
-        return self.root
+        return self.keyspace.root
 
     def refresh(self) -> None:
         pass
@@ -88,8 +89,8 @@ class ClusterShards:
 
     clustered = True
 
-    def __init__(self, client: redis.cluster.RedisCluster, root: str) -> None:
-        self.root, self.router = root, client
+    def __init__(self, client: redis.cluster.RedisCluster, keyspace: Keyspace) -> None:
+        self.keyspace, self.router = keyspace, client
         self._lock = threading.Lock()
         self._by_node: dict[str, Shard] = {}
         self._seen: dict[str, Shard] = {}  # tag -> shard, as last routed
@@ -108,7 +109,7 @@ class ClusterShards:
             by_node: dict[str, Shard] = {}
             for node in {n.name: n for n in owners.values()}.values():
                 tag = _tag_served_by(node.name, owners)
-                by_node[node.name] = Shard(tag, self.router.get_redis_connection(node), f"{self.root}{{{tag}}}:")
+                by_node[node.name] = Shard(tag, self.router.get_redis_connection(node), self.keyspace.shard(tag))
             self._by_node = by_node
             for shard in by_node.values():
                 self._seen[shard.name] = shard
@@ -130,7 +131,7 @@ class ClusterShards:
             node = self.router.nodes_manager.get_node_from_slot(key_slot(tag.encode()))
         except redis.exceptions.RedisClusterException:
             return None
-        return Shard(tag, self.router.get_redis_connection(node), f"{self.root}{{{tag}}}:")
+        return Shard(tag, self.router.get_redis_connection(node), self.keyspace.shard(tag))
 
     def of_anchor(self, anchor: str) -> Shard:
         self._ensure()
@@ -142,7 +143,7 @@ class ClusterShards:
         return shard
 
     def chain_prefix(self, anchor: str) -> str:
-        return f"{self.root}{{{anchor}}}:"
+        return self.keyspace.chain(anchor)
 
 
 def _tag_served_by(node_name: str, owners: dict[int, redis.cluster.ClusterNode]) -> str:
@@ -155,8 +156,8 @@ def _tag_served_by(node_name: str, owners: dict[int, redis.cluster.ClusterNode])
     raise AssertionError("unreachable")  # pragma: no cover: count() never ends
 
 
-def shards_of(client: RedisClient, root: str) -> Shards:
-    """The shards behind ``client`` (as ``redis_client`` made it) for an index under ``root``."""
+def shards_of(client: RedisClient, keyspace: Keyspace) -> Shards:
+    """The shards behind ``client`` (as ``redis_client`` made it) for an index under ``keyspace``."""
     if isinstance(client, redis.cluster.RedisCluster):
-        return ClusterShards(client, root)
-    return SingleRedis(client, root)
+        return ClusterShards(client, keyspace)
+    return SingleRedis(client, keyspace)

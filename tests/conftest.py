@@ -47,6 +47,7 @@ MODULE_TIERS = {
         "test_fingerprint",
         "test_http_guards",
         "test_keys",  # keys computed again in fresh interpreters
+        "test_keyspace",  # the generator of the key tables run once as a command
         "test_layered_reads",
         "test_load_reports",
         "test_layering",  # one fresh interpreter importing the client and the connector

@@ -31,6 +31,7 @@ from prefixcache.cachestore.tiers.nvme import Extent
 from prefixcache.cachestore.warmup.plan import storable_tokens
 from prefixcache.indexer.chunking import ChunkGeometry
 from prefixcache.indexer.keys import PrefixHasher, chunk_key
+from prefixcache.indexer.keyspace import Keyspace
 from prefixcache.indexer.namespace import NamespaceSpec
 from prefixcache.indexer.tokens import pack_tokens
 from tests.etcd_server import EtcdServer
@@ -468,7 +469,7 @@ def nvme_extent(daemon: Daemon, key: bytes) -> Extent:
     config = fetch_config(daemon.url)
     client = redis.Redis.from_url(index_url(config))
     try:
-        (extent,) = locate(client, config.key_prefix + ":", config.node, [key], timeout_s=5)
+        (extent,) = locate(client, Keyspace(config.key_prefix), config.node, [key], timeout_s=5)
     finally:
         client.close()
     assert extent is not None, f"chunk {key.hex()} is not on {config.node}'s NVMe tier"

@@ -12,6 +12,7 @@ import redis
 
 from prefixcache.cachestore.client.cache_client import CacheClient
 from prefixcache.cachestore.client.config import fetch_config, index_url
+from prefixcache.indexer.keyspace import Keyspace
 from tests.admin_stack import TOKEN, api, client, daemon  # noqa: F401 - fixtures
 from tests.daemon_harness import fetch_payloads, make_spec, publish_prompt, wait_persisted
 
@@ -179,11 +180,11 @@ def test_namespaces_another_version_wrote_are_skipped_not_an_error(api, client, 
     """A rolling upgrade: namespace records of a shape this version does not know, or damaged ones, are left out
     of the listing and of a client's attach, and the usage counters of such a namespace too."""
     config = fetch_config(daemon.url)
-    raw = redis.Redis.from_url(index_url(config))
+    raw, keys = redis.Redis.from_url(index_url(config)), Keyspace(config.key_prefix)
     records = {"ab" * 16: json.dumps({"future": {"shape": 2}, "model": "test-model"}), "cd" * 16: "{not json"}
     try:
-        raw.hset(f"{config.key_prefix}:ns", mapping=records)
-        raw.hset(f"{config.key_prefix}:u", mapping={"zz-not-hex:chunks": 3, f"{'ab' * 16}:chunks": "many"})
+        raw.hset(keys.namespaces, mapping=records)
+        raw.hset(Keyspace.usage(keys.root), mapping={"zz-not-hex:chunks": 3, f"{'ab' * 16}:chunks": "many"})
         response = api.get("/v1/namespaces")
         assert response.status_code == 200
         assert [info["spec"]["model"] for info in response.json()] == ["test-model"]
@@ -194,5 +195,5 @@ def test_namespaces_another_version_wrote_are_skipped_not_an_error(api, client, 
             other.close()
         assert api.get("/v1/stats").status_code == 200
     finally:
-        raw.hdel(f"{config.key_prefix}:ns", *records)
-        raw.hdel(f"{config.key_prefix}:u", "zz-not-hex:chunks", f"{'ab' * 16}:chunks")
+        raw.hdel(keys.namespaces, *records)
+        raw.hdel(Keyspace.usage(keys.root), "zz-not-hex:chunks", f"{'ab' * 16}:chunks")

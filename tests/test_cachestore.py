@@ -278,7 +278,7 @@ def test_dram_over_capacity_demotes_and_every_chunk_still_hits(tmp_path):
     """Demotion keeps DRAM under its mark, never loses a chunk, and leaves leased chunks (the oldest here) alone."""
     daemon = Daemon(tmp_path / "data", dram="128MiB", nvme="1GiB").start()
     client = connect(daemon)
-    leases = Leases(redis.Redis.from_url(client.index.url), client.config.key_prefix)
+    leases = Leases(redis.Redis.from_url(client.index.url), client.index.keyspace)
     try:
         published = []
         for i in range(40):  # 40 prompts x 8 chunks x 1 MiB: 2.5x the DRAM segment

@@ -103,7 +103,7 @@ def test_lookups_still_hit_after_the_new_bookkeeping(index, spec, geometry):
 def forget_tenant_counts(index: RedisIndex) -> None:
     """Leave ``index`` as a version that kept no tenant usage filled it: no entry marked counted, no usage."""
     raw = redis_client(index.url)
-    for name in raw.scan_iter(match=f"{index._prefix}*", count=1000):
+    for name in raw.scan_iter(match=index.keyspace.everything, count=1000):
         if name.endswith(b":tu"):
             raw.delete(name)
         elif b":e:" in name:

@@ -11,6 +11,7 @@ import pytest
 
 from prefixcache.cachestore.host.processes import free_port_block
 from prefixcache.cachestore.node.redis_server import EmbeddedRedis
+from prefixcache.indexer.keyspace import Keyspace
 from prefixcache.indexer.redis_clients import deployment_problem, redis_client
 from tests.daemon_harness import Daemon, wait_for
 from tests.redis_topologies import RedisClusterServers, RedisSentinelServers
@@ -20,7 +21,7 @@ from tests.test_data_dir_lock import serve
 def problem_of(url: str) -> str | None:
     client = redis_client(url)
     try:
-        return deployment_problem(client, url, "pc:")
+        return deployment_problem(client, url, Keyspace("pc"))
     finally:
         client.close()
 

@@ -10,6 +10,7 @@ import redis
 
 from prefixcache.cachestore.host.processes import free_port
 from prefixcache.indexer.errors import IndexUnavailableError
+from prefixcache.indexer.keyspace import Keyspace
 from prefixcache.indexer.leases import Leases
 from prefixcache.indexer.redis_clients import redis_client
 
@@ -19,13 +20,13 @@ A, B, C = b"a" * 16, b"b" * 16, b"c" * 16
 
 @pytest.fixture
 def leases(redis_server) -> Leases:
-    return Leases(redis_client(redis_server.url), f"lease{next(_prefixes)}")
+    return Leases(redis_client(redis_server.url), Keyspace(f"lease{next(_prefixes)}"))
 
 
 def lease_set(leases: Leases) -> str:
     """The sorted set of a standalone Redis's leases."""
     (shard,) = leases._shards.all()
-    return shard.shared + "lease"
+    return Keyspace.lease(shard.shared)
 
 
 def test_a_lease_is_held_until_it_expires(leases):
@@ -53,7 +54,7 @@ def test_granting_drops_expired_leases(leases, redis_server):
 def test_a_client_whose_clock_runs_ahead_keeps_other_clients_leases(leases, redis_server, monkeypatch):
     """Expiry is Redis's clock: a scheduler an hour ahead neither drops another engine's lease nor holds its own
     an hour longer."""
-    other = Leases(redis_client(redis_server.url), lease_set(leases).removesuffix(":lease"))
+    other = Leases(redis_client(redis_server.url), leases._shards.keyspace)
     other.grant([A], ttl_s=30)
     real = time.time
     monkeypatch.setattr(time, "time", lambda: real() + 3600)
@@ -64,7 +65,7 @@ def test_a_client_whose_clock_runs_ahead_keeps_other_clients_leases(leases, redi
 
 
 def test_an_unreachable_redis_is_an_index_error():
-    dead = Leases(redis_client(f"redis://127.0.0.1:{free_port()}", connect_timeout_s=0.2), "x")
+    dead = Leases(redis_client(f"redis://127.0.0.1:{free_port()}", connect_timeout_s=0.2), Keyspace("x"))
     with pytest.raises(IndexUnavailableError):
         dead.grant([A])
     with pytest.raises(IndexUnavailableError):

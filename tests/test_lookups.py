@@ -15,6 +15,7 @@ from prefixcache.cachestore.host.processes import free_port
 from prefixcache.connector.lookups import BatchedLookups
 from prefixcache.indexer.errors import IndexUnavailableError
 from prefixcache.indexer.keys import prompt_query
+from prefixcache.indexer.keyspace import Keyspace
 from prefixcache.indexer.leases import Leases
 from prefixcache.indexer.redis_clients import redis_client
 from prefixcache.indexer.redis_index import RedisIndex
@@ -139,8 +140,8 @@ def test_a_scheduler_index_registers_its_namespaces_and_leases_and_records_throu
         scheduler.recorder.record_lookup(spec.digest, requested_tokens=100, matched_tokens=64, seconds=0.001)
         scheduler.recorder.flush()
         connection = redis_client(redis_server.url)
-        assert Leases(connection, prefix).held([b"k" * 16, b"j" * 16]) == [True, False]
-        counters = read_client_stats(connection, prefix + ":", "n1")[spec.digest].counters
+        assert Leases(connection, Keyspace(prefix)).held([b"k" * 16, b"j" * 16]) == [True, False]
+        counters = read_client_stats(connection, Keyspace(prefix), "n1")[spec.digest].counters
         assert (counters["lookups"], counters["hits"], counters["matched_tokens"]) == (1, 1, 64)
     finally:
         scheduler.close()

@@ -12,6 +12,7 @@ import pytest
 
 from prefixcache.cachestore.host.cpu_priority import set_process_nice
 from prefixcache.cachestore.services.owner_priority import CALM_NICE, OwnerPriority
+from prefixcache.indexer.keyspace import Keyspace
 from prefixcache.indexer.peers import PeerRegistry
 from prefixcache.indexer.redis_clients import redis_client
 from tests.daemon_harness import wait_for
@@ -45,7 +46,7 @@ def thread_nices(pid: int) -> set[int]:
 
 def test_the_owner_runs_at_the_default_priority_while_a_peer_is_lost_and_a_while_after(redis_server, owner):
     client = redis_client(redis_server.url)
-    registry = PeerRegistry(client, "owner-priority")
+    registry = PeerRegistry(client, Keyspace("owner-priority"))
     registry.beat("self", ttl_s=60)
     registry.beat("b", ttl_s=60)
     registry.leave("c")  # stopped on purpose: nothing reads from it, so it is not lost

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from prefixcache.cachestore.client.node_requests import PromotionStream
+from prefixcache.indexer.keyspace import Keyspace
 from prefixcache.indexer.peers import PeerRegistry, PeerTable, PeerView
 from prefixcache.indexer.redis_clients import redis_client
 from tests.daemon_harness import wait_for
@@ -21,9 +22,9 @@ _prefixes = itertools.count()
 def registry(request: pytest.FixtureRequest) -> Iterator[PeerRegistry]:
     server = request.getfixturevalue("redis_server" if request.param == "redis" else "redis_cluster")
     client = redis_client(server.url)
-    prefix = f"peers{next(_prefixes)}"
-    yield PeerRegistry(client, prefix)
-    client.delete(f"{prefix}:peers")
+    keys = Keyspace(f"peers{next(_prefixes)}")
+    yield PeerRegistry(client, keys)
+    client.delete(keys.peers)
     client.close()
 
 
@@ -149,7 +150,7 @@ def test_a_promotion_wait_ends_once_the_node_is_found_down(redis_server):
     """A node lost just after it was asked costs the time it takes to be known lost, not the promotion's timeout."""
     client = redis_client(redis_server.url)
     try:
-        stream = PromotionStream(client, f"peers{next(_prefixes)}:", "lost-node", [b"k" * 16], timeout_s=30)
+        stream = PromotionStream(client, Keyspace(f"peers{next(_prefixes)}"), "lost-node", [b"k" * 16], timeout_s=30)
         started = time.monotonic()
         assert stream.wait([b"k" * 16], gone=lambda: time.monotonic() - started > 0.5) == [False]
         assert time.monotonic() - started < 10 and not stream.heard

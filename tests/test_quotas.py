@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from prefixcache.cachestore.client.cache_client import CacheClient
 from prefixcache.indexer.keys import prompt_query
+from prefixcache.indexer.keyspace import Keyspace
 from prefixcache.indexer.namespace import tenant_id
 from prefixcache.indexer.quotas import QUOTA_REFRESH_S, QuotaGate, QuotaScope, QuotaStore
 from prefixcache.indexer.redis_clients import redis_client
@@ -179,10 +180,10 @@ def test_publishers_of_one_tenant_together_add_at_most_a_rounds_room(deployment,
     a Cluster the round's room and each counter are keys of slots of their own."""
     url = request.getfixturevalue(deployment).url
     room, size, calls = 10_000, 100, 50
-    prefix, tenant = f"gates{time.monotonic_ns()}", QuotaScope.of_tenant(tenant_id(A))
-    writer = QuotaStore(redis_client(url), prefix)
+    keys, tenant = Keyspace(f"gates{time.monotonic_ns()}"), QuotaScope.of_tenant(tenant_id(A))
+    writer = QuotaStore(redis_client(url), keys)
     writer.set_room("round-1", {tenant: room})
-    gates = [QuotaGate(QuotaStore(redis_client(url), prefix)) for _ in range(2)]
+    gates = [QuotaGate(QuotaStore(redis_client(url), keys)) for _ in range(2)]
     admitted = [0, 0]
 
     def publish(i: int) -> None:

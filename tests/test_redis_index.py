@@ -14,6 +14,7 @@ from prefixcache.indexer.chunking import ChunkGeometry
 from prefixcache.indexer.errors import ConfigError, IndexUnavailableError
 from prefixcache.indexer.index import Location, attach_namespace
 from prefixcache.indexer.keys import prompt_query
+from prefixcache.indexer.keyspace import Keyspace
 from prefixcache.indexer.redis_clients import redact_url
 from prefixcache.indexer.redis_index import RedisIndex
 from tests.test_index import publish
@@ -84,7 +85,7 @@ def test_unacknowledged_feed_events_are_delivered_again_after_a_restart(redis_in
     first = redis_index.read_feed("node-a", "persist", "daemon")
     assert [e.key for e in first] == keys
     redis_index.ack_feed("node-a", "persist", [first[0].id])
-    restarted = RedisIndex(redis_index.url, key_prefix=redis_index._prefix[:-1])
+    restarted = RedisIndex(redis_index.url, key_prefix=redis_index.keyspace.name)
     try:
         assert [e.key for e in restarted.read_feed("node-a", "persist", "daemon")] == keys[1:]
         assert restarted.read_feed("node-a", "persist", "daemon") == []
@@ -106,7 +107,9 @@ def test_times_written_are_redis_clock_not_the_clients(redis_index, spec, geomet
     entry = redis_index.get(keys[:1])[0]
     assert abs(entry.created_s - redis_now) < 5 and abs(entry.last_access_s - redis_now) < 5
     assert entry.hits == 1
-    added = redis.Redis.from_url(redis_index.url).hget(f"{redis_index._prefix}e:{keys[0].hex()}", "l:nvme@n1")
+    added = redis.Redis.from_url(redis_index.url).hget(
+        Keyspace.entry(redis_index.keyspace.root, keys[0].hex()), "l:nvme@n1"
+    )
     assert abs(int(added) / 1000 - redis_now) < 5
 
 
@@ -114,9 +117,9 @@ def test_records_another_version_wrote_are_skipped_and_logged_once(redis_index, 
     """Namespace descriptions and entries this version cannot read are left out: the namespace is not listed,
     the entry misses, and each is logged the first time only; the client's own namespace still attaches."""
     raw = redis.Redis.from_url(redis_index.url)
-    raw.hset(f"{redis_index._prefix}ns", mapping={"ab" * 16: '{"future": {"field": 1}}', "cd" * 16: "{not json"})
+    raw.hset(redis_index.keyspace.namespaces, mapping={"ab" * 16: '{"future": {"field": 1}}', "cd" * 16: "{not json"})
     keys = publish(redis_index, spec, list(range(128)))
-    raw.hset(f"{redis_index._prefix}e:{keys[1].hex()}", "ntok", "sixty-four")
+    raw.hset(Keyspace.entry(redis_index.keyspace.root, keys[1].hex()), "ntok", "sixty-four")
     with caplog.at_level(logging.WARNING, logger="prefixcache.index"):
         assert attach_namespace(redis_index, spec).known is False
         assert [s.digest for s in redis_index.namespaces()] == [spec.digest]

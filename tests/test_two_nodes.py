@@ -121,7 +121,7 @@ def test_a_stopped_node_is_asked_nothing_and_read_again_once_it_is_back(cluster)
     keys, payloads = persisted_on_b(b, tokens, seed=11)
     b.stop()
     reader = connect(a)
-    index_redis, queue = redis_client(reader.index.url), f"{reader.config.key_prefix}:pq:node-b"
+    index_redis, queue = redis_client(reader.index.url), reader.index.keyspace.promotion_queue("node-b")
     try:
         assert reader.peers.down == {"node-b"}
         assert reader.lookup(prompt_query(reader.spec.root(), reader.geometry, tokens)).keys == []

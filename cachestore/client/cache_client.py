@@ -118,13 +118,13 @@ class CacheClient:
         self.counters = ClientCounters()
         self.index = RedisIndex(index_url(config, redis_password), key_prefix=config.key_prefix)
         self._redis = redis_client(self.index.url, socket_timeout_s=promote_timeout_s + 1)
-        self._prefix = config.key_prefix + ":"
-        self.recorder = ClientStatsRecorder(self._redis, self._prefix, config.node)  # the daemon reports these
-        self.quotas = QuotaGate(QuotaStore(self._redis, config.key_prefix))
+        self._keys = self.index.keyspace
+        self.recorder = ClientStatsRecorder(self._redis, self._keys, config.node)  # the daemon reports these
+        self.quotas = QuotaGate(QuotaStore(self._redis, self._keys))
         self._promote_timeout_s = promote_timeout_s
         self._streams: dict[bytes, PromotionStream] = {}  # chunks other nodes promote for an upcoming fetch
         # the nodes to read nothing from (down, or suspect: a promotion they left unanswered)
-        self.peers = PeerView(PeerRegistry(self._redis, config.key_prefix), config.node, thread_setup=io_thread_setup)
+        self.peers = PeerView(PeerRegistry(self._redis, self._keys), config.node, thread_setup=io_thread_setup)
         self.peers.start()
         # Reads from this node's NVMe started ahead of the fetch that asks for them: key -> (slot, object length).
         self._disk_reads_ahead: dict[bytes, tuple[memoryview, Future[int]]] = {}
@@ -415,7 +415,7 @@ class CacheClient:
         this node's daemon answers from its manifest. An extent may go stale (compaction moves objects);
         what is read from it is verified like every load (``verify_disk_reads``)."""
         try:
-            return locate(self._redis, self._prefix, self.node, keys, self._promote_timeout_s)
+            return locate(self._redis, self._keys, self.node, keys, self._promote_timeout_s)
         except redis.RedisError as exc:
             log.debug("locating chunks on this node's NVMe failed: %s", exc)
             return [None] * len(keys)
@@ -560,7 +560,7 @@ class CacheClient:
         if node in self.peers.down:
             return
         try:
-            stream = PromotionStream(self._redis, self._prefix, node, keys, self._promote_timeout_s)
+            stream = PromotionStream(self._redis, self._keys, node, keys, self._promote_timeout_s)
         except redis.RedisError as exc:
             log.debug("promotion request to %s failed: %s", node, exc)
             return

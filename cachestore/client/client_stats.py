@@ -21,6 +21,7 @@ from typing import Literal
 
 import redis
 
+from prefixcache.indexer.keyspace import Keyspace
 from prefixcache.indexer.periodic_flusher import PeriodicFlusher
 
 log = logging.getLogger("prefixcache.client_stats")
@@ -47,19 +48,15 @@ COUNTERS = (
 )
 
 
-def client_stats_key(prefix: str, node: str) -> str:
-    return f"{prefix}cs:{node}"
-
-
 class ClientStatsRecorder(PeriodicFlusher):
     """One per client process: ``record_*`` from any thread, added to the node's client stats in the background."""
 
     thread_name = "prefixcache-client-stats"
 
-    def __init__(self, client: redis.Redis, prefix: str, node: str, interval_s: float = 1.0) -> None:
+    def __init__(self, client: redis.Redis, keyspace: Keyspace, node: str, interval_s: float = 1.0) -> None:
         super().__init__(interval_s)
         self._client = client
-        self._key = client_stats_key(prefix, node)
+        self._key = keyspace.client_stats(node)
         self._pending: Counter[str] = Counter()
         self._lock = threading.Lock()
 
@@ -163,10 +160,10 @@ class ClientStatsRecord:
             ours.count += theirs.count
 
 
-def read_client_stats(client: redis.Redis, prefix: str, node: str) -> dict[bytes, ClientStatsRecord]:
+def read_client_stats(client: redis.Redis, keyspace: Keyspace, node: str) -> dict[bytes, ClientStatsRecord]:
     """The client stats of ``node``, per namespace digest."""
     records: defaultdict[bytes, ClientStatsRecord] = defaultdict(ClientStatsRecord)
-    for raw_name, raw_value in client.hgetall(client_stats_key(prefix, node)).items():
+    for raw_name, raw_value in client.hgetall(keyspace.client_stats(node)).items():
         try:
             _read_field(records, raw_name.decode(), int(raw_value))
         except (ValueError, KeyError, IndexError):  # not written by a client of this version: skip

@@ -21,6 +21,7 @@ import redis
 
 from prefixcache.cachestore.tiers.nvme import Extent
 from prefixcache.indexer.keys import KEY_BYTES
+from prefixcache.indexer.keyspace import Keyspace
 
 log = logging.getLogger("prefixcache.client")
 
@@ -45,17 +46,19 @@ class PromotionStream:
     """One promotion request (cachestore/services/promotion.py), asked of ``node``'s daemon at once and answered
     slice by slice."""
 
-    def __init__(self, client: redis.Redis, prefix: str, node: str, keys: Sequence[bytes], timeout_s: float) -> None:
+    def __init__(
+        self, client: redis.Redis, keyspace: Keyspace, node: str, keys: Sequence[bytes], timeout_s: float
+    ) -> None:
         self._client = client
         self.node = node
         #: whether the node answered anything: a request that expires unheard went to a node that is down
         self.heard = False
         reply_id = uuid.uuid4().hex
-        self._reply = f"{prefix}pr:{reply_id}"
+        self._reply = keyspace.promotion_reply(reply_id)
         self._position = {key: i for i, key in enumerate(keys)}
         self._flags: list[bool | None] = [None] * len(self._position)
         self._deadline = time.monotonic() + timeout_s
-        client.rpush(f"{prefix}pq:{node}", format_request(reply_id, list(self._position)))
+        client.rpush(keyspace.promotion_queue(node), format_request(reply_id, list(self._position)))
 
     @property
     def expired(self) -> bool:
@@ -92,14 +95,16 @@ class PromotionStream:
             self._flags[i] = flag == "1"
 
 
-def locate(client: redis.Redis, prefix: str, node: str, keys: Sequence[bytes], timeout_s: float) -> list[Extent | None]:
+def locate(
+    client: redis.Redis, keyspace: Keyspace, node: str, keys: Sequence[bytes], timeout_s: float
+) -> list[Extent | None]:
     """Where ``node``'s NVMe tier holds each of ``keys`` (None: not there, or no answer in time): one request on
     ``P:xq:<node>``, answered on ``P:xr:<reply id>`` (cachestore/services/nvme_extents.py)."""
     if not keys:
         return []
     reply_id = uuid.uuid4().hex
-    client.rpush(f"{prefix}xq:{node}", format_request(reply_id, keys))
-    answer = client.blpop([f"{prefix}xr:{reply_id}"], timeout=timeout_s)
+    client.rpush(keyspace.extents_queue(node), format_request(reply_id, keys))
+    answer = client.blpop([keyspace.extents_reply(reply_id)], timeout=timeout_s)
     if answer is None:
         return [None] * len(keys)
     try:

@@ -53,9 +53,9 @@ class SchedulerIndex:
         bookkeeping = redis_client(index.url, socket_timeout_s=LEASE_TIMEOUT_S, connect_timeout_s=LEASE_TIMEOUT_S)
         return cls(
             index=index,
-            leases=Leases(bookkeeping, config.key_prefix),
-            recorder=ClientStatsRecorder(bookkeeping, config.key_prefix + ":", config.node),
-            peers=PeerView(PeerRegistry(bookkeeping, config.key_prefix), config.node).start(),
+            leases=Leases(bookkeeping, index.keyspace),
+            recorder=ClientStatsRecorder(bookkeeping, index.keyspace, config.node),
+            peers=PeerView(PeerRegistry(bookkeeping, index.keyspace), config.node).start(),
         )
 
     def close(self) -> None:

@@ -217,7 +217,8 @@ class NodeDaemon:
             log.info("daemon and its servers bound to CPUs %s", s.cpus)
         self._load_mac_key()
         self._start_index()
-        self.leases = Leases(redis_client(self.index.url), s.key_prefix)
+        keys = self.index.keyspace
+        self.leases = Leases(redis_client(self.index.url), keys)
         self._start_mooncake()
         self.nvme = NvmeStore(
             s.nvme_path,
@@ -235,7 +236,7 @@ class NodeDaemon:
         self.bucket = self._open_bucket()
         self.promoter = Promoter(
             self._waiting_redis(),
-            s.key_prefix + ":",
+            keys,
             self.index,
             self.dram,
             self.nvme,
@@ -243,7 +244,7 @@ class NodeDaemon:
             mac_key=self.mac_key,
             bucket=self.bucket,
         )
-        self.extents = ExtentServer(self._waiting_redis(), s.key_prefix + ":", self.nvme, s.node)
+        self.extents = ExtentServer(self._waiting_redis(), keys, self.nvme, s.node)
         if self.bucket is not None:
             self.object_write_behind = ObjectWriteBehind(self.index, self.nvme, self.bucket, s.node)
             self._start_service(self.object_write_behind)
@@ -270,7 +271,7 @@ class NodeDaemon:
             self._start_service(
                 KvEventPublisher(
                     self.index.url,
-                    s.key_prefix,
+                    keys,
                     s.node,
                     s.kv_events_endpoint,
                     s.kv_events_topic,
@@ -284,13 +285,13 @@ class NodeDaemon:
             self.dram,
             self.nvme,
             s.node,
-            EvictionOrders(self._waiting_redis(), s.key_prefix + ":"),
+            EvictionOrders(self._waiting_redis(), keys),
             bucket=self.bucket,
         )
         # after reconcile: orders queued while this node was down remove copies the index still names
         self.orders = orders = OrderServer(
             self._waiting_redis(),
-            s.key_prefix + ":",
+            keys,
             s.node,
             self.index,
             lambda entries: self.evictor.evict_here(entries).removed,
@@ -298,7 +299,7 @@ class NodeDaemon:
         self._start_service(orders)
         self.quotas = QuotaEnforcer(
             self.index,
-            QuotaStore(redis_client(self.index.url), s.key_prefix),
+            QuotaStore(redis_client(self.index.url), keys),
             self.evictor,
             s.node,
             self._protected,
@@ -322,7 +323,7 @@ class NodeDaemon:
         self._stack.callback(self.warmup_jobs.stop)
         self.supervisor.start()
         # last: other nodes read from this one once it beats, and the first thing stopped says it has left
-        self.peers = PeerRegistry(redis_client(self.index.url), s.key_prefix)
+        self.peers = PeerRegistry(redis_client(self.index.url), self.index.keyspace)
         self._start_service(Heartbeat(self.peers, s.node))
         if s.owner_nice < CALM_NICE:  # the owner yields its raised priority while a peer is lost
             self._start_service(OwnerPriority(self.peers, s.node, lambda: self.owner.pid, s.owner_nice))
@@ -594,7 +595,7 @@ class NodeDaemon:
 
     def client_stats(self) -> dict[bytes, ClientStatsRecord]:
         """The client stats of this node (what clients attached to it recorded), per namespace."""
-        return read_client_stats(self.promoter.client, self.settings.key_prefix + ":", self.settings.node)
+        return read_client_stats(self.promoter.client, self.index.keyspace, self.settings.node)
 
     def _open_bucket(self) -> ObjectTier | None:
         """The object tier, when ``object_store_url`` names one (imported only then: it needs the ``object`` extra);

@@ -16,6 +16,7 @@ import redis
 
 from prefixcache.cachestore.host.processes import ManagedProcess, find_executable, free_port
 from prefixcache.cachestore.host.secret_files import PRIVATE_FILE_MODE, make_private_dir
+from prefixcache.indexer.keyspace import Keyspace
 from prefixcache.indexer.redis_clients import redis_client, with_password
 
 #: What the embedded server's clients (the daemon, connectors, warm-up jobs, the proxy) may run: everything
@@ -36,7 +37,7 @@ INDEX_USER_COMMANDS = (
 def index_user_acl(user: str, password: str, key_prefix: str) -> str:
     """The ``user`` line (redis.conf, or ``ACL SETUSER`` without the word ``user``) of a shared index's user for
     the project: only the commands it runs (``INDEX_USER_COMMANDS``), only keys under ``key_prefix``, no channels."""
-    return f"user {user} on >{password} resetchannels ~{key_prefix}:* -@all {INDEX_USER_COMMANDS}"
+    return f"user {user} on >{password} resetchannels {Keyspace(key_prefix).acl_pattern} -@all {INDEX_USER_COMMANDS}"
 
 
 def _acl_password(password: str) -> str:

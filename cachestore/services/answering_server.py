@@ -3,6 +3,8 @@ takes each request off its node's queue and pushes its one answer onto the reply
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import redis
 
 from prefixcache.cachestore.client.node_requests import REPLY_TTL_S, parse_request
@@ -10,13 +12,14 @@ from prefixcache.cachestore.host.background_loop import BackgroundLoop
 
 
 class AnsweringServer(BackgroundLoop):
-    """Serves one queue of requests that each get one answer: ``answer(keys)``, on ``<reply_prefix><reply id>``."""
+    """Serves one queue of requests that each get one answer: ``answer(keys)``, on the list ``reply(reply id)``
+    names (a ``Keyspace`` method)."""
 
-    def __init__(self, client: redis.Redis, queue: str, reply_prefix: str) -> None:
+    def __init__(self, client: redis.Redis, queue: str, reply: Callable[[str], str]) -> None:
         super().__init__()
         self.client = client
         self.queue = queue
-        self.reply_prefix = reply_prefix
+        self.reply = reply
 
     def answer(self, keys: list[bytes]) -> str:
         raise NotImplementedError
@@ -29,7 +32,7 @@ class AnsweringServer(BackgroundLoop):
         if item is None:
             return False
         reply_id, keys = parse_request(item[1])
-        reply = f"{self.reply_prefix}{reply_id}"
+        reply = self.reply(reply_id)
         pipe = self.client.pipeline(transaction=False)
         pipe.rpush(reply, self.answer(keys))
         pipe.expire(reply, REPLY_TTL_S)

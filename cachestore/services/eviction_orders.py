@@ -26,6 +26,7 @@ import redis
 from prefixcache.cachestore.client.node_requests import format_request
 from prefixcache.cachestore.services.answering_server import AnsweringServer
 from prefixcache.indexer.index import ChunkEntry, PrefixIndex
+from prefixcache.indexer.keyspace import Keyspace
 
 log = logging.getLogger("prefixcache.eviction")
 #: How long an evict waits for other nodes to confirm: their work is an index read, file deletes and
@@ -38,9 +39,9 @@ SILENT_NODE_S = 30.0
 class EvictionOrders:
     """The evicting side: queue orders for other nodes and collect their answers."""
 
-    def __init__(self, client: redis.Redis, prefix: str, wait_s: float = ORDER_WAIT_S) -> None:
+    def __init__(self, client: redis.Redis, keyspace: Keyspace, wait_s: float = ORDER_WAIT_S) -> None:
         self._client = client
-        self._prefix = prefix
+        self._keys = keyspace
         self._wait_s = wait_s
         self._silent_until: dict[str, float] = {}
 
@@ -54,8 +55,8 @@ class EvictionOrders:
         pipe = self._client.pipeline(transaction=False)
         for node, keys in keys_by_node.items():
             reply_id = f"{{{order}}}{uuid.uuid4().hex}"
-            pending[f"{self._prefix}dr:{reply_id}"] = node
-            pipe.rpush(f"{self._prefix}dq:{node}", format_request(reply_id, keys))
+            pending[self._keys.eviction_reply(reply_id)] = node
+            pipe.rpush(self._keys.eviction_queue(node), format_request(reply_id, keys))
         pipe.execute()
         now = time.monotonic()
         deadline = now + self._wait_s
@@ -86,13 +87,13 @@ class OrderServer(AnsweringServer):
     def __init__(
         self,
         client: redis.Redis,
-        prefix: str,
+        keyspace: Keyspace,
         node: str,
         index: PrefixIndex,
         evict_here: Callable[[Sequence[ChunkEntry]], Iterable[ChunkEntry]],
     ) -> None:
         """``evict_here`` removes the given entries' copies this node can reach and returns those removed."""
-        super().__init__(client, f"{prefix}dq:{node}", f"{prefix}dr:")
+        super().__init__(client, keyspace.eviction_queue(node), keyspace.eviction_reply)
         self.index = index
         self.evict_here = evict_here
 

@@ -34,6 +34,7 @@ import zmq
 from prefixcache.cachestore.host.background_loop import BackgroundLoop
 from prefixcache.indexer.errors import ConfigError
 from prefixcache.indexer.index import FeedEvent
+from prefixcache.indexer.keyspace import Keyspace
 from prefixcache.indexer.redis_clients import redis_client
 from prefixcache.indexer.redis_index import RedisIndex
 
@@ -92,7 +93,7 @@ class KvEventPublisher(BackgroundLoop):
     def __init__(
         self,
         redis_url: str,
-        key_prefix: str,
+        keyspace: Keyspace,
         node: str,
         endpoint: str,
         topic: str,
@@ -100,10 +101,10 @@ class KvEventPublisher(BackgroundLoop):
         replay_endpoint: str | None = None,
     ) -> None:
         super().__init__()
-        self._redis_url, self._key_prefix = redis_url, key_prefix
-        self.index = RedisIndex(redis_url, key_prefix=key_prefix)
+        self._redis_url, self._key_prefix = redis_url, keyspace.name
+        self.index = RedisIndex(redis_url, key_prefix=keyspace.name)
         self._sequences = redis_client(redis_url)
-        self._sequence_key = f"{key_prefix}:kvseq:{node}"
+        self._sequence_key = keyspace.kv_sequence(node)
         self.node = node
         self.block_size = block_size
         self.topic = topic.encode()

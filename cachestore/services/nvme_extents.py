@@ -17,6 +17,7 @@ import redis
 
 from prefixcache.cachestore.services.answering_server import AnsweringServer
 from prefixcache.cachestore.tiers.nvme import NvmeStore
+from prefixcache.indexer.keyspace import Keyspace
 
 
 class ExtentServer(AnsweringServer):
@@ -24,8 +25,8 @@ class ExtentServer(AnsweringServer):
 
     name = "prefixcache-extents"
 
-    def __init__(self, client: redis.Redis, prefix: str, nvme: NvmeStore, node: str) -> None:
-        super().__init__(client, f"{prefix}xq:{node}", f"{prefix}xr:")
+    def __init__(self, client: redis.Redis, keyspace: Keyspace, nvme: NvmeStore, node: str) -> None:
+        super().__init__(client, keyspace.extents_queue(node), keyspace.extents_reply)
         self.nvme = nvme
 
     def answer(self, keys: list[bytes]) -> str:

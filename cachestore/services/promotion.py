@@ -35,6 +35,7 @@ from prefixcache.cachestore.tiers.dram import MooncakeTier
 from prefixcache.cachestore.tiers.nvme import NvmeStore, read_size
 from prefixcache.cachestore.tiers.tier import StorageTier
 from prefixcache.indexer.index import ChunkEntry, Location, PrefixIndex
+from prefixcache.indexer.keyspace import Keyspace
 
 log = logging.getLogger("prefixcache.promotion")
 #: Bytes per streamed slice: a few chunks, so the first answer comes after a few ms of disk and the
@@ -51,9 +52,9 @@ class _Request:
     answered: int = 0
 
     @classmethod
-    def parse(cls, prefix: str, item: bytes) -> _Request:
+    def parse(cls, keyspace: Keyspace, item: bytes) -> _Request:
         reply_id, keys = parse_request(item)
-        return cls(f"{prefix}pr:{reply_id}", keys)
+        return cls(keyspace.promotion_reply(reply_id), keys)
 
     def next_fragment(self, decided: dict[bytes, bool]) -> str | None:
         """The answers for the run of keys decided since the last fragment, or None if there is none yet."""
@@ -81,7 +82,7 @@ class Promoter(BackgroundLoop):
     def __init__(
         self,
         client: redis.Redis,
-        prefix: str,
+        keyspace: Keyspace,
         index: PrefixIndex,
         dram: MooncakeTier,
         nvme: NvmeStore,
@@ -96,8 +97,8 @@ class Promoter(BackgroundLoop):
         self.bucket = bucket
         self.mac_key = mac_key
         self.client = client
-        self.queue = f"{prefix}pq:{node}"
-        self.prefix = prefix
+        self.queue = keyspace.promotion_queue(node)
+        self.keyspace = keyspace
         self.index = index
         self.dram = dram
         self.nvme = nvme
@@ -121,7 +122,7 @@ class Promoter(BackgroundLoop):
         if first is None:
             return 0
         raw = [first[1]] + (self.client.lpop(self.queue, self.max_batch - 1) or [])
-        requests = [_Request.parse(self.prefix, item) for item in raw]
+        requests = [_Request.parse(self.keyspace, item) for item in raw]
         decided: dict[bytes, bool] = {}
         for outcome in self._promote(list(dict.fromkeys(k for r in requests for k in r.keys))):
             decided.update(outcome)

@@ -44,6 +44,7 @@ from prefixcache.cachestore.tiers.tier import Removal, TierHealth
 from prefixcache.cachestore.tiers.usage import TierUsage
 from prefixcache.indexer.errors import PrefixCacheError
 from prefixcache.indexer.index import Tier
+from prefixcache.indexer.keyspace import Keyspace
 
 log = logging.getLogger("prefixcache.dram")
 
@@ -116,7 +117,7 @@ class MooncakeTier:
         self.arena = Arena(base, arena_bytes)
         self._probe_address = base + arena_bytes
         self._regions = [(base, registered)]  # registered memory gets may write into: (address, size)
-        self._prefix = object_prefix + ":"
+        self._prefix = Keyspace(object_prefix).root  # Mooncake names its objects under the same prefix as Redis
         self._config = ReplicateConfig()
         if preferred_segment:
             self._config.preferred_segment = preferred_segment

@@ -1,22 +1,45 @@
--- Shared by every prefixcache script. Key layout, where R is the index's prefix (e.g. "pc:"):
---   C e:<key>     HASH   one chunk entry: parent root ns tenant ntok size ctime atime hits pin probe,
---                        plus one field "l:<tier>@<node>" per location (value: ms it was added),
---                        "dram", how many of them are DRAM copies (lookups read that one field), and
---                        "counted" once the entry is in its tenant's usage (S tu)
---   C k:<parent>  SET    keys of the chunks registered directly below <parent>
---   C b:<probe>   HASH   probe bucket: <key> -> packed tokens of chunks sharing parent and first tokens
---   R ns          HASH   namespace digest -> canonical description (JSON)
---   S keys        ZSET   every entry's key (score 0), so listings page through keys in order
---   S u           HASH   usage per namespace: "<ns>:chunks" and "<ns>:bytes" count entries,
---                        "<ns>:<tier>:chunks" and "<ns>:<tier>:bytes" count copies in a tier
---   S tu          HASH   usage per tenant id, over every namespace: "<tenant>:chunks" and "<tenant>:bytes"
---                        count the entries marked "counted" ("" is the tenant of chunks without a salt);
---                        entries an earlier version registered, unmarked, join it through tenants.lua
---   S f:<node>    STREAM change feed of the locations on <node>: entries {op=add|drop, tier, key}
---                        (the node's daemon persists what lands in its DRAM; routers may subscribe)
---   S lease       ZSET   chunk key -> lease expiry, Unix seconds (indexer/leases.py)
---   R peers       HASH   which nodes answer: beat:<node>, suspect:<node>, left:<node> -> ms (peers.lua)
---   S a           HASH   (Cluster only) key -> anchor: which chain holds the entries this shard has
+-- Shared by every prefixcache script. Key layout, where R is the index's prefix (e.g. "pc:"), generated from
+-- indexer/keyspace.py (make docs; tests/test_keyspace.py checks it):
+-- BEGIN KEY LAYOUT
+--  C e:<key>                      hash        one chunk entry: parent, root, ns, tenant, ntok, size, ctime, atime,
+--                                             hits, pin, probe, one field l:<tier>@<node> per location (value: ms
+--                                             it was added), dram, how many of those are DRAM copies, and counted
+--                                             once the entry is in its tenant's usage
+--  C k:<parent>                   set         keys registered directly below a parent (evict-by-prefix walks this)
+--  C b:<probe>                    hash        probe bucket: key -> packed tokens of chunks sharing parent and first
+--                                             tokens
+--  R ns                           hash        namespace digest -> canonical description (JSON)
+--  S keys                         sorted set  every entry's key (score 0): listings page through keys in order
+--  S u                            hash        usage per namespace: "<ns>:chunks" and "<ns>:bytes" count entries,
+--                                             "<ns>:<tier>:chunks" and "<ns>:<tier>:bytes" count copies in a tier
+--  S tu                           hash        usage per tenant id over every namespace: "<tenant>:chunks" and
+--                                             "<tenant>:bytes" count the entries marked "counted" ("" is the tenant
+--                                             of chunks without a salt); entries an earlier version left unmarked
+--                                             join it through tenants.lua
+--  S f:<node>                     stream      change feed of the locations on <node>: entries {op=add|drop, tier,
+--                                             key} (write-behind and KV events, one consumer group each)
+--  S lease                        sorted set  chunk key -> lease expiry, Unix seconds (indexer/leases.py)
+--  S a                            hash        (Cluster only) key -> anchor: which chain holds the entries this
+--                                             shard has
+--  R peers                        hash        which nodes answer: beat:<node>, suspect:<node>, strikes:<node>,
+--                                             marks:<node>, left:<node> -> ms (indexer/peers.py)
+--  R quotas                       hash        quotas set through /v1/quotas: tenant:<id> / namespace:<digest> ->
+--                                             bytes
+--  R quota:room                   string      the room each scope had at the quota loop's last round (JSON)
+--  R quota:spent:<round>:<scope>  integer     bytes publishers spent of a scope's room (10 s TTL)
+--  R quota:lock                   string      which node runs the quota loop (a lease, set NX PX)
+--                                             (indexer/quotas.py)
+--  R kvseq:<node>                 string      the sequence number of the node's last KV-event batch
+--  R cs:<node>                    hash        client statistics summed per node: lookups, hits, tokens, latency
+--                                             buckets
+--  R pq:<node>                    list        promotion requests to one node's daemon
+--  R pr:<id>                      list        one promotion request's streamed answers
+--  R xq:<node>                    list        "where on your NVMe are these chunks?" requests to one node's daemon
+--  R xr:<id>                      list        the answer to one extents request
+--  R dq:<node>                    list        eviction orders to one node's daemon
+--  R dr:<id>                      list        how many copies one eviction order removed
+--  R deployment-probe             none        read (never written) to check the deployment answers reads and writes
+-- END KEY LAYOUT
 -- On one Redis, C = S = R. On a Cluster every key of one chain carries the chain's anchor, its first chunk's
 -- key, as hash tag (C = R{<anchor>}:), so a lookup reads one shard; S = R{<tag>}: names the keys shared by the
 -- chains of one shard, with a tag that shard serves (indexer/redis_shards.py), so no key is written by
