@@ -4,25 +4,14 @@ prompt is computed, and when a request finishes)."""
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 
 from prefixcache.connector.load_costs import HitPart, ReadPath
 from prefixcache.connector.metadata import LoadChunk
-from prefixcache.indexer.chunking import PROBE_TOKENS
+from prefixcache.indexer.chunking import PROBE_TOKENS, ChunkGeometry
 from prefixcache.indexer.index import PrefixMatch
 
 
-@dataclass(frozen=True)
-class Geometry:
-    chunk_tokens: int
-    block_tokens: int
-
-    def blocks(self, start_token: int, end_token: int) -> slice:
-        """Request blocks holding tokens [start, end)."""
-        return slice(start_token // self.block_tokens, -(-end_token // self.block_tokens))
-
-
-def load_plan(match: PrefixMatch, blocks: list[int], start: int, end: int, g: Geometry) -> list[LoadChunk]:
+def load_plan(match: PrefixMatch, blocks: list[int], start: int, end: int, g: ChunkGeometry) -> list[LoadChunk]:
     """Chunks of ``match`` covering tokens [start, end), with the request blocks their pages go to.
 
     ``start`` is block-aligned (what vLLM's own prefix cache holds); a chunk it cuts is loaded from
@@ -96,7 +85,7 @@ def stored_prefix(matches: Sequence[PrefixMatch], tail_keys: Sequence[bytes | No
 
 
 def chunks_to_publish(
-    stored_chunks: int, computed: int, prompt_tokens: int, tail_done: bool, g: Geometry
+    stored_chunks: int, computed: int, prompt_tokens: int, tail_done: bool, g: ChunkGeometry
 ) -> tuple[list[tuple[int, int]], bool]:
     """Token ranges of the prompt chunks newly complete once ``computed`` tokens are, and whether the tail is done.
 
@@ -114,7 +103,7 @@ def chunks_to_publish(
     return ranges, tail_done
 
 
-def chunks_at_finish(stored_chunks: int, computed: int, prompt_tokens: int, g: Geometry) -> list[tuple[int, int]]:
+def chunks_at_finish(stored_chunks: int, computed: int, prompt_tokens: int, g: ChunkGeometry) -> list[tuple[int, int]]:
     """Token ranges to publish when a request finishes with the KV of its first ``computed`` tokens in its pages
     (its prompt and every generated token but the last, whose KV no step computed): the full chunks past the
     ``stored_chunks`` known to be stored, and the tail if it is at least PROBE_TOKENS long.
@@ -132,7 +121,7 @@ def chunks_at_finish(stored_chunks: int, computed: int, prompt_tokens: int, g: G
     return ranges
 
 
-def chunks_before_failure(blocks: Sequence[int], failed: Collection[int], g: Geometry) -> int:
+def chunks_before_failure(blocks: Sequence[int], failed: Collection[int], g: ChunkGeometry) -> int:
     """How many of a request's leading chunks lie wholly before the first of its ``blocks`` that failed to load.
     vLLM computes the request again from that block, so every chunk from there on is to be published again."""
     first = min((i for i, block in enumerate(blocks) if block in failed), default=0)

@@ -233,8 +233,7 @@ class SchedulerSide:
         if num_external_tokens > 0 and state.matches:
             end = state.local_tokens + num_external_tokens
             state.load = [
-                load_plan(match, state.blocks, state.local_tokens, end, self.store.plan_geometry)
-                for match in state.matches
+                load_plan(match, state.blocks, state.local_tokens, end, self.store.geometry) for match in state.matches
             ]
             self._to_lease.put([chunk.key for plan in state.load for chunk in plan])
             if state.load_async:
@@ -317,7 +316,7 @@ class SchedulerSide:
         preemption), it is looked up again: damaged DRAM copies are unlisted by then."""
         state.failed_loads += 1
         state.matched_for = -1
-        before = chunks_before_failure(state.blocks, failed, self.store.plan_geometry)
+        before = chunks_before_failure(state.blocks, failed, self.store.geometry)
         state.stored_chunks = min(state.stored_chunks, before)
         state.tail_done = False
 
@@ -390,7 +389,7 @@ class SchedulerSide:
             return
         done = computed + so.num_scheduled_tokens.get(req_id, 0)
         ranges, state.tail_done = chunks_to_publish(
-            state.stored_chunks, done, state.prompt_tokens, state.tail_done, self.store.plan_geometry
+            state.stored_chunks, done, state.prompt_tokens, state.tail_done, self.store.geometry
         )
         for start, end in ranges:
             meta.saves.append(self._save(req_id, state, state.prompt, start, end, state.blocks))
@@ -408,7 +407,7 @@ class SchedulerSide:
         if not publishes_output or self._loads.in_flight(request.request_id):
             return False
         computed = min(request.num_computed_tokens, request.num_tokens)
-        ranges = chunks_at_finish(state.stored_chunks, computed, state.prompt_tokens, self.store.plan_geometry)
+        ranges = chunks_at_finish(state.stored_chunks, computed, state.prompt_tokens, self.store.geometry)
         if not ranges:
             return False
         if state.hashers[0].num_tokens < computed:
@@ -429,7 +428,7 @@ class SchedulerSide:
             request=req_id,
             parents=[hasher.parent(chunk) for hasher in state.hashers],
             tokens=tokens[start * TOKEN_BYTES : end * TOKEN_BYTES],
-            blocks=blocks[self.store.plan_geometry.blocks(start, end)],
+            blocks=blocks[self.store.geometry.blocks(start, end)],
             tenant_salt=state.tenant_salt,
             variant=state.variant,
         )

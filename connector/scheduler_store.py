@@ -10,7 +10,6 @@ from typing import Any
 from prefixcache.cachestore.client.config import fetch_config
 from prefixcache.cachestore.client.scheduler_index import SchedulerIndex
 from prefixcache.connector.lookups import BatchedLookups
-from prefixcache.connector.plans import Geometry
 from prefixcache.connector.settings import ConnectorSettings, namespace_for
 from prefixcache.indexer.chunking import ChunkGeometry
 from prefixcache.indexer.namespace import NamespaceSpec
@@ -19,7 +18,6 @@ from prefixcache.indexer.namespace import NamespaceSpec
 @dataclass
 class SchedulerStore:
     geometry: ChunkGeometry
-    plan_geometry: Geometry
     namespaces: list[NamespaceSpec]  # one per shard (NamespaceSpec.shards)
     index: SchedulerIndex  # lookups, leases, and what this engine took from the cache (client stats)
     lookups: BatchedLookups  # the requests vLLM adds together are looked up together
@@ -35,7 +33,6 @@ class SchedulerStore:
         index = SchedulerIndex.attach(config, namespaces, settings.redis_password)
         return cls(
             geometry=ChunkGeometry(config.chunk_tokens, block_tokens=block_tokens),
-            plan_geometry=Geometry(config.chunk_tokens, block_tokens),
             namespaces=namespaces,
             index=index,
             lookups=BatchedLookups(

@@ -35,3 +35,9 @@ class ChunkGeometry:
                     f"chunk_tokens={self.chunk_tokens} is not a multiple of the engine's KV block size "
                     f"{self.block_tokens}; choose e.g. {nearest}"
                 )
+
+    def blocks(self, start_token: int, end_token: int) -> slice:
+        """The engine's KV blocks holding tokens [start, end): a geometry that knows the block size only."""
+        if self.block_tokens is None:
+            raise ConfigError("this chunk geometry has no KV block size: give block_tokens")
+        return slice(start_token // self.block_tokens, -(-end_token // self.block_tokens))

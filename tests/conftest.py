@@ -56,6 +56,7 @@ MODULE_TIERS = {
         "test_missing_extra",  # fresh interpreters without Mooncake
         "test_pages",
         "test_plots",  # one plot drawn (matplotlib, Agg)
+        "test_error_family",
         "test_eviction_policy",
         "test_quota_rounds",
         "test_quota_scopes",

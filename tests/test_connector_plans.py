@@ -15,7 +15,6 @@ from prefixcache.connector.load_policy import (
     sync_load_hazard,
 )
 from prefixcache.connector.plans import (
-    Geometry,
     chunks_at_finish,
     chunks_before_failure,
     chunks_to_publish,
@@ -24,10 +23,11 @@ from prefixcache.connector.plans import (
     tokens_by_tier,
 )
 from prefixcache.connector.scheduler_side import blocks_vllm_writes_first
+from prefixcache.indexer.chunking import ChunkGeometry
 from prefixcache.indexer.errors import ConfigError
 from prefixcache.indexer.index import PartialHit, PrefixMatch
 
-G = Geometry(chunk_tokens=256, block_tokens=128)
+G = ChunkGeometry(chunk_tokens=256, block_tokens=128)
 BLOCKS = list(range(100, 120))  # the request's blocks, in token order
 
 
@@ -127,8 +127,8 @@ def test_after_a_failed_load_chunks_from_the_one_holding_the_first_failed_block_
     assert chunks_before_failure(BLOCKS, {100}, G) == 0
     assert chunks_before_failure(BLOCKS, {7}, G) == 0  # none of the request's: everything again, to be safe
     # 16-token blocks (vLLM's CUDA default): sixteen to a chunk, and a failed one takes its whole chunk
-    assert chunks_before_failure(BLOCKS, {101}, Geometry(chunk_tokens=256, block_tokens=16)) == 0
-    assert chunks_before_failure(BLOCKS, {117}, Geometry(chunk_tokens=256, block_tokens=16)) == 1
+    assert chunks_before_failure(BLOCKS, {101}, ChunkGeometry(chunk_tokens=256, block_tokens=16)) == 0
+    assert chunks_before_failure(BLOCKS, {117}, ChunkGeometry(chunk_tokens=256, block_tokens=16)) == 1
 
 
 def test_blocks_vllm_zeroes_or_copies_into_are_written_before_a_load_may_start():

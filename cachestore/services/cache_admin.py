@@ -30,6 +30,7 @@ from prefixcache.cachestore.api.models import (
 from prefixcache.cachestore.services.eviction import Evictor
 from prefixcache.cachestore.services.tokenizers import LocalTokenizers
 from prefixcache.indexer.chunking import ChunkGeometry
+from prefixcache.indexer.errors import PrefixCacheError
 from prefixcache.indexer.index import ChunkEntry, PrefixIndex, Tier, subtree
 from prefixcache.indexer.keys import PrefixHasher
 from prefixcache.indexer.namespace import NamespaceSpec
@@ -42,11 +43,11 @@ PAGE_SCAN_LIMIT = 20_000
 MAX_SUBTREE = 1_000_000
 
 
-class NotFoundError(LookupError):
+class NotFoundError(PrefixCacheError, LookupError):
     """A named namespace or chunk does not exist (404)."""
 
 
-class ConflictError(RuntimeError):
+class ConflictError(PrefixCacheError, RuntimeError):
     """The request is valid but the chunk's state forbids it (409)."""
 
 

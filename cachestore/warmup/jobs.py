@@ -31,6 +31,7 @@ from prefixcache.cachestore.host.processes import die_with_parent
 from prefixcache.cachestore.warmup.policy import TENANT_ENV, WarmupPolicy, scrubbed_environment
 from prefixcache.cachestore.warmup.progress import Snapshot
 from prefixcache.cachestore.warmup.report import Report
+from prefixcache.indexer.errors import PrefixCacheError
 
 CANCEL_GRACE_S = 60.0
 LOG_TAIL_LINES = 30
@@ -79,12 +80,12 @@ class WarmupJob(BaseModel):
     error: str | None = Field(default=None, description="the end of the job's log when it failed")
 
 
-class JobNotFoundError(KeyError):
-    pass
+class JobNotFoundError(PrefixCacheError, KeyError):
+    """No warm-up job has the id asked for (404)."""
 
 
-class JobFinishedError(RuntimeError):
-    pass
+class JobFinishedError(PrefixCacheError, RuntimeError):
+    """The job asked to stop has already ended (409)."""
 
 
 class _Job:
