@@ -26,7 +26,7 @@ Hits = dict[str, int]
 
 
 class AccessLog(PeriodicFlusher):
-    thread_name = "prefixcache-access-log"
+    name = "prefixcache-access-log"
 
     def __init__(
         self,

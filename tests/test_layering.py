@@ -30,8 +30,9 @@ FOLDERS = ("cachestore", "connector", "indexer")
 #: ``cachestore.api``.
 LAYERS: dict[str, set[str]] = {
     # tokens -> keys, namespaces, the index protocol and its Redis backend: knows nothing of how bytes are stored
+    # (and the package's errors, background threads and log limits, which every layer uses)
     "indexer": set(),
-    # the machine: CPU sets, child processes and their priority, listeners, secret files, log limits
+    # the machine: CPU sets, child processes and their priority, listeners, secret files
     "cachestore.host": {"indexer"},
     # one chunk as bytes: codec, MAC, arena
     "cachestore.chunks": {"cachestore.host", "indexer"},

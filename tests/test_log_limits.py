@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from prefixcache.cachestore.host.log_limits import RepeatedErrors
+from prefixcache.indexer.log_limits import RepeatedErrors
 
 
 def test_the_same_error_is_logged_once_per_interval_with_a_count_of_the_others(caplog):

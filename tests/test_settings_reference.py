@@ -99,3 +99,15 @@ def test_serve_help_points_at_the_page():
     assert result.exit_code == 0
     assert "All settings: docs/settings.md" in result.output
     assert "REST API address [default: 127.0.0.1]" in result.output  # Settings.host's short help and default
+
+
+def test_the_index_password_comes_from_the_environment_only(monkeypatch):
+    """The one reading of ``PREFIXCACHE_REDIS_PASSWORD`` (daemon, ``warmup`` and ``proxy`` alike)."""
+    from prefixcache.cachestore.node.settings import redis_password_from_environment
+
+    monkeypatch.setenv("PREFIXCACHE_REDIS_PASSWORD", "s3cret")
+    assert redis_password_from_environment() == "s3cret"
+    monkeypatch.setenv("PREFIXCACHE_REDIS_PASSWORD", "")
+    assert redis_password_from_environment() is None
+    monkeypatch.delenv("PREFIXCACHE_REDIS_PASSWORD")
+    assert redis_password_from_environment() is None

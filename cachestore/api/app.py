@@ -11,10 +11,10 @@ from pydantic import BaseModel, Field
 from prefixcache.cachestore.api.admin_routes import install_error_handlers
 from prefixcache.cachestore.api.auth import AccessPolicy, install_access_policy, require_reader
 from prefixcache.cachestore.api.http_guards import LOOPBACK_HOSTS, install_http_guards
-from prefixcache.cachestore.api.models import Quota, TierUse
+from prefixcache.cachestore.api.models import Quota
 from prefixcache.cachestore.client.config import ClientConfig
 from prefixcache.cachestore.node.settings import DEFAULT_MAX_BODY_BYTES
-from prefixcache.indexer.index import Tier
+from prefixcache.indexer.index import Tier, Usage
 
 
 class ComponentHealth(BaseModel):
@@ -90,7 +90,7 @@ class QueueDepths(BaseModel):
 class NamespaceStats(BaseModel):
     chunks: int
     bytes: int
-    tiers: dict[Tier, TierUse] = Field(description="copies per tier, over all nodes")
+    tiers: dict[Tier, Usage] = Field(description="copies per tier, over all nodes")
     clients: ClientStats
 
 
@@ -121,7 +121,7 @@ class Stats(BaseModel):
     queues: QueueDepths
     clients: ClientStats
     namespaces: dict[str, NamespaceStats]
-    tenants: dict[str, TierUse] = Field(
+    tenants: dict[str, Usage] = Field(
         default_factory=dict, description="what each tenant holds (by tenant id; 'none': no cache_salt), over all nodes"
     )
     quotas: list[Quota] = Field(default_factory=list, description="every quota and what its scope holds (/v1/quotas)")

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, StringConstraints, model_validator
 
-from prefixcache.indexer.index import NamespaceUsage, Tier
+from prefixcache.indexer.index import NamespaceUsage, Tier, Usage
 from prefixcache.indexer.namespace import NamespaceSpec
 
 #: Longest prompt a lookup, eviction or pin may name (a 1M-token context; ~8 MB of JSON).
@@ -152,17 +152,12 @@ class Lookup(BaseModel):
     chunks: list[LookupChunk]
 
 
-class TierUse(BaseModel):
-    chunks: int
-    bytes: int
-
-
 class NamespaceInfo(BaseModel):
     namespace: str
     spec: NamespaceSpec
     chunks: int
     bytes: int
-    tiers: dict[Tier, TierUse]
+    tiers: dict[Tier, Usage]
 
 
 class EvictResult(BaseModel):
@@ -208,6 +203,6 @@ class Quota(BaseModel):
     evicted_chunks: int = Field(description="chunks this node evicted to keep the scope within its quota")
 
 
-def tier_use(held: NamespaceUsage | None) -> dict[Tier, TierUse]:
+def tier_use(held: NamespaceUsage | None) -> dict[Tier, Usage]:
     """A namespace's copies per tier, as answers show them."""
-    return {t: TierUse(chunks=u.chunks, bytes=u.bytes) for t, u in (held.tiers if held else {}).items()}
+    return dict(held.tiers) if held else {}

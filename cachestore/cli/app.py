@@ -15,7 +15,8 @@ from prefixcache.cachestore.cli.option_help import field_help
 from prefixcache.cachestore.cli.quotas import quota_app
 from prefixcache.cachestore.cli.warmup import CONTEXT as WARMUP_CONTEXT
 from prefixcache.cachestore.cli.warmup import warmup
-from prefixcache.cachestore.proxy.settings import AUTH_TOKEN_ENV, REDIS_PASSWORD_ENV, ProxySettings
+from prefixcache.cachestore.node.settings import redis_password_from_environment
+from prefixcache.cachestore.proxy.settings import AUTH_TOKEN_ENV, ProxySettings
 
 #: The help panels of ``serve``'s options (``prefixcache serve --help``), each a table of its own.
 NODE = "Node"
@@ -222,7 +223,7 @@ def proxy(
         publish_wait_s=publish_wait_s,
         retry_after_s=retry_after_s,
         auth_token=os.environ.get(AUTH_TOKEN_ENV),
-        redis_password=os.environ.get(REDIS_PASSWORD_ENV),
+        redis_password=redis_password_from_environment(),
     )
     with clear_errors():
         if auth_token_file is not None:

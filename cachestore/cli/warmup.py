@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from prefixcache.cachestore.cli.errors import clear_errors, err
+from prefixcache.cachestore.node.settings import redis_password_from_environment
 from prefixcache.cachestore.warmup.policy import TENANT_ENV
 from prefixcache.indexer.errors import ConfigError
 
@@ -94,7 +95,7 @@ def warmup(
                 max_prompts=max_prompts,
                 on_error=on_error,
                 arena_mb=arena_mb,
-                redis_password=password or os.environ.get("PREFIXCACHE_REDIS_PASSWORD"),
+                redis_password=password or redis_password_from_environment(),
                 engine_options=list(ctx.args),
                 progress_file=progress_file,
             )

@@ -51,7 +51,7 @@ COUNTERS = (
 class ClientStatsRecorder(PeriodicFlusher):
     """One per client process: ``record_*`` from any thread, added to the node's client stats in the background."""
 
-    thread_name = "prefixcache-client-stats"
+    name = "prefixcache-client-stats"
 
     def __init__(self, client: redis.Redis, keyspace: Keyspace, node: str, interval_s: float = 1.0) -> None:
         super().__init__(interval_s)

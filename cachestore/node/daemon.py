@@ -41,21 +41,19 @@ from prefixcache.cachestore.api.auth import AccessPolicy, admin_token_path
 from prefixcache.cachestore.api.http_guards import trusted_hosts
 from prefixcache.cachestore.api.liveness import liveness_router
 from prefixcache.cachestore.api.metrics import metrics_router
-from prefixcache.cachestore.api.models import TierUse
 from prefixcache.cachestore.api.quota_routes import quota, quota_router
 from prefixcache.cachestore.api.stats_report import all_client_stats, corrupt_by_reason, namespace_stats
 from prefixcache.cachestore.api.warmup_routes import warmup_router
 from prefixcache.cachestore.chunks.mac import KEY_FILE_NAME, ChunkMacKey
 from prefixcache.cachestore.client.client_stats import ClientStatsRecord, read_client_stats
 from prefixcache.cachestore.client.config import ClientConfig, MooncakeConfig, SecretFiles
-from prefixcache.cachestore.host.background_loop import BackgroundLoop
 from prefixcache.cachestore.host.cpus import allowed_cpus
 from prefixcache.cachestore.host.listeners import check_listeners
 from prefixcache.cachestore.host.processes import port_open
 from prefixcache.cachestore.host.secret_files import PRIVATE_UMASK, load_or_create_secret, make_private_dir, secrets_dir
 from prefixcache.cachestore.node.data_dir_lock import DataDirLock
 from prefixcache.cachestore.node.redis_server import EmbeddedRedis
-from prefixcache.cachestore.node.settings import NVME_PACK_FILE_BYTES, Settings
+from prefixcache.cachestore.node.settings import NVME_PACK_FILE_BYTES, Settings, redis_password_from_environment
 from prefixcache.cachestore.node.supervisor import Supervisor
 from prefixcache.cachestore.services.bucket_reconcile import BucketLimits, BucketReconciler
 from prefixcache.cachestore.services.cache_admin import CacheAdmin
@@ -79,6 +77,7 @@ from prefixcache.cachestore.tiers.tier import StorageTier
 from prefixcache.cachestore.tiers.usage import TierUsage
 from prefixcache.cachestore.warmup.jobs import WarmupJobs, local_url
 from prefixcache.cachestore.warmup.policy import WarmupPolicy
+from prefixcache.indexer.background_loop import BackgroundLoop
 from prefixcache.indexer.errors import ConfigError, IndexUnavailableError
 from prefixcache.indexer.index import Location
 from prefixcache.indexer.leases import Leases
@@ -360,7 +359,7 @@ class NodeDaemon:
 
     def _redis_password(self) -> str | None:
         """The index's password, for warm-up children (on their stdin): from the URL, else the environment."""
-        return urlsplit(self.index.url).password or os.environ.get("PREFIXCACHE_REDIS_PASSWORD") or None
+        return urlsplit(self.index.url).password or redis_password_from_environment()
 
     def _start_service(self, service: BackgroundLoop) -> None:
         service.start()
@@ -575,7 +574,7 @@ class NodeDaemon:
             ),
             clients=clients,
             namespaces=namespace_stats(usage, client_stats),
-            tenants={t or NO_TENANT: TierUse(chunks=u.chunks, bytes=u.bytes) for t, u in tenants.items()},
+            tenants={t or NO_TENANT: u for t, u in tenants.items()},
             quotas=[quota(state) for state in self.quotas.states(usage, tenants)],
             child_restarts=self.supervisor.restarts,
             peers=self._peer_stats(),

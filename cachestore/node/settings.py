@@ -634,6 +634,22 @@ class Settings(BaseSettings):
         return (init_settings, env_settings)
 
 
+class IndexSecrets(BaseSettings):
+    """The index's password, from the environment only (``PREFIXCACHE_REDIS_PASSWORD``; never a flag, which other
+    users of the host can read, nor the daemon's config file): the one place it is read, for the daemon's warm-up
+    jobs, ``prefixcache warmup`` and ``prefixcache proxy``. A password in the index's URL comes first."""
+
+    model_config = SettingsConfigDict(env_prefix="PREFIXCACHE_", extra="ignore")
+
+    redis_password: SecretStr | None = None
+
+
+def redis_password_from_environment() -> str | None:
+    """``PREFIXCACHE_REDIS_PASSWORD``, or None where it is unset or empty."""
+    secret = IndexSecrets().redis_password
+    return (secret.get_secret_value() or None) if secret is not None else None
+
+
 def read_config_file(path: Path) -> dict[str, Any]:
     """Parse a TOML or JSON config file into a dict, with errors that name the file."""
     try:

@@ -26,8 +26,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from prefixcache.cachestore.host.background_loop import BackgroundLoop
 from prefixcache.cachestore.host.processes import ManagedProcess
+from prefixcache.indexer.background_loop import BackgroundLoop
 
 log = logging.getLogger("prefixcache.daemon")
 #: A supervisor whose current check has run this long is stuck (a restart is bounded well below it).

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import redis
 
 from prefixcache.cachestore.client.node_requests import REPLY_TTL_S, parse_request
-from prefixcache.cachestore.host.background_loop import BackgroundLoop
+from prefixcache.indexer.background_loop import BackgroundLoop
 
 
 class AnsweringServer(BackgroundLoop):

@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prefixcache.cachestore.host.background_loop import BackgroundLoop
 from prefixcache.cachestore.services.reconcile import records_of, register
+from prefixcache.indexer.background_loop import BackgroundLoop
 from prefixcache.indexer.index import Location, PrefixIndex
 
 if TYPE_CHECKING:  # the object extra's

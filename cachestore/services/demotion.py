@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from prefixcache.cachestore.host.background_loop import PeriodicLoop
 from prefixcache.cachestore.services.write_behind import WriteBehind
 from prefixcache.cachestore.tiers.tier import StorageTier
+from prefixcache.indexer.background_loop import PeriodicLoop
 from prefixcache.indexer.index import Location, PrefixIndex
 
 log = logging.getLogger("prefixcache.demotion")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from contextlib import suppress
 
-from prefixcache.cachestore.host.background_loop import BackgroundLoop
+from prefixcache.indexer.background_loop import BackgroundLoop
 from prefixcache.indexer.errors import IndexUnavailableError
 from prefixcache.indexer.peers import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, PeerRegistry
 

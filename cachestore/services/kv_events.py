@@ -31,7 +31,7 @@ import msgspec
 import redis
 import zmq
 
-from prefixcache.cachestore.host.background_loop import BackgroundLoop
+from prefixcache.indexer.background_loop import BackgroundLoop
 from prefixcache.indexer.errors import ConfigError
 from prefixcache.indexer.index import FeedEvent
 from prefixcache.indexer.keyspace import Keyspace

@@ -17,10 +17,10 @@ from __future__ import annotations
 import logging
 import time
 
-from prefixcache.cachestore.host.background_loop import BackgroundLoop
 from prefixcache.cachestore.services.persist_failures import PersistFailureReason, PersistFailures
 from prefixcache.cachestore.tiers.nvme import NvmeStore
 from prefixcache.cachestore.tiers.tier import StorageTier
+from prefixcache.indexer.background_loop import BackgroundLoop
 from prefixcache.indexer.errors import IndexUnavailableError
 from prefixcache.indexer.index import Location, PrefixIndex
 

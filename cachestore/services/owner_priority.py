@@ -20,8 +20,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from prefixcache.cachestore.host.background_loop import BackgroundLoop
 from prefixcache.cachestore.host.cpu_priority import set_process_nice
+from prefixcache.indexer.background_loop import BackgroundLoop
 from prefixcache.indexer.peers import VIEW_REFRESH_S, PeerRegistry
 
 log = logging.getLogger("prefixcache.daemon")

@@ -30,10 +30,10 @@ from prefixcache.cachestore.chunks.codec import ChunkError, RejectCounts, decode
 from prefixcache.cachestore.chunks.mac import ChunkMacKey
 from prefixcache.cachestore.chunks.runs import runs_of_about
 from prefixcache.cachestore.client.node_requests import REPLY_TTL_S, parse_request
-from prefixcache.cachestore.host.background_loop import BackgroundLoop
 from prefixcache.cachestore.tiers.dram import MooncakeTier
 from prefixcache.cachestore.tiers.nvme import NvmeStore, read_size
 from prefixcache.cachestore.tiers.tier import StorageTier
+from prefixcache.indexer.background_loop import BackgroundLoop
 from prefixcache.indexer.index import ChunkEntry, Location, PrefixIndex
 from prefixcache.indexer.keyspace import Keyspace
 

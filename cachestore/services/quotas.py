@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from prefixcache.cachestore.host.background_loop import PeriodicLoop
 from prefixcache.cachestore.services.eviction import Evictor
+from prefixcache.indexer.background_loop import PeriodicLoop
 from prefixcache.indexer.index import ChunkEntry, NamespaceUsage, PrefixIndex, Usage
 from prefixcache.indexer.quotas import NO_TENANT, QuotaScope, QuotaStore, scopes_of
 

@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 
 from prefixcache.cachestore.chunks.codec import ChunkError, RejectCounts, decode
 from prefixcache.cachestore.chunks.mac import ChunkMacKey
-from prefixcache.cachestore.host.background_loop import BackgroundLoop
 from prefixcache.cachestore.services.persist_failures import PersistFailureReason, PersistFailures
 from prefixcache.cachestore.services.reconcile import drop_locations
 from prefixcache.cachestore.tiers.dram import MooncakeTier
 from prefixcache.cachestore.tiers.nvme import NvmeStore
+from prefixcache.indexer.background_loop import BackgroundLoop
 from prefixcache.indexer.errors import IndexUnavailableError
 from prefixcache.indexer.index import ChunkEntry, FeedEvent, Location, PrefixIndex
 

@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from prefixcache.cachestore.host.background_loop import BackgroundLoop
+from prefixcache.indexer.background_loop import BackgroundLoop
 
 log = logging.getLogger("prefixcache.dram")
 

@@ -1,12 +1,13 @@
-"""A thread that repeats one step until stopped: the shape of the daemon's background services, and of the
-keeper of a process's Mooncake attachment; ``PeriodicLoop``, one whose step comes every so often or when poked."""
+"""A thread that repeats one step until stopped: the one shape of every background thread of the package (the
+daemon's services, the keeper of a process's Mooncake attachment, the flushers of statistics,
+``periodic_flusher.py``); ``PeriodicLoop``, one whose step comes every so often or when poked."""
 
 from __future__ import annotations
 
 import logging
 import threading
 
-from prefixcache.cachestore.host.log_limits import RepeatedErrors
+from prefixcache.indexer.log_limits import RepeatedErrors
 
 log = logging.getLogger("prefixcache.daemon")
 
