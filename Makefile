@@ -35,9 +35,11 @@ test-integration: setup
 check-wheel: setup
 	VENV=$(VENV) bash tests/wheel/check.sh
 
-# The alert rules too, where promtool is installed (deploy/setup.sh installs it): a check and their unit tests, 2 s.
+# The generated documents (make docs) must be up to date. The alert rules too, where promtool is installed
+# (deploy/setup.sh installs it): a check and their unit tests, 2 s.
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	$(PY) -m devtools.settings_reference --check && $(PY) -m devtools.key_tables --check
 	if command -v promtool >/dev/null; then cd deploy/prometheus && promtool check rules prefixcache-rules.yaml \
 		&& promtool test rules prefixcache-rules.test.yaml; fi
 
