@@ -39,7 +39,11 @@ class Shards(Protocol):
     """The shards of one index and how a chain's keys are routed to them."""
 
     root: str  # R: the index's prefix, with its ':' ("pc:")
-    router: RedisClient  # for single-key commands: a cluster client routes each by its key
+
+    @property
+    def router(self) -> RedisClient:
+        """For single-key commands: a cluster client routes each by its key."""
+
     clustered: bool
 
     def all(self) -> list[Shard]:

@@ -17,11 +17,12 @@ import logging
 import threading
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 import redis
 
 from prefixcache.indexer.periodic_flusher import PeriodicFlusher
+from prefixcache.indexer.redis_clients import RedisClient
 
 log = logging.getLogger("prefixcache.client_stats")
 
@@ -56,7 +57,7 @@ class ClientStatsRecorder(PeriodicFlusher):
 
     thread_name = "prefixcache-client-stats"
 
-    def __init__(self, client: redis.Redis, prefix: str, node: str, interval_s: float = 1.0) -> None:
+    def __init__(self, client: RedisClient, prefix: str, node: str, interval_s: float = 1.0) -> None:
         super().__init__(interval_s)
         self._client = client
         self._key = client_stats_key(prefix, node)
@@ -163,7 +164,7 @@ class ClientStatsRecord:
             ours.count += theirs.count
 
 
-def read_client_stats(client: redis.Redis, prefix: str, node: str) -> dict[bytes, ClientStatsRecord]:
+def read_client_stats(client: RedisClient, prefix: str, node: str) -> dict[bytes, ClientStatsRecord]:
     """The client stats of ``node``, per namespace digest."""
     records: defaultdict[bytes, ClientStatsRecord] = defaultdict(ClientStatsRecord)
     for raw_name, raw_value in client.hgetall(client_stats_key(prefix, node)).items():
@@ -181,7 +182,7 @@ def _read_field(records: defaultdict[bytes, ClientStatsRecord], name: str, value
         entry.counters[counter] = value
         return
     _, op, part = counter.split(":")
-    latency = entry.latency[op]  # type: ignore[index]
+    latency = entry.latency[cast(Operation, op)]
     if part == "sum_us":
         latency.sum_s = value / 1e6
     elif part == "count":

@@ -17,10 +17,9 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
-import redis
-
-from prefixcache.cachestore.tiers.nvme import Extent
+from prefixcache.cachestore.tiers.nvme_io import Extent
 from prefixcache.indexer.keys import KEY_BYTES
+from prefixcache.indexer.redis_clients import RedisClient
 
 log = logging.getLogger("prefixcache.client")
 
@@ -45,7 +44,7 @@ class PromotionStream:
     """One promotion request (cachestore/services/promotion.py), asked of ``node``'s daemon at once and answered
     slice by slice."""
 
-    def __init__(self, client: redis.Redis, prefix: str, node: str, keys: Sequence[bytes], timeout_s: float) -> None:
+    def __init__(self, client: RedisClient, prefix: str, node: str, keys: Sequence[bytes], timeout_s: float) -> None:
         self._client = client
         self.node = node
         #: whether the node answered anything: a request that expires unheard went to a node that is down
@@ -92,7 +91,7 @@ class PromotionStream:
             self._flags[i] = flag == "1"
 
 
-def locate(client: redis.Redis, prefix: str, node: str, keys: Sequence[bytes], timeout_s: float) -> list[Extent | None]:
+def locate(client: RedisClient, prefix: str, node: str, keys: Sequence[bytes], timeout_s: float) -> list[Extent | None]:
     """Where ``node``'s NVMe tier holds each of ``keys`` (None: not there, or no answer in time): one request on
     ``P:xq:<node>``, answered on ``P:xr:<reply id>`` (cachestore/services/nvme_extents.py)."""
     if not keys:

@@ -3,16 +3,15 @@ takes each request off its node's queue and pushes its one answer onto the reply
 
 from __future__ import annotations
 
-import redis
-
 from prefixcache.cachestore.client.node_requests import REPLY_TTL_S, parse_request
 from prefixcache.cachestore.host.background_loop import BackgroundLoop
+from prefixcache.indexer.redis_clients import RedisClient
 
 
 class AnsweringServer(BackgroundLoop):
     """Serves one queue of requests that each get one answer: ``answer(keys)``, on ``<reply_prefix><reply id>``."""
 
-    def __init__(self, client: redis.Redis, queue: str, reply_prefix: str) -> None:
+    def __init__(self, client: RedisClient, queue: str, reply_prefix: str) -> None:
         super().__init__()
         self.client = client
         self.queue = queue

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import json
 
-import redis
-
 from prefixcache.cachestore.services.answering_server import AnsweringServer
 from prefixcache.cachestore.tiers.nvme import NvmeStore
+from prefixcache.indexer.redis_clients import RedisClient
 
 
 class ExtentServer(AnsweringServer):
@@ -24,7 +23,7 @@ class ExtentServer(AnsweringServer):
 
     name = "prefixcache-extents"
 
-    def __init__(self, client: redis.Redis, prefix: str, nvme: NvmeStore, node: str) -> None:
+    def __init__(self, client: RedisClient, prefix: str, nvme: NvmeStore, node: str) -> None:
         super().__init__(client, f"{prefix}xq:{node}", f"{prefix}xr:")
         self.nvme = nvme
 

@@ -280,7 +280,7 @@ class _Manifest:
         return rocksdict.Rdict(str(self.path), options)
 
     def items(self) -> list[tuple[bytes, bytes]]:
-        return list(self._db.items())
+        return list(self._db.items())  # type: ignore[arg-type]  # rocksdict's stub: RdictItems, with no item type
 
     def write(self, puts: Iterable[tuple[bytes, bytes]] = (), deletes: Iterable[bytes] = ()) -> None:
         batch = rocksdict.WriteBatch(raw_mode=True)
