@@ -36,6 +36,7 @@ from prefixcache.indexer.index import (
     Location,
     NamespaceCheck,
     NamespaceUsage,
+    PrefixIndex,
     PrefixMatch,
     Tier,
     Usage,
@@ -114,7 +115,7 @@ def register_args(
     return args
 
 
-class RedisIndex:
+class RedisIndex(PrefixIndex):
     """``PrefixIndex`` on one Redis (standalone, replicated, or found through Sentinel) or a Redis Cluster."""
 
     def __init__(

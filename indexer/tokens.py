@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Sequence
+from typing import TypeAlias
 
 import numpy as np
 
@@ -20,7 +21,7 @@ TOKEN_BYTES = 4
 if array("I").itemsize != TOKEN_BYTES or sys.byteorder != "little":  # pragma: no cover
     raise ImportError("prefixcache keys are little-endian uint32 tokens; this platform's 'unsigned int' is not")
 
-TokenIds = Sequence[int] | np.ndarray | array[int]
+TokenIds: TypeAlias = "Sequence[int] | np.ndarray | array[int]"  # array is generic only to the type checker on 3.11
 
 
 def token_array(tokens: TokenIds) -> array[int]:

@@ -40,7 +40,7 @@ from prefixcache.cachestore.chunks.codec import ChunkError, ChunkMeta, read_meta
 from prefixcache.cachestore.tiers.mooncake_attachment import AttachmentKeeper
 from prefixcache.cachestore.tiers.mooncake_import import MooncakeDistributedStore, ReplicateConfig, SoftPinAction
 from prefixcache.cachestore.tiers.mooncake_servers import bound_rpc_timeouts
-from prefixcache.cachestore.tiers.tier import Removal, TierHealth
+from prefixcache.cachestore.tiers.tier import Removal, StorageTier, TierHealth
 from prefixcache.cachestore.tiers.usage import TierUsage
 from prefixcache.indexer.errors import PrefixCacheError
 from prefixcache.indexer.index import Tier
@@ -72,7 +72,7 @@ class TierUnavailableError(PrefixCacheError, ConnectionError):
     """The tier cannot be attached at all (setup failed); a running tier reports misses instead."""
 
 
-class MooncakeTier:
+class MooncakeTier(StorageTier):
     """The DRAM tier (module docstring); a ``StorageTier`` (cachestore/tiers/tier.py)."""
 
     tier: Tier = "dram"

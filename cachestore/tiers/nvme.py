@@ -53,7 +53,7 @@ import rocksdict
 from prefixcache.cachestore.tiers.eviction_policy import EvictionPolicy, LruPolicy
 from prefixcache.cachestore.tiers.nvme_io import PAGE, Extent, open_for_reading, page_align, page_aligned, read_size
 from prefixcache.cachestore.tiers.nvme_scan import scan_pack_file
-from prefixcache.cachestore.tiers.tier import Removal, TierHealth
+from prefixcache.cachestore.tiers.tier import Removal, StorageTier, TierHealth
 from prefixcache.cachestore.tiers.usage import TierUsage
 from prefixcache.indexer.errors import ConfigError
 from prefixcache.indexer.index import Tier
@@ -363,7 +363,7 @@ def _validate(capacity_bytes: int, pack_file_bytes: int) -> None:
         )
 
 
-class NvmeStore:
+class NvmeStore(StorageTier):
     """The NVMe tier of one node (see the module docstring for layout, durability and space rules); a
     ``StorageTier`` (cachestore/tiers/tier.py), evicting in its ``EvictionPolicy``'s order.
 

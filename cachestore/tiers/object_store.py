@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 
 from prefixcache.cachestore.chunks.codec import RejectCounts
 from prefixcache.cachestore.chunks.seal import ChunkSealer, SealError
-from prefixcache.cachestore.tiers.tier import Removal, TierHealth
+from prefixcache.cachestore.tiers.tier import Removal, StorageTier, TierHealth
 from prefixcache.cachestore.tiers.usage import TierUsage
 from prefixcache.indexer.errors import ConfigError
 from prefixcache.indexer.index import Tier
@@ -155,7 +155,7 @@ def shared_file_credentials() -> dict[str, str | None] | None:
     }
 
 
-class ObjectTier:
+class ObjectTier(StorageTier):
     """The object tier of one node: a ``StorageTier`` (cachestore/tiers/tier.py) over a shared bucket."""
 
     tier: Tier = "object"
