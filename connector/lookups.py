@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 
-from prefixcache.indexer.index import PrefixIndex, PrefixMatch
+from prefixcache.indexer.index import IndexLookup, PrefixMatch
 from prefixcache.indexer.keys import PrefixQuery
 
 #: Requests looked up in one call at most: a Lua script holds Redis up while it runs, so a burst is split into
@@ -38,7 +38,7 @@ class BatchedLookups:
 
     def __init__(
         self,
-        index: PrefixIndex,
+        index: IndexLookup,
         max_batch: int = MAX_BATCH,
         avoid: Callable[[], AbstractSet[str]] = frozenset,
         here: Callable[[], str] = str,

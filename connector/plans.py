@@ -31,10 +31,10 @@ def load_plan(match: PrefixMatch, blocks: list[int], start: int, end: int, g: Ch
                 LoadChunk(
                     key,
                     stored_tokens,
-                    span.start - i * c // g.block_tokens,
+                    span.start - i * c // g.engine_block_tokens,
                     blocks[span],
                     in_dram=i not in nvme_only,
-                    ends_mid_block=hi % g.block_tokens != 0,
+                    ends_mid_block=hi % g.engine_block_tokens != 0,
                     remote=i in match.remote_dram,
                 )
             )
@@ -125,4 +125,4 @@ def chunks_before_failure(blocks: Sequence[int], failed: Collection[int], g: Chu
     """How many of a request's leading chunks lie wholly before the first of its ``blocks`` that failed to load.
     vLLM computes the request again from that block, so every chunk from there on is to be published again."""
     first = min((i for i, block in enumerate(blocks) if block in failed), default=0)
-    return first * g.block_tokens // g.chunk_tokens
+    return first * g.engine_block_tokens // g.chunk_tokens

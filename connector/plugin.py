@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     import torch
 
     from prefixcache.cachestore.client.cache_client import CacheClient
+    from prefixcache.connector.metadata import PrefixCacheMetadata
     from prefixcache.connector.worker_side import WorkerSide
     from prefixcache.indexer.namespace import NamespaceSpec
 
@@ -111,7 +112,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
 
     # -- worker side ---------------------------------------------------------------------------------
 
-    def get_mem_pool_context(self) -> AbstractContextManager | None:
+    def get_mem_pool_context(self) -> AbstractContextManager[object] | None:
         """On the CPU backend, vLLM allocates its KV cache inside this context: in the client's shared
         memory, so that loads write chunks straight into the pages (connector/shared_kv.py).
 
@@ -276,7 +277,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
     def build_prom_metrics(
         cls,
         vllm_config: Any,
-        metric_types: dict,
+        metric_types: dict[type[Any], type[Any]],
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> PrefixCachePromMetrics:
@@ -297,7 +298,7 @@ def _on_cpu_backend() -> bool:
     return current_platform.is_cpu()
 
 
-def _metadata_type() -> type:
+def _metadata_type() -> type[PrefixCacheMetadata]:
     from prefixcache.connector.metadata import PrefixCacheMetadata
 
     return PrefixCacheMetadata

@@ -255,6 +255,7 @@ class SchedulerSide:
             store.lookups.new_pass()
         self._sync_bytes_in_pass = 0
         meta = PrefixCacheMetadata(loads=[{} for _ in store.namespaces] if store is not None else [{}])
+        state: RequestState | None
         for req_id, state in self.requests.items():
             for shard, plan in enumerate(state.load):
                 meta.loads[shard][req_id] = plan

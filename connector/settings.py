@@ -146,7 +146,7 @@ def arena_mib(setting: int | Literal["auto"], step_tokens: int, chunk_tokens: in
 def kv_bytes_per_token(kv_cache_group: Any) -> int:
     """Bytes of KV one token takes on one rank, over every layer of vLLM's (single) KV cache group."""
     spec = kv_cache_group.kv_cache_spec
-    return spec.page_size_bytes * len(kv_cache_group.layer_names) // spec.block_size
+    return int(spec.page_size_bytes * len(kv_cache_group.layer_names) // spec.block_size)
 
 
 #: The KV cache specs whose blocks vLLM keeps for every token of a running request, so that a chunk's pages hold
@@ -215,7 +215,8 @@ def attention_backends(vllm_config: Any, layer_names: Iterable[str]) -> set[str]
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
-    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names)
+    # vLLM filters layers by this abstract base; mypy takes only a concrete class for a type[T] parameter
+    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names)  # type: ignore[type-abstract]
     return {layer.get_attn_backend().get_name() for layer in layers.values()}
 
 

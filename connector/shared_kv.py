@@ -27,7 +27,9 @@ class SharedKVAllocation(TorchFunctionMode):
         self._allocate = allocate
         self.allocated: memoryview | None = None
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func is torch.zeros and self.allocated is None and _is_kv_buffer(args, kwargs):
             size = math.prod(args[0]) if isinstance(args[0], (tuple, list, torch.Size)) else int(args[0])
@@ -41,7 +43,7 @@ class SharedKVAllocation(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _is_kv_buffer(args: tuple, kwargs: dict) -> bool:
+def _is_kv_buffer(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """A one-dimensional int8 ``torch.zeros`` on the CPU, as ``allocate_kv_cache`` makes."""
     if len(args) != 1 or set(kwargs) - {"dtype", "device"} or kwargs.get("dtype") is not torch.int8:
         return False

@@ -112,7 +112,7 @@ class PrefixCachePromMetrics(KVConnectorPromMetrics):
     def __init__(
         self,
         vllm_config: Any,
-        metric_types: dict,
+        metric_types: dict[type[Any], type[Any]],
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
@@ -129,4 +129,5 @@ class PrefixCachePromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.items():
             if name in self._series and value:
-                self._series[name][engine_idx].inc(value)
+                # vLLM types _counter_cls as any of its metric classes; COUNTS are made with it as counters
+                self._series[name][engine_idx].inc(value)  # type: ignore[union-attr]

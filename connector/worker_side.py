@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -100,7 +100,7 @@ class WorkerSide:
         self._slots = ThroughSlots(self._layout, self._copies, self._count_loaded, warn, setup, check_threads)
         self._async = Asynchronous(self._load_whole, self._publisher.store, setup)
         # the loaders of a step the forward pass reads, in the order their verdicts are collected
-        self._loaders: tuple[Loader, ...] = (self._slots, self._dram, self._nvme)
+        self._loaders: tuple[Loader[Any], ...] = (self._slots, self._dram, self._nvme)
         # This step's loads (by request) until they are finished, then the requests whose loads failed.
         self._loads: dict[str, list[LoadChunk]] = {}
         self._failed_requests: set[str] = set()

@@ -36,8 +36,14 @@ class ChunkGeometry:
                     f"{self.block_tokens}; choose e.g. {nearest}"
                 )
 
-    def blocks(self, start_token: int, end_token: int) -> slice:
-        """The engine's KV blocks holding tokens [start, end): a geometry that knows the block size only."""
+    @property
+    def engine_block_tokens(self) -> int:
+        """``block_tokens`` of an engine's geometry, which always knows it; a ConfigError where it is not given."""
         if self.block_tokens is None:
             raise ConfigError("this chunk geometry has no KV block size: give block_tokens")
-        return slice(start_token // self.block_tokens, -(-end_token // self.block_tokens))
+        return self.block_tokens
+
+    def blocks(self, start_token: int, end_token: int) -> slice:
+        """The engine's KV blocks holding tokens [start, end): a geometry that knows the block size only."""
+        block = self.engine_block_tokens
+        return slice(start_token // block, -(-end_token // block))

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, cast, runtime_checkable
 
 import numpy as np
 
@@ -58,7 +58,7 @@ class Location:
         tier, sep, node = text.partition("@")
         if not sep:
             raise ValueError(f"a location looks like 'dram@node1', got {text!r}")
-        return cls(tier, node)  # type: ignore[arg-type]
+        return cls(cast(Tier, tier), node)  # checked by __post_init__
 
 
 @dataclass(frozen=True)
@@ -219,20 +219,17 @@ class NamespaceCheck:
         return {c.digest.hex(): mismatched_fields(self.spec, c) for c in self.conflicts}
 
 
-@runtime_checkable
-class PrefixIndex(Protocol):
-    """The operations every index backend offers. See the module docstring for the contract."""
+class IndexConnection(Protocol):
+    """The backend itself: whether it answers, and closing it."""
 
     def ping(self) -> None:
         """Raise IndexUnavailableError unless the backend answers."""
 
-    def clock_s(self) -> float:
-        """The index's clock, Unix seconds: what entries' times (created, last access), pins and leases are
-        written in, so every node compares them against it rather than against its own clock."""
+    def close(self) -> None: ...
 
-    def register_namespace(self, spec: NamespaceSpec) -> NamespaceCheck: ...
 
-    def namespaces(self) -> list[NamespaceSpec]: ...
+class IndexLookup(Protocol):
+    """Finding the longest cached prefix of prompts, and counting its use (connectors, the proxy, admin)."""
 
     def lookup(
         self, query: PrefixQuery, *, touch: bool = True, avoid: AbstractSet[str] = frozenset(), here: str = ""
@@ -259,6 +256,18 @@ class PrefixIndex(Protocol):
     def flush_access(self) -> None:
         """Apply the last-access/hit updates of past lookups now (a backend may apply them later)."""
 
+
+class IndexRegistration(Protocol):
+    """Entries by key: registering chunks and namespaces, reading entries back, adding and dropping their
+    locations, removing and pinning them (the node's services that store, move and evict bytes). ``clock_s`` is
+    the clock entries' times and pins are written in."""
+
+    def clock_s(self) -> float:
+        """The index's clock, Unix seconds: what entries' times (created, last access), pins and leases are
+        written in, so every node compares them against it rather than against its own clock."""
+
+    def register_namespace(self, spec: NamespaceSpec) -> NamespaceCheck: ...
+
     def register(self, records: Sequence[ChunkRecord]) -> None: ...
 
     def get(self, keys: Sequence[bytes]) -> list[ChunkEntry | None]: ...
@@ -275,8 +284,41 @@ class PrefixIndex(Protocol):
     def set_pin(self, keys: Sequence[bytes], until_s: float) -> int:
         """Pin entries until ``until_s`` (math.inf: forever; 0: unpin); returns how many exist."""
 
+
+class IndexListing(Protocol):
+    """Walking what the index holds: every entry, pages in key order, a chunk's children, the namespaces."""
+
+    def scan(self, batch: int = 512) -> Iterator[ChunkEntry]:
+        """Every entry, in no particular order."""
+
+    def page(self, after: bytes | None, count: int) -> list[ChunkEntry]:
+        """Up to ``count`` entries whose keys sort after ``after`` (from the first when None), in key order:
+        a stable cursor for listings that neither repeats nor skips entries present throughout."""
+
     def children(self, key: bytes) -> list[bytes]:
         """Keys of the chunks registered directly below ``key``."""
+
+    def namespaces(self) -> list[NamespaceSpec]: ...
+
+
+class IndexAccounting(Protocol):
+    """What each namespace and tenant holds, kept up to date by every change (quotas, admin)."""
+
+    def usage(self) -> dict[bytes, NamespaceUsage]:
+        """Per namespace digest: its entries and its copies per tier, kept up to date by every change."""
+
+    def tenant_usage(self) -> dict[str, Usage]:
+        """Per tenant id (``""``: chunks without a tenant), its entries over every namespace, kept up to date by
+        every change; tenants holding nothing are left out."""
+
+    def count_tenant_usage(self) -> int:
+        """Add to ``tenant_usage`` the entries it does not count yet: those an index filled by an earlier version
+        holds. Returns how many were added; safe to run beside any other call, and again (a daemon's start runs
+        it)."""
+
+
+class IndexFeed(Protocol):
+    """Each node's change feed of locations added and dropped, read by consumer groups (write-behind)."""
 
     def read_feed(
         self, node: str, group: str, consumer: str, count: int = 256, block_s: float = 0.0
@@ -291,29 +333,14 @@ class PrefixIndex(Protocol):
         """Deliver this consumer's unacknowledged events again, from its next ``read_feed`` on, before new
         ones: how a consumer retries the events of a step that failed without restarting."""
 
-    def scan(self, batch: int = 512) -> Iterator[ChunkEntry]:
-        """Every entry, in no particular order."""
-
-    def page(self, after: bytes | None, count: int) -> list[ChunkEntry]:
-        """Up to ``count`` entries whose keys sort after ``after`` (from the first when None), in key order:
-        a stable cursor for listings that neither repeats nor skips entries present throughout."""
-
-    def usage(self) -> dict[bytes, NamespaceUsage]:
-        """Per namespace digest: its entries and its copies per tier, kept up to date by every change."""
-
-    def tenant_usage(self) -> dict[str, Usage]:
-        """Per tenant id (``""``: chunks without a tenant), its entries over every namespace, kept up to date by
-        every change; tenants holding nothing are left out."""
-
-    def count_tenant_usage(self) -> int:
-        """Add to ``tenant_usage`` the entries it does not count yet: those an index filled by an earlier version
-        holds. Returns how many were added; safe to run beside any other call, and again (a daemon's start runs
-        it)."""
-
     def feed_backlog(self, node: str, group: str) -> int:
         """Events on ``node``'s feed that ``group`` has not acknowledged yet (its queue depth)."""
 
-    def close(self) -> None: ...
+
+@runtime_checkable
+class PrefixIndex(IndexConnection, IndexLookup, IndexRegistration, IndexListing, IndexAccounting, IndexFeed, Protocol):
+    """Every role at once: what a backend implements. See the module docstring for the contract; a consumer that
+    needs one role takes that role's Protocol."""
 
 
 def check_namespace(spec: NamespaceSpec, registered: Iterable[NamespaceSpec]) -> NamespaceCheck:
@@ -324,7 +351,9 @@ def check_namespace(spec: NamespaceSpec, registered: Iterable[NamespaceSpec]) ->
     return NamespaceCheck(spec=spec, known=known, conflicts=conflicts)
 
 
-def attach_namespace(index: PrefixIndex, spec: NamespaceSpec, log: logging.Logger | None = None) -> NamespaceCheck:
+def attach_namespace(
+    index: IndexRegistration, spec: NamespaceSpec, log: logging.Logger | None = None
+) -> NamespaceCheck:
     """Register a client's namespace and warn, naming the differing fields, when its model is
     registered only under other namespaces: the client would otherwise see a silent 0% hit rate."""
     check = index.register_namespace(spec)
@@ -333,7 +362,7 @@ def attach_namespace(index: PrefixIndex, spec: NamespaceSpec, log: logging.Logge
     return check
 
 
-def subtree(index: PrefixIndex, keys: Iterable[bytes], limit: int) -> list[bytes]:
+def subtree(index: IndexListing, keys: Iterable[bytes], limit: int) -> list[bytes]:
     """``keys`` and every key registered below them (children, transitively), at most ``limit`` of them.
 
     A removed entry leaves its parent's set of children, but its own children stay filed under its key:

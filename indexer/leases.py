@@ -66,7 +66,9 @@ class Leases:
         try:
             for shard, positions in self._by_shard(keys).values():
                 with shard.client.pipeline(transaction=True) as pipe:
-                    pipe.time().zmscore(Keyspace.lease(shard.shared), [keys[i] for i in positions])
+                    pipe.time()
+                    # redis-py's stub types the members as str; Redis takes bytes alike
+                    pipe.zmscore(Keyspace.lease(shard.shared), [keys[i] for i in positions])  # type: ignore[misc]
                     (seconds, microseconds), expiries = pipe.execute()
                 now = seconds + microseconds / 1e6
                 for i, expiry in zip(positions, expiries, strict=True):

@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 
@@ -71,7 +72,7 @@ class PeerTable:
     marks: Mapping[str, int] = field(default_factory=dict)  # how often clients marked each node suspect
 
     @classmethod
-    def of_reply(cls, reply: list) -> PeerTable:
+    def of_reply(cls, reply: list[Any]) -> PeerTable:
         """The table from ``peers.lua``'s ``read`` reply: ``{now_ms, {field, value, ...}}``."""
         now_ms, fields = int(reply[0]), reply[1]
         tables: dict[str, dict[str, int]] = {"beat": {}, "suspect": {}, "left": {}, "marks": {}}
@@ -117,11 +118,12 @@ class PeerRegistry:
         self._key = keyspace.peers
         self._script = load_script(client, "peers", with_common=False)
 
-    def _call(self, op: str, node: str = "", *ms: int) -> list:
+    def _call(self, op: str, node: str = "", *ms: int) -> list[Any]:
         try:
-            return self._script(keys=[self._key], args=[op, node, *(ms or (0,))])
+            reply: list[Any] = self._script(keys=[self._key], args=[op, node, *(ms or (0,))])
         except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
             raise IndexUnavailableError(f"the table of peers is unreachable: {exc}") from exc
+        return reply
 
     def beat(self, node: str, ttl_s: float = HEARTBEAT_TTL_S, back_after_s: float = BACK_AFTER_S) -> None:
         """``node`` is alive for ``ttl_s`` more; back from a loss (its marks dropped) if its heartbeat had lapsed for

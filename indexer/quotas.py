@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import redis
 
@@ -73,7 +73,7 @@ class QuotaScope:
         kind, sep, scope_id = text.partition(":")
         if not sep:
             raise ConfigError(f"a quota's scope looks like 'tenant:<id>' or 'namespace:<digest>', not {text!r}")
-        return cls(kind, scope_id)  # type: ignore[arg-type]
+        return cls(cast(ScopeKind, kind), scope_id)  # checked by __post_init__
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.id}"

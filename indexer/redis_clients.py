@@ -17,7 +17,7 @@ Three deployments, told apart by the URL's scheme:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Any, TypeAlias
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import redis
@@ -113,20 +113,22 @@ def redis_client(
         raise ConfigError(f"invalid redis URL {redact_url(url)!r}: {exc}") from exc
 
 
-def _sentinel_primary(servers: ServerList, timeouts: dict[str, float]) -> redis.Redis:
+def _sentinel_primary(servers: ServerList, timeouts: dict[str, Any]) -> redis.Redis:
     service, _, db = servers.path.strip("/").partition("/")
     if db and not db.isdigit():
         raise ConfigError(f"a Sentinel URL's database is a number, got {db!r}")
     sentinel = redis.sentinel.Sentinel(servers.hosts, sentinel_kwargs=dict(timeouts), **timeouts)
-    return sentinel.master_for(
+    primary: redis.Redis = sentinel.master_for(
         service, username=servers.username, password=servers.password, db=int(db or 0), **timeouts
     )
+    return primary
 
 
-def cluster_client(servers: ServerList, timeouts: dict[str, float]) -> redis.cluster.RedisCluster:
+def cluster_client(servers: ServerList, timeouts: dict[str, Any]) -> redis.cluster.RedisCluster:
     """A cluster client that gives up quickly: a command routed to a failed master waits for the failover at most
     one retry, and the caller treats what still fails as a miss."""
-    nodes = [redis.cluster.ClusterNode(host, port) for host, port in servers.hosts]
+    # redis-py leaves ClusterNode.__init__ unannotated
+    nodes = [redis.cluster.ClusterNode(host, port) for host, port in servers.hosts]  # type: ignore[no-untyped-call]
     return redis.cluster.RedisCluster(
         startup_nodes=nodes,
         username=servers.username,

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from contextlib import contextmanager, suppress
 from importlib import resources
+from typing import Any, Literal, cast
 
 import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -35,7 +36,9 @@ from prefixcache.indexer.index import (
     Location,
     NamespaceCheck,
     NamespaceUsage,
+    PrefixIndex,
     PrefixMatch,
+    Tier,
     Usage,
     best_partial,
     check_namespace,
@@ -113,7 +116,7 @@ def register_args(
     return args
 
 
-class RedisIndex:
+class RedisIndex(PrefixIndex):
     """``PrefixIndex`` on one Redis (standalone, replicated, or found through Sentinel) or a Redis Cluster."""
 
     def __init__(
@@ -231,7 +234,7 @@ class RedisIndex:
         avoid: AbstractSet[str] = frozenset(),
         here: str = "",
     ) -> list[PrefixMatch]:
-        replies: list[list | None] = [None] * len(queries)
+        replies: list[list[Any] | None] = [None] * len(queries)
         by_shard: dict[str, tuple[Shard, list[int]]] = {}
         for i, query in enumerate(queries):
             if query.keys or not self.clustered:
@@ -265,7 +268,7 @@ class RedisIndex:
             self.touch(matches)
         return matches
 
-    def _read_first_buckets(self, queries: Sequence[PrefixQuery], replies: list, avoid: AbstractSet[str]) -> None:
+    def _read_first_buckets(self, queries: Sequence[PrefixQuery], replies: list[Any], avoid: AbstractSet[str]) -> None:
         """On a Cluster, the candidates of chains broken in their first chunk, from that chunk's probe bucket on the
         probe's own shard (its candidates are other chains' heads, which live elsewhere: not checked for presence
         here, and a vanished one is a miss when loaded; with nodes to ``avoid``, their entries are read to keep
@@ -275,7 +278,9 @@ class RedisIndex:
             return
         pipe = self._redis.pipeline(transaction=False)
         for i in wanted:
-            probe = queries[i].probes[0].hex()  # type: ignore[union-attr]
+            first = queries[i].probes[0]
+            assert first is not None  # wanted: only queries with a probe
+            probe = first.hex()
             pipe.hrandfield(
                 Keyspace.bucket(self._shards.chain_prefix(probe), probe), self._max_candidates, withvalues=True
             )
@@ -285,11 +290,11 @@ class RedisIndex:
             for i in wanted:
                 replies[i] = [0, b"", *self._reachable_candidates(replies[i][2:], avoid)]
 
-    def _reachable_candidates(self, candidates: list, avoid: AbstractSet[str]) -> list:
+    def _reachable_candidates(self, candidates: list[Any], avoid: AbstractSet[str]) -> list[Any]:
         """Of the (key hex, tokens, in-DRAM flag) triples ``candidates``, those with a copy on a node not in
         ``avoid``, flagged in DRAM for a DRAM copy on such a node. A bucket copy lies on no node."""
         keys = [bytes.fromhex(candidates[j].decode()) for j in range(0, len(candidates), 3)]
-        kept: list = []
+        kept: list[Any] = []
         for j, entry in zip(range(0, len(candidates), 3), self.get(keys), strict=True):
             usable = [loc for loc in entry.locations if loc.tier == "object" or loc.node not in avoid] if entry else []
             if usable:
@@ -310,7 +315,7 @@ class RedisIndex:
         for match in matches:
             self._access.record(b"".join(match.keys).hex())
 
-    def _match(self, query: PrefixQuery, reply: list, placed: bool) -> PrefixMatch:
+    def _match(self, query: PrefixQuery, reply: list[Any], placed: bool) -> PrefixMatch:
         """The match of ``query`` from its script reply; ``placed``: the lookup named the asking node, so a DRAM
         copy flagged '1' lies elsewhere ('2': on that node)."""
         hits = int(reply[0])
@@ -449,7 +454,7 @@ class RedisIndex:
             return 0
         return sum(int(reply[0]) for reply in self._on_every_shard(self._remove, [k.hex() for k in keys]))
 
-    def _on_every_shard(self, script: redis.commands.core.Script, args: list[object]) -> list[list]:
+    def _on_every_shard(self, script: redis.commands.core.Script, args: list[object]) -> list[list[Any]]:
         """``script`` run on each shard, which acts on the entries it holds; the probe-bucket drops of chain heads
         that the replies (``{result, elsewhere}``) carry are made before returning."""
         with self._reachable():
@@ -680,8 +685,8 @@ class RedisIndex:
 def _event(node: str, event_id: str, fields: dict[bytes, bytes]) -> FeedEvent:
     return FeedEvent(
         id=event_id,
-        op=fields[b"op"].decode(),  # type: ignore[arg-type]
-        location=Location(fields[b"tier"].decode(), node),  # type: ignore[arg-type]
+        op=cast(Literal["add", "drop"], fields[b"op"].decode()),  # written by common.lua: add or drop
+        location=Location(cast(Tier, fields[b"tier"].decode()), node),  # checked by Location
         key=bytes.fromhex(fields[b"key"].decode()),
     )
 

@@ -40,7 +40,11 @@ class Shards(Protocol):
     """The shards of one index and how a chain's keys are routed to them."""
 
     keyspace: Keyspace  # the key names, R among them
-    router: RedisClient  # for single-key commands: a cluster client routes each by its key
+
+    @property
+    def router(self) -> RedisClient:
+        """For single-key commands: a cluster client routes each by its key."""
+
     clustered: bool
 
     def all(self) -> list[Shard]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Sequence
+from typing import TypeAlias
 
 import numpy as np
 
@@ -20,10 +21,10 @@ TOKEN_BYTES = 4
 if array("I").itemsize != TOKEN_BYTES or sys.byteorder != "little":  # pragma: no cover
     raise ImportError("prefixcache keys are little-endian uint32 tokens; this platform's 'unsigned int' is not")
 
-TokenIds = Sequence[int] | np.ndarray | array
+TokenIds: TypeAlias = "Sequence[int] | np.ndarray | array[int]"  # array is generic only to the type checker on 3.11
 
 
-def token_array(tokens: TokenIds) -> array:
+def token_array(tokens: TokenIds) -> array[int]:
     """``tokens`` as an ``array('I')``, validated.
 
     Raises InvalidTokensError for anything that is not a sequence of integers in 0..2**32-1
@@ -59,7 +60,7 @@ def unpack_tokens(packed: bytes | memoryview) -> np.ndarray:
     return np.frombuffer(packed, dtype="<u4")
 
 
-def _from_numpy(tokens: np.ndarray) -> array:
+def _from_numpy(tokens: np.ndarray) -> array[int]:
     if tokens.ndim != 1:
         raise InvalidTokensError(f"token ids must be one-dimensional; got shape {tokens.shape}")
     if tokens.dtype.kind not in "iu":

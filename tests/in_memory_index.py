@@ -13,6 +13,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from prefixcache.indexer.index import (
     MAX_BUCKET_CANDIDATES,
@@ -22,6 +23,7 @@ from prefixcache.indexer.index import (
     Location,
     NamespaceCheck,
     NamespaceUsage,
+    PrefixIndex,
     PrefixMatch,
     Usage,
     best_partial,
@@ -39,7 +41,7 @@ class _Slot:
     locations: set[Location] = field(default_factory=set)
 
 
-class InMemoryIndex:
+class InMemoryIndex(PrefixIndex):
     """``PrefixIndex`` held in this process's memory (lost on exit; the NVMe tier rebuilds it)."""
 
     def __init__(self, max_candidates: int = MAX_BUCKET_CANDIDATES) -> None:
@@ -231,9 +233,9 @@ class InMemoryIndex:
             slot.locations.add(location)
             self._publish("add", location, slot.entry.key)
 
-    def _publish(self, op: str, location: Location, key: bytes) -> None:
+    def _publish(self, op: Literal["add", "drop"], location: Location, key: bytes) -> None:
         events = self._feeds[location.node]
-        events.append(FeedEvent(id=str(len(events)), op=op, location=location, key=key))  # type: ignore[arg-type]
+        events.append(FeedEvent(id=str(len(events)), op=op, location=location, key=key))
         self._feed_changed.notify_all()
 
     def scan(self, batch: int = 512) -> Iterator[ChunkEntry]:

@@ -4,6 +4,7 @@ can cause map to clear 4xx answers here, and an unreachable index to 503, so no 
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Annotated
 
 import redis
@@ -33,7 +34,7 @@ from prefixcache.indexer.errors import ConfigError, IndexUnavailableError, Inval
 from prefixcache.indexer.index import Tier
 
 KEY_PATH = Path(pattern=r"^[0-9a-fA-F]{32}$", description="chunk key, 32 hex characters")
-_ERRORS = {
+_ERRORS: dict[int | str, dict[str, object]] = {
     404: {"description": "no such chunk or namespace"},
     422: {"description": "invalid request"},
     503: {"description": "the index is unreachable"},
@@ -125,7 +126,7 @@ def install_error_handlers(app: FastAPI) -> None:
         app.add_exception_handler(error, _answer(code))
 
 
-def _answer(code: int):  # noqa: ANN202 - a Starlette exception handler
+def _answer(code: int) -> Callable[[Request, Exception], Awaitable[JSONResponse]]:  # a Starlette exception handler
     async def handler(request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse(status_code=code, content={"detail": str(exc)})
 

@@ -19,7 +19,10 @@ from prefixcache.indexer.quotas import QuotaScope
 ScopeId = Annotated[
     str, Path(pattern=r"^([0-9a-fA-F]{16}|none|[0-9a-fA-F]{32})$", description="tenant id or namespace digest")
 ]
-_ERRORS = {422: {"description": "invalid request"}, 503: {"description": "the index is unreachable"}}
+_ERRORS: dict[int | str, dict[str, object]] = {
+    422: {"description": "invalid request"},
+    503: {"description": "the index is unreachable"},
+}
 
 
 def quota(state: QuotaState) -> Quota:

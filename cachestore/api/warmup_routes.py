@@ -4,6 +4,7 @@ only what the daemon's operator allowed (``policy``): anything else is a 400 tha
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Path, status
@@ -60,7 +61,7 @@ def warmup_router(jobs: WarmupJobs) -> APIRouter:
     return router
 
 
-def _found(action, job_id: str) -> WarmupJob:
+def _found(action: Callable[[str], WarmupJob], job_id: str) -> WarmupJob:
     try:
         return action(job_id)
     except JobNotFoundError:

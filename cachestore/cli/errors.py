@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -24,7 +26,7 @@ class clear_errors:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> Literal[False]:
         if isinstance(exc, PrefixCacheError):
             fail(str(exc))
         return False

@@ -32,7 +32,8 @@ from prefixcache.indexer.errors import ConfigError
 
 CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
 #: The defaults of options whose help shows them on its line (typer would put them on a line of their own).
-BATCH_SIZE, SERVICE_URL, ON_ERROR = 16, "http://127.0.0.1:8600", "fail"
+BATCH_SIZE, SERVICE_URL = 16, "http://127.0.0.1:8600"
+ON_ERROR: Literal["skip", "fail"] = "fail"
 #: The help panels of ``warmup``'s options.
 RUN, JOB, FILES = "Run", "Job", "Files and output"
 EXIT_CODES = {"finished": 0, "nothing_to_do": 0, "stopped": 0, "incomplete": 1, "interrupted": 130}

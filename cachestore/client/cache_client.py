@@ -19,7 +19,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import redis
 
@@ -30,7 +30,8 @@ from prefixcache.cachestore.client.config import ClientConfig, chunk_mac_key, fe
 from prefixcache.cachestore.client.moving_rate import MovingRate
 from prefixcache.cachestore.client.node_requests import PromotionStream, locate
 from prefixcache.cachestore.tiers.dram import LATE, MooncakeTier
-from prefixcache.cachestore.tiers.nvme import Extent, read_extent
+from prefixcache.cachestore.tiers.nvme import read_extent
+from prefixcache.cachestore.tiers.nvme_io import Extent
 from prefixcache.indexer.chunking import ChunkGeometry
 from prefixcache.indexer.errors import IndexUnavailableError
 from prefixcache.indexer.index import ChunkRecord, Location, NamespaceCheck, PrefixMatch, attach_namespace
@@ -151,8 +152,8 @@ class CacheClient:
             log.warning("index unreachable at start-up (%s); lookups miss until it answers", exc)
 
     @classmethod
-    def connect(cls, service_url: str, spec: NamespaceSpec, **options: object) -> CacheClient:
-        return cls(fetch_config(service_url), spec, **options)  # type: ignore[arg-type]
+    def connect(cls, service_url: str, spec: NamespaceSpec, **options: Any) -> CacheClient:
+        return cls(fetch_config(service_url), spec, **options)
 
     def hasher(self, tenant_salt: str | None = None) -> PrefixHasher:
         return PrefixHasher(self.spec.root(tenant_salt), self.geometry)
@@ -617,8 +618,12 @@ class CacheClient:
         for i in positions:
             by_stream[self._streams.pop(keys[i])].append(i)
         for stream, waiting in by_stream.items():
+
+            def gone(node: str = stream.node) -> bool:
+                return node in self.peers.down
+
             try:
-                flags = stream.wait([keys[i] for i in waiting], gone=lambda node=stream.node: node in self.peers.down)
+                flags = stream.wait([keys[i] for i in waiting], gone=gone)
             except redis.RedisError as exc:
                 log.debug("promotion answer lost: %s", exc)
                 continue

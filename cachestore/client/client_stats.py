@@ -17,12 +17,13 @@ import logging
 import threading
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 import redis
 
 from prefixcache.indexer.keyspace import Keyspace
 from prefixcache.indexer.periodic_flusher import PeriodicFlusher
+from prefixcache.indexer.redis_clients import RedisClient
 
 log = logging.getLogger("prefixcache.client_stats")
 
@@ -53,7 +54,7 @@ class ClientStatsRecorder(PeriodicFlusher):
 
     name = "prefixcache-client-stats"
 
-    def __init__(self, client: redis.Redis, keyspace: Keyspace, node: str, interval_s: float = 1.0) -> None:
+    def __init__(self, client: RedisClient, keyspace: Keyspace, node: str, interval_s: float = 1.0) -> None:
         super().__init__(interval_s)
         self._client = client
         self._key = keyspace.client_stats(node)
@@ -160,7 +161,7 @@ class ClientStatsRecord:
             ours.count += theirs.count
 
 
-def read_client_stats(client: redis.Redis, keyspace: Keyspace, node: str) -> dict[bytes, ClientStatsRecord]:
+def read_client_stats(client: RedisClient, keyspace: Keyspace, node: str) -> dict[bytes, ClientStatsRecord]:
     """The client stats of ``node``, per namespace digest."""
     records: defaultdict[bytes, ClientStatsRecord] = defaultdict(ClientStatsRecord)
     for raw_name, raw_value in client.hgetall(keyspace.client_stats(node)).items():
@@ -178,7 +179,7 @@ def _read_field(records: defaultdict[bytes, ClientStatsRecord], name: str, value
         entry.counters[counter] = value
         return
     _, op, part = counter.split(":")
-    latency = entry.latency[op]  # type: ignore[index]
+    latency = entry.latency[cast(Operation, op)]
     if part == "sum_us":
         latency.sum_s = value / 1e6
     elif part == "count":

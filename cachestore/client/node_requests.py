@@ -17,11 +17,10 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
-import redis
-
-from prefixcache.cachestore.tiers.nvme import Extent
+from prefixcache.cachestore.tiers.nvme_io import Extent
 from prefixcache.indexer.keys import KEY_BYTES
 from prefixcache.indexer.keyspace import Keyspace
+from prefixcache.indexer.redis_clients import RedisClient
 
 log = logging.getLogger("prefixcache.client")
 
@@ -47,7 +46,7 @@ class PromotionStream:
     slice by slice."""
 
     def __init__(
-        self, client: redis.Redis, keyspace: Keyspace, node: str, keys: Sequence[bytes], timeout_s: float
+        self, client: RedisClient, keyspace: Keyspace, node: str, keys: Sequence[bytes], timeout_s: float
     ) -> None:
         self._client = client
         self.node = node
@@ -96,7 +95,7 @@ class PromotionStream:
 
 
 def locate(
-    client: redis.Redis, keyspace: Keyspace, node: str, keys: Sequence[bytes], timeout_s: float
+    client: RedisClient, keyspace: Keyspace, node: str, keys: Sequence[bytes], timeout_s: float
 ) -> list[Extent | None]:
     """Where ``node``'s NVMe tier holds each of ``keys`` (None: not there, or no answer in time): one request on
     ``P:xq:<node>``, answered on ``P:xr:<reply id>`` (cachestore/services/nvme_extents.py)."""

@@ -48,7 +48,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nobody listens on right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 _EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -142,10 +142,10 @@ class ManagedProcess:
     def start(self, timeout_s: float = 30.0) -> None:
         self._wait_for_ports(timeout_s)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
+        with open(self.log_path, "ab") as log_file:
             self._proc = subprocess.Popen(
                 self.argv,
-                stdout=log,
+                stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,

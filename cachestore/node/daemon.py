@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-import redis
 import uvicorn
 from pydantic import SecretStr
 
@@ -83,7 +82,7 @@ from prefixcache.indexer.index import Location
 from prefixcache.indexer.leases import Leases
 from prefixcache.indexer.peers import HEARTBEAT_TTL_S, PeerRegistry, PeerTable
 from prefixcache.indexer.quotas import NO_TENANT, QuotaStore
-from prefixcache.indexer.redis_clients import WAITING_SOCKET_TIMEOUT_S, public_redis_url, redis_client
+from prefixcache.indexer.redis_clients import WAITING_SOCKET_TIMEOUT_S, RedisClient, public_redis_url, redis_client
 from prefixcache.indexer.redis_index import RedisIndex
 
 if TYPE_CHECKING:  # the object extra's: imported where a bucket is set (``_open_bucket``)
@@ -183,6 +182,7 @@ class NodeDaemon:
         #: the object tier, when one is set (``object_store_url``), and what copies chunks to it
         self.bucket: ObjectTier | None = None
         self.object_write_behind: ObjectWriteBehind
+        self.extents: ExtentServer
         self.mac_key_file: Path
         self.mac_key: ChunkMacKey
         self.warmup_jobs: WarmupJobs
@@ -393,7 +393,7 @@ class NodeDaemon:
     def redis_password_file(self) -> Path:
         return (secrets_dir(self.settings.data_dir) / REDIS_PASSWORD_FILE).absolute()
 
-    def _waiting_redis(self) -> redis.Redis:
+    def _waiting_redis(self) -> RedisClient:
         """A connection of the index's Redis for a service that waits on queues (``BLPOP``)."""
         return redis_client(self.index.url, socket_timeout_s=WAITING_SOCKET_TIMEOUT_S)
 
@@ -566,7 +566,7 @@ class NodeDaemon:
             ),
             corrupt_chunks=sum(counts.total for counts in refused) + clients.corrupt_chunks,
             corrupt_by_reason=corrupt_by_reason(clients, *refused),
-            persist_failures=dict(wb.failures.counts),
+            persist_failures={str(reason): n for reason, n in wb.failures.counts.items()},
             queues=QueueDepths(
                 promotion=self.promoter.client.llen(self.promoter.queue),
                 write_behind=self.index.feed_backlog(self.settings.node, WRITE_BEHIND_GROUP),

@@ -22,7 +22,7 @@ from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource
 from prefixcache.cachestore.host.cpus import allowed_cpus, cpu_list, format_cpu_list
 from prefixcache.indexer.chunking import DEFAULT_CHUNK_TOKENS, MAX_CHUNK_TOKENS
 from prefixcache.indexer.errors import ConfigError
-from prefixcache.indexer.quotas import QuotaScope
+from prefixcache.indexer.quotas import QuotaScope, ScopeKind
 from prefixcache.indexer.redis_clients import check_redis_url
 
 #: Size of one NVMe pack file: large sequential writes, and the unit compaction works in.
@@ -31,12 +31,12 @@ NVME_PACK_FILE_BYTES = 256 << 20
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 
 
-def _scoped(quotas: dict[str, ByteSize], kind: str) -> dict[str, ByteSize]:
+def _scoped(quotas: dict[str, ByteSize], kind: ScopeKind) -> dict[str, ByteSize]:
     """``quotas`` with ids lower-cased, each checked as an id of ``kind``."""
     checked = {}
     for scope_id, limit in quotas.items():
         try:
-            checked[QuotaScope(kind, scope_id.lower()).id] = limit  # type: ignore[arg-type]
+            checked[QuotaScope(kind, scope_id.lower()).id] = limit
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
     return checked
@@ -432,8 +432,11 @@ class Settings(BaseSettings):
     @property
     def quotas(self) -> dict[QuotaScope, int]:
         """The quotas of ``tenant_quotas`` and ``namespace_quotas``, by scope."""
-        scoped = [("tenant", self.tenant_quotas), ("namespace", self.namespace_quotas)]
-        return {QuotaScope(kind, i): int(limit) for kind, quotas in scoped for i, limit in quotas.items()}  # type: ignore[arg-type]
+        scoped: list[tuple[ScopeKind, dict[str, ByteSize]]] = [
+            ("tenant", self.tenant_quotas),
+            ("namespace", self.namespace_quotas),
+        ]
+        return {QuotaScope(kind, i): int(limit) for kind, quotas in scoped for i, limit in quotas.items()}
 
     @field_validator("allowed_hosts", mode="before")
     @classmethod

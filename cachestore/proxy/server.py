@@ -27,6 +27,7 @@ import asyncio
 import hmac
 import json
 import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -135,13 +136,13 @@ class Proxy:
             return await self._decode(path, body, decode_order, headers)
         tokens = await self._prompt_tokens(path, body, decode_order[0], headers)
         aware = self.settings.routing == "cache-aware" and tokens is not None and "model" in body
-        if aware and await self._cached(body, tokens):
+        if aware and tokens is not None and await self._cached(body, tokens):
             self.stats.prefill_skipped += 1
         else:
             prefilled = await self._prefill(path, body, headers)
             if isinstance(prefilled, Response):
                 return prefilled
-            if prefilled and aware and self.settings.publish_wait_s > 0:
+            if prefilled and aware and tokens is not None and self.settings.publish_wait_s > 0:
                 await self._wait_published(body, tokens)
         return await self._decode(path, body, decode_order, headers)
 
@@ -249,7 +250,7 @@ def _relay(response: httpx.Response) -> Response:
     )
 
 
-async def _relay_stream(response: httpx.Response, url: str):
+async def _relay_stream(response: httpx.Response, url: str) -> AsyncIterator[bytes]:
     """The decode instance's server-sent events as they come; a broken stream ends with an error event."""
     try:
         async for chunk in response.aiter_raw():
@@ -290,7 +291,7 @@ def create_app(settings: ProxySettings) -> FastAPI:
         token = settings.auth_token
 
         @app.middleware("http")
-        async def require_token(request: Request, call_next: Any) -> Response:
+        async def require_token(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
             if request.url.path == "/health" or bearer_matches(request, token):
                 return await call_next(request)
             response = error_response(

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import redis
-
 from prefixcache.cachestore.client.node_requests import REPLY_TTL_S, parse_request
 from prefixcache.indexer.background_loop import BackgroundLoop
+from prefixcache.indexer.redis_clients import RedisClient
 
 
 class AnsweringServer(BackgroundLoop):
     """Serves one queue of requests that each get one answer: ``answer(keys)``, on the list ``reply(reply id)``
     names (a ``Keyspace`` method)."""
 
-    def __init__(self, client: redis.Redis, queue: str, reply: Callable[[str], str]) -> None:
+    def __init__(self, client: RedisClient, queue: str, reply: Callable[[str], str]) -> None:
         super().__init__()
         self.client = client
         self.queue = queue

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from prefixcache.cachestore.services.reconcile import records_of, register
 from prefixcache.indexer.background_loop import BackgroundLoop
-from prefixcache.indexer.index import Location, PrefixIndex
+from prefixcache.indexer.index import IndexRegistration, Location
 
 if TYPE_CHECKING:  # the object extra's
     from prefixcache.cachestore.tiers.object_store import ObjectTier
@@ -52,7 +52,7 @@ class BucketLimits:
 
 
 def reconcile_bucket(
-    index: PrefixIndex,
+    index: IndexRegistration,
     bucket: ObjectTier,
     node: str,
     deadline_s: float,
@@ -98,7 +98,7 @@ def reconcile_bucket(
 
 
 def _apply(
-    index: PrefixIndex,
+    index: IndexRegistration,
     bucket: ObjectTier,
     held: list[tuple[float, int, bytes]],
     limits: BucketLimits,
@@ -145,7 +145,7 @@ class BucketReconciler(BackgroundLoop):
 
     def __init__(
         self,
-        index: PrefixIndex,
+        index: IndexRegistration,
         bucket: ObjectTier,
         node: str,
         *,

@@ -109,7 +109,11 @@ class CacheAdmin:
     def hasher(self, prompt: PromptRef) -> tuple[NamespaceSpec, PrefixHasher]:
         """The prompt's namespace, and its keys in that namespace (and tenant)."""
         spec = self.resolve(prompt)
-        tokens = prompt.token_ids if prompt.token_ids is not None else self.tokenizers.encode(spec.model, prompt.text)
+        if prompt.token_ids is not None:
+            tokens = prompt.token_ids
+        else:
+            assert prompt.text is not None  # a PromptRef holds token ids or text (its validator)
+            tokens = self.tokenizers.encode(spec.model, prompt.text)
         return spec, PrefixHasher(spec.root(prompt.cache_salt), ChunkGeometry(spec.chunk_tokens)).extend(tokens)
 
     def lookup(self, prompt: PromptRef) -> Lookup:
@@ -216,7 +220,8 @@ class CacheAdmin:
         if request.keys is not None:
             keys = [bytes.fromhex(k) for k in dict.fromkeys(request.keys)]
         else:
-            query = self.hasher(request.prefix)[1].query()  # type: ignore[arg-type]
+            assert request.prefix is not None  # a PinRequest holds keys or a prefix (its validator)
+            query = self.hasher(request.prefix)[1].query()
             match = self.index.lookup(query, touch=False)
             keys = [*match.keys, *([match.partial.key] if match.partial else [])]
         count = sum(self.index.set_pin(keys[i : i + BATCH], until) for i in range(0, len(keys), BATCH))

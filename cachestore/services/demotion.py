@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from prefixcache.cachestore.services.write_behind import WriteBehind
 from prefixcache.cachestore.tiers.tier import StorageTier
 from prefixcache.indexer.background_loop import PeriodicLoop
-from prefixcache.indexer.index import Location, PrefixIndex
+from prefixcache.indexer.index import IndexRegistration, Location
 
 log = logging.getLogger("prefixcache.demotion")
 CANDIDATES_PER_ROUND = 512
@@ -26,7 +26,7 @@ class Demoter(PeriodicLoop):
 
     def __init__(
         self,
-        index: PrefixIndex,
+        index: IndexRegistration,
         dram: StorageTier,
         write_behind: WriteBehind,
         node: str,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from prefixcache.cachestore.services.eviction_orders import EvictionOrders
 from prefixcache.cachestore.tiers.tier import StorageTier
-from prefixcache.indexer.index import ChunkEntry, Location, PrefixIndex
+from prefixcache.indexer.index import ChunkEntry, IndexRegistration, Location
 
 
 @dataclass
@@ -36,7 +36,7 @@ class Eviction:
 class Evictor:
     def __init__(
         self,
-        index: PrefixIndex,
+        index: IndexRegistration,
         dram: StorageTier,
         nvme: StorageTier,
         node: str,

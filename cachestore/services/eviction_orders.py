@@ -21,12 +21,11 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 
-import redis
-
 from prefixcache.cachestore.client.node_requests import format_request
 from prefixcache.cachestore.services.answering_server import AnsweringServer
-from prefixcache.indexer.index import ChunkEntry, PrefixIndex
+from prefixcache.indexer.index import ChunkEntry, IndexRegistration
 from prefixcache.indexer.keyspace import Keyspace
+from prefixcache.indexer.redis_clients import RedisClient
 
 log = logging.getLogger("prefixcache.eviction")
 #: How long an evict waits for other nodes to confirm: their work is an index read, file deletes and
@@ -39,7 +38,7 @@ SILENT_NODE_S = 30.0
 class EvictionOrders:
     """The evicting side: queue orders for other nodes and collect their answers."""
 
-    def __init__(self, client: redis.Redis, keyspace: Keyspace, wait_s: float = ORDER_WAIT_S) -> None:
+    def __init__(self, client: RedisClient, keyspace: Keyspace, wait_s: float = ORDER_WAIT_S) -> None:
         self._client = client
         self._keys = keyspace
         self._wait_s = wait_s
@@ -86,10 +85,10 @@ class OrderServer(AnsweringServer):
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: RedisClient,
         keyspace: Keyspace,
         node: str,
-        index: PrefixIndex,
+        index: IndexRegistration,
         evict_here: Callable[[Sequence[ChunkEntry]], Iterable[ChunkEntry]],
     ) -> None:
         """``evict_here`` removes the given entries' copies this node can reach and returns those removed."""

@@ -52,13 +52,13 @@ MEDIUM = {"dram": "CPU", "nvme": "STORAGE"}  # bucket copies are no node's cache
 
 # The classes below mirror vllm.distributed.kv_events field for field (names, tags, array_like):
 # the daemon does not depend on vLLM, and tests decode these messages with vLLM's own classes.
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     """Base class of the tagged events (the tag is the class name)."""
 
 
@@ -112,7 +112,7 @@ class KvEventPublisher(BackgroundLoop):
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BATCHES)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.PUB)
-        self._replay: zmq.Socket | None = None
+        self._replay: zmq.Socket[bytes] | None = None
         self._bind(self._socket, endpoint, "kv_events_endpoint")
         if replay_endpoint:
             self._replay = self._context.socket(zmq.ROUTER)
@@ -120,7 +120,7 @@ class KvEventPublisher(BackgroundLoop):
         self.endpoint = endpoint
         self._join_at = time.monotonic() + JOIN_S
 
-    def _bind(self, socket: zmq.Socket, address: str, setting: str) -> None:
+    def _bind(self, socket: zmq.Socket[bytes], address: str, setting: str) -> None:
         """Bind ``socket``; a failure closes every connection and names the setting."""
         try:
             socket.bind(address)

@@ -23,19 +23,19 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import redis
-
 from prefixcache.cachestore.chunks.arena import ArenaFullError
 from prefixcache.cachestore.chunks.codec import ChunkError, RejectCounts, decode
 from prefixcache.cachestore.chunks.mac import ChunkMacKey
 from prefixcache.cachestore.chunks.runs import runs_of_about
 from prefixcache.cachestore.client.node_requests import REPLY_TTL_S, parse_request
 from prefixcache.cachestore.tiers.dram import MooncakeTier
-from prefixcache.cachestore.tiers.nvme import NvmeStore, read_size
+from prefixcache.cachestore.tiers.nvme import NvmeStore
+from prefixcache.cachestore.tiers.nvme_io import read_size
 from prefixcache.cachestore.tiers.tier import StorageTier
 from prefixcache.indexer.background_loop import BackgroundLoop
-from prefixcache.indexer.index import ChunkEntry, Location, PrefixIndex
+from prefixcache.indexer.index import ChunkEntry, IndexRegistration, Location
 from prefixcache.indexer.keyspace import Keyspace
+from prefixcache.indexer.redis_clients import RedisClient
 
 log = logging.getLogger("prefixcache.promotion")
 #: Bytes per streamed slice: a few chunks, so the first answer comes after a few ms of disk and the
@@ -81,9 +81,9 @@ class Promoter(BackgroundLoop):
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: RedisClient,
         keyspace: Keyspace,
-        index: PrefixIndex,
+        index: IndexRegistration,
         dram: MooncakeTier,
         nvme: NvmeStore,
         node: str,

@@ -12,11 +12,12 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prefixcache.cachestore.chunks.codec import ChunkError, read_meta
 from prefixcache.cachestore.tiers.nvme import NvmeStore
-from prefixcache.indexer.index import ChunkRecord, Location, PrefixIndex
+from prefixcache.indexer.index import ChunkRecord, IndexRegistration, Location, PrefixIndex
 
 log = logging.getLogger("prefixcache.reconcile")
 BATCH = 256
@@ -70,7 +71,7 @@ def _rebuild(index: PrefixIndex, nvme: NvmeStore, keys: list[bytes], location: L
 
 
 def records_of(
-    objects: list[tuple[bytes, bytes | memoryview | None]], location: Location
+    objects: Sequence[tuple[bytes, bytes | memoryview | None]], location: Location
 ) -> tuple[list[ChunkRecord], list[bytes]]:
     """The records of chunks at ``location`` from their stored objects (key, bytes or None where unreadable), and
     the keys whose objects are unreadable or another key's."""
@@ -100,7 +101,7 @@ def records_of(
     return records, unreadable
 
 
-def register(index: PrefixIndex, records: list[ChunkRecord]) -> None:
+def register(index: IndexRegistration, records: list[ChunkRecord]) -> None:
     """Register ``records``, each after its parent where both are among them: on a Cluster a chunk joins its
     parent's chain (``RedisIndex``), which must be known by then."""
     ordered = parents_first(records)

@@ -28,6 +28,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from prefixcache.cachestore.chunks.codec import ChunkError, RejectCounts, decode
 from prefixcache.cachestore.chunks.mac import ChunkMacKey
@@ -151,7 +152,7 @@ class WriteBehind(BackgroundLoop):
             entries = entries[len(taken) :]
         return failed
 
-    def _persist_batch(self, entries: list[ChunkEntry], slots: list) -> set[bytes]:
+    def _persist_batch(self, entries: list[ChunkEntry], slots: list[Any]) -> set[bytes]:
         """Verify, store and index one batch; the keys left unpersisted (counted in ``stats.failures``)."""
         sizes = self.dram.get_into([e.key for e in entries], slots)
         good, corrupt, vanished = [], [], []

@@ -40,7 +40,7 @@ from prefixcache.cachestore.chunks.codec import ChunkError, ChunkMeta, read_meta
 from prefixcache.cachestore.tiers.mooncake_attachment import AttachmentKeeper
 from prefixcache.cachestore.tiers.mooncake_import import MooncakeDistributedStore, ReplicateConfig, SoftPinAction
 from prefixcache.cachestore.tiers.mooncake_servers import bound_rpc_timeouts
-from prefixcache.cachestore.tiers.tier import Removal, TierHealth
+from prefixcache.cachestore.tiers.tier import Removal, StorageTier, TierHealth
 from prefixcache.cachestore.tiers.usage import TierUsage
 from prefixcache.indexer.errors import PrefixCacheError
 from prefixcache.indexer.index import Tier
@@ -73,7 +73,7 @@ class TierUnavailableError(PrefixCacheError, ConnectionError):
     """The tier cannot be attached at all (setup failed); a running tier reports misses instead."""
 
 
-class MooncakeTier:
+class MooncakeTier(StorageTier):
     """The DRAM tier (module docstring); a ``StorageTier`` (cachestore/tiers/tier.py)."""
 
     tier: Tier = "dram"
@@ -351,7 +351,12 @@ class MooncakeTier:
             return call.result(timeout=deadline_s)
         except FutureTimeoutError:
             holds = [self.arena.hold(view, LATE_WRITE_MARGIN_S) for view in views]
-            call.add_done_callback(lambda _: [hold.over() for hold in holds])
+
+            def release(_: object) -> None:
+                for hold in holds:
+                    hold.over()
+
+            call.add_done_callback(release)
             self.late_reads += 1
             log.info("a read of %d objects passed its %.2f s deadline: abandoned, a miss", len(keys), deadline_s)
             return None
@@ -360,7 +365,10 @@ class MooncakeTier:
         self, keys: Sequence[bytes], addresses: list[int], sizes: list[int], cuts: Sequence[int | None]
     ) -> list[int]:
         """``get_into``'s reads, from registered addresses: each object's length joined, or its error code."""
-        names, at, lengths, spans = [], [], [], []  # spans: per key, its first part's place in the call and its cut
+        names: list[str] = []
+        at: list[int] = []
+        lengths: list[int] = []
+        spans: list[tuple[int, int | None]] = []  # spans: per key, its first part's place in the call and its cut
         for key, address, size, cut in zip(keys, addresses, sizes, cuts, strict=True):
             first, second = self._names(key)
             if cut is not None and 0 < cut < size:
@@ -377,13 +385,13 @@ class MooncakeTier:
         codes = [_joined(got[i], got[i + 1], cut) if cut is not None else got[i] for i, cut in spans]
         # a chunk whose cut was not known: its second part goes on where its first ended
         unknown = [i for i, (_, cut) in enumerate(spans) if cut is None and codes[i] > 0]
-        if second := [i for i in unknown if _split_offset_of(view_at(addresses[i], codes[i])) == codes[i]]:
+        if rejoin := [i for i in unknown if _split_offset_of(view_at(addresses[i], codes[i])) == codes[i]]:
             rest = self._store.batch_get_into(
-                [self._names(keys[i])[1] for i in second],
-                [addresses[i] + codes[i] for i in second],
-                [sizes[i] - codes[i] for i in second],
+                [self._names(keys[i])[1] for i in rejoin],
+                [addresses[i] + codes[i] for i in rejoin],
+                [sizes[i] - codes[i] for i in rejoin],
             )
-            for i, code in zip(second, rest, strict=True):
+            for i, code in zip(rejoin, rest, strict=True):
                 codes[i] = codes[i] + code if code > 0 else code
         return codes
 
@@ -502,6 +510,7 @@ class MooncakeTier:
             if copy_in:
                 slot[:] = view
             offset = self.arena.offset_of(slot)
+            assert offset is not None  # a slot of the arena lies in it
         return self.arena.address + offset
 
 

@@ -21,6 +21,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from prefixcache.cachestore.host.processes import (
     ManagedProcess,
@@ -169,7 +170,7 @@ class MooncakeMaster(ManagedProcess):
         return port_open(self.host, self.rpc_port) and port_open(self.host, self.metadata_port)
 
 
-def master_health(admin_url: str, timeout_s: float = 1.0) -> dict | str:
+def master_health(admin_url: str, timeout_s: float = 1.0) -> dict[str, Any] | str:
     """A master's ``/health`` at its HTTP port ``admin_url``: its answer, or why there was none."""
     try:
         with urllib.request.urlopen(f"{admin_url}/health", timeout=timeout_s) as answer:
@@ -179,7 +180,7 @@ def master_health(admin_url: str, timeout_s: float = 1.0) -> dict | str:
     return state if isinstance(state, dict) else f"unexpected answer {state!r}"
 
 
-def leads(state: dict | str) -> bool:
+def leads(state: dict[str, Any] | str) -> bool:
     """Whether a master whose ``/health`` said ``state`` is the leader of its group, and serving."""
     return isinstance(state, dict) and state.get("role") == "leader" and bool(state.get("service_ready"))
 
@@ -194,7 +195,7 @@ class HaMasters:
         self._last_leader: str | None = None
         self.failovers = 0  # times this node found another master leading than the one that led before
 
-    def states(self) -> dict[str, dict | str]:
+    def states(self) -> dict[str, dict[str, Any] | str]:
         """Each master's ``/health`` answer, or why it gave none, by HTTP port."""
         return {url: master_health(url) for url in self.admin_urls}
 

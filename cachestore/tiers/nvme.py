@@ -53,7 +53,7 @@ import rocksdict
 from prefixcache.cachestore.tiers.eviction_policy import EvictionPolicy, LruPolicy
 from prefixcache.cachestore.tiers.nvme_io import PAGE, Extent, open_for_reading, page_align, page_aligned, read_size
 from prefixcache.cachestore.tiers.nvme_scan import scan_pack_file
-from prefixcache.cachestore.tiers.tier import Removal, TierHealth
+from prefixcache.cachestore.tiers.tier import Removal, StorageTier, TierHealth
 from prefixcache.cachestore.tiers.usage import TierUsage
 from prefixcache.indexer.errors import ConfigError
 from prefixcache.indexer.index import Tier
@@ -280,7 +280,7 @@ class _Manifest:
         return rocksdict.Rdict(str(self.path), options)
 
     def items(self) -> list[tuple[bytes, bytes]]:
-        return list(self._db.items())
+        return list(self._db.items())  # type: ignore[arg-type]  # rocksdict's stub: RdictItems, with no item type
 
     def write(self, puts: Iterable[tuple[bytes, bytes]] = (), deletes: Iterable[bytes] = ()) -> None:
         batch = rocksdict.WriteBatch(raw_mode=True)
@@ -363,7 +363,7 @@ def _validate(capacity_bytes: int, pack_file_bytes: int) -> None:
         )
 
 
-class NvmeStore:
+class NvmeStore(StorageTier):
     """The NVMe tier of one node (see the module docstring for layout, durability and space rules); a
     ``StorageTier`` (cachestore/tiers/tier.py), evicting in its ``EvictionPolicy``'s order.
 

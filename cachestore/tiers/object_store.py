@@ -29,12 +29,12 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 from prefixcache.cachestore.chunks.codec import RejectCounts
 from prefixcache.cachestore.chunks.seal import ChunkSealer, SealError
-from prefixcache.cachestore.tiers.tier import Removal, TierHealth
+from prefixcache.cachestore.tiers.tier import Removal, StorageTier, TierHealth
 from prefixcache.cachestore.tiers.usage import TierUsage
 from prefixcache.indexer.errors import ConfigError
 from prefixcache.indexer.index import Tier
@@ -107,7 +107,10 @@ class ObjectStoreAddress:
             raise ConfigError(
                 "the object tier needs obstore: pip install 'prefixcache[object]' (or leave the object store unset)"
             ) from exc
-        options = {"timeout": timedelta(seconds=request_timeout_s), "connect_timeout": timedelta(seconds=2)}
+        options: dict[str, object] = {
+            "timeout": timedelta(seconds=request_timeout_s),
+            "connect_timeout": timedelta(seconds=2),
+        }
         if self.endpoint is not None and self.endpoint.startswith("http://"):
             options["allow_http"] = True
         config: dict[str, object] = {"virtual_hosted_style_request": not self.path_style}
@@ -118,9 +121,11 @@ class ObjectStoreAddress:
         provider = shared_file_credentials()
         return S3Store(
             self.bucket,
-            credential_provider=(lambda: provider) if provider is not None else None,
+            # obstore types these as TypedDicts (S3Credential, ClientConfig, S3Config) that the plain dicts built
+            # here from settings do not claim to be
+            credential_provider=(lambda: provider) if provider is not None else None,  # type: ignore[arg-type]
             client_options=options,  # type: ignore[arg-type]
-            retry_config={"max_retries": 0, "retry_timeout": timedelta(seconds=request_timeout_s)},  # type: ignore[typeddict-item]
+            retry_config={"max_retries": 0, "retry_timeout": timedelta(seconds=request_timeout_s)},
             **config,  # type: ignore[arg-type]
         )
 
@@ -150,7 +155,7 @@ def shared_file_credentials() -> dict[str, str | None] | None:
     }
 
 
-class ObjectTier:
+class ObjectTier(StorageTier):
     """The object tier of one node: a ``StorageTier`` (cachestore/tiers/tier.py) over a shared bucket."""
 
     tier: Tier = "object"
@@ -293,7 +298,8 @@ class ObjectTier:
         import obstore
 
         name = self.address.name_of(key)
-        return self._sealer.open(name, obstore.get(self._store, name).bytes())
+        # obstore's Bytes is a buffer, not a bytes subclass, and its stub says nothing of the buffer protocol
+        return self._sealer.open(name, obstore.get(self._store, name).bytes())  # type: ignore[arg-type]
 
     def _exists(self, key: bytes) -> bool:
         import obstore
@@ -304,7 +310,7 @@ class ObjectTier:
             return False
         return True
 
-    def _each(self, call: Callable[[T], object], items: Sequence[T], failed: object) -> list:
+    def _each(self, call: Callable[[T], object], items: Sequence[T], failed: object) -> list[Any]:
         """``call`` on each item on the lanes; ``failed`` for those that raised (the breaker opened), and for all
         while it is open."""
         if not items:

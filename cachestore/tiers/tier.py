@@ -1,4 +1,6 @@
-"""The contract every storage tier keeps (DRAM, NVMe): put, read into a buffer, ask, delete, measure, report health.
+"""The contract every storage tier keeps (DRAM, NVMe, object): put, read into a buffer, ask, delete, measure, report
+health. Each tier's class names ``StorageTier`` as its base, so that the type checker (``make lint``) proves it keeps
+the contract's signatures.
 
 Services that only move bytes between tiers, measure them or report on them see a tier through ``StorageTier``;
 what only one tier does (the DRAM tier's arena and scattered reads, the NVMe tier's extents for same-node

@@ -59,7 +59,8 @@ def engine_args(model: str, tokenizer: str | None, options: Sequence[str], conne
         def error(self, message: str) -> NoReturn:
             raise ConfigError(f"invalid vLLM engine option: {message}")
 
-    parser = EngineArgs.add_cli_args(Parser(prog="prefixcache warmup", add_help=False))
+    # vLLM's FlexibleArgumentParser.__init__ is unannotated
+    parser = EngineArgs.add_cli_args(Parser(prog="prefixcache warmup", add_help=False))  # type: ignore[no-untyped-call]
     defaults, given = parser.parse_args([]), parser.parse_args(list(options))
     for dest, why in _OWN_OPTIONS.items():
         if getattr(given, dest) != getattr(defaults, dest):

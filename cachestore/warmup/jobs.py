@@ -248,7 +248,7 @@ class WarmupJobs:
                 start_new_session=True,
                 preexec_fn=self._child_setup,
             )
-        if proc.stdin is not None:  # a line, far below a pipe's buffer: never blocks
+        if proc.stdin is not None and self._redis_password:  # a line, far below a pipe's buffer: never blocks
             with contextlib.suppress(BrokenPipeError):
                 proc.stdin.write(self._redis_password.encode() + b"\n")
             with contextlib.suppress(BrokenPipeError):

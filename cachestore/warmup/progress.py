@@ -31,7 +31,7 @@ class Counters(BaseModel):
     chunks_added: int = 0
     bytes_added: int = 0
 
-    @computed_field  # type: ignore[prop-decorator]
+    @computed_field  # type: ignore[prop-decorator]  # pydantic's documented form; mypy rejects decorated properties
     @property
     def prompts_done(self) -> int:
         return self.prompts_done_before + self.prompts_warmed + self.prompts_cached + self.prompts_invalid

@@ -28,7 +28,7 @@ class Report(BaseModel):
     problems: list[str]  # the first few bad entries left out, with their places
     problems_total: int
 
-    @computed_field  # type: ignore[prop-decorator]
+    @computed_field  # type: ignore[prop-decorator]  # pydantic's documented form; mypy rejects decorated properties
     @property
     def tokens_per_s(self) -> float:
         return round(self.counters.tokens_computed / self.compute_s, 1) if self.compute_s > 0 else 0.0

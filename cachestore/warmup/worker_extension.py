@@ -19,4 +19,4 @@ class PrefixCacheWorkerExtension:
         namespace = getattr(get_kv_transfer_group(), "worker_namespace", None) if has_kv_transfer_group() else None
         if namespace is None:
             raise RuntimeError("PrefixCacheConnector is not active in this worker")
-        return namespace.model_dump_json()
+        return str(namespace.model_dump_json())

@@ -116,7 +116,8 @@ class DramInPlace:
         """The first layer of the later ones waits for their copy."""
         if self._now is not None and layer >= self._first_layers and not self._waited:
             self._waited = True
-            self._now.later_copy.exception()  # type: ignore[union-attr]
+            assert self._now.later_copy is not None  # _now holds a read with a later copy
+            self._now.later_copy.exception()
 
     def finish(self, errors: set[int]) -> Store | None:
         """Wait for the step's verification; a step whose later layers vLLM did not wait for is recomputed."""

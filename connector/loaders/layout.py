@@ -116,18 +116,16 @@ class KvLayout:
         runs = [(block, n) for _, block, n in block_runs(direct)]  # the same for every layer
         item = InPlace(chunk, slot, [])
         for start in self.layer_starts:
+            assert self.kv is not None  # layer_starts are set with it (_pages_in_shared_memory)
             if before:
                 item.pieces.append(scratch[: before * page])
                 scratch = scratch[before * page :]
-            item.pieces.extend(
-                self.kv[start + block * page : start + (block + n) * page]  # type: ignore[index]
-                for block, n in runs
-            )
+            item.pieces.extend(self.kv[start + block * page : start + (block + n) * page] for block, n in runs)
             if hold_last:
                 held, scratch = scratch[:page], scratch[page:]
                 last = start + chunk.blocks[-1] * page
                 item.pieces.append(held)
-                item.held_pages.append((held, self.kv[last : last + page]))  # type: ignore[index]
+                item.held_pages.append((held, self.kv[last : last + page]))
             if after:
                 item.pieces.append(scratch[: after * page])
                 scratch = scratch[after * page :]

@@ -166,10 +166,13 @@ class ThroughSlots:
         read_from_disk: dict[bytes, memoryview] = {}
         checking: list[Future[memoryview | None]] = []  # every check started, for the slots' release
         damaged: list[int] = []  # positions of chunks whose DRAM copies failed their checks
-        pending = self._fetcher.submit(self._fetch, groups[0], upcoming[ends[0] :], cuts, remote)
+        pending: Future[_FetchedGroup] | None = self._fetcher.submit(
+            self._fetch, groups[0], upcoming[ends[0] :], cuts, remote
+        )
         try:
             for i, group in enumerate(groups):
-                fetched = pending.result()  # type: ignore[union-attr] # one is in flight per group left
+                assert pending is not None  # one is in flight per group left
+                fetched = pending.result()
                 pending = None
                 if i + 1 < len(groups):
                     pending = self._fetcher.submit(self._fetch, groups[i + 1], upcoming[ends[i + 1] :], cuts, remote)
