@@ -116,6 +116,12 @@ def getting(tier: StorageTier, batches: list[list[bytes]], dests: list[memoryvie
     return get
 
 
+def delete_all(tier: StorageTier, batches: list[list[bytes]]) -> None:
+    """Delete every key of ``batches`` from ``tier``, each of them there."""
+    keys = [k for batch in batches for k in batch]
+    assert tier.delete(keys) == [Removal.REMOVED] * len(keys), "delete failed"
+
+
 def drop_cache(path: Path) -> None:
     """Evict a file's pages, so that reads below come from the disk (fdatasync first: dirty pages stay)."""
     fd = os.open(path, os.O_RDONLY)
@@ -173,8 +179,7 @@ def dram_round(
     put_gbps = gbps(DRAM_ROUND, putting(tier, batches, sources, "DRAM"))
     get_s, memcpy_s = interleaved(len(batches), getting(tier, batches, dests, "DRAM"), memcpy)
     assert dests[-1] == sources[-1]
-    keys = [k for batch in batches for k in batch]
-    assert tier.delete(keys) == [Removal.REMOVED] * len(keys)
+    delete_all(tier, batches)
     return {
         "dram_put_gbps": put_gbps,
         "dram_get_gbps": DRAM_ROUND / get_s / 1e9,
@@ -241,8 +246,7 @@ def nvme_round(store: NvmeStore, sources: list[memoryview], dests: list[memoryvi
     finally:
         os.close(fd)
     assert dests[-1] == sources[-1]
-    keys = [k for batch in batches for k in batch]
-    assert store.delete(keys) == [Removal.REMOVED] * len(keys)
+    delete_all(store, batches)
     return {
         "nvme_put_gbps": put_gbps,
         "nvme_get_gbps": NVME_ROUND / get_s / 1e9,
@@ -305,8 +309,7 @@ def object_round(bucket: ObjectTier, sources: list[memoryview], dests: list[memo
                 else:
                     raw_get(key, slots[0])
                 one[which].append(time.perf_counter() - start)
-    keys = [k for batch in batches for k in batch]
-    assert bucket.delete(keys) == [Removal.REMOVED] * len(keys)
+    delete_all(bucket, batches)
     return {
         "object_put_gbps": put_gbps,
         "object_get_gbps": OBJECT_ROUND / get_s / 1e9,
