@@ -65,13 +65,11 @@ def test_a_node_lost_with_its_disk_loses_nothing_a_fresh_node_loads_it_from_the_
         keys, payloads = publish_prompt(writer, tokens, seed=5)
         wait_persisted(writer, keys)
         assert wait_for(lambda: in_bucket(writer, keys, "node-b"), timeout_s=15)
+        assert wait_for(lambda: object_stats(b)["backlog"] == 0, timeout_s=5)
         copies = object_stats(b)
-        assert (copies["copied"], copies["chunks"], copies["backlog"], copies["copy_failures"]) == (
-            len(keys),
-            len(keys),
-            0,
-            {},
-        )
+        assert (copies["copied"], copies["copy_failures"]) == (len(keys), {})
+        # A's bucket reconciler may locate an object between B's put and B's indexing of it: a second location
+        assert len(keys) <= copies["chunks"] <= 2 * len(keys)
         writer.close()
         b.kill()
         shutil.rmtree(tmp_path / "b")  # the machine is gone: its DRAM, its disk
@@ -86,12 +84,10 @@ def test_a_node_lost_with_its_disk_loses_nothing_a_fresh_node_loads_it_from_the_
             assert reader.counters.promoted == len(keys)
             assert object_health(c) == {"ok": True, "degraded": False, "detail": "s3://prefixcache/cluster"}
             assert httpx.get(c.url + "/v1/stats", headers=c.headers).json()["corrupt_chunks"] == 0
-            assert object_stats(c)["chunks"] == len(keys)  # every node sees what the bucket holds; C copied none
-            assert (object_stats(c)["copied"], object_stats(c)["rejected"], object_stats(c)["reachable"]) == (
-                0,
-                0,
-                True,
-            )
+            # every node sees the bucket's locations (B's, and A's where A located one first); C copied none
+            seen = object_stats(c)
+            assert len(keys) <= seen["chunks"] <= 2 * len(keys)
+            assert (seen["copied"], seen["rejected"], seen["reachable"]) == (0, 0, True)
         finally:
             reader.close()
     finally:

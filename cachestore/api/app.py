@@ -97,7 +97,9 @@ class NamespaceStats(BaseModel):
 class ObjectStats(BaseModel):
     """The object tier (``object_store_url``): what the shared bucket holds, and how this node's copies to it go."""
 
-    chunks: int = Field(description="chunks the index records in the bucket, every node's")
+    chunks: int = Field(
+        description="bucket locations the index records, every node's (a chunk located by two nodes counts twice)"
+    )
     bytes: int = Field(description="their bytes as stored on NVMe (sealing adds 32 per object)")
     copied: int = Field(description="chunks this node copied to the bucket")
     backlog: int = Field(description="chunks this node persisted whose copy to the bucket is pending or retried")
