@@ -5,7 +5,9 @@ chunk-sized objects (2 and 8 MiB) one at a time and 8 in flight, then the latenc
 time (median and 99th percentile). The figures are docs/decisions.md's ("The object tier's client is obstore").
 boto3 is not a dependency: ``pip install boto3`` first.
 
-Run: ``python -m benchmarks.object_clients``. Prints its tables.
+Run: ``python -m benchmarks.object_clients``. Prints its tables and writes benchmarks/results/object_clients.json
+(``throughput``: a row per run, client, object size and requests in flight; ``latency_ms``: a row per run and
+client), which docs/benchmarks.md renders.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.common import print_table
+from benchmarks.common import print_table, write_results
 from tests.s3_server import SeaweedS3
 
 BUCKET = "bench"
+THROUGHPUT = ["mib", "in_flight", "put_gbps", "get_gbps"]
+LATENCY = ["put_p50", "put_p99", "get_p50", "get_p99"]
 Put = Callable[[str, bytes], object]
 Get = Callable[[str], bytes]
 
@@ -103,8 +107,16 @@ def main() -> None:
                     delays.append((run, name, *latency(name, put, get)))
         finally:
             server.stop()
-    print_table("chunk objects", ["run", "client", "MiB", "in flight", "put GB/s", "get GB/s"], rates)
-    print_table("4 KiB objects, ms", ["run", "client", "put p50", "put p99", "get p50", "get p99"], delays)
+    print_table("chunk objects", ["run", "client", *THROUGHPUT], rates)
+    print_table("4 KiB objects, ms", ["run", "client", *LATENCY], delays)
+    path = write_results(
+        "object_clients",
+        {
+            "throughput": [dict(zip(["run", "client", *THROUGHPUT], row, strict=True)) for row in rates],
+            "latency_ms": [dict(zip(["run", "client", *LATENCY], row, strict=True)) for row in delays],
+        },
+    )
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

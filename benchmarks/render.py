@@ -169,6 +169,13 @@ def readme_block(results: Results) -> str:
         dram, nvme = tiers["dram_get_over_memcpy"][at], tiers["nvme_get_over_odirect"][at]
         rows.append([f"DRAM tier get / memcpy, {mib} MiB chunks", ratio_x(dram)])
         rows.append([f"NVMe tier get / raw O_DIRECT read, {mib} MiB chunks", ratio_x(nvme)])
+        if "object_get_over_raw" in tiers:
+            rows.append(
+                [
+                    f"object tier get / raw GET of the same objects, {mib} MiB chunks",
+                    ratio_x(tiers["object_get_over_raw"][at]),
+                ]
+            )
     lookup = results.get("lookup")
     if lookup:
         case = next((c for c in lookup["cases"] if c["tokens"] == 32768 and c["hit"] == "full"), None)
@@ -482,11 +489,76 @@ def _tiers_section(tiers: dict[str, Any]) -> str:
         [f"{mib} MiB", *(f"{tiers[key][i]:.2f}" for _, key in columns), *(ratio_x(tiers[key][i]) for _, key in ratios)]
         for i, mib in enumerate(tiers["chunk_mib"])
     ]
+    parts = [
+        "### Tiers (`benchmarks.tiers`)",
+        "GB/s, and ratios of medians of per-round pairs:",
+        table(["chunks", *(name for name, _ in columns), *(name for name, _ in ratios)], rows),
+    ]
+    if "object_get_gbps" in tiers:
+        parts += _object_tier_tables(tiers)
+    return "\n\n".join(parts)
+
+
+def _object_tier_tables(tiers: dict[str, Any]) -> list[str]:
+    """The object tier against raw GETs of the same objects (SeaweedFS on loopback), and sealing beside the MAC."""
+    chunks = [f"{mib} MiB" for mib in tiers["chunk_mib"]]
+    gbps = [
+        ("put (sealed)", "object_put_gbps"),
+        ("get", "object_get_gbps"),
+        ("raw GET", "object_raw_get_gbps"),
+    ]
+    latency = [
+        ("get p50", "object_get_p50_ms"),
+        ("get worst", "object_get_max_ms"),
+        ("raw GET p50", "object_raw_get_p50_ms"),
+        ("raw GET worst", "object_raw_get_max_ms"),
+    ]
+    objects = [
+        [
+            chunk,
+            *(f"{tiers[key][i]:.2f}" for _, key in gbps),
+            ratio_x(tiers["object_get_over_raw"][i]),
+            *(f"{tiers[key][i]:.1f}" for _, key in latency),
+        ]
+        for i, chunk in enumerate(chunks)
+    ]
+    sealing = [
+        [
+            chunk,
+            *(f"{tiers[key][i]:.2f}" for key in ("seal_gbps", "open_gbps", "mac_gbps", "mac_memcpy_gbps")),
+            ratio_x(tiers["seal_over_mac"][i]),
+            ratio_x(tiers["open_over_mac"][i]),
+        ]
+        for i, chunk in enumerate(chunks)
+    ]
+    return [
+        "Object tier on a SeaweedFS S3 server on loopback, GB/s (8 objects in flight) and ms of one object's get:",
+        table(
+            ["chunks", *(name for name, _ in gbps), "get / raw GET", *(name for name, _ in latency)],
+            objects,
+        ),
+        "Sealing objects for the bucket (AES-256-GCM) beside the MAC and memcpy, GB/s on one thread:",
+        table(["chunks", "seal", "open", "MAC", "memcpy", "seal / MAC speed", "open / MAC speed"], sealing),
+    ]
+
+
+def _object_clients_section(clients: dict[str, Any]) -> str:
+    """S3 clients side by side against one SeaweedFS server on loopback: what chose the object tier's client."""
+    rates = [
+        [row["run"], row["client"], row["mib"], row["in_flight"], f"{row['put_gbps']:.2f}", f"{row['get_gbps']:.2f}"]
+        for row in clients["throughput"]
+    ]
+    delays = [
+        [row["run"], row["client"], *(f"{row[key]:.1f}" for key in ("put_p50", "put_p99", "get_p50", "get_p99"))]
+        for row in clients["latency_ms"]
+    ]
     return "\n\n".join(
         [
-            "### Tiers (`benchmarks.tiers`)",
-            "GB/s, and ratios of medians of per-round pairs:",
-            table(["chunks", *(name for name, _ in columns), *(name for name, _ in ratios)], rows),
+            "### S3 clients (`benchmarks.object_clients`)",
+            "Chunk-sized objects on a SeaweedFS S3 server on loopback, GB/s:",
+            table(["run", "client", "MiB", "in flight", "put", "get"], rates),
+            "4 KiB objects one request at a time, ms:",
+            table(["run", "client", "put p50", "put p99", "get p50", "get p99"], delays),
         ]
     )
 
@@ -608,6 +680,7 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("lookup", _lookup_section),
     ("index_scale", _index_scale_section),
     ("tiers", _tiers_section),
+    ("object_clients", _object_clients_section),
     ("dram_parts", _dram_parts_section),
     ("windows", lambda r: _windows_section(r, "### Loads in windows (`benchmarks.windows`)")),
     ("windows_cuda", lambda r: _windows_section(r, "### Loads in windows into a GPU's cache (`--device cuda`)")),

@@ -1,6 +1,7 @@
 """Without an extra's Mooncake (the core install has none), a node and the connector fail with one line naming the
 extra to install (cachestore/tiers/mooncake_import.py). Each case runs in a fresh interpreter where importing
-``mooncake`` fails, as where it is not installed."""
+``mooncake`` fails, as where it is not installed. Without the ``object`` extra (the S3 client and the cipher of the
+object tier), which the core install lacks too, they load as long as no bucket is set."""
 
 from __future__ import annotations
 
@@ -46,3 +47,30 @@ def test_the_connector_fails_with_the_same_advice_and_no_mooncake_traceback(tmp_
     last = result.stderr.splitlines()[-1]
     assert last.startswith("prefixcache.cachestore.tiers.mooncake_import.MissingExtraError: ") and last.endswith(ADVICE)
     assert "During handling" not in result.stderr  # the failed import of mooncake is not chained to it
+
+
+#: Runs ``python -c WITHOUT_OBJECT CODE...``: the object extra's S3 client and cipher cannot be imported.
+WITHOUT_OBJECT = "import sys; sys.modules['obstore'] = sys.modules['cryptography'] = None; exec(sys.argv[1])"
+
+
+def test_the_s3_client_and_the_cipher_come_only_with_the_object_extra() -> None:
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    for requirement in map(Requirement, requires("prefixcache") or []):
+        if requirement.name in ("obstore", "cryptography"):
+            assert requirement.marker is not None, requirement
+            assert not requirement.marker.evaluate({"extra": ""}), f"{requirement} is installed without an extra"
+
+
+def test_a_node_and_the_connector_load_without_the_object_extra(tmp_path: Path) -> None:
+    """Without a bucket set nothing imports them: the daemon, its CLI and both sides of the connector load."""
+    code = (
+        "import prefixcache.cachestore.node.daemon, prefixcache.cachestore.cli.app, "
+        "prefixcache.connector.scheduler_side, prefixcache.connector.worker_side"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", WITHOUT_OBJECT, code], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr

@@ -198,6 +198,27 @@ def test_scattered_evictions_around_pinned_chunks_are_compacted(tmp_path: Path) 
     store.close()
 
 
+def test_pins_are_asked_with_the_write_lock_free(tmp_path: Path) -> None:
+    """Asking pins is a round trip to the index: while a put asks them, a delete (which takes the write lock) runs."""
+    held_up: list[bool] = []
+
+    def is_pinned(keys: list[bytes]) -> list[bool]:
+        delete = threading.Thread(target=store.delete, args=([key(99_999)],))
+        delete.start()
+        delete.join(timeout=2)
+        held_up.append(delete.is_alive())
+        return [index_of(k) % 2 == 0 for k in keys]
+
+    evicted: list[bytes] = []
+    store = NvmeStore(tmp_path, 512 << 10, pack_file_bytes=64 << 10, is_pinned=is_pinned, on_evict=evicted.extend)
+    for i in range(0, 96, 4):
+        assert all(store.put([(key(j), payload(j, 8192)) for j in range(i, i + 4)]))
+    assert held_up and not any(held_up)
+    assert evicted and all(index_of(k) % 2 for k in evicted)
+    assert all(store.get(key(i)) == payload(i, 8192) for i in range(0, 96, 2))
+    store.close()
+
+
 def test_delete_contains_size_of_keys_and_overwrite(tmp_path: Path) -> None:
     store = NvmeStore(tmp_path, 1 << 20, pack_file_bytes=64 << 10)
     store.put([(key(1), b"a" * 10), (key(2), b"b" * 20), (key(1), b"c" * 30)])  # a repeated key: last wins

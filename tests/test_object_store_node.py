@@ -47,6 +47,10 @@ def in_bucket(client: CacheClient, keys: list[bytes], node: str) -> bool:
     return all(e is not None and Location("object", node) in e.locations for e in client.index.get(keys))
 
 
+def object_stats(daemon: Daemon) -> dict:
+    return httpx.get(daemon.url + "/v1/stats", headers=daemon.headers).json()["object_store"]
+
+
 def object_health(daemon: Daemon) -> dict:
     return httpx.get(daemon.url + "/v1/health").json()["components"]["object"]
 
@@ -61,6 +65,11 @@ def test_a_node_lost_with_its_disk_loses_nothing_a_fresh_node_loads_it_from_the_
         keys, payloads = publish_prompt(writer, tokens, seed=5)
         wait_persisted(writer, keys)
         assert wait_for(lambda: in_bucket(writer, keys, "node-b"), timeout_s=15)
+        assert wait_for(lambda: object_stats(b)["backlog"] == 0, timeout_s=5)
+        copies = object_stats(b)
+        assert (copies["copied"], copies["copy_failures"]) == (len(keys), {})
+        # A's bucket reconciler may locate an object between B's put and B's indexing of it: a second location
+        assert len(keys) <= copies["chunks"] <= 2 * len(keys)
         writer.close()
         b.kill()
         shutil.rmtree(tmp_path / "b")  # the machine is gone: its DRAM, its disk
@@ -75,6 +84,10 @@ def test_a_node_lost_with_its_disk_loses_nothing_a_fresh_node_loads_it_from_the_
             assert reader.counters.promoted == len(keys)
             assert object_health(c) == {"ok": True, "degraded": False, "detail": "s3://prefixcache/cluster"}
             assert httpx.get(c.url + "/v1/stats", headers=c.headers).json()["corrupt_chunks"] == 0
+            # every node sees the bucket's locations (B's, and A's where A located one first); C copied none
+            seen = object_stats(c)
+            assert len(keys) <= seen["chunks"] <= 2 * len(keys)
+            assert (seen["copied"], seen["rejected"], seen["reachable"]) == (0, 0, True)
         finally:
             reader.close()
     finally:
@@ -93,9 +106,13 @@ def test_a_stopped_bucket_fails_no_request_degrades_health_and_copies_resume_aft
         assert fetch_payloads(client, keys) == payloads
         assert wait_for(lambda: object_health(a)["degraded"], timeout_s=15)
         assert not in_bucket(client, keys, "node-a")
+        assert object_stats(a)["copy_failures"].get("bucket", 0) > 0
+        assert object_stats(a)["backlog"] > 0  # kept, to copy once the bucket answers
         s3.start()
         assert wait_for(lambda: in_bucket(client, keys, "node-a"), timeout_s=30)
         assert wait_for(lambda: not object_health(a)["degraded"], timeout_s=15)
+        assert wait_for(lambda: object_stats(a)["backlog"] == 0, timeout_s=5)
+        assert object_stats(a)["copied"] == len(keys)
     finally:
         client.close()
         a.stop()

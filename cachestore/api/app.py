@@ -94,6 +94,23 @@ class NamespaceStats(BaseModel):
     clients: ClientStats
 
 
+class ObjectStats(BaseModel):
+    """The object tier (``object_store_url``): what the shared bucket holds, and how this node's copies to it go."""
+
+    chunks: int = Field(
+        description="bucket locations the index records, every node's (a chunk located by two nodes counts twice)"
+    )
+    bytes: int = Field(description="their bytes as stored on NVMe (sealing adds 32 per object)")
+    copied: int = Field(description="chunks this node copied to the bucket")
+    backlog: int = Field(description="chunks this node persisted whose copy to the bucket is pending or retried")
+    copy_failures: dict[str, int] = Field(
+        default_factory=dict, description="chunks a copy failed for (kept on NVMe, retried), by reason"
+    )
+    rejected: int = Field(description="objects read from the bucket that did not open (tampered, swapped): misses")
+    late_reads: int = Field(description="reads from the bucket abandoned at their deadline: misses")
+    reachable: bool = Field(description="false while the bucket's circuit breaker is open")
+
+
 class PeerStats(BaseModel):
     down: bool = Field(description="clients read nothing from it now: its heartbeat lapsed, or it is marked suspect")
     stopped: bool = Field(description="its daemon stopped on purpose")
@@ -135,6 +152,7 @@ class Stats(BaseModel):
         default=0,
         description="times this node found another Mooncake master leading (masters in high-availability mode)",
     )
+    object_store: ObjectStats | None = Field(default=None, description="the object tier; none where it is not set")
 
 
 HealthProbe = Callable[[], ComponentHealth]

@@ -51,14 +51,32 @@ class ChunkSealer:
 
     def open(self, name: str, sealed: bytes | memoryview) -> bytes:
         """The data sealed under ``name``; ``SealError`` for anything else."""
-        view = memoryview(sealed)
-        if len(view) < OVERHEAD or view[: len(MAGIC)] != MAGIC:
-            raise SealError("not a sealed chunk object")
-        nonce = bytes(view[len(MAGIC) : len(MAGIC) + NONCE_BYTES])
+        nonce, body = _parts(sealed)
         try:
-            return self._aead.decrypt(nonce, view[len(MAGIC) + NONCE_BYTES :], name.encode())
+            return self._aead.decrypt(nonce, body, name.encode())
         except InvalidTag:
             raise SealError("sealed chunk object does not authenticate", "mac") from None
 
+    def open_into(self, name: str, sealed: bytes | memoryview, out: memoryview) -> int:
+        """Decrypt the data sealed under ``name`` straight into ``out`` (no copy of its own); its length, or
+        ``SealError``, after which ``out`` holds nothing to use. ``ValueError`` where ``out`` is too small."""
+        nonce, body = _parts(sealed)
+        size = len(body) - TAG_BYTES
+        if size > len(out):
+            raise ValueError(f"a buffer of {len(out)} bytes cannot hold {size}")
+        try:
+            self._aead.decrypt_into(nonce, body, name.encode(), out[:size])
+        except InvalidTag:
+            raise SealError("sealed chunk object does not authenticate", "mac") from None
+        return size
+
     def __repr__(self) -> str:
         return "ChunkSealer(<secret>)"
+
+
+def _parts(sealed: bytes | memoryview) -> tuple[bytes, memoryview]:
+    """A sealed object's nonce and its ciphertext with the tag; ``SealError`` for what is not a sealed object."""
+    view = memoryview(sealed).cast("B")
+    if len(view) < OVERHEAD or view[: len(MAGIC)] != MAGIC:
+        raise SealError("not a sealed chunk object")
+    return bytes(view[len(MAGIC) : len(MAGIC) + NONCE_BYTES]), view[len(MAGIC) + NONCE_BYTES :]

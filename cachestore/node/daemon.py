@@ -29,6 +29,7 @@ from prefixcache.cachestore.api.admin_routes import admin_routers
 from prefixcache.cachestore.api.app import (
     ComponentHealth,
     EvictionStats,
+    ObjectStats,
     PeerStats,
     QueueDepths,
     Stats,
@@ -62,6 +63,7 @@ from prefixcache.cachestore.services.eviction_orders import EvictionOrders, Orde
 from prefixcache.cachestore.services.heartbeat import Heartbeat
 from prefixcache.cachestore.services.kv_events import KvEventPublisher
 from prefixcache.cachestore.services.nvme_extents import ExtentServer
+from prefixcache.cachestore.services.object_write_behind import GROUP as OBJECT_GROUP
 from prefixcache.cachestore.services.object_write_behind import ObjectWriteBehind
 from prefixcache.cachestore.services.owner_priority import CALM_NICE, OwnerPriority
 from prefixcache.cachestore.services.promotion import Promoter
@@ -78,7 +80,7 @@ from prefixcache.cachestore.warmup.jobs import WarmupJobs, local_url
 from prefixcache.cachestore.warmup.policy import WarmupPolicy
 from prefixcache.indexer.background_loop import BackgroundLoop
 from prefixcache.indexer.errors import ConfigError, IndexUnavailableError
-from prefixcache.indexer.index import Location
+from prefixcache.indexer.index import Location, NamespaceUsage
 from prefixcache.indexer.leases import Leases
 from prefixcache.indexer.peers import HEARTBEAT_TTL_S, PeerRegistry, PeerTable
 from prefixcache.indexer.quotas import NO_TENANT, QuotaStore
@@ -579,6 +581,22 @@ class NodeDaemon:
             child_restarts=self.supervisor.restarts,
             peers=self._peer_stats(),
             master_failovers=self.ha_masters.failovers if self.ha_masters else 0,
+            object_store=self._object_stats(self.bucket, usage) if self.bucket is not None else None,
+        )
+
+    def _object_stats(self, bucket: ObjectTier, usage: dict[bytes, NamespaceUsage]) -> ObjectStats:
+        """The bucket's chunks from the index's counters (no listing of the bucket), and this node's copies."""
+        held = [u.tiers["object"] for u in usage.values() if "object" in u.tiers]
+        copies = self.object_write_behind
+        return ObjectStats(
+            chunks=sum(u.chunks for u in held),
+            bytes=sum(u.bytes for u in held),
+            copied=copies.copied,
+            backlog=self.index.feed_backlog(self.settings.node, OBJECT_GROUP),
+            copy_failures={reason: n for reason, n in copies.failures.counts.items()},
+            rejected=bucket.rejected.total,
+            late_reads=bucket.late_reads,
+            reachable=bucket.available,
         )
 
     def _peer_stats(self) -> dict[str, PeerStats]:

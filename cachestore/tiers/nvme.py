@@ -363,14 +363,34 @@ def _validate(capacity_bytes: int, pack_file_bytes: int) -> None:
         )
 
 
+class _PinAnswers:
+    """The pins one put knows, asked outside the write lock, and the keys its eviction wanted and did not know.
+    A pin set after it was asked is missed, as it was when asked under the lock: pins guard against eviction
+    for room, not against a put racing the pin."""
+
+    __slots__ = ("_is_pinned", "known", "wanted")
+
+    def __init__(self, is_pinned: Callable[[Sequence[bytes]], list[bool]]) -> None:
+        self._is_pinned = is_pinned
+        self.known: dict[bytes, bool] = {}
+        self.wanted: list[bytes] = []
+
+    def ask(self, keys: Sequence[bytes]) -> None:
+        keys = list(keys)
+        self.known.update(zip(keys, self._is_pinned(keys), strict=True))
+        self.wanted = []
+
+
 class NvmeStore(StorageTier):
     """The NVMe tier of one node (see the module docstring for layout, durability and space rules); a
     ``StorageTier`` (cachestore/tiers/tier.py), evicting in its ``EvictionPolicy``'s order.
 
     Two locks: ``_write_lock`` serialises mutations (put, delete, eviction, compaction) across their
     data I/O; ``_lock`` guards the in-memory maps and is never held across data I/O, so request threads
-    locate and read objects while a write-behind put is syncing. ``is_pinned`` and ``on_evict`` run
-    under the write lock: they may read the store, not put to or delete from it.
+    locate and read objects while a write-behind put is syncing. ``is_pinned`` (a round trip to the
+    index) runs under neither: a put asks it before taking the write lock, and again, the lock let go,
+    for the next keys eviction would examine (``_PinAnswers``). ``on_evict`` runs under the write lock:
+    it may read the store, not put to or delete from it.
     """
 
     tier: Tier = "nvme"
@@ -445,17 +465,33 @@ class NvmeStore(StorageTier):
             if not view.nbytes:
                 raise ValueError("chunk objects are never empty (the codec writes a header)")
             objects[key] = view
-        with self._write_lock:
-            self._check_open()
-            stored = self._store(objects)
-        return [key in stored for key, _ in items]
+        pins = _PinAnswers(self._is_pinned)
+        self._ask_pins_ahead(objects, pins)
+        stored: set[bytes] = set()
+        while True:
+            with self._write_lock:
+                self._check_open()
+                stored |= self._store({key: view for key, view in objects.items() if key not in stored}, pins)
+            if len(stored) == len(objects) or not pins.wanted:
+                return [key in stored for key, _ in items]
+            pins.ask(pins.wanted)  # eviction stopped at chunks whose pins were not asked: asked now, unlocked
 
-    def _store(self, objects: dict[bytes, memoryview]) -> set[bytes]:
+    def _ask_pins_ahead(self, objects: dict[bytes, memoryview], pins: _PinAnswers) -> None:
+        """Where the put will need room, ask the pins of the first chunks eviction would examine, before the
+        write lock is taken."""
+        need = sum(page_align(view.nbytes) for view in objects.values())
+        with self._lock:
+            if self._space()[0] + need <= self._write_budget:
+                return
+            keys = self._policy.coldest(objects.keys(), _PIN_QUERY_KEYS)
+        pins.ask(keys)
+
+    def _store(self, objects: dict[bytes, memoryview], pins: _PinAnswers) -> set[bytes]:
         """Admit and write the objects; after a write error, once more with the capacity measured again."""
         for attempt in range(2):
             self.refresh_capacity()
             try:
-                admitted = self._admit(objects)
+                admitted = self._admit(objects, pins)
                 now_ms = time.time_ns() // 1_000_000
                 stored = self._append([(key, objects[key], now_ms) for key in admitted], touch=True)
             except OSError as exc:
@@ -669,13 +705,13 @@ class NvmeStore(StorageTier):
 
     # ---- space ------------------------------------------------------------------------------------
 
-    def _admit(self, objects: dict[bytes, memoryview]) -> list[bytes]:
+    def _admit(self, objects: dict[bytes, memoryview], pins: _PinAnswers) -> list[bytes]:
         """Make room for the batch and return the keys that will be written (all, unless space runs out)."""
         padded = {key: page_align(view.nbytes) for key, view in objects.items()}
         sizes = {key: size for key, size in padded.items() if size <= self._write_budget}
         if not sizes:  # nothing would fit in an empty tier: evict nothing for it
             return []
-        if self._make_room(sum(sizes.values()), protected=set(objects)):
+        if self._make_room(sum(sizes.values()), set(objects), pins):
             return list(sizes)
         # Everything evictable is gone: keep, in the order given, what fits beside the pinned chunks.
         with self._lock:
@@ -685,10 +721,10 @@ class NvmeStore(StorageTier):
             if size <= room:
                 admitted.append(key)
                 room -= size
-        fits = self._make_room(sum(sizes[key] for key in admitted), protected=set(objects))
+        fits = self._make_room(sum(sizes[key] for key in admitted), set(objects), pins)
         return admitted if fits else []
 
-    def _make_room(self, need: int, protected: set[bytes]) -> bool:
+    def _make_room(self, need: int, protected: set[bytes], pins: _PinAnswers) -> bool:
         """Evict and compact until ``need`` more bytes fit in the write budget; False if they cannot.
 
         Compaction runs only where it copies no more than it frees (a pack file at least half dead);
@@ -703,11 +739,11 @@ class NvmeStore(StorageTier):
             if overflow <= 0:
                 return True
             if live + need > self._write_budget:
-                progress = self._evict(live + need - self._write_budget, protected)
+                progress = self._evict(live + need - self._write_budget, protected, pins)
             elif victim is not None and victim.dead >= victim.live:
                 progress = self._compact(victim)
             else:
-                progress = self._evict(overflow, protected) or (victim is not None and self._compact(victim))
+                progress = self._evict(overflow, protected, pins) or (victim is not None and self._compact(victim))
             if not progress:
                 return False
 
@@ -721,8 +757,9 @@ class NvmeStore(StorageTier):
         candidates = [s for s in self._packs.values() if s.dead > 0 and used + s.live <= self.capacity_bytes]
         return max(candidates, key=lambda pack: pack.dead, default=None)
 
-    def _evict(self, amount: int, protected: set[bytes]) -> bool:
-        """Drop least-recently-used unpinned chunks totalling ``amount`` padded bytes; False if none could go."""
+    def _evict(self, amount: int, protected: set[bytes], pins: _PinAnswers) -> bool:
+        """Drop least-recently-used unpinned chunks totalling ``amount`` padded bytes; False if none could go.
+        It stops at the first keys whose pins ``pins`` does not know, leaving them in ``pins.wanted``."""
         victims: list[bytes] = []
         skipped = set(protected)
         freed = 0
@@ -731,8 +768,11 @@ class NvmeStore(StorageTier):
                 candidates = [(key, self._entries[key].padded) for key in self._unskipped(skipped)]
             if not candidates:
                 break
-            pinned = self._is_pinned([key for key, _ in candidates])
-            for (key, padded), pin in zip(candidates, pinned, strict=True):
+            if unknown := [key for key, _ in candidates if key not in pins.known]:
+                pins.wanted = unknown
+                break
+            for key, padded in candidates:
+                pin = pins.known[key]
                 skipped.add(key)
                 if not pin and freed < amount:
                     victims.append(key)

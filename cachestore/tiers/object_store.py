@@ -15,8 +15,9 @@ chunks of ``/v1/stats``).
 
 Errors are answers, as in every tier (cachestore/tiers/tier.py): a read not over by its deadline is a miss
 (``LATE``), and a bucket that does not answer opens a circuit breaker for ``breaker_s``, during which every call
-answers at once (misses, ``False`` puts, ``FAILED`` deletes) and ``health()`` says degraded. A read's bytes are
-copied into the caller's buffer by the calling thread, once the read is over: an abandoned read writes nowhere.
+answers at once (misses, ``False`` puts, ``FAILED`` deletes) and ``health()`` says degraded. A read's object is
+opened (decrypted) straight into the caller's buffer by the calling thread, as each read completes within the
+deadline, while the lanes fetch the others: an abandoned read writes nowhere.
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 from prefixcache.cachestore.chunks.codec import RejectCounts
-from prefixcache.cachestore.chunks.seal import ChunkSealer, SealError
+from prefixcache.cachestore.chunks.seal import OVERHEAD, ChunkSealer, SealError
 from prefixcache.cachestore.tiers.tier import Removal, StorageTier, TierHealth
 from prefixcache.cachestore.tiers.usage import TierUsage
 from prefixcache.indexer.errors import ConfigError
@@ -203,33 +204,14 @@ class ObjectTier(StorageTier):
             raise ValueError("one buffer per key")
         if not keys or not self.available:
             return [-1] * len(keys)
-        calls = [self._lanes.submit(self._read, key) for key in keys]
-        done, _ = wait(calls, timeout=self._read_deadline_s)
-        lengths = []
-        for call, buffer in zip(calls, buffers, strict=True):
-            if call not in done:
-                lengths.append(LATE)
-                continue
-            try:
-                data = memoryview(call.result())
-            except FileNotFoundError:
-                lengths.append(-1)
-                continue
-            except SealError as exc:
-                self.rejected.count(exc)
-                log.warning("an object in the bucket did not open (%s): a miss", exc)
-                lengths.append(-1)
-                continue
-            except Exception as exc:  # noqa: BLE001 - obstore's errors are many; each is a miss
-                self._failed(exc)
-                lengths.append(-1)
-                continue
-            view = memoryview(buffer).cast("B")
-            if len(data) > len(view):
-                lengths.append(-1)
-                continue
-            view[: len(data)] = data
-            lengths.append(len(data))
+        calls = {self._lanes.submit(self._fetch, key): i for i, key in enumerate(keys)}
+        lengths = [LATE] * len(keys)
+        try:
+            for call in as_completed(calls, timeout=self._read_deadline_s):
+                i = calls[call]
+                lengths[i] = self._opened(keys[i], call, memoryview(buffers[i]).cast("B"))
+        except TimeoutError:
+            pass  # the reads not over are LATE
         late = lengths.count(LATE)
         if late:
             self.late_reads += 1
@@ -293,13 +275,30 @@ class ObjectTier(StorageTier):
     def close(self) -> None:
         self._lanes.shutdown(wait=False, cancel_futures=True)
 
-    def _read(self, key: bytes) -> bytes:
-        """One object, fetched and opened (on a lane: the caller copies it out once the read is over)."""
+    def _fetch(self, key: bytes) -> memoryview:
+        """One object as the bucket holds it, sealed (on a lane: the caller opens it into its buffer)."""
         import obstore
 
-        name = self.address.name_of(key)
-        # obstore's Bytes is a buffer, not a bytes subclass, and its stub says nothing of the buffer protocol
-        return self._sealer.open(name, obstore.get(self._store, name).bytes())  # type: ignore[arg-type]
+        return memoryview(obstore.get(self._store, self.address.name_of(key)).bytes())
+
+    def _opened(self, key: bytes, call: Future[memoryview], buffer: memoryview) -> int:
+        """A fetched object opened into ``buffer``: its length, or -1 (absent, the bucket failing, too large for the
+        buffer, an object that does not open)."""
+        try:
+            sealed = call.result()
+        except FileNotFoundError:
+            return -1
+        except Exception as exc:  # noqa: BLE001 - obstore's errors are many; each is a miss
+            self._failed(exc)
+            return -1
+        if len(sealed) - OVERHEAD > len(buffer):
+            return -1
+        try:
+            return self._sealer.open_into(self.address.name_of(key), sealed, buffer)
+        except SealError as exc:
+            self.rejected.count(exc)
+            log.warning("an object in the bucket did not open (%s): a miss", exc)
+            return -1
 
     def _exists(self, key: bytes) -> bool:
         import obstore
