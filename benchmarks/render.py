@@ -533,6 +533,13 @@ def _hit_budget_section(budget: dict[str, Any]) -> str:
             table(["ratio", "value"], [[name, ratio_x(value)] for name, value in budget["ratios"].items()]),
             "Per pass (ms):",
             table(["pass", *budget["by_pass"][0]], passes),
+            *(
+                f"Verifying a {tier} hit: {hit['verification_ms']:.1f} ms from the first chunk's check to the last's, "
+                f"{hit['verification_busy_ms']:.1f} ms of checks added up over the threads, "
+                f"{hit['chunks_verified_by_waiter']:g} chunks verified by vLLM's thread after the forward pass."
+                for tier, hit in budget["hits"].items()
+                if "verification_busy_ms" in hit
+            ),
             f"Publish-to-visible (a request's first token on the producer to a REST lookup finding all its chunks): "
             f"p50 {visible['p50']:.0f} ms, p99 {visible['p99']:.0f} ms over {visible['samples']} prompts.",
         ]

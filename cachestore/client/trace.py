@@ -2,9 +2,10 @@
 variable ``PREFIXCACHE_TRACE_DIR`` names a directory when the connector is imported.
 
 Each process that records writes ``trace-<pid>.jsonl`` there, a line per point: ``{"t": time.monotonic(), "event":
-name, "req": request id or null, ...}``. ``time.monotonic`` is one clock for every process of a host, the clock of
-vLLM's own engine-core timestamps (``RequestStateStats``), so a benchmark lines the points of the scheduler's and the
-workers' processes up with vLLM's own. Off, a point costs a call and one test of a module-level flag.
+name, "req": request id or null, "thread": the thread's name, ...}``. ``time.monotonic`` is one clock for every
+process of a host, the clock of vLLM's own engine-core timestamps (``RequestStateStats``), so a benchmark lines the
+points of the scheduler's and the workers' processes up with vLLM's own. Off, a point costs a call and one test of
+a module-level flag.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-TRACE_DIR_VARIABLE = "PREFIXCACHE_TRACE_DIR"
-_DIR = os.environ.get(TRACE_DIR_VARIABLE) or None
+TRACE_DIR_ENV = "PREFIXCACHE_TRACE_DIR"
+_DIR = os.environ.get(TRACE_DIR_ENV) or None
 ON = _DIR is not None
 _lock = threading.Lock()
 _out: IO[str] | None = None
@@ -29,16 +30,16 @@ def mark(event: str, req: str | None = None, **fields: Any) -> None:
     if not ON:
         return
     t = time.monotonic()
-    _write(json.dumps({"t": t, "event": event, "req": req, **fields}))
+    _write(json.dumps({"t": t, "event": event, "req": req, "thread": threading.current_thread().name, **fields}))
 
 
 def mark_all(event: str, reqs: Any, **fields: Any) -> None:
     """``mark`` for each of ``reqs`` (request ids), at one instant."""
     if not ON:
         return
-    t = time.monotonic()
+    t, thread = time.monotonic(), threading.current_thread().name
     for req in reqs:
-        _write(json.dumps({"t": t, "event": event, "req": req, **fields}))
+        _write(json.dumps({"t": t, "event": event, "req": req, "thread": thread, **fields}))
 
 
 def _write(line: str) -> None:
