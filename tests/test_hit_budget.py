@@ -66,3 +66,22 @@ def test_vllm_parts_and_tpot() -> None:
     assert found["parts_ms"]["front end (arrival -> queued, token out)"] == pytest.approx(5.0)
     assert tpot_ms(outs) == pytest.approx(15.0)
     json.dumps(found)  # written as is
+
+
+def test_collect_reads_each_passes_measured_outputs_and_leaves_out_unfinished_engines(tmp_path: Path) -> None:
+    from benchmarks.hit_budget import collect
+
+    def write(folder: Path, engine: str, outputs: list[int]) -> None:
+        folder.mkdir(exist_ok=True)
+        (folder / f"{engine}.out.json").write_text(json.dumps({"outputs": [{"n": n} for n in outputs]}))
+
+    for i in range(2):
+        write(tmp_path / f"pass-{i}", "vllm", [0, 1, 2, 10, 11, 20, 21])  # warm-ups, then two prompts twice each
+        write(tmp_path / f"pass-{i}", "dram", [0, 1, 10, 20])
+        (tmp_path / f"pass-{i}" / "trace-dram").mkdir()
+        (tmp_path / f"pass-{i}" / "visible.json").write_text(json.dumps([0.01 * (i + 1)]))
+    write(tmp_path / "pass-0", "tax", [0, 1, 2, 10, 11, 20, 21])  # pass 1's tax engine did not finish
+    found = collect(tmp_path, repeats=2)
+    assert found["vllm"] == [[{"n": 11}, {"n": 21}]] * 2 and len(found["tax"]) == 1
+    assert found["dram"] == [([{"n": 10}, {"n": 20}], [])] * 2 and found["nvme"] == []
+    assert found["visible_s"] == [0.01, 0.02]
