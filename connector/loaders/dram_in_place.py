@@ -7,7 +7,8 @@ loader's thread, brings the rest while the forward pass computes the first layer
 the rest waits for it. A step whose forward pass did not wait for those layers has its chunks recomputed, and from
 then on every layer comes before the forward pass. A chunk whose last block vLLM writes this step comes whole before
 the forward pass, and is verified then (``_place_held_pages``); the others are verified on the verifier thread
-while the forward pass reads them, and the verdict is in before vLLM asks for load errors.
+while the forward pass reads them, and by vLLM's thread beside it once the forward pass is over (``SharedChecks``),
+and the verdict is in before vLLM asks for load errors.
 """
 
 from __future__ import annotations
