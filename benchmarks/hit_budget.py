@@ -255,11 +255,13 @@ def report(results: dict) -> dict:
         "hits": hits,
         "ratios": ratios,
         "by_pass": by_pass,
-        "publish_to_visible_ms": {
+        "publish_to_visible_ms": {  # none where the producer's lookups were not kept (--report-from)
             "p50": percentile_ms(visible, 50),
             "p99": percentile_ms(visible, 99),
             "samples": len(visible),
-        },
+        }
+        if visible
+        else None,
     }
     names = [name for name, _, _ in (*VLLM_PARTS, *HIT_PARTS)] + ["front end (arrival -> queued, token out)"]
     print_table(
@@ -292,9 +294,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--size must be in [2, 8192] (the tiny model's context)")
     if not 1 <= args.repeats <= MAX_REPEATS or not 1 <= args.passes <= 20:
         parser.error(f"--repeats must be 1-{MAX_REPEATS} and --passes 1-20")
+    load = None  # the machine's load average (1 min) at the start and the end: a shared machine's timings drift
     if args.report_from is not None:
         results = collect(args.report_from, args.repeats)
     else:
+        load = [os.getloadavg()[0]]
         with tempfile.TemporaryDirectory(prefix="hit-budget-") as tmp:
             workdir = Path(tmp)
             reserved = frozenset(sorted(os.sched_getaffinity(0))[-1:])  # VLLM_CPU_NUM_OF_RESERVED_CPU=1
@@ -302,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(args.passes):
                 run_pass(run, i)
             results = collect(workdir, args.repeats)
+        load.append(os.getloadavg()[0])
     payload = report(results)
     path = write_results(
         "hit_budget",
@@ -310,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": args.repeats,
             "passes": len(results["vllm"]),
             "dtype": ENGINE_DTYPE,
+            "load_average": load,
             **payload,
         },
         partial=not with_defaults(parser, args, apart_from=("report_from",)),

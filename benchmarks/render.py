@@ -528,7 +528,13 @@ def _hit_budget_section(budget: dict[str, Any]) -> str:
             f"{budget['dtype']}, {budget['size']}-token prompts, {budget['repeats']} per engine, {budget['passes']} "
             "passes of fresh engines in turn; a hit in a fresh engine with the connector (from DRAM, then from NVMe "
             "after a daemon restart) beside vLLM's own hit in an engine without it, median ms of each part "
-            "(the connector's trace points and vLLM's own timestamps):",
+            "(the connector's trace points and vLLM's own timestamps)"
+            + (
+                f"; the machine's load average {budget['load_average'][0]:.1f} at the start, "
+                f"{budget['load_average'][1]:.1f} at the end:"
+                if budget.get("load_average")
+                else ":"
+            ),
             table(["part", "vLLM's own hit, no connector", "prefixcache DRAM hit", "prefixcache NVMe hit"], rows),
             table(["ratio", "value"], [[name, ratio_x(value)] for name, value in budget["ratios"].items()]),
             "Per pass (ms):",
@@ -541,7 +547,9 @@ def _hit_budget_section(budget: dict[str, Any]) -> str:
                 if "verification_busy_ms" in hit
             ),
             f"Publish-to-visible (a request's first token on the producer to a REST lookup finding all its chunks): "
-            f"p50 {visible['p50']:.0f} ms, p99 {visible['p99']:.0f} ms over {visible['samples']} prompts.",
+            f"p50 {visible['p50']:.0f} ms, p99 {visible['p99']:.0f} ms over {visible['samples']} prompts."
+            if visible
+            else "Publish-to-visible was not measured in this run.",
         ]
     )
 
