@@ -584,6 +584,48 @@ def _dram_parts_section(parts: dict[str, Any]) -> str:
     )
 
 
+def _hit_budget_section(budget: dict[str, Any]) -> str:
+    columns = [budget["vllm"], budget["hits"]["dram"], budget["hits"]["nvme"]]
+    names = list(dict.fromkeys(name for column in columns for name in column["parts_ms"]))
+    names.sort(key=lambda name: name.startswith("front end"))  # what lies outside the engine core, last
+    rows = [
+        [name, *(f"{c['parts_ms'][name]:.1f}" if name in c["parts_ms"] else "-" for c in columns)] for name in names
+    ]
+    rows.append(["**TTFT**", *(f"**{c['ttft_ms']:.1f}**" for c in columns)])
+    visible = budget["publish_to_visible_ms"]
+    passes = [[i, *(f"{v:.1f}" for v in row.values())] for i, row in enumerate(budget["by_pass"])]
+    return "\n\n".join(
+        [
+            "### A cross-process hit's budget (`benchmarks.hit_budget`)",
+            f"{budget['dtype']}, {budget['size']}-token prompts, {budget['repeats']} per engine, {budget['passes']} "
+            "passes of fresh engines in turn; a hit in a fresh engine with the connector (from DRAM, then from NVMe "
+            "after a daemon restart) beside vLLM's own hit in an engine without it, median ms of each part "
+            "(the connector's trace points and vLLM's own timestamps)"
+            + (
+                f"; the machine's load average {budget['load_average'][0]:.1f} at the start, "
+                f"{budget['load_average'][1]:.1f} at the end:"
+                if budget.get("load_average")
+                else ":"
+            ),
+            table(["part", "vLLM's own hit, no connector", "prefixcache DRAM hit", "prefixcache NVMe hit"], rows),
+            table(["ratio", "value"], [[name, ratio_x(value)] for name, value in budget["ratios"].items()]),
+            "Per pass (ms):",
+            table(["pass", *budget["by_pass"][0]], passes),
+            *(
+                f"Verifying a {tier} hit: {hit['verification_ms']:.1f} ms from the first chunk's check to the last's, "
+                f"{hit['verification_busy_ms']:.1f} ms of checks added up over the threads, "
+                f"{hit['chunks_verified_by_waiter']:g} chunks verified by vLLM's thread after the forward pass."
+                for tier, hit in budget["hits"].items()
+                if "verification_busy_ms" in hit
+            ),
+            f"Publish-to-visible (a request's first token on the producer to a REST lookup finding all its chunks): "
+            f"p50 {visible['p50']:.0f} ms, p99 {visible['p99']:.0f} ms over {visible['samples']} prompts."
+            if visible
+            else "Publish-to-visible was not measured in this run.",
+        ]
+    )
+
+
 def _windows_section(windows: dict[str, Any], title: str) -> str:
     rows = [
         [c["tier"], c["arena_mib"], c["windows"], ms(c["median_s"]), ratio_x(c["over_one_window"])]
@@ -673,6 +715,7 @@ def _serving_section(serving: dict[str, Any]) -> str:
 
 SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("ttft", _ttft_section),
+    ("hit_budget", _hit_budget_section),
     ("serving", _serving_section),
     ("burst", _burst_section),
     ("stall", _stall_section),

@@ -144,21 +144,27 @@ class Runner:
         twice: bool = False,
         record_first_as: str | None = None,
         rounds: int = 1,
-    ) -> None:
+        fresh: bool = False,
+        max_tokens: int = 1,
+    ) -> list[dict]:
         """One fresh engine process over every prompt; ``twice`` runs each prompt again and records the repeat as
         ``record_as`` (and the first run as ``record_first_as``, if given). ``rounds`` > 1 goes over the prompts
-        that many times, emptying vLLM's own prefix cache before each prompt's first run."""
+        that many times, emptying vLLM's own prefix cache before each prompt's first run. ``fresh``: over the
+        fresh series instead (``fresh_prompts``: recorded by nobody); ``max_tokens``: generated per prompt.
+        Returns the measured prompts' outputs (tests/e2e/run_vllm.py), in order."""
         runs = 2 if twice else 1
-        measured = [p for _ in range(rounds) for p in self.prompts for _ in range(runs)]
+        prompts = self.fresh_prompts if fresh else self.prompts
+        measured = [p for _ in range(rounds) for p in prompts for _ in range(runs)]
         unmeasured = self._unmeasured(runs)
         spec = self._spec(unmeasured, measured, kv_transfer_config, prefix_caching)
+        spec["max_tokens"] = max_tokens
         if rounds > 1:
             spec["reset_prefix_cache_before"] = list(range(len(unmeasured), len(unmeasured) + len(measured), runs))
         outputs = self._run(name, spec, env, unmeasured=len(unmeasured))
-        if twice:
-            self._record(record_first_as, outputs[0::2])
-            outputs = outputs[1::2]
-        self._record(record_as, outputs)
+        if not fresh:
+            self._record(record_first_as if twice else None, outputs[0::2] if twice else [])
+            self._record(record_as, outputs[1::2] if twice else outputs)
+        return outputs
 
     def beside_bypass(self, name: str, kv_transfer_config: dict, record_as: str, record_bypass_as: str) -> None:
         """One engine with ``kv_transfer_config`` running each prompt twice, vLLM's own prefix cache off: once as

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixcache.cachestore.client import trace
 from prefixcache.cachestore.client.request_params import request_cache_params
 from prefixcache.cachestore.client.scheduler_index import LEASE_TIMEOUT_S
 from prefixcache.connector.attachment import Attachment
@@ -160,6 +161,7 @@ class SchedulerSide:
         """vLLM has added a request: hash its prompt now, and have it looked up with the others added with it
         (connector/lookups.py). A request that loads nothing is left out: it is looked up only if vLLM's own
         prefix cache holds a chunk of it."""
+        trace.mark("new_request", request.request_id)
         state = self._state(request)
         if state.hashers and state.loads:
             queries = [hasher.query() for hasher in state.hashers]
@@ -181,6 +183,7 @@ class SchedulerSide:
             return 0, False
         looked_up = state.matched_for != request.num_tokens  # vLLM may ask again for the same request
         if looked_up:
+            trace.mark("lookup_start", request.request_id)
             extend_all(state.hashers, request.all_token_ids[state.hashers[0].num_tokens : request.num_tokens])
             started = time.perf_counter()
             try:
@@ -220,6 +223,7 @@ class SchedulerSide:
             step_bytes=self._sync_bytes_in_pass + external * self.bytes_per_token,
             async_bytes=self.async_bytes,
         )
+        trace.mark("lookup_end", request.request_id, looked_up=looked_up, tokens=external, load_async=state.load_async)
         return external, state.load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -285,6 +289,7 @@ class SchedulerSide:
             meta.saves.extend(saves)
         meta.finished, self._finished_saves = set(self._finished_saves), {}
         self._running = set(scheduler_output.num_scheduled_tokens)
+        trace.mark_all("scheduled", self._running, loads=sorted(meta.loads[0]), load_async=sorted(meta.load_async))
         # a step that loads takes longer than its computation: it tells nothing of the prefill rate
         computed = sum(scheduler_output.num_scheduled_tokens.values())
         self._last_step = (time.perf_counter(), computed) if not loaded else None
@@ -304,6 +309,7 @@ class SchedulerSide:
         reporting its own: connector/load_reports.py)."""
         if isinstance(stats := connector_output.kv_connector_stats, PrefixCacheTransferStats):
             self.costs.observe_reads(stats.reads())
+        trace.mark_all("load_reported", connector_output.finished_recving or ())
         failed = self._loads.report(connector_output.finished_recving or (), connector_output.invalid_block_ids or ())
         self._holding.difference_update(connector_output.finished_sending or ())
         for req_id, blocks in failed.items():

@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 import torch
 
+from prefixcache.cachestore.client import trace
 from prefixcache.cachestore.client.cache_client import CacheClient
 from prefixcache.connector.loaders.asynchronous import Asynchronous
 from prefixcache.connector.loaders.base import ArenaWarnings, Loader, Store, drop
@@ -126,6 +127,7 @@ class WorkerSide:
     def begin_step(self, meta: PrefixCacheMetadata) -> None:
         """vLLM's first hook of every step (``handle_preemptions``): on a GPU, the step's kernels wait for the
         publishes still copying pages out (connector/page_copies.py); then ``begin_load``."""
+        trace.mark("step_begin")
         self._copies.before_step()
         self.begin_load(meta)
 
@@ -170,7 +172,9 @@ class WorkerSide:
         self.finish_load()  # the previous step's, should vLLM not have asked for its outcome
         self._loads, self._failed_requests = meta.loads_of(self.shard), set()
         if chunks := self._chunks_of(meta):
+            trace.mark("start_load", early=begun is not None)
             self._load_now(chunks, begun[1].result() if begun is not None else None)
+            trace.mark("start_load_end")
         if async_begun is not meta and (later := meta.loads_of(self.shard, asynchronous=True)):
             self._async.begin_load(later)
 
@@ -217,6 +221,7 @@ class WorkerSide:
         arena had no room for are fetched from DRAM, so only the others are read ahead.
         ``behind_forward``: the step's forward pass runs while the chunks read in place are verified."""
         started = time.perf_counter()
+        trace.mark("read_start", chunks=len(chunks))
         layered, nvme_left = self._nvme.begin_load([chunk for chunk in chunks if not chunk.in_dram])
         dram, dram_left = self._dram.begin_load(
             [chunk for chunk in chunks if chunk.in_dram and not chunk.remote],
@@ -226,12 +231,15 @@ class WorkerSide:
         from_disk = nvme_left + dram_left
         remote = [chunk for chunk in chunks if chunk.in_dram and chunk.remote]
         elsewhere, _ = self._slots.begin_load(dram.no_room + remote + from_disk, read_ahead=from_disk)
+        trace.mark("read_end", in_place=len(dram.placed), elsewhere=len(dram.no_room + remote + from_disk))
         return _InPlaceRead(dram, layered, elsewhere)
 
     def wait_for_layer(self, layer: int) -> None:
         """vLLM's ``wait_for_layer_load``: an attention layer is about to read its KV; wait for this step's
         reads of that layer from NVMe, and for the later layers of its DRAM hits (their verification goes on
         behind them). Chunks loaded through slots are in already."""
+        if layer == 0:
+            trace.mark("forward_start")
         self._nvme.wait_for_layer_load(layer)
         self._dram.wait_for_layer_load(layer)
 
@@ -241,9 +249,13 @@ class WorkerSide:
         requests, so KV that failed verification never reaches an answer, and their new pages are not
         published (``save``)."""
         errors = self.load_errors
+        if self._loads:
+            trace.mark("finish_load")
         for loader in self._loaders:
             if (store := loader.finish(errors)) is not None:
                 self._after_forward.append(store)
+        if self._loads:
+            trace.mark("finish_load_end")
         self._failed_requests.update(
             request
             for request, chunks in self._loads.items()
@@ -255,6 +267,7 @@ class WorkerSide:
         """Requests whose asynchronous loads are over, intact or not; their failed blocks are in
         ``load_errors`` from now, so vLLM recomputes them (it asks for those in the same pass)."""
         over = self._async.get_finished(self.load_errors)
+        trace.mark_all("async_load_over", over)
         self.loaded_async += len(over)
         return over
 
@@ -293,12 +306,14 @@ class WorkerSide:
         intact: vLLM recomputes them, and they are not published. A worker that does not publish
         (``directions``) stores only those NVMe reads. The finished requests among the saves are reported
         (``finished_saves``) once their pages are copied out, whether this worker publishes or not."""
+        trace.mark("forward_end", saves=len(meta.saves))
         self.finish_load()
         for store in self._after_forward:
             self._publisher.store(store)
         self._after_forward = []
         self._publisher.publish(meta.saves, self._failed_requests)
         self._saved_finished.update(meta.finished)
+        trace.mark("save_end")
 
     def finished_saves(self) -> set[str]:
         """Finished requests whose blocks vLLM may free now (``save``)."""

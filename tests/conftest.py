@@ -35,6 +35,8 @@ MODULE_TIERS = {
         "test_attachment",  # connections to a socket of its own, found in /proc/net/tcp
         "test_bench_results",
         "test_burst_bench",
+        "test_hit_budget",
+        "test_shared_checks",
         "test_node_loss_bench",
         "test_load_costs",
         "test_cli_help",  # typer and rich in this process, at 80 columns

@@ -25,6 +25,7 @@ import redis
 
 from prefixcache.cachestore.chunks.codec import BodyCheck, ChunkError, ChunkMeta, decode, decode_scattered, write_header
 from prefixcache.cachestore.chunks.mac import ChunkMacKey
+from prefixcache.cachestore.client import trace
 from prefixcache.cachestore.client.client_stats import ClientStatsRecorder
 from prefixcache.cachestore.client.config import ClientConfig, chunk_mac_key, fetch_config, index_url
 from prefixcache.cachestore.client.moving_rate import MovingRate
@@ -342,22 +343,34 @@ class CacheClient:
         KV pages themselves, so a load copies each byte once. Nothing is verified yet: the caller has
         ``verify_scattered`` check the pieces where they landed before any of it counts as loaded.
         """
-        return [size > 0 for size in self.dram.get_scattered(keys, parts, second)]
+        trace.mark("fetch_scattered", chunks=len(keys), second=sum(second))
+        got = [size > 0 for size in self.dram.get_scattered(keys, parts, second)]
+        trace.mark("fetch_scattered_end", chunks=len(keys))
+        return got
 
     def verify_scattered(
         self,
         keys: Sequence[bytes],
         heads: Sequence[memoryview],
         payloads: Sequence[Sequence[memoryview]],
-        started: float,
+        started: float | None,
     ) -> list[bool]:
         """Per chunk read by ``fetch_scattered``, whether it is intact where it landed: its header and
         tokens in ``heads[i]``, its payload across ``payloads[i]``. A damaged chunk's DRAM copy is
-        deleted. Records one fetch, timed from ``started`` (``time.perf_counter()``)."""
+        deleted. Records one fetch, timed from ``started`` (``time.perf_counter()``; None: records none, the
+        caller checks a fetch's chunks in several calls and records it with ``record_scattered_fetch``)."""
+        trace.mark("verify", chunks=len(keys))
         ok = [
             self._verified_scattered(key, head, payload)
             for key, head, payload in zip(keys, heads, payloads, strict=True)
         ]
+        trace.mark("verify_end", chunks=len(keys))
+        if started is not None:
+            self.record_scattered_fetch(ok, started)
+        return ok
+
+    def record_scattered_fetch(self, ok: Sequence[bool], started: float) -> None:
+        """Record one fetch of chunks read in place, which arrived intact where ``ok``, timed from ``started``."""
         self.counters.count(fetched=sum(ok))
         self.recorder.record_fetch(
             self.spec.digest,
@@ -366,7 +379,6 @@ class CacheClient:
             len(ok) - sum(ok),  # each failure was a reject
             time.perf_counter() - started,
         )
-        return ok
 
     def take_disk_reads(self) -> list[tuple[bytes, memoryview]]:
         """The chunks the last ``fetch`` read straight from this node's NVMe: (key, verified object).

