@@ -1,4 +1,5 @@
-"""The connector's worker side while the store is not attached (connector/attachment.py).
+"""The connector's worker side while the store is not attached (connector/attachment.py), or while vLLM's sleep mode
+has the KV cache unmapped (connector/worker_states.py).
 
 It loads and publishes nothing. The scheduler side attaches on its own, so it may plan loads before this
 worker has a client: each such load is reported failed, whole (its blocks as load errors, an asynchronous
@@ -15,11 +16,19 @@ from prefixcache.connector.transfer_stats import TransferCounts
 
 
 class DetachedWorker:
-    def __init__(self) -> None:
-        self.transfers = TransferCounts()
-        self._errors: set[int] = set()
-        self._finished: set[str] = set()
-        self._released: set[str] = set()  # finished requests whose blocks vLLM may free
+    def __init__(
+        self,
+        transfers: TransferCounts | None = None,
+        errors: set[int] | None = None,
+        finished: set[str] | None = None,
+        released: set[str] | None = None,
+    ) -> None:
+        """What a worker side it takes over from left to report, if any: its counts, its load errors, its requests
+        whose asynchronous loads are over and its finished requests whose pages are copied out."""
+        self.transfers = transfers or TransferCounts()
+        self._errors: set[int] = set(errors or ())
+        self._finished: set[str] = set(finished or ())
+        self._released: set[str] = set(released or ())  # finished requests whose blocks vLLM may free
 
     @property
     def idle(self) -> bool:

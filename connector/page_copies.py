@@ -227,8 +227,11 @@ class CudaPageCopies:
             lane.stream.synchronize()
 
     def close(self) -> None:
+        """Wait for every copy, then let go of the staging buffers and of the views of vLLM's pages at once: under
+        vLLM's sleep mode the device memory behind them is unmapped right after (connector/worker_states.py)."""
         for lane in self._save_lanes + self._load_lanes:
             lane.stream.synchronize()
+        self._save_lanes, self._load_lanes, self._groups = [], [], []
         if self._pinned is not None:
             unpin_host_memory(self._pinned)
             self._pinned = None

@@ -16,7 +16,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from prefixcache.connector.attachment import Attachment
-from prefixcache.connector.detached_worker import DetachedWorker
 from prefixcache.connector.io_threads import io_cpus, numa_node_cpus, pinning, ranks_bound_by_vllm
 from prefixcache.connector.settings import (
     ConnectorSettings,
@@ -31,8 +30,11 @@ if TYPE_CHECKING:
     import torch
 
     from prefixcache.cachestore.client.cache_client import CacheClient
+    from prefixcache.connector.detached_worker import DetachedWorker
     from prefixcache.connector.metadata import PrefixCacheMetadata
+    from prefixcache.connector.transfer_stats import TransferCounts
     from prefixcache.connector.worker_side import WorkerSide
+    from prefixcache.connector.worker_states import WorkerStates
     from prefixcache.indexer.namespace import NamespaceSpec
 
 log = logging.getLogger("prefixcache.connector")
@@ -47,7 +49,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         self._settings = ConnectorSettings.parse(transfer.kv_connector_extra_config)
         self._directions = Directions.of_role(transfer.kv_role)
         self._scheduler = None
-        self._worker: WorkerSide | DetachedWorker | None = None  # detached until the worker's client attaches
+        self._states: WorkerStates | None = None  # the worker side: detached until the worker's client attaches
         self._layer_index: dict[str, int] = {}  # the worker's attention layers, in its KV cache's order
         self._layers: list[torch.Tensor] = []  # their KV caches, for the worker side made once the client attaches
         self._client_attachment: Attachment[CacheClient] | None = None
@@ -63,6 +65,12 @@ class PrefixCacheConnector(KVConnectorBase_V1):
                 )
                 transfer.kv_load_failure_policy = "recompute"
             self._scheduler = SchedulerSide(vllm_config, kv_cache_config, self._settings, self._directions)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33 asks, with ``enable_sleep_mode``: the worker side lets go of the KV cache while it sleeps
+        (``unregister_kv_caches``) and takes it up again on waking (connector/worker_states.py)."""
+        return True
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -136,28 +144,47 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         names = [name for name in group.layer_names if name in kv_caches]
         self._layer_index = {name: i for i, name in enumerate(names)}
         self._layers = [kv_caches[name] for name in names]
-        self._worker = DetachedWorker()
+        from prefixcache.connector.worker_states import WorkerStates
+
         self._client()
-        self._adopt_client()
+        self._states = WorkerStates(
+            lambda: self._client_attachment.value if self._client_attachment is not None else None,
+            self._worker_side,
+        )
+        self._states.adopt()
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33, before its sleep mode unmaps the KV cache: finish the copies under way and drop every view of
+        the pages, the staging buffers and the pinned arena; loads fail (vLLM computes them) until restored."""
+        if self._states is not None:
+            self._states.unregister()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33, once waking up has mapped the KV cache again: the worker side takes it up again."""
+        if self._states is not None:
+            self._states.restore()
+
+    @property
+    def _worker(self) -> WorkerSide | DetachedWorker | None:
+        return self._states.current if self._states is not None else None
 
     def _adopt_client(self) -> None:
-        """Once the worker's client has attached, make the worker side of it: between steps (nothing the detached
-        side was given is still to report), on vLLM's thread, which owns the device the pages are on."""
-        if not isinstance(self._worker, DetachedWorker) or not self._worker.idle:
-            return
-        client = self._client_attachment.value if self._client_attachment is not None else None
-        if client is None:
-            return
+        if self._states is not None:
+            self._states.adopt()
+
+    def _worker_side(self, client: CacheClient, transfers: TransferCounts) -> WorkerSide:
+        """The worker side over the KV cache, once the worker's client has attached (connector/worker_states.py)."""
         from prefixcache.connector.worker_side import WorkerSide
 
         spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        self._worker = WorkerSide(
+        return WorkerSide(
             client,
             self._layers,
             spec.block_size,
             directions=self._worker_directions(spec),
             io_thread_setup=self._io_thread_setup,
             check_threads=self._settings.check_threads,
+            transfers=transfers,
         )
 
     def _worker_directions(self, kv_cache_spec: Any) -> Directions:
@@ -221,7 +248,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
     @property
     def worker_namespace(self) -> NamespaceSpec | None:
         """The namespace this worker loads and publishes under (None before the store has attached)."""
-        client = self._client_attachment.value if self._worker is not None and self._client_attachment else None
+        client = self._client_attachment.value if self._states is not None and self._client_attachment else None
         return client.spec if client is not None else None
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
@@ -284,8 +311,8 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         return PrefixCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
-        if self._worker is not None and not isinstance(self._worker, DetachedWorker):
-            self._worker.close()  # and its client
+        if self._states is not None and self._states.attached is not None:
+            self._states.close()  # and its client
         elif self._client_attachment is not None:
             self._client_attachment.close()
         if self._scheduler is not None:

@@ -87,6 +87,7 @@ class RequestState:
     blocks: list[int] = field(default_factory=list)
     load: list[list[LoadChunk]] = field(default_factory=list)  # per shard
     load_async: bool = False  # vLLM holds the request while it loads (get_num_new_matched_tokens said so)
+    awaiting_alloc: bool = False  # a hit vLLM has not allocated blocks for yet (update_state_after_alloc)
     failed_loads: int = 0  # loads of this request that arrived damaged or incomplete
     stored_chunks: int = 0  # leading full chunks known to be in the store (looked up or published)
     tail_done: bool = False
@@ -224,10 +225,17 @@ class SchedulerSide:
             async_bytes=self.async_bytes,
         )
         trace.mark("lookup_end", request.request_id, looked_up=looked_up, tokens=external, load_async=state.load_async)
+        state.awaiting_alloc = external > 0
         return external, state.load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        state = self._state(request)
+        """vLLM has allocated the request's blocks: plan its load. vLLM 0.33 may call this steps after
+        ``get_num_new_matched_tokens`` for an asynchronous load (a consumer with more than one batch in flight defers
+        it to ``update_from_output``): other requests are scheduled in between, and the plan goes into the next
+        step's metadata. A request finished meanwhile is forgotten and stays so."""
+        if (state := self.requests.get(request.request_id)) is None:
+            return
+        state.awaiting_alloc = False
         state.blocks = list(blocks.get_block_ids()[0])
         if state.matches:
             # What the store holds is not published again. A prefix vLLM's own cache holds would otherwise be
@@ -411,7 +419,7 @@ class SchedulerSide:
         the last generated one. A request vLLM still holds for an asynchronous load keeps its blocks anyway (vLLM
         frees them once the load is over) and has generated nothing."""
         publishes_output = state.publishes_output and state.publishes and state.hashers
-        if not publishes_output or self._loads.in_flight(request.request_id):
+        if not publishes_output or state.awaiting_alloc or self._loads.in_flight(request.request_id):
             return False
         computed = min(request.num_computed_tokens, request.num_tokens)
         ranges = chunks_at_finish(state.stored_chunks, computed, state.prompt_tokens, self.store.geometry)

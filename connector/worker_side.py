@@ -67,10 +67,13 @@ class WorkerSide:
         directions: Directions = BOTH_WAYS,
         io_thread_setup: Callable[[], None] | None = None,
         check_threads: int | Literal["auto"] = "auto",
+        transfers: TransferCounts | None = None,
     ) -> None:
         """``directions``: which ways the engine's role moves KV; ``io_thread_setup`` runs first in each thread
         this side starts (see connector/io_threads.py); ``check_threads`` verify chunks loaded through slots (0: the
-        fetch thread does; ``"auto"``: as many as the cache's page copies ask for, connector/page_copies.py)."""
+        fetch thread does; ``"auto"``: as many as the cache's page copies ask for, connector/page_copies.py);
+        ``transfers``: the counts to add to, those of the side this one takes over from (vLLM has not collected
+        them yet)."""
         setup = io_thread_setup or (lambda: None)
         self.client = client
         self.shard = client.spec.shard  # which shard of the pages this worker holds, and whose keys it uses
@@ -85,7 +88,7 @@ class WorkerSide:
         self.loaded_layer_by_layer = 0  # of loaded_chunks, those read from NVMe straight into their pages
         self.loaded_async = 0  # requests whose asynchronous loads are over (intact or not)
         self._counting = threading.Lock()  # loads are counted from several threads
-        self.transfers = TransferCounts()  # since vLLM last collected them (get_kv_connector_stats)
+        self.transfers = transfers or TransferCounts()  # since vLLM last collected them (get_kv_connector_stats)
         client.on_remote_read = functools.partial(self.transfers.add_read, "remote_dram")
         self._copies = page_copies_for(
             self.pages, client.arena_memory, self._layout.pages_of(client.spec.chunk_tokens), directions
@@ -320,7 +323,11 @@ class WorkerSide:
         saved, self._saved_finished = self._saved_finished, set()
         return saved
 
-    def close(self) -> None:
+    def close(self, keep_client: bool = False) -> None:
+        """Finish every load and publish under way and let go of the KV cache: when this returns, nothing of this
+        side reads or writes vLLM's pages, and no thread of its runs. What is left to report (``finished_saves``,
+        ``finished_async_loads``, ``load_errors``) is still there. ``keep_client``: the client stays open, for the
+        side that takes over (connector/worker_states.py)."""
         if self._begun is not None:
             self._abandon(self._begun[1].result())
         self.finish_load()
@@ -328,6 +335,8 @@ class WorkerSide:
             loader.close()
         for store in self._after_forward:
             drop(self.client, store)
+        self._after_forward = []
         self._publisher.close()
         self._copies.close()
-        self.client.close()
+        if not keep_client:
+            self.client.close()

@@ -115,6 +115,7 @@ MODULE_TIERS = {
         "test_supervisor",
         "test_tier_contract",
         "test_two_nodes",
+        "test_vllm_api",  # vLLM 0.33's wheel, downloaded once into .cache/ (tests/vllm_wheel.py), read as a zip
         "test_warmup",
         "test_warmup_api",
         "test_worker_side",

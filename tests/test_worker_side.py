@@ -23,6 +23,7 @@ from prefixcache.cachestore.tiers.dram import first_part_rows
 from prefixcache.cachestore.tiers.tier import Removal
 from prefixcache.connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
 from prefixcache.connector.worker_side import WorkerSide
+from prefixcache.connector.worker_states import WorkerStates
 from prefixcache.indexer.index import Location
 from prefixcache.indexer.keys import chunk_key
 from prefixcache.indexer.tokens import pack_tokens
@@ -775,3 +776,112 @@ def test_a_step_whose_loads_are_all_asynchronous_begins_them_at_its_first_hook(p
     time.sleep(0.2)
     assert loader.finished_async_loads() == set() and loader.loaded_chunks == 2  # begun once, not again
     assert equal(pages(loader, list(range(24, 32))), pages(publisher, list(range(8))))
+
+
+def connector_threads() -> set[threading.Thread]:
+    """The connector's threads running, but the client's statistics flusher, which starts with its first count."""
+    return {
+        thread
+        for thread in threading.enumerate()
+        if thread.name.startswith("prefixcache") and thread.name != "prefixcache-client-stats"
+    }
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["in-shared-memory", "through-slots"])
+def test_a_worker_side_let_go_of_while_vllm_sleeps_loads_nothing_and_loads_again_once_restored(
+    daemon, publisher, shared
+):
+    """vLLM 0.33's sleep mode: ``unregister_kv_caches`` before the KV cache's memory is unmapped, ``restore_kv_caches``
+    once it is mapped again (connector/worker_states.py). Asleep, nothing of the worker side touches the pages and a
+    load is a miss (its blocks reported failed, vLLM computes them), never KV read into unmapped memory; what was left
+    to report is reported once; restored, the same tensors load again."""
+    keys = publish(publisher, chunks=3)
+    client = CacheClient.connect(daemon.url, make_spec(CHUNK_TOKENS), arena_bytes=16 << 20)
+    before = connector_threads()  # the client's own, which stay while it is open
+    layers = kv_cache(client.shared_memory(LAYERS * BLOCKS * PAGE_BYTES) if shared else None)
+    states = WorkerStates(lambda: client, lambda c, transfers: WorkerSide(c, layers, BLOCK_TOKENS, transfers=transfers))
+    try:
+        states.adopt()
+        awake = states.attached
+        assert awake is not None and awake.in_shared_memory == shared
+        assert load(awake, {"r": [LoadChunk(keys[0], CHUNK_TOKENS, 0, [0, 1, 2, 3])]}) == set()
+        awake.save(PrefixCacheMetadata(finished={"done"}))  # a finished request whose pages are copied out
+        assert connector_threads() > before
+
+        states.unregister()
+        states.unregister()  # idempotent, as vLLM's contract asks
+        assert states.attached is None and states.asleep
+        assert connector_threads() == before  # every thread of the worker side is over; the client stays open
+        assert states.current.finished_saves() == {"done"}  # reported once, by the side that took over
+        assert states.current.finished_saves() == set()
+        assert states.current.transfers.take().data["loaded_chunks"] == 1  # the counts vLLM had not collected
+        asleep_blocks = [8, 9, 10, 11]
+        assert load(states.current, {"r": [LoadChunk(keys[1], CHUNK_TOKENS, 0, asleep_blocks)]}) == set(asleep_blocks)
+        assert all(not layer[asleep_blocks].any() for layer in layers)  # nothing written: a miss
+        states.adopt()  # the next step's first hooks while asleep
+        assert states.attached is None
+
+        states.restore()
+        restored = states.attached
+        assert restored is not None and restored is not awake and restored.layers[0] is layers[0]
+        blocks = [20, 21, 22, 23, 24, 25, 26, 27]
+        plan = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, blocks[4 * i : 4 * i + 4]) for i, key in enumerate(keys[1:])]}
+        assert load(restored, plan) == set()
+        assert equal(pages(restored, blocks), pages(publisher, list(range(4, 12))))
+        states.restore()  # idempotent
+        assert states.attached is restored
+    finally:
+        states.close()
+    assert connector_threads() <= before
+
+
+def test_in_the_v2_runners_order_finished_saves_are_reported_once_saved_and_a_failed_load_publishes_nothing(
+    publisher, loader
+):
+    """vLLM 0.33's V2 model runner with a speculator collects a step's results (``get_finished``, load errors, stats)
+    before ``wait_for_save`` (``post_forward(defer_finalize=True)``, then ``finalize_step`` after the drafter). A
+    finished request is reported once its pages are copied out, a step later than in the V1 order; the request whose
+    load failed publishes nothing though its errors were taken before the save."""
+    keys = publish(publisher, chunks=2)
+    damage_dram_copy(loader.client.dram, keys[1])
+    fresh = [
+        SaveChunk(
+            request,
+            [loader.client.spec.root()],
+            pack_tokens(range(9000 + i, 9000 + i + CHUNK_TOKENS)),
+            [40 + 4 * i + p for p in range(PAGES)],
+            None,
+        )
+        for i, request in enumerate(["bad", "good"])
+    ]
+    loads = {
+        "good": [LoadChunk(keys[0], CHUNK_TOKENS, 0, [0, 1, 2, 3])],
+        "bad": [LoadChunk(keys[1], CHUNK_TOKENS, 0, [4, 5, 6, 7])],
+    }
+    step = PrefixCacheMetadata(loads=[loads], saves=fresh, finished={"ended"})
+    loader.begin_step(step)
+    loader.start_load(step)
+    forward_pass(loader)
+    # post_forward(defer_finalize=True)
+    assert loader.finished_saves() == set()  # "ended"'s pages are copied out by wait_for_save, not yet
+    assert loader.finished_async_loads() == set()
+    assert loader.take_load_errors() == {4, 5, 6, 7}
+    assert loader.transfers.take().data["loaded_chunks"] == 1
+    # finalize_step: wait_for_save, then clear_connector_metadata
+    loader.save(step)
+    # the next step, as vLLM runs it
+    after = PrefixCacheMetadata(loads=[{}])
+    loader.begin_step(after)
+    loader.start_load(after)
+    forward_pass(loader)
+    assert loader.finished_saves() == {"ended"}
+    assert loader.take_load_errors() == set()
+    loader.save(after)
+    assert loader.finished_saves() == set()  # reported once
+    deadline = time.monotonic() + 10
+    while loader.published_chunks < 1:
+        assert time.monotonic() < deadline, "the good request's chunk was not published"
+        time.sleep(0.01)
+    time.sleep(0.2)
+    stored = loader.client.index.get([chunk_key(save.parents[0], save.tokens) for save in fresh])
+    assert loader.published_chunks == 1 and stored[0] is None and stored[1] is not None
