@@ -11,7 +11,7 @@ PYTEST_WORKERS ?= 2
 
 PYTEST_XDIST := -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
-.PHONY: setup run test test-unit test-integration check-wheel lint docs bench
+.PHONY: setup run test test-unit test-integration test-vllm033 check-wheel lint docs bench
 
 setup:
 	bash deploy/setup.sh
@@ -30,6 +30,12 @@ test-unit: setup
 # Real servers (Redis, Mooncake, RocksDB, daemons), no vLLM engine.
 test-integration: setup
 	$(PY) -m pytest $(PYTEST_XDIST) -m integration $(PYTEST_ARGS)
+
+# The runtime lane against vLLM 0.33, in a virtualenv of its own (.venv-vllm033: vLLM 0.33 and torch 2.14, about
+# 4.5 GB to download): the connector against its API and its scheduler's classes (tests/vllm033_lane.sh). Not in CI
+# (docs/decisions.md); CI checks 0.33's API statically (tests/test_vllm_api.py).
+test-vllm033:
+	bash tests/vllm033_lane.sh
 
 # The wheel and sdist as built for release, installed beside the engine in a fresh virtualenv (tests/wheel/check.sh).
 check-wheel: setup

@@ -110,6 +110,7 @@ MODULE_TIERS = {
         "test_redis_index",
         "test_redis_topologies",
         "test_separate_hosts",
+        "test_scheduler_side",  # vLLM's config, request and block classes, no engine
         "test_serve",
         "test_supervision",
         "test_supervisor",

@@ -27,6 +27,11 @@ SPEC.json::
      "prompt_logprobs": [1 | null, ...],    # optional; per prompt, top-k logprobs of its prompt tokens, or none
                                             #   (vLLM then takes none of the prompt from any cache)
      "reset_prefix_cache_before": [3, 5],   # optional; prompt indices before which vLLM's own prefix cache is emptied
+     "sleep_before": [2],                   # optional; prompt indices before which the engine sleeps (level 1: vLLM
+                                            #   empties its prefix cache and unmaps the KV cache) and wakes up;
+                                            #   turns sleep mode on (GPUs only)
+     "vllm_defaults": false,                # optional; vLLM's own choices: CUDA graphs (no enforce_eager), and
+                                            #   asynchronous scheduling and the V2 model runner where vLLM picks them
      "together": false,                     # optional; every prompt in one generate call, so they run side by side;
                                             #   or a list of group sizes ([1, 32, 32]): each group of consecutive
                                             #   prompts in a call of its own (bursts)
@@ -58,6 +63,7 @@ ignore_eos). OUT.json::
                                                    "first_token_ts": float, "last_token_ts": float} | null}, ...],
      "monotonic_minus_wall_s": float,       # time.monotonic() - time.time() at the end (engine_ts' two clocks)
      "preemptions": int,                    # requests vLLM preempted, over the whole run
+     "engine": {"vllm": str, "async_scheduling": bool, "v2_model_runner": bool, "cuda_graphs": bool},
      "metrics": {"<name>": int, ...}}       # vLLM's cache counters over the run: vllm:prefixcache_*
                                             #   (connector/transfer_stats.py) and, per source,
                                             #   vllm:prompt_tokens_cached_by_source:<source>
@@ -99,6 +105,8 @@ _KEYS = {
     "loras",
     "beside",
     "reset_prefix_cache_before",
+    "sleep_before",
+    "vllm_defaults",
     "together",
     "num_gpu_blocks",
     "max_num_seqs",
@@ -155,9 +163,10 @@ def load_spec(path: Path) -> dict:
         raise SpecError("spec.images takes no beside")
     if not isinstance(spec.get("dtype", "bfloat16"), str):
         raise SpecError(f"spec.dtype must be a dtype name, got {spec['dtype']!r}")
-    resets = spec.get("reset_prefix_cache_before", [])
-    if not isinstance(resets, list) or not all(isinstance(i, int) and 0 <= i < len(prompts) for i in resets):
-        raise SpecError("spec.reset_prefix_cache_before must be a list of prompt indices")
+    for name in ("reset_prefix_cache_before", "sleep_before"):
+        indices = spec.get(name, [])
+        if not isinstance(indices, list) or not all(isinstance(i, int) and 0 <= i < len(prompts) for i in indices):
+            raise SpecError(f"spec.{name} must be a list of prompt indices")
     together = spec.get("together", False)
     if not isinstance(together, bool) and not (
         isinstance(together, list) and all(type(n) is int and n > 0 for n in together) and sum(together) == len(prompts)
@@ -179,13 +188,15 @@ def load_spec(path: Path) -> dict:
     for name in ("num_gpu_blocks", "max_model_len", "max_num_seqs"):
         if name in spec and not (type(spec[name]) is int and spec[name] > 0):
             raise SpecError(f"spec.{name} must be a positive integer, got {spec[name]!r}")
-    for name in ("async_scheduling", "in_process"):
+    for name in ("async_scheduling", "in_process", "vllm_defaults"):
         if not isinstance(spec.get(name, False), bool):
             raise SpecError(f"spec.{name} must be true or false, got {spec[name]!r}")
     if spec.get("in_process") and (spec.get("kv_transfer_config") is not None or ranks_of(spec) != 1):
         raise SpecError("spec.in_process is for one rank without a connector")
-    if spec.get("together") and (resets or spec.get("loras") or spec.get("gate")):
-        raise SpecError("spec.together runs prompts in groups, a call each: it takes no resets, loras or gate")
+    if spec.get("together") and (
+        spec.get("reset_prefix_cache_before") or spec.get("sleep_before") or spec.get("loras") or spec.get("gate")
+    ):
+        raise SpecError("spec.together runs prompts in groups, a call each: it takes no resets, sleeps, loras or gate")
     return spec
 
 
@@ -233,6 +244,9 @@ def run(spec: dict) -> tuple[dict, object]:
         kwargs["distributed_executor_backend"] = "uni"
     if spec.get("num_gpu_blocks") is not None:
         kwargs["num_gpu_blocks_override"] = int(spec["num_gpu_blocks"])
+    sleeps = set(spec.get("sleep_before", ()))
+    if sleeps:
+        kwargs["enable_sleep_mode"] = True
     if spec.get("async_scheduling"):
         _keep_async_scheduling()
         kwargs["async_scheduling"] = True
@@ -250,7 +264,7 @@ def run(spec: dict) -> tuple[dict, object]:
         model=spec["model"],
         dtype=spec.get("dtype", "bfloat16"),
         max_model_len=int(spec.get("max_model_len", 8192)),
-        enforce_eager=stages == 1,
+        enforce_eager=stages == 1 and not spec.get("vllm_defaults", False),
         seed=0,
         max_num_seqs=int(spec.get("max_num_seqs", 4)),
         enable_prefix_caching=bool(spec.get("prefix_caching", False)),
@@ -294,6 +308,7 @@ def run(spec: dict) -> tuple[dict, object]:
                 beside,
                 i in resets,
                 gate if gate is not None and gate["before"] == i else None,
+                i in sleeps,
             )
             for i, (prompt, lora, sampling_params) in enumerate(zip(inputs, loras, params, strict=True))
         )
@@ -327,7 +342,21 @@ def run(spec: dict) -> tuple[dict, object]:
         "preemptions": preemptions,
         "metrics": _cache_metrics(metrics),
         "monotonic_minus_wall_s": time.monotonic() - time.time(),
+        "engine": _engine_choices(llm.llm_engine.vllm_config),
     }, llm
+
+
+def _engine_choices(config) -> dict[str, object]:
+    """What the engine ran with where vLLM decides by the platform: the version, asynchronous scheduling, the V2
+    model runner and CUDA graphs."""
+    import vllm
+
+    return {
+        "vllm": vllm.__version__,
+        "async_scheduling": bool(config.scheduler_config.async_scheduling),
+        "v2_model_runner": bool(getattr(config, "use_v2_model_runner", False)),
+        "cuda_graphs": not config.model_config.enforce_eager,
+    }
 
 
 def _engine_timestamps(stats: object) -> dict[str, float] | None:
@@ -398,12 +427,16 @@ def _generate_together(
 
 
 def _generate_alone(
-    llm, i: int, prompt: dict, params, lora, beside: dict | None, reset: bool, gate: dict | None
+    llm, i: int, prompt: dict, params, lora, beside: dict | None, reset: bool, gate: dict | None, sleep: bool = False
 ) -> tuple[object, list[float] | None, float]:
     """Prompt ``i`` in a call of its own (beside decode ``i`` of ``beside``, if given; once ``gate`` opens, if
-    given); its output, the decode's token times, and the call's wall time."""
+    given; after the engine slept and woke up, with ``sleep``); its output, the decode's token times, and the call's
+    wall time."""
     if gate is not None:
         _wait_at_gate(Path(gate["dir"]))
+    if sleep:
+        llm.sleep(level=1)
+        llm.wake_up()
     if reset and not llm.reset_prefix_cache():
         raise RuntimeError(f"vLLM refused to reset its prefix cache before prompt {i}")
     t0 = time.perf_counter()
