@@ -377,20 +377,25 @@ def test_a_damaged_dram_copy_loaded_through_slots_is_read_from_nvme_in_the_same_
         loader.close()
 
 
+def fresh_chunks(w: WorkerSide, requests: list[str], first_token: int, first_block: int) -> list[SaveChunk]:
+    """A newly computed chunk per request to publish, each on pages of its own from ``first_block`` on."""
+    return [
+        SaveChunk(
+            request,
+            [w.client.spec.root()],
+            pack_tokens(range(first_token + i, first_token + i + CHUNK_TOKENS)),
+            [first_block + PAGES * i + p for p in range(PAGES)],
+            None,
+        )
+        for i, request in enumerate(requests)
+    ]
+
+
 def test_a_request_whose_load_failed_publishes_nothing_that_step(daemon, publisher, loader):
     keys = publish(publisher, chunks=1)
     damage_dram_copy(loader.client.dram, keys[0])
     loader.start_load(PrefixCacheMetadata(loads=[{"bad": [LoadChunk(keys[0], CHUNK_TOKENS, 0, [0, 1, 2, 3])]}]))
-    fresh = [
-        SaveChunk(
-            request,
-            [loader.client.spec.root()],
-            pack_tokens(range(7000 + i, 7000 + i + CHUNK_TOKENS)),
-            [8 + 4 * i + p for p in range(PAGES)],
-            None,
-        )
-        for i, request in enumerate(["bad", "good"])
-    ]
+    fresh = fresh_chunks(loader, ["bad", "good"], first_token=7000, first_block=8)
     loader.save(PrefixCacheMetadata(saves=fresh))
     assert loader.take_load_errors() == {0, 1, 2, 3}
     deadline = time.monotonic() + 10
@@ -844,16 +849,7 @@ def test_in_the_v2_runners_order_finished_saves_are_reported_once_saved_and_a_fa
     load failed publishes nothing though its errors were taken before the save."""
     keys = publish(publisher, chunks=2)
     damage_dram_copy(loader.client.dram, keys[1])
-    fresh = [
-        SaveChunk(
-            request,
-            [loader.client.spec.root()],
-            pack_tokens(range(9000 + i, 9000 + i + CHUNK_TOKENS)),
-            [40 + 4 * i + p for p in range(PAGES)],
-            None,
-        )
-        for i, request in enumerate(["bad", "good"])
-    ]
+    fresh = fresh_chunks(loader, ["bad", "good"], first_token=9000, first_block=40)
     loads = {
         "good": [LoadChunk(keys[0], CHUNK_TOKENS, 0, [0, 1, 2, 3])],
         "bad": [LoadChunk(keys[1], CHUNK_TOKENS, 0, [4, 5, 6, 7])],
