@@ -25,6 +25,7 @@ from prefixcache.connector.settings import (
     engine_kv_replicas,
 )
 from prefixcache.connector.transfer_stats import PrefixCachePromMetrics, PrefixCacheTransferStats
+from prefixcache.connector.worker_states import WorkerStates
 
 if TYPE_CHECKING:
     import torch
@@ -34,7 +35,6 @@ if TYPE_CHECKING:
     from prefixcache.connector.metadata import PrefixCacheMetadata
     from prefixcache.connector.transfer_stats import TransferCounts
     from prefixcache.connector.worker_side import WorkerSide
-    from prefixcache.connector.worker_states import WorkerStates
     from prefixcache.indexer.namespace import NamespaceSpec
 
 log = logging.getLogger("prefixcache.connector")
@@ -144,8 +144,6 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         names = [name for name in group.layer_names if name in kv_caches]
         self._layer_index = {name: i for i, name in enumerate(names)}
         self._layers = [kv_caches[name] for name in names]
-        from prefixcache.connector.worker_states import WorkerStates
-
         self._client()
         self._states = WorkerStates(
             lambda: self._client_attachment.value if self._client_attachment is not None else None,
