@@ -32,8 +32,9 @@ test-integration: setup
 	$(PY) -m pytest $(PYTEST_XDIST) -m integration $(PYTEST_ARGS)
 
 # The runtime lane against vLLM 0.33, in a virtualenv of its own (.venv-vllm033: vLLM 0.33 and torch 2.14, about
-# 4.5 GB to download): the connector against its API and its scheduler's classes (tests/vllm033_lane.sh). Not in CI
-# (docs/decisions.md); CI checks 0.33's API statically (tests/test_vllm_api.py).
+# 4.5 GB to download, half an hour to install on a 2-core machine): the connector against its API and its scheduler's
+# classes (tests/vllm033_lane.sh). Not in CI (docs/decisions.md); CI checks 0.33's API statically
+# (tests/test_vllm_api.py).
 test-vllm033:
 	bash tests/vllm033_lane.sh
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 from tests.vllm_wheel import NEWEST, source, wheel
 
@@ -173,7 +174,7 @@ def test_every_method_of_the_base_class_is_implemented_or_inherited_on_purpose(v
     assert not unlisted, f"vLLM {version}'s KVConnectorBase_V1 has methods API does not list: {unlisted}"
     for name in sorted(set(API) - set(base)):
         assert name in SINCE, f"API lists {name}, which vLLM {version}'s KVConnectorBase_V1 does not define"
-        assert version < SINCE[name], f"vLLM {version} should define {name} (SINCE)"
+        assert Version(version) < Version(SINCE[name]), f"vLLM {version} should define {name} (SINCE)"
     for name, method in sorted(base.items()):
         choice, why = API[name]
         if choice == INHERITED:
