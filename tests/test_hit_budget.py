@@ -14,7 +14,7 @@ from prefixcache.cachestore.client import trace
 
 def test_trace_off_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(trace, "ON", False)
-    monkeypatch.setattr(trace, "_DIR", str(tmp_path))
+    monkeypatch.setattr(trace, "_DIR", tmp_path)
     trace.mark("lookup_start", "r1")
     trace.mark_all("scheduled", ["r1"])
     assert list(tmp_path.iterdir()) == []
@@ -24,7 +24,7 @@ def test_trace_on_writes_a_line_per_point_in_a_file_per_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(trace, "ON", True)
-    monkeypatch.setattr(trace, "_DIR", str(tmp_path))
+    monkeypatch.setattr(trace, "_DIR", tmp_path)
     monkeypatch.setattr(trace, "_out", None)
     trace.mark("lookup_start", "r1")
     trace.mark_all("scheduled", ["r1", "r2"], loads=["r1"])

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import IO, Any
 
 TRACE_DIR_ENV = "PREFIXCACHE_TRACE_DIR"
-_DIR = os.environ.get(TRACE_DIR_ENV) or None
+_DIR = Path(os.environ[TRACE_DIR_ENV]) if os.environ.get(TRACE_DIR_ENV) else None
 ON = _DIR is not None
 _lock = threading.Lock()
 _out: IO[str] | None = None
@@ -47,5 +47,6 @@ def _write(line: str) -> None:
     with _lock:
         if _out is None or _pid != os.getpid():  # a forked child writes a file of its own
             _pid = os.getpid()
-            _out = (Path(_DIR) / f"trace-{_pid}.jsonl").open("a", buffering=1)  # type: ignore[arg-type]
+            assert _DIR is not None  # points write only when ON
+            _out = (_DIR / f"trace-{_pid}.jsonl").open("a", buffering=1)
         _out.write(line + "\n")
