@@ -4,8 +4,9 @@ A deployment's keys all lie under its configured key prefix ``P`` (the ``key_pre
 ``R = "P:"``. ``Keyspace`` is built from ``P`` alone (never from ``R``, so the ``':'`` is added here and nowhere
 else) and names each key. The index's own keys have two more levels, for a Redis Cluster (``redis_shards.py``):
 ``C``, where one chain's keys live (``R`` on one Redis, ``R{<anchor>}:`` on a Cluster), and ``S``, where one
-shard keeps the keys chains share (``R``, or ``R{<tag>}:``). The Lua scripts are handed ``R`` and ``S`` and add
-the suffixes of ``LAYOUT``; ``tests/test_keyspace.py`` checks that every suffix they use is listed there.
+shard keeps the keys chains share (``R``, or ``R{<tag>}:``). The Lua scripts spell no key name: they are handed
+``S`` and ``script_names`` (``R``, the hash tag's delimiters and each name they add to ``R``, ``S`` or ``C``),
+and ``tests/test_keyspace.py`` fails when a script spells one.
 
 ``LAYOUT`` also generates the key table of docs/architecture.md and the layout comment of
 ``indexer/lua/common.lua`` (``tests/test_keyspace.py`` fails when either drifts), and ``acl_pattern`` the key
@@ -18,6 +19,9 @@ import textwrap
 from dataclasses import dataclass
 
 from prefixcache.indexer.errors import ConfigError
+
+#: What a Cluster's keys carry their hash tag between, after R: a chain's anchor or a shard's tag.
+TAG_OPEN, TAG_CLOSE = "{", "}:"
 
 
 @dataclass(frozen=True)
@@ -116,7 +120,7 @@ class Keyspace:
 
     def chain(self, anchor: str) -> str:
         """C: where the keys of the chain anchored at ``anchor`` live ('' on one Redis: R)."""
-        return f"{self.root}{{{anchor}}}:" if anchor else self.root
+        return f"{self.root}{TAG_OPEN}{anchor}{TAG_CLOSE}" if anchor else self.root
 
     def shard(self, tag: str) -> str:
         """S: where the shard serving ``tag`` keeps the keys chains share ('' on one Redis: R)."""
@@ -127,8 +131,21 @@ class Keyspace:
         return f"{chain}e:{key_hex}"
 
     @staticmethod
+    def entry_key_hex(name: bytes) -> bytes:
+        """The key (hex) of the entry named ``name``, under any chain."""
+        return name.rpartition(Keyspace.entry("", "").encode())[2]
+
+    @staticmethod
+    def children(chain: str, parent_hex: str) -> str:
+        return f"{chain}k:{parent_hex}"
+
+    @staticmethod
     def bucket(chain: str, probe_hex: str) -> str:
         return f"{chain}b:{probe_hex}"
+
+    @staticmethod
+    def listing(shard: str) -> str:
+        return f"{shard}keys"
 
     @staticmethod
     def lease(shard: str) -> str:
@@ -149,6 +166,25 @@ class Keyspace:
     @staticmethod
     def directory(shard: str) -> str:
         return f"{shard}a"
+
+    @property
+    def script_names(self) -> str:
+        """ARGV[1] of the index's scripts (indexer/lua): R, the hash tag's delimiters, and each name the scripts
+        add to R, S or C, as words ``name=value`` that common.lua reads into its table ``K``."""
+        names = {
+            "root": self.root,
+            "tag_open": TAG_OPEN,
+            "tag_close": TAG_CLOSE,
+            "entry": self.entry("", ""),
+            "children": self.children("", ""),
+            "bucket": self.bucket("", ""),
+            "listing": self.listing(""),
+            "usage": self.usage(""),
+            "tenant_usage": self.tenant_usage(""),
+            "feed": self.feed("", ""),
+            "directory": self.directory(""),
+        }
+        return " ".join(f"{name}={value}" for name, value in names.items())
 
     def entry_pattern(self, clustered: bool) -> str:
         """A SCAN pattern matching every entry."""

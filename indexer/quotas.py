@@ -33,6 +33,7 @@ from prefixcache.indexer.errors import ConfigError
 from prefixcache.indexer.index import ChunkIdentity
 from prefixcache.indexer.keyspace import Keyspace
 from prefixcache.indexer.redis_clients import RedisClient
+from prefixcache.indexer.redis_replies import text
 
 ScopeKind = Literal["tenant", "namespace"]
 SCOPE_KINDS: tuple[ScopeKind, ...] = ("tenant", "namespace")
@@ -106,7 +107,7 @@ class QuotaStore:
         quotas = {}
         for name, value in self._redis.hgetall(self._quotas).items():
             try:
-                quotas[QuotaScope.parse(name.decode())] = int(value)
+                quotas[QuotaScope.parse(text(name))] = int(value)
             except (ConfigError, ValueError, UnicodeDecodeError):
                 continue
         return quotas
@@ -150,7 +151,7 @@ class QuotaStore:
         if self._redis.set(self._lock, node, nx=True, px=int(hold_s * 1000)):
             return True
         holder = self._redis.get(self._lock)
-        if holder is not None and holder.decode(errors="replace") == node:
+        if holder is not None and text(holder, errors="replace") == node:
             self._redis.pexpire(self._lock, int(hold_s * 1000))
             return True
         return False

@@ -11,6 +11,7 @@ replica's promotion, surfaces as ``IndexUnavailableError`` quickly, which caller
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -55,8 +56,11 @@ from prefixcache.indexer.redis_clients import (
     redact_url,
     redis_client,
 )
+from prefixcache.indexer.redis_replies import ScriptArg, raw, stream_messages, text
 from prefixcache.indexer.redis_shards import Shard, shards_of
 from prefixcache.indexer.unreadable_records import UnreadableRecords
+
+log = logging.getLogger("prefixcache.index")
 
 _NO_PROBE = bytes(KEY_BYTES)  # sent where the prompt has no probe; an all-zero digest is never a key
 #: Keys whose chain (anchor) this process remembers, to register the chunks that continue them; more are read
@@ -84,21 +88,26 @@ def _refuses_writes(error: redis.exceptions.ResponseError) -> bool:
 
 
 def load_script(client: RedisClient, name: str, with_common: bool = True) -> redis.commands.core.Script:
-    """The script ``indexer/lua/<name>.lua`` (after ``common.lua``'s shared functions, ``with_common``); call it
-    with ``client=`` a shard's connection."""
+    """The script ``indexer/lua/<name>.lua`` (after ``common.lua``'s shared functions, ``with_common``, which then
+    takes the index's ``Keyspace.script_names`` as ARGV[1]); call it with ``client=`` a shard's connection. A
+    script's ``#!lua`` flags line stays its first."""
     lua = resources.files("prefixcache.indexer") / "lua"
     source = lua.joinpath(f"{name}.lua").read_text()
     if with_common:
-        source = lua.joinpath("common.lua").read_text() + "\n" + source
+        flags = source.split("\n", 1)[0] + "\n" if source.startswith("#!") else ""
+        source = flags + lua.joinpath("common.lua").read_text() + "\n" + source[len(flags) :]
     return client.register_script(source)
 
 
 def register_args(
-    prefix: str, records: Sequence[ChunkRecord], shared: str | None = None, anchors: Sequence[str] | None = None
-) -> list[object]:
-    """The arguments of ``register.lua`` for ``records`` under ``prefix`` (e.g. ``"pc:"``) on one Redis, or on a
-    Cluster shard whose shared prefix is ``shared``, each record in the chain of its anchor."""
-    args: list[object] = [prefix, shared or prefix]
+    keyspace: Keyspace,
+    records: Sequence[ChunkRecord],
+    shared: str | None = None,
+    anchors: Sequence[str] | None = None,
+) -> list[ScriptArg]:
+    """The arguments of ``register.lua`` for ``records`` under ``keyspace`` on one Redis, or on a Cluster shard
+    whose shared prefix is ``shared``, each record in the chain of its anchor."""
+    args: list[ScriptArg] = [keyspace.script_names, shared or keyspace.root]
     for r, anchor in zip(records, anchors or [""] * len(records), strict=True):
         args += [
             r.key.hex(),
@@ -131,7 +140,7 @@ class RedisIndex(PrefixIndex):
         self.url = url
         #: the names of this index's keys (tests name raw keys through it too)
         self.keyspace = Keyspace(key_prefix)
-        self._prefix = self.keyspace.root  # R, handed to the scripts
+        self._names = self.keyspace.script_names  # ARGV[1] of every script of the index (common.lua)
         self._max_candidates = max_candidates
         try:
             self._redis = redis_client(url, socket_timeout_s=socket_timeout_s, connect_timeout_s=connect_timeout_s)
@@ -141,10 +150,10 @@ class RedisIndex(PrefixIndex):
         self._refreshed_at = 0.0
         self._refresh_lock = threading.Lock()
         self._anchors: dict[str, str] = {}  # key hex -> anchor hex, Cluster only (see _ANCHOR_MEMORY)
-        self._lookup = load_script(self._redis, "lookup", with_common=False)  # its first line is a shebang
-        self._page = load_script(self._redis, "page", with_common=False)
-        self._entries = load_script(self._redis, "entries", with_common=False)
-        self._children = load_script(self._redis, "children", with_common=False)
+        self._lookup = load_script(self._redis, "lookup")
+        self._page = load_script(self._redis, "page")
+        self._entries = load_script(self._redis, "entries")
+        self._children = load_script(self._redis, "children")
         self._touch = load_script(self._redis, "touch")
         self._access = AccessLog(self._apply_access)
         self._unreadable = UnreadableRecords()
@@ -212,13 +221,13 @@ class RedisIndex(PrefixIndex):
     def namespaces(self) -> list[NamespaceSpec]:
         """The registered namespaces this version can read (others: ``indexer/unreadable_records.py``)."""
         with self._reachable():
-            raw = self._redis.hgetall(self.keyspace.namespaces)
+            registered = self._redis.hgetall(self.keyspace.namespaces)
         specs = []
-        for digest, text in raw.items():
+        for digest, description in registered.items():
             try:
-                specs.append(NamespaceSpec.model_validate_json(text))
+                specs.append(NamespaceSpec.model_validate_json(description))
             except ValueError as exc:  # pydantic's ValidationError is one
-                self._unreadable.skip("namespace", digest.decode(errors="replace"), exc)
+                self._unreadable.skip("namespace", text(digest, errors="replace"), exc)
         return specs
 
     def lookup(
@@ -234,20 +243,20 @@ class RedisIndex(PrefixIndex):
         avoid: AbstractSet[str] = frozenset(),
         here: str = "",
     ) -> list[PrefixMatch]:
-        replies: list[list[Any] | None] = [None] * len(queries)
+        # a miss until a shard answers; a query without a full chunk stays one on a Cluster (only the first chunk's
+        # probe bucket can answer)
+        replies: list[list[Any]] = [[0, b""] for _ in queries]
         by_shard: dict[str, tuple[Shard, list[int]]] = {}
         for i, query in enumerate(queries):
             if query.keys or not self.clustered:
                 anchor = query.keys[0].hex() if self.clustered else ""
                 shard = self._shards.of_anchor(anchor)
                 by_shard.setdefault(shard.shared, (shard, []))[1].append(i)
-            else:
-                replies[i] = [0, b""]  # no full chunk: only the first chunk's probe bucket can answer
         heads_elsewhere = "1" if self.clustered else "0"
         avoided = f",{','.join(sorted(avoid))}," if avoid else ""
         with self._reachable():
             for shard, positions in by_shard.values():
-                args: list[object] = [self._max_candidates, heads_elsewhere, avoided, here]
+                args: list[ScriptArg] = [self._names, self._max_candidates, heads_elsewhere, avoided, here]
                 for i in positions:
                     query = queries[i]
                     anchor = query.keys[0].hex() if self.clustered else ""
@@ -340,7 +349,7 @@ class RedisIndex(PrefixIndex):
 
     def _apply_access(self, hits: Hits) -> None:
         """One call per shard that holds the hits: found by the chains lookups remembered, else every shard."""
-        pairs: dict[str, list[object]] = {}
+        pairs: dict[str, list[ScriptArg]] = {}
         shards: dict[str, Shard] = {}
         for hex_key, count in hits.items():
             anchor = self._anchors.get(hex_key) if self.clustered else ""
@@ -349,7 +358,7 @@ class RedisIndex(PrefixIndex):
                 shards[shard.shared] = shard
                 pairs.setdefault(shard.shared, []).extend((hex_key, count))
         for shared, args in pairs.items():
-            self._touch(args=[self._prefix, shared, *args], client=shards[shared].client)
+            self._touch(args=[self._names, shared, *args], client=shards[shared].client)
 
     def register(self, records: Sequence[ChunkRecord]) -> None:
         if not records:
@@ -363,7 +372,7 @@ class RedisIndex(PrefixIndex):
             elsewhere: list[bytes] = []
             for shard, positions in by_shard.values():
                 args = register_args(
-                    self._prefix, [records[i] for i in positions], shard.shared, [anchors[i] for i in positions]
+                    self.keyspace, [records[i] for i in positions], shard.shared, [anchors[i] for i in positions]
                 )
                 elsewhere += self._register(args=args, client=shard.client)
             self._edit_first_buckets("add", elsewhere, 3)
@@ -400,7 +409,7 @@ class RedisIndex(PrefixIndex):
                 hex_keys, shard.client.hmget(Keyspace.directory(shard.shared), list(hex_keys)), strict=True
             ):
                 if anchor is not None:
-                    found[key] = anchor.decode()
+                    found[key] = text(anchor)
         return found
 
     def _edit_first_buckets(self, op: str, elsewhere: Sequence[bytes], stride: int) -> None:
@@ -429,7 +438,7 @@ class RedisIndex(PrefixIndex):
         found: list[dict[bytes, bytes] | None] = [None] * len(keys)
         hex_keys = [k.hex() for k in keys]
         for shard in self._shards.all():
-            reply = self._entries(args=[self._prefix, shard.shared, *hex_keys], client=shard.client)
+            reply = self._entries(args=[self._names, shard.shared, *hex_keys], client=shard.client)
             for i, flat in enumerate(reply):
                 if flat and found[i] is None:
                     found[i] = dict(zip(flat[::2], flat[1::2], strict=True))
@@ -454,11 +463,11 @@ class RedisIndex(PrefixIndex):
             return 0
         return sum(int(reply[0]) for reply in self._on_every_shard(self._remove, [k.hex() for k in keys]))
 
-    def _on_every_shard(self, script: redis.commands.core.Script, args: list[object]) -> list[list[Any]]:
+    def _on_every_shard(self, script: redis.commands.core.Script, args: list[ScriptArg]) -> list[list[Any]]:
         """``script`` run on each shard, which acts on the entries it holds; the probe-bucket drops of chain heads
         that the replies (``{result, elsewhere}``) carry are made before returning."""
         with self._reachable():
-            replies = [script(args=[self._prefix, s.shared, *args], client=s.client) for s in self._shards.all()]
+            replies = [script(args=[self._names, s.shared, *args], client=s.client) for s in self._shards.all()]
             self._edit_first_buckets("drop", [x for reply in replies for x in reply[1]], 2)
         return replies
 
@@ -468,14 +477,14 @@ class RedisIndex(PrefixIndex):
         until = "inf" if until_s == math.inf else str(int(until_s * 1000))
         with self._reachable():
             return sum(
-                int(self._pin(args=[self._prefix, s.shared, until, *(k.hex() for k in keys)], client=s.client))
+                int(self._pin(args=[self._names, s.shared, until, *(k.hex() for k in keys)], client=s.client))
                 for s in self._shards.all()
             )
 
     def children(self, key: bytes) -> list[bytes]:
         with self._reachable():
             replies = [
-                self._children(args=[self._prefix, s.shared, key.hex()], client=s.client) for s in self._shards.all()
+                self._children(args=[self._names, s.shared, key.hex()], client=s.client) for s in self._shards.all()
             ]
         members = {m for reply in replies for m in reply}
         return sorted(bytes.fromhex(m.decode()) for m in members)
@@ -534,13 +543,23 @@ class RedisIndex(PrefixIndex):
             self._feed_groups[cursor] = "0"  # first: this consumer's unacknowledged events
         start = self._feed_groups[cursor]
         block = int(block_s * 1000) if start == ">" and block_s > 0 else None
-        reply = shard.client.xreadgroup(group, consumer, {stream: start}, count=count, block=block)
-        messages = reply[0][1] if reply else []
+        messages = stream_messages(shard.client.xreadgroup(group, consumer, {stream: start}, count=count, block=block))
         if start != ">":  # replaying this consumer's pending events: continue after the last one, then go live
             if not messages:
                 self._feed_groups[cursor] = ">"
                 return self._read_stream(shard, node, group, consumer, count, block_s)
             self._feed_groups[cursor] = messages[-1][0].decode()
+            if trimmed := [msg_id for msg_id, fields in messages if not fields]:
+                # read before, trimmed from the capped stream since (Redis answers their ids alone), a million
+                # events later: what they asked for (a copy to persist, an event to send) is not done, and their
+                # chunks stay where they are, a miss later at worst
+                shard.client.xack(stream, group, *trimmed)
+                log.warning(
+                    "%d feed events of node %s were trimmed before they were handled: skipped", len(trimmed), node
+                )
+                messages = [(msg_id, fields) for msg_id, fields in messages if fields]
+                if not messages:
+                    return self._read_stream(shard, node, group, consumer, count, block_s)
         tag = f"{shard.name}/" if shard.name else ""
         return [_event(node, tag + msg_id.decode(), fields) for msg_id, fields in messages]
 
@@ -573,7 +592,8 @@ class RedisIndex(PrefixIndex):
                     for name in names:
                         pipe.hgetall(name)
                     for name, fields in zip(names, pipe.execute(), strict=True):
-                        if fields and (entry := self._entry(name.rpartition(b"e:")[2], fields)) is not None:
+                        key_hex = Keyspace.entry_key_hex(raw(name))
+                        if fields and (entry := self._entry(key_hex, fields)) is not None:
                             yield entry
                     if cursor == 0:
                         break
@@ -583,7 +603,7 @@ class RedisIndex(PrefixIndex):
         with self._reachable():
             for shard in self._shards.all():
                 reply = self._page(
-                    args=[self._prefix, shard.shared, after.hex() if after else "", count], client=shard.client
+                    args=[self._names, shard.shared, after.hex() if after else "", count], client=shard.client
                 )
                 for i in range(0, len(reply), 2):
                     found.append((reply[i], dict(zip(reply[i + 1][::2], reply[i + 1][1::2], strict=True))))
@@ -623,7 +643,7 @@ class RedisIndex(PrefixIndex):
             for shard in self._shards.all():
                 after = ""
                 while True:
-                    after, added = self._tenants(args=[self._prefix, shard.shared, after, page], client=shard.client)
+                    after, added = self._tenants(args=[self._names, shard.shared, after, page], client=shard.client)
                     counted += int(added)
                     after = after.decode() if isinstance(after, bytes) else after
                     if not after:
@@ -638,9 +658,9 @@ class RedisIndex(PrefixIndex):
             for shard in self._shards.all():
                 for field, value in shard.client.hgetall(name(shard.shared)).items():
                     try:
-                        summed[field.decode(errors="replace")] += int(value)
+                        summed[text(field, errors="replace")] += int(value)
                     except ValueError as exc:  # another version's counter
-                        self._unreadable.skip("usage counter", field.decode(errors="replace"), exc)
+                        self._unreadable.skip("usage counter", text(field, errors="replace"), exc)
         return summed
 
     def feed_backlog(self, node: str, group: str) -> int:

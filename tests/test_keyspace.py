@@ -1,5 +1,6 @@
 """The Redis keyspace has one owner, ``indexer/keyspace.py``: no other module of the package builds a key name, the
-Lua scripts use only the suffixes it lists, and the documents that show the layout are generated from it."""
+Lua scripts spell none (they are handed the keyspace's names), and the documents that show the layout are generated
+from it."""
 
 from __future__ import annotations
 
@@ -78,21 +79,48 @@ def test_the_finder_finds_key_building(tmp_path):
         ROOT = saved
 
 
-def lua_suffixes() -> set[str]:
-    """Every key name the scripts add to a prefix (``R .. 'e:'``, ``S .. 'keys'``)."""
-    found = set()
-    for path in (ROOT / "indexer" / "lua").glob("*.lua"):
-        text = path.read_text()
-        found |= set(re.findall(r"\b[RSCP] \.\. '([^']*)'", text))
-        found |= set(re.findall(r"\(head and S or C\) \.\. '([^']*)'", text))
-    return found
+#: A key name as a Lua string: appended to something (``C .. 'e:'``, ``S .. 'keys'``, ``R .. 'ns'``), a hash tag's
+#: delimiter (``'{'``, ``'}:'``), or a name with its ``':'`` anywhere (``'f:'``).
+_NAME = "|".join(map(re.escape, NAMES))
+LUA_KEY_NAME = re.compile(rf"\.\.\s*'(?:{_NAME})(?::[^']*)?'|'[^']*[{{}}][^']*'|'(?:{_NAME}):'")
 
 
-def test_the_scripts_use_only_the_keys_the_keyspace_lists():
-    listed = {kind.pattern.split("<")[0] for kind in LAYOUT if kind.level in "CS" or kind.pattern == "ns"}
-    used = lua_suffixes()
-    assert used, "found no key names in indexer/lua: the pattern no longer matches the scripts"
-    assert used - {"{"} <= listed, f"keys the scripts build that indexer/keyspace.py does not list: {used - listed}"
+def lua_key_spellings(name: str, text: str) -> Iterator[str]:
+    """Where the Lua ``text`` (of file ``name``) spells a key name, outside its comments."""
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.startswith("#!") and (found := LUA_KEY_NAME.search(line.split("--", 1)[0])):
+            yield f"{name}:{number}: {found.group()}"
+
+
+def test_the_scripts_spell_no_key_name():
+    sites = [
+        site
+        for path in sorted((ROOT / "indexer" / "lua").glob("*.lua"))
+        for site in lua_key_spellings(path.name, path.read_text())
+    ]
+    assert not sites, "key names spelled in indexer/lua (hand them over from Keyspace.script_names):\n" + "\n".join(
+        sites
+    )
+
+
+def test_the_finder_finds_key_names_in_lua():
+    sample = (
+        "local e = C .. 'e:' .. key\n"
+        "local t = R .. '{' .. anchor .. '}:'\n"
+        "redis.call('ZADD', S .. 'keys', 0, key)\n"
+        "local f = 'f:'\n"
+        "local n = redis.call('HMGET', e, 'ns', 'size')  -- S .. 'keys' in a comment\n"
+        "local l = 'l:' .. location .. ':chunks'\n"
+    )
+    assert [site.split(":")[1] for site in lua_key_spellings("sample.lua", sample)] == ["1", "2", "3", "4"]
+
+
+def test_the_scripts_are_handed_the_names_the_keyspace_lists():
+    listed = {kind.pattern.split("<")[0] for kind in LAYOUT if kind.level in "CS"}
+    words = dict(word.split("=", 1) for word in Keyspace("pc").script_names.split(" "))
+    assert (words.pop("root"), words.pop("tag_open"), words.pop("tag_close")) == ("pc:", "{", "}:")
+    assert set(words.values()) <= listed, f"names handed to the scripts that LAYOUT does not list: {words}"
+    assert Keyspace("pc").chain("ab") == "pc:" + "{" + "ab" + "}:"
 
 
 def test_the_key_tables_are_generated_from_the_keyspace():

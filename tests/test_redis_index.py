@@ -93,6 +93,24 @@ def test_unacknowledged_feed_events_are_delivered_again_after_a_restart(redis_in
         restarted.close()
 
 
+def test_feed_events_trimmed_before_they_were_acknowledged_are_skipped_and_acknowledged(redis_index, spec):
+    """The feed is capped (``MAXLEN ~``): events a consumer read but had not acknowledged may be trimmed before it
+    replays them, and Redis then answers their ids without fields. They are skipped and acknowledged (what they asked
+    for is not done), and the events after them are delivered."""
+    keys = publish(redis_index, spec, list(range(128)))
+    assert [e.key for e in redis_index.read_feed("node-a", "persist", "daemon")] == keys
+    stream = Keyspace.feed(redis_index.keyspace.root, "node-a")
+    with redis.Redis.from_url(redis_index.url) as raw:
+        raw.xtrim(stream, maxlen=0)
+        later = publish(redis_index, spec, list(range(1000, 1064)))
+        restarted = RedisIndex(redis_index.url, key_prefix=redis_index.keyspace.name)
+        try:
+            assert [e.key for e in restarted.read_feed("node-a", "persist", "daemon")] == later
+            assert raw.xpending(stream, "persist")["pending"] == 1  # the trimmed ones acknowledged: the later one left
+        finally:
+            restarted.close()
+
+
 def test_times_written_are_redis_clock_not_the_clients(redis_index, spec, geometry, monkeypatch):
     """A client whose clock runs an hour ahead writes creation, last-access and location times in Redis's
     clock, so other nodes' ages and LRU order are not thrown off by it."""

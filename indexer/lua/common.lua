@@ -1,5 +1,7 @@
--- Shared by every prefixcache script. Key layout, where R is the index's prefix (e.g. "pc:"), generated from
--- indexer/keyspace.py (make docs; tests/test_keyspace.py checks it):
+-- Shared by the index's scripts, which build no key name themselves: ARGV[1] hands them the keyspace's names
+-- (Keyspace.script_names in indexer/keyspace.py) as words 'name=value', read here into K: K.root is R, the
+-- index's prefix (e.g. "pc:"); K.entry, K.children, ... the names below, each after its prefix. The key layout,
+-- generated from indexer/keyspace.py (make docs; tests/test_keyspace.py checks it):
 -- BEGIN KEY LAYOUT
 --  C e:<key>                      hash        one chunk entry: parent, root, ns, tenant, ntok, size, ctime, atime,
 --                                             hits, pin, probe, one field l:<tier>@<node> per location (value: ms
@@ -41,7 +43,7 @@
 --  R deployment-probe             none        read (never written) to check the deployment answers reads and writes
 -- END KEY LAYOUT
 -- On one Redis, C = S = R. On a Cluster every key of one chain carries the chain's anchor, its first chunk's
--- key, as hash tag (C = R{<anchor>}:), so a lookup reads one shard; S = R{<tag>}: names the keys shared by the
+-- key, as hash tag (C = R{<anchor>}:, with K.tag_open and K.tag_close around the tag), so a lookup reads one shard; S = R{<tag>}: names the keys shared by the
 -- chains of one shard, with a tag that shard serves (indexer/redis_shards.py), so no key is written by
 -- every registration of the fleet. The probe bucket of a chain's first chunk lies under the probe's own tag
 -- (R{<probe>}:), on whichever shard serves it: writes to it are returned as "elsewhere" for the client to make.
@@ -50,24 +52,34 @@
 
 local FEED_MAXLEN = 1000000
 
-local function chain_of(R, anchor)
+local K = {}
+for name, value in string.gmatch(ARGV[1], '([%w_]+)=(%S+)') do K[name] = value end
+local R = K.root
+
+-- C, where the keys of the chain anchored at anchor live ('' on one Redis: R).
+local function chain_of(anchor)
   if anchor == '' then return R end
-  return R .. '{' .. anchor .. '}:'
+  return R .. K.tag_open .. anchor .. K.tag_close
+end
+
+-- The anchor of chain prefix C on a Cluster (chain_of's inverse).
+local function anchor_of(C)
+  return string.sub(C, #R + #K.tag_open + 1, -#K.tag_close - 1)
 end
 
 -- The chain prefix under which this shard holds key's entry: R on one Redis; on a Cluster, from the shard's
 -- directory (nil when this shard holds no entry of key).
-local function resolve(R, S, key)
+local function resolve(S, key)
   if R == S then return R end
-  local anchor = redis.call('HGET', S .. 'a', key)
+  local anchor = redis.call('HGET', S .. K.directory, key)
   if not anchor then return nil end
-  return chain_of(R, anchor)
+  return chain_of(anchor)
 end
 
 -- Whether the entry of key, held under chain prefix C, begins its chain on a Cluster (its probe bucket and
 -- its parent's set of children lie under other tags).
-local function is_head(R, S, C, key)
-  return R ~= S and C == chain_of(R, key)
+local function is_head(S, C, key)
+  return R ~= S and C == chain_of(key)
 end
 
 -- Redis's clock, in ms since the epoch, as a string (exact: no float on the way).
@@ -78,20 +90,20 @@ end
 
 local function feed(S, op, location, key)
   local at = string.find(location, '@', 1, true)
-  redis.call('XADD', S .. 'f:' .. string.sub(location, at + 1), 'MAXLEN', '~', FEED_MAXLEN, '*',
+  redis.call('XADD', S .. K.feed .. string.sub(location, at + 1), 'MAXLEN', '~', FEED_MAXLEN, '*',
     'op', op, 'tier', string.sub(location, 1, at - 1), 'key', key)
 end
 
 -- Add sign * (1 chunk, size bytes) to a namespace's usage; scope is '' (entries) or '<tier>:' (copies).
 local function tally(S, ns, scope, size, sign)
-  redis.call('HINCRBY', S .. 'u', ns .. ':' .. scope .. 'chunks', sign)
-  redis.call('HINCRBY', S .. 'u', ns .. ':' .. scope .. 'bytes', sign * tonumber(size))
+  redis.call('HINCRBY', S .. K.usage, ns .. ':' .. scope .. 'chunks', sign)
+  redis.call('HINCRBY', S .. K.usage, ns .. ':' .. scope .. 'bytes', sign * tonumber(size))
 end
 
 -- Add sign * (1 entry, size bytes) to a tenant's usage.
 local function tally_tenant(S, tenant, size, sign)
-  redis.call('HINCRBY', S .. 'tu', tenant .. ':chunks', sign)
-  redis.call('HINCRBY', S .. 'tu', tenant .. ':bytes', sign * tonumber(size))
+  redis.call('HINCRBY', S .. K.tenant_usage, tenant .. ':chunks', sign)
+  redis.call('HINCRBY', S .. K.tenant_usage, tenant .. ':bytes', sign * tonumber(size))
 end
 
 -- Count an added (+1) or dropped (-1) location in the entry's "dram" field if it is a DRAM copy.
@@ -105,8 +117,8 @@ end
 
 -- Delete key's entry held under C; a head's probe bucket membership is appended to elsewhere as
 -- (probe, key) for the client to drop on the bucket's own shard.
-local function remove_entry(R, S, C, key, elsewhere)
-  local e = C .. 'e:' .. key
+local function remove_entry(S, C, key, elsewhere)
+  local e = C .. K.entry .. key
   local f = redis.call('HMGET', e, 'parent', 'probe', 'ns', 'size', 'tenant', 'counted')
   if not f[1] then return 0 end
   local fields = redis.call('HKEYS', e)
@@ -119,16 +131,16 @@ local function remove_entry(R, S, C, key, elsewhere)
   tally(S, f[3], '', f[4], -1)
   if f[6] then tally_tenant(S, f[5], f[4], -1) end
   redis.call('DEL', e)
-  redis.call('ZREM', S .. 'keys', key)
-  local head = is_head(R, S, C, key)
-  redis.call('SREM', (head and S or C) .. 'k:' .. f[1], key)
-  if R ~= S then redis.call('HDEL', S .. 'a', key) end
+  redis.call('ZREM', S .. K.listing, key)
+  local head = is_head(S, C, key)
+  redis.call('SREM', (head and S or C) .. K.children .. f[1], key)
+  if R ~= S then redis.call('HDEL', S .. K.directory, key) end
   if f[2] and f[2] ~= '' then
     if head then
       elsewhere[#elsewhere + 1] = f[2]
       elsewhere[#elsewhere + 1] = key
     else
-      redis.call('HDEL', C .. 'b:' .. f[2], key)
+      redis.call('HDEL', C .. K.bucket .. f[2], key)
     end
   end
   return 1

@@ -1,13 +1,13 @@
 -- Add or drop one location on many entries.
--- ARGV: R, S, 'add'|'drop', location, key_1..key_n
+-- ARGV: names, S, 'add'|'drop', location, key_1..key_n
 -- Returns {keys, elsewhere}. add: keys without an entry on this shard; drop: keys whose entry went with its
 -- last location. elsewhere: probe-bucket memberships of removed chain heads, {probe_1, key_1, ...}.
-local R, S, now, op, loc = ARGV[1], ARGV[2], now_ms(), ARGV[3], 'l:' .. ARGV[4]
+local S, now, op, loc = ARGV[2], now_ms(), ARGV[3], 'l:' .. ARGV[4]
 local out, elsewhere = {}, {}
 for i = 5, #ARGV do
   local key = ARGV[i]
-  local C = resolve(R, S, key)
-  local e = C and C .. 'e:' .. key
+  local C = resolve(S, key)
+  local e = C and C .. K.entry .. key
   if op == 'add' then
     if not e or redis.call('EXISTS', e) == 0 then
       out[#out + 1] = key
@@ -23,7 +23,7 @@ for i = 5, #ARGV do
     local meta = redis.call('HMGET', e, 'ns', 'size')
     tally(S, meta[1], tier_of(ARGV[4]), meta[2], -1)
     if not has_location(e) then
-      remove_entry(R, S, C, key, elsewhere)
+      remove_entry(S, C, key, elsewhere)
       out[#out + 1] = key
     end
   end

@@ -1,7 +1,7 @@
 #!lua flags=no-writes,allow-cross-slot-keys
 -- Longest cached prefixes of one or more chains in one round trip; read-only, so it may run on a replica. On a
 -- Cluster the chains of one call are those one master holds: each in a slot of its own.
--- ARGV: max_candidates, heads_elsewhere, avoided, here, then C_1, keys_1, probes_1, C_2, ... where C is the chain's
+-- ARGV: names (common.lua), max_candidates, heads_elsewhere, avoided, here, then C_1, keys_1, probes_1, C_2, ... where C is the chain's
 -- prefix (common.lua: R on one Redis, R{<anchor>}: on a Cluster) and heads_elsewhere '1' where the probe bucket of a
 -- chain's first chunk lies on another shard (a Cluster): a chain broken in its first chunk then returns no candidates,
 -- and the client reads that bucket itself. avoided names the nodes to read nothing from (down or suspect:
@@ -13,10 +13,10 @@
 -- if it has a DRAM location ('2' on here), else '0'; then the chunks in the probe bucket at the break point (the client
 -- picks the longest token match), each with its own flag. Several chains are the shards of one prompt under tensor
 -- parallelism.
-local max_candidates = tonumber(ARGV[1])
-local heads_elsewhere = ARGV[2] == '1'
-local avoided = ARGV[3]
-local here = ARGV[4]
+local max_candidates = tonumber(ARGV[2])
+local heads_elsewhere = ARGV[3] == '1'
+local avoided = ARGV[4]
+local here = ARGV[5]
 
 -- With nodes to avoid: whether the entry has a copy on another node, and whether one of those is a DRAM copy.
 local function reachable(name)
@@ -37,7 +37,7 @@ end
 local function longest(P, keys, probes)
   local n = #keys / 32
   local names = {}
-  for i = 1, n do names[i] = P .. 'e:' .. string.sub(keys, i * 32 - 31, i * 32) end
+  for i = 1, n do names[i] = P .. K.entry .. string.sub(keys, i * 32 - 31, i * 32) end
 
   -- Chains are nearly always contiguous from the start, so one multi-key EXISTS usually settles it:
   -- all present, or exactly the first c of them. Only a chain with holes needs the key-by-key scan.
@@ -87,9 +87,9 @@ local function longest(P, keys, probes)
   local probe = string.sub(probes, hits * 32 + 1, hits * 32 + 32)
   if probe ~= '' and probe ~= string.rep('0', 32) and not (hits == 0 and heads_elsewhere) then
     -- a positive count returns distinct fields: the whole bucket when it holds no more than that
-    local fields = redis.call('HRANDFIELD', P .. 'b:' .. probe, max_candidates, 'WITHVALUES')
+    local fields = redis.call('HRANDFIELD', P .. K.bucket .. probe, max_candidates, 'WITHVALUES')
     for j = 1, #fields, 2 do
-      local name = P .. 'e:' .. fields[j]
+      local name = P .. K.entry .. fields[j]
       if redis.call('EXISTS', name) == 1 then
         local any, flag = true, nil
         if avoided == '' then flag = dram_flag(name) else any, flag = reachable(name) end
@@ -105,5 +105,5 @@ local function longest(P, keys, probes)
 end
 
 local replies = {}
-for q = 5, #ARGV, 3 do replies[#replies + 1] = longest(ARGV[q], ARGV[q + 1], ARGV[q + 2]) end
+for q = 6, #ARGV, 3 do replies[#replies + 1] = longest(ARGV[q], ARGV[q + 1], ARGV[q + 2]) end
 return replies

@@ -1,29 +1,29 @@
 -- Register stored chunks atomically. A chunk already present keeps its entry and gains the location.
--- ARGV: R, S, then per record: key parent root ns tenant ntok size location probe packed_tokens anchor
+-- ARGV: names, S, then per record: key parent root ns tenant ntok size location probe packed_tokens anchor
 -- (anchor: '' on one Redis). Returns the probe-bucket writes of chain heads, to be made on the bucket's
 -- shard: {probe_1, key_1, packed_1, ...}.
-local R, S = ARGV[1], ARGV[2]
+local S = ARGV[2]
 local now = now_ms()
 local elsewhere = {}
 for i = 3, #ARGV, 11 do
   local key, parent, probe, anchor = ARGV[i], ARGV[i + 1], ARGV[i + 8], ARGV[i + 10]
-  local C = resolve(R, S, key) or chain_of(R, anchor)  -- an entry this shard holds keeps its chain
-  local e = C .. 'e:' .. key
+  local C = resolve(S, key) or chain_of(anchor)  -- an entry this shard holds keeps its chain
+  local e = C .. K.entry .. key
   if redis.call('EXISTS', e) == 0 then
     redis.call('HSET', e, 'parent', parent, 'root', ARGV[i + 2], 'ns', ARGV[i + 3], 'tenant', ARGV[i + 4],
       'ntok', ARGV[i + 5], 'size', ARGV[i + 6], 'ctime', now, 'atime', now, 'hits', 0, 'pin', 0, 'probe', probe,
       'dram', 0, 'counted', 1)
-    local head = is_head(R, S, C, key)
-    redis.call('SADD', (head and S or C) .. 'k:' .. parent, key)
-    redis.call('ZADD', S .. 'keys', 0, key)
-    if R ~= S then redis.call('HSET', S .. 'a', key, string.sub(C, #R + 2, -3)) end
+    local head = is_head(S, C, key)
+    redis.call('SADD', (head and S or C) .. K.children .. parent, key)
+    redis.call('ZADD', S .. K.listing, 0, key)
+    if R ~= S then redis.call('HSET', S .. K.directory, key, anchor_of(C)) end
     if probe ~= '' then
       if head then
         elsewhere[#elsewhere + 1] = probe
         elsewhere[#elsewhere + 1] = key
         elsewhere[#elsewhere + 1] = ARGV[i + 9]
       else
-        redis.call('HSET', C .. 'b:' .. probe, key, ARGV[i + 9])
+        redis.call('HSET', C .. K.bucket .. probe, key, ARGV[i + 9])
       end
     end
     tally(S, ARGV[i + 3], '', ARGV[i + 6], 1)
