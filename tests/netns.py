@@ -28,6 +28,7 @@ import shutil
 import signal
 import subprocess
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,8 +146,31 @@ class Host:
         self._signal_all(signal.SIGSTOP)
 
     def thaw(self) -> None:
-        """SIGCONT every process of this host: they go on where they stopped."""
+        """SIGCONT every process of this host: they go on where they stopped. Waits until none is left stopped,
+        signalling again any that is (with a warning, for it should not happen), so that a test of a host's
+        return never tests a host half frozen."""
         self._signal_all(signal.SIGCONT)
+        deadline = time.monotonic() + 5
+        while (stopped := self._stopped()) and time.monotonic() < deadline:
+            warnings.warn(f"host {self.name}: still stopped after SIGCONT, signalled again: {stopped}", stacklevel=2)
+            for pid in stopped:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+            time.sleep(0.05)
+        assert not stopped, f"processes of host {self.name} still stopped after SIGCONT: {stopped}"
+
+    def processes(self) -> dict[int, str]:
+        """Every process of this host, by pid: its command name and its state (/proc/PID/stat: R running, S
+        sleeping, D in the disk, T stopped), for the messages of failed assertions."""
+        found = {}
+        for pid in self.pids():
+            with contextlib.suppress(OSError, IndexError):
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0]
+                found[pid] = f"{Path(f'/proc/{pid}/comm').read_text().strip()} {state}"
+        return found
+
+    def _stopped(self) -> dict[int, str]:
+        return {pid: what for pid, what in self.processes().items() if what.endswith(" T")}
 
     def _signal_all(self, sig: int) -> None:
         for pid in self.pids():

@@ -170,6 +170,13 @@ def stats_of(daemon) -> dict:
     return httpx.get(daemon.url + "/v1/stats", headers=daemon.headers, timeout=10).json()
 
 
+def state_of_a(cluster: Cluster) -> str:
+    """What a failed assertion on A's return says of A: its processes and states, and its daemon's last words."""
+    log = cluster.a.log_path.read_text(errors="replace").splitlines()
+    said = [line for line in log if "Segment cache sync" not in line][-12:]
+    return f"A's processes: {cluster.host_a.processes()}; A's daemon log ends:\n" + "\n".join(said)
+
+
 def lose_a(cluster: Cluster, lose: Callable[[Host], None], recover: Callable[[Host], None] | None = None) -> None:
     """Publish a prompt on each node, B reading A's too (its owner then holds connections to A's), lose A
     (``lose(host_a)``), and check what B serves then: B takes A for down within seconds, so its lookups of A's
@@ -208,9 +215,11 @@ def lose_a(cluster: Cluster, lose: Callable[[Host], None], recover: Callable[[Ho
         if recover is None:
             return
         recover(cluster.host_a)
-        assert wait_for(lambda: on_b.down() == set(), timeout_s=15), "B never took A back"
+        assert wait_for(lambda: on_b.down() == set(), timeout_s=15), f"B never took A back; {state_of_a(cluster)}"
         assert on_b.lookup(a_tokens) == a_keys
-        assert wait_for(lambda: on_b.fetch(a_keys) == a_payloads, timeout_s=60), "B never read A's chunks again"
+        assert wait_for(lambda: on_b.fetch(a_keys) == a_payloads, timeout_s=60), (
+            f"B never read A's chunks again ({on_b.counters()}); {state_of_a(cluster)}"
+        )
         assert on_b.counters()["corrupt"] == 0
 
 
@@ -254,6 +263,9 @@ def test_a_host_behind_a_slow_link_costs_a_read_its_deadline_then_is_skipped_unt
             cluster.host_a.unslow()
         # late reads in a row double A's mark (up to SUSPECT_LONGEST_S): on a loaded machine more than one may count
         back = SUSPECT_LONGEST_S + 10
-        assert wait_for(lambda: on_b.lookup(a_tokens) == a_keys, timeout_s=back), "A was never read from again"
+        assert wait_for(lambda: on_b.lookup(a_tokens) == a_keys, timeout_s=back), (
+            f"A was never read from again: B avoids {on_b.down()}, found {len(on_b.lookup(a_tokens))} of "
+            f"{len(a_keys)} chunks; B's daemon sees {health_of(cluster.b)['components']['peers']}"
+        )
         assert wait_for(lambda: on_b.fetch(a_keys, across_network=True) == a_payloads, timeout_s=60)
         assert on_b.counters()["corrupt"] == 0
