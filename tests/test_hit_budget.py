@@ -79,9 +79,98 @@ def test_collect_reads_each_passes_measured_outputs_and_leaves_out_unfinished_en
         write(tmp_path / f"pass-{i}", "vllm", [0, 1, 2, 10, 11, 20, 21])  # warm-ups, then two prompts twice each
         write(tmp_path / f"pass-{i}", "dram", [0, 1, 10, 20])
         (tmp_path / f"pass-{i}" / "trace-dram").mkdir()
-        (tmp_path / f"pass-{i}" / "visible.json").write_text(json.dumps([0.01 * (i + 1)]))
+    write(tmp_path / "pass-0", "producer", [0, 1, 10, 20])
+    (tmp_path / "pass-0" / "trace-producer").mkdir()
+    (tmp_path / "pass-0" / "found.json").write_text(json.dumps([5.0, 6.0]))
     write(tmp_path / "pass-0", "tax", [0, 1, 2, 10, 11, 20, 21])  # pass 1's tax engine did not finish
     found = collect(tmp_path, repeats=2)
     assert found["vllm"] == [[{"n": 11}, {"n": 21}]] * 2 and len(found["tax"]) == 1
     assert found["dram"] == [([{"n": 10}, {"n": 20}], [])] * 2 and found["nvme"] == []
-    assert found["visible_s"] == [0.01, 0.02]
+    assert found["produced"] == [({"n": 10}, 5.0), ({"n": 20}, 6.0)]
+
+
+def test_publish_to_visible_runs_from_the_requests_end_through_its_last_publish() -> None:
+    from benchmarks.hit_budget import PUBLISH_PARTS, publish_budget
+
+    def output(queued: float, returned: float) -> dict:
+        return {"engine_ts": {"queued_ts": queued}, "returned_ts": returned}
+
+    events = ["save_end", "publish_start", "publish_signed", "publish_stored", "publish_registered"]
+    first = [1.010, 1.011, 1.015, 1.020, 1.021]  # an earlier step's publish of the same request
+    last = [1.050, 1.052, 1.056, 1.066, 1.068]
+    trace = [{"t": t, "event": e} for t, e in zip(first + last, events * 2, strict=True)]
+    trace += [{"t": 2.030, "event": "publish_start"}]  # the next request's
+    found = publish_budget([(output(1.0, 1.060), 1.070), (output(2.0, 2.040), 2.035)], trace)
+    parts = found["parts_ms"]
+    assert parts["forward over -> publish starts (queue, copies out)"] == pytest.approx(2.0)
+    assert parts["store into DRAM (Mooncake put)"] == pytest.approx(10.0)
+    assert parts["registered -> found by a lookup (index poll)"] == pytest.approx(2.0)
+    assert set(parts) == {name for name, _, _ in PUBLISH_PARTS}  # the second request's publish is unfinished
+    assert found["samples"] == 2  # 10 ms after the first request returned; the second was visible before it did
+    assert found["p50"] == pytest.approx(5.0) and found["p99"] == pytest.approx(9.9)
+
+
+def test_timed_hooks_add_up_per_process_until_a_steps_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(trace, "HOOKS", True)
+    monkeypatch.setattr(trace, "_DIR", tmp_path)
+    monkeypatch.setattr(trace, "_out", None)
+
+    @trace.timed
+    def hook(x: int) -> int:
+        return x + 1
+
+    @trace.timed_step_end
+    def step_end() -> None:
+        pass
+
+    assert hook(1) == 2 and hook(2) == 3 and hook.__name__ == "hook"
+    trace.mark("lookup_start")  # points are not written while hooks are timed
+    step_end()
+    trace._out.close()  # type: ignore[union-attr]
+    monkeypatch.setattr(trace, "_out", None)
+    (point,) = read_trace(tmp_path)
+    assert point["event"] == "timed" and set(point["timed"]) == {"hook", "step_end"} and point["timed"]["hook"] > 0
+
+
+def test_timed_is_the_hook_itself_unless_hooks_are_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(trace, "HOOKS", False)
+
+    def hook() -> None:
+        pass
+
+    assert trace.timed(hook) is hook and trace.timed_step_end(hook) is hook
+
+
+def test_an_unknown_trace_mode_is_refused(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    env = {**os.environ, trace.TRACE_DIR_ENV: str(tmp_path), trace.TRACE_WHAT_ENV: "everything"}
+    code = "import prefixcache.cachestore.client.trace"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+    assert run.returncode != 0 and "PREFIXCACHE_TRACE_WHAT must be 'points' or 'hooks'" in run.stderr
+
+
+def test_connector_time_per_decode_step_and_in_the_first_token() -> None:
+    from benchmarks.hit_budget import connector_time
+
+    out = _output(1.0, 1.020, 0.025, last=1.020 + 0.300, tokens=31)  # 30 decode steps of 10 ms
+    points = [{"t": 1.010, "event": "timed", "timed": {"get_num_new_matched_tokens": 0.001}}]
+    points += [{"t": 1.020 + 0.01 * i, "event": "timed", "timed": {"wait_for_save": 0.0001}} for i in range(1, 31)]
+    points.append({"t": 2.0, "event": "timed", "timed": {"wait_for_save": 1.0}})  # after the request
+    found = connector_time([out], points)
+    assert found["per_decode_step_ms"] == pytest.approx(0.1)
+    assert found["share_of_decode_step"] == pytest.approx(0.01)
+    assert found["in_own_hit_ms"] == pytest.approx(1.0) and found["share_of_own_hit"] == pytest.approx(0.04)
+    assert found["per_decode_step_by_hook_ms"] == {"wait_for_save": pytest.approx(0.1)}
+
+
+def test_the_floor_adds_the_round_trip_and_one_move_of_the_hits_kv() -> None:
+    from benchmarks.hit_budget import floor
+    from tests.e2e.tinymodel import KV_BYTES_PER_TOKEN
+
+    found = floor(256, own_hit_ms=10.0, lookup_ms=0.5, rounds=3)
+    assert found["kv_mib"] == 256 * KV_BYTES_PER_TOKEN / 2**20
+    assert found["copy_ms"] > 0 and found["mac_ms"] > 0 and found["nvme_read_ms"] > 0
+    assert found["dram_ratio"] == pytest.approx((max(10.0, found["copy_ms"]) + 0.5) / 10.0)
+    assert found["nvme_ratio"] == pytest.approx((max(10.0, found["nvme_read_ms"]) + 0.5) / 10.0)
