@@ -6,8 +6,9 @@ Two nodes on hosts of their own (tests/netns.py; root needed), the cluster's Red
 node A's engine publishes ``--prompts`` prompts, so that their KV lives on A alone; node B runs vLLM's OpenAI server
 with the connector as ``kv_consumer`` (it never publishes, so every hit is a load from A) and vLLM's own prefix cache
 off; each daemon runs on the core vLLM reserves, as the operations guide has it. A client streams completions of those
-prompts to B one after another, and A is lost, in turn: its link shaped to 1 Mbit/s (slow, not dead), every process of
-it frozen (SIGSTOP), its cable pulled, and every process of it killed. Each loss lasts ``--lost-s``; then A comes back
+prompts to B one after another (before each loss, until each prompt has hit once), and A is lost, in turn: its link
+shaped to 1 Mbit/s (slow, not dead), every process of it frozen (SIGSTOP), its cable pulled, and every process of it
+killed. Each loss lasts ``--lost-s``; then A comes back
 (link fast again, SIGCONT, cable plugged; a killed node does not) for ``--back-s``.
 
 Per request: its time to first token, whether it hit (``hit``), and whether its answer equals the
@@ -45,6 +46,9 @@ from tests.netns import Host, Network, unusable
 #: Tokens each answer decodes: enough to compare answers, few enough that a request is mostly its prefill.
 ANSWER_TOKENS = 4
 CLIENT_TIMEOUT_S = 120.0
+#: The longest the requests before a loss go on for every prompt to hit once: longer than a suspect mark and its
+#: first doubling (indexer/peers.py), which a read past its deadline on a loaded host costs.
+BEFORE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -168,35 +172,46 @@ def a_lost_node_scene(directory: Path, prompts: list[list[int]]) -> Iterator[Sce
 
 
 def run_way(scene: Scene, way: Way, lost_s: float, back_s: float) -> list[Request]:
-    """Requests before the loss (hits), during it (``lost_s``), and after A's return (``back_s``)."""
+    """Requests before the loss, until each prompt has hit once (a read that passed its deadline on a loaded host
+    leaves A skipped for a while: at most ``BEFORE_S``); during it (``lost_s``); and after A's return
+    (``back_s``)."""
     out: list[Request] = []
     turn = 0
 
-    def send(phase: str, lost_at: float) -> None:
-        nonlocal turn
-        i = turn % len(scene.prompts)
-        turn += 1
+    def send(phase: str, lost_at: float, i: int) -> Request:
         sent = time.monotonic()
         try:
             ttft, cached, text = complete(scene.url, scene.prompts[i])
             same = text == scene.reference[i][1]
-            out.append(Request(way.name, phase, sent - lost_at, i, ttft, cached, same, False))
+            request = Request(way.name, phase, sent - lost_at, i, ttft, cached, same, False)
         except (httpx.HTTPError, RuntimeError) as exc:
             print(f"  request failed: {exc}", file=sys.stderr)
-            out.append(Request(way.name, phase, sent - lost_at, i, time.monotonic() - sent, 0, False, True))
+            request = Request(way.name, phase, sent - lost_at, i, time.monotonic() - sent, 0, False, True)
+        out.append(request)
+        return request
+
+    def send_next(phase: str, lost_at: float) -> None:
+        nonlocal turn
+        send(phase, lost_at, turn % len(scene.prompts))
+        turn += 1
 
     now = time.monotonic()
-    for _ in range(len(scene.prompts)):
-        send("before", now)
+    unhit = list(range(len(scene.prompts)))
+    while unhit and time.monotonic() - now < BEFORE_S:
+        if hit(send("before", now, unhit[0]), scene.reference):
+            unhit.pop(0)
+        else:
+            unhit.append(unhit.pop(0))
+            time.sleep(0.5)
     way.lose(scene.host_a)
     lost_at = time.monotonic()
     while time.monotonic() - lost_at < lost_s:
-        send("lost", lost_at)
+        send_next("lost", lost_at)
     if way.recover is not None:
         way.recover(scene.host_a)
         back_at = time.monotonic()
         while time.monotonic() - back_at < back_s:
-            send("back", lost_at)
+            send_next("back", lost_at)
     return out
 
 
@@ -224,7 +239,8 @@ def hit(request: Request, reference: dict) -> bool:
 
 
 def summary(requests: list[Request], reference: dict, lost_s: float) -> dict:
-    """The figures of one way: worst TTFT after the loss over the cold one, failures, answers, skip and return."""
+    """The figures of one way: worst TTFT after the loss over the cold one, failures, answers, skip and return,
+    and how many prompts hit before the loss."""
     lost = [r for r in requests if r.phase == "lost"]
     back = [r for r in requests if r.phase == "back"]
     worst = max(lost, key=lambda r: r.ttft_s - reference[r.prompt][0])
@@ -240,7 +256,7 @@ def summary(requests: list[Request], reference: dict, lost_s: float) -> dict:
         "hits_while_lost": sum(hit(r, reference) for r in lost),
         "skipped_after_s": None if skipped is None else round(skipped, 2),
         "hits_again_after_s": next((round(r.at_s - lost_s, 2) for r in back if hit(r, reference)), None),
-        "hits_before": sum(hit(r, reference) for r in requests if r.phase == "before"),
+        "hits_before": len({r.prompt for r in requests if r.phase == "before" and hit(r, reference)}),
     }
 
 

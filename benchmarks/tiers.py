@@ -7,7 +7,7 @@ For 1 MiB and 8 MiB chunks:
   objects built in arena slots (the zero-copy path clients use), 128 MiB per ``put``/``get_into``
   call, 512 MiB of fresh keys per round, deleted before the next. Anchor: numpy copies of chunk-sized
   slices of a 512 MiB array into another (so nothing is cache-resident), as many bytes.
-* NVMe tier: ``NvmeStore.put`` of 1 GiB in 128 MiB batches (durable: each includes its fdatasync and
+* NVMe tier: ``NvmeTier.put`` of 1 GiB in 128 MiB batches (durable: each includes its fdatasync and
   synced manifest write), then, with the segments dropped from the page cache, ``get_into`` arena
   slots (page-aligned, so O_DIRECT reads land in them directly, as promotion does), 128 MiB per call.
   Anchor: plain O_DIRECT sequential reads of a 1 GiB file on the same disk, in chunk-sized requests,
@@ -50,7 +50,7 @@ from benchmarks.common import print_table, write_results
 from prefixcache.cachestore.chunks.mac import KEY_BYTES, ChunkMacKey
 from prefixcache.cachestore.chunks.seal import ChunkSealer
 from prefixcache.cachestore.tiers.dram import MooncakeTier
-from prefixcache.cachestore.tiers.nvme import NvmeStore
+from prefixcache.cachestore.tiers.nvme import NvmeTier
 from prefixcache.cachestore.tiers.object_store import LANES, ObjectStoreAddress, ObjectTier
 from prefixcache.cachestore.tiers.tier import Removal, StorageTier
 from tests.mooncake_pool import LocalMooncakePool
@@ -226,7 +226,7 @@ def verification_round(views: list[memoryview], src: np.ndarray, dst: np.ndarray
     }
 
 
-def nvme_round(store: NvmeStore, sources: list[memoryview], dests: list[memoryview], anchor: Path) -> dict[str, float]:
+def nvme_round(store: NvmeTier, sources: list[memoryview], dests: list[memoryview], anchor: Path) -> dict[str, float]:
     """Put NVME_ROUND bytes (durably), drop the page cache, read them back, each batch paired with plain
     O_DIRECT sequential reads of as many bytes of ``anchor`` (a file of NVME_ROUND bytes) in chunk-sized
     requests, delete."""
@@ -327,7 +327,7 @@ def measure(
     per_call = BATCH // chunk
     sources = [tier.arena.alloc(chunk) for _ in range(per_call)]
     dests = [tier.arena.alloc(chunk) for _ in range(per_call)]
-    store = NvmeStore(work / f"nvme-{chunk >> 20}m", 4 * NVME_ROUND)
+    store = NvmeTier(work / f"nvme-{chunk >> 20}m", 4 * NVME_ROUND)
     try:
         for i, slot in enumerate(sources):
             slot[:] = src.data[i * chunk : (i + 1) * chunk]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Annotated, Literal
@@ -67,6 +68,22 @@ def ranks_bound_by_vllm(omp_threads_bind: str | None) -> frozenset[int]:
 def numa_node_cpus(sysfs: Path = Path("/sys/devices/system/node")) -> list[frozenset[int]]:
     """The CPUs of each NUMA node of this host (empty where sysfs does not say)."""
     return [cpu_list(path.read_text()) for path in sorted(sysfs.glob("node[0-9]*/cpulist"))]
+
+
+#: The nice value the connector's background thread takes at least (``behind_the_engine``).
+BACKGROUND_NICE = 10
+
+
+def behind_the_engine() -> None:
+    """Lower the calling thread's priority to ``BACKGROUND_NICE`` (Linux's nice is per thread): work no request
+    waits for (publishing, storing NVMe reads into DRAM) then yields a shared core to the engine's own processes,
+    such as the engine core sampling and sending out the first token of the hit those reads served. Refused (a
+    host that forbids it), the thread keeps its priority: slower to yield, never wrong."""
+    thread = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread, max(BACKGROUND_NICE, os.getpriority(os.PRIO_PROCESS, thread)))
+    except OSError as exc:
+        log.warning("cannot lower the priority of the connector's background thread (%s)", exc)
 
 
 def pinning(cpus: frozenset[int] | None) -> Callable[[], None]:

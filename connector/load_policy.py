@@ -8,8 +8,8 @@ short load can cost the hit itself a step: its load is reported over at the end 
 hit computed in the next, where a synchronous load and the hit's computation share one step. So it is
 worth it only when someone else would wait, on a load long enough to matter.
 
-Loads run one at a time, in the order they were scheduled: the client has one set of reads in
-flight. So once an asynchronous load is in flight, every later load is asynchronous too, or it would
+Loads run one at a time, in the order they were scheduled: each loader holds one step's load at a
+time (connector/loaders/). So once an asynchronous load is in flight, every later load is asynchronous too, or it would
 hold up its whole step behind the one in flight.
 
 Where vLLM 0.32 cannot recover from a failed synchronous load (a chunk damaged or gone, to be recomputed),

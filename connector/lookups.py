@@ -90,6 +90,12 @@ class BatchedLookups:
         self._index.touch(matches)
         return matches, seconds
 
+    def answered(self, request_id: str, matches: list[PrefixMatch]) -> None:
+        """The request needs no lookup: its ``matches`` are known without one (connector/known_stored.py). It is
+        left out of the next lookup, and its matches are recorded as used, as a lookup's are."""
+        self.forget(request_id)
+        self._index.touch(matches)
+
     def new_pass(self) -> None:
         """vLLM has scheduled a step: what was looked up for requests it did not reach is dropped. Those requests
         are looked up when vLLM reaches them, with the requests added after them."""

@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from prefixcache.cachestore.client import trace
 from prefixcache.connector.attachment import Attachment
 from prefixcache.connector.io_threads import io_cpus, numa_node_cpus, pinning, ranks_bound_by_vllm
 from prefixcache.connector.settings import (
@@ -78,18 +79,22 @@ class PrefixCacheConnector(KVConnectorBase_V1):
 
     # -- scheduler side ------------------------------------------------------------------------------
 
+    @trace.timed
     def on_new_request(self, request: Any) -> None:
         assert self._scheduler is not None
         self._scheduler.on_new_request(request)
 
+    @trace.timed
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    @trace.timed
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
+    @trace.timed
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[CacheHitSource, int]:
         """The hit by the tier it is expected from, for vLLM's ``vllm:prompt_tokens_cached_by_source``: DRAM
         (Mooncake's pool, any node) is ``host``, NVMe ``disk``."""
@@ -99,14 +104,17 @@ class PrefixCacheConnector(KVConnectorBase_V1):
             source: tokens for source, tokens in ((CacheHitSource.HOST, dram), (CacheHitSource.DISK, nvme)) if tokens
         }
 
+    @trace.timed_step_end
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
         return self._scheduler.build_connector_meta(scheduler_output)
 
+    @trace.timed
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._scheduler is not None
         self._scheduler.update_connector_output(connector_output)
 
+    @trace.timed
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Blocks are held past the request only while what it generated is copied out, a step later (setting
         ``publish_output``), until every worker reports it in ``finished_sending``. vLLM itself keeps the blocks of a
@@ -114,6 +122,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids), None
 
+    @trace.timed
     def has_pending_block_frees(self) -> bool:
         assert self._scheduler is not None
         return self._scheduler.has_pending_block_frees()
@@ -249,12 +258,14 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         client = self._client_attachment.value if self._states is not None and self._client_attachment else None
         return client.spec if client is not None else None
 
+    @trace.timed
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """vLLM's first hook of every step, ahead of ``start_load_kv``: DRAM hits start here."""
         self._adopt_client()
         if self._worker is not None and isinstance(kv_connector_metadata, _metadata_type()):
             self._worker.begin_step(kv_connector_metadata)
 
+    @trace.timed
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._adopt_client()
         if self._worker is not None:
@@ -262,6 +273,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
             if isinstance(meta, _metadata_type()):
                 self._worker.start_load(meta)
 
+    @trace.timed
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Each attention layer calls this before it reads its KV. Loads are in their pages when start_load_kv
         returns (their verification may still run), except those read from NVMe layer by layer: this waits for
@@ -269,15 +281,18 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         if self._worker is not None and (layer := self._layer_index.get(layer_name)) is not None:
             self._worker.wait_for_layer(layer)
 
+    @trace.timed
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         """Pages are copied once per step, after every layer has run (wait_for_save)."""
 
+    @trace.timed_step_end
     def wait_for_save(self) -> None:
         if self._worker is not None:
             meta = self._get_connector_metadata()
             if isinstance(meta, _metadata_type()):
                 self._worker.save(meta)
 
+    @trace.timed
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Finished requests whose generated tokens' pages are copied out (vLLM frees their blocks once every worker
         says so), and requests whose asynchronous loads are over; their failed blocks go to the load errors vLLM
@@ -286,9 +301,11 @@ class PrefixCacheConnector(KVConnectorBase_V1):
             return None, None
         return self._worker.finished_saves() or None, self._worker.finished_async_loads() or None
 
+    @trace.timed
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
 
+    @trace.timed
     def get_kv_connector_stats(self) -> PrefixCacheTransferStats | None:
         """What this worker loaded and published since vLLM last asked (after every step); none on the
         scheduler side (connector/transfer_stats.py)."""

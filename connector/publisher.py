@@ -18,6 +18,7 @@ import torch
 from prefixcache.cachestore.chunks.arena import ArenaFullError
 from prefixcache.cachestore.chunks.codec import ChunkMeta
 from prefixcache.cachestore.client.cache_client import CacheClient
+from prefixcache.connector.io_threads import behind_the_engine
 from prefixcache.connector.loaders.base import ArenaWarnings, Store
 from prefixcache.connector.metadata import SaveChunk
 from prefixcache.connector.page_copies import PageCopies
@@ -147,6 +148,7 @@ class Publisher:
 
     def _background_loop(self, io_thread_setup: Callable[[], None]) -> None:
         io_thread_setup()
+        behind_the_engine()
         while (item := self._background.get()) is not None:
             job, slots, copied = item
             try:

@@ -2,7 +2,8 @@
 requests vLLM adds together are looked up in one round trip (connector/lookups.py).
 
 A producer (``kv_producer``) looks up only requests whose first full chunk or more vLLM's own prefix
-cache holds: what the store already has of those is not published again.
+cache holds: what the store already has of those is not published again. A request that can load nothing is not
+looked up at all while every chunk of its prompt is known stored (connector/known_stored.py).
 
 Per request it keeps a ``PrefixHasher`` per rank of the engine (tokens are packed and hashed once; each
 pipeline stage and tensor-parallel rank stores its shard of the pages under its own namespace, so each has
@@ -62,7 +63,7 @@ from prefixcache.connector.settings import ConnectorSettings, Directions, check_
 from prefixcache.connector.transfer_stats import PrefixCacheTransferStats
 from prefixcache.indexer.errors import IndexUnavailableError
 from prefixcache.indexer.index import PrefixMatch
-from prefixcache.indexer.keys import PrefixHasher, extend_all
+from prefixcache.indexer.keys import PrefixHasher, chunk_key, extend_all
 from prefixcache.indexer.tokens import TOKEN_BYTES
 
 log = logging.getLogger("prefixcache.connector")
@@ -182,10 +183,17 @@ class SchedulerSide:
             return 0, False
         if publish_only and num_computed_tokens < self.store.geometry.chunk_tokens:
             return 0, False
+        loads_nothing = (
+            publish_only
+            or getattr(request, "skip_reading_prefix_cache", False)
+            or request.num_tokens - 1 - num_computed_tokens < max(self.min_hit_tokens, 1)
+        )
+        extend_all(state.hashers, request.all_token_ids[state.hashers[0].num_tokens : request.num_tokens])
+        if loads_nothing and self._known_stored(request.request_id, state):
+            return 0, False
         looked_up = state.matched_for != request.num_tokens  # vLLM may ask again for the same request
         if looked_up:
             trace.mark("lookup_start", request.request_id)
-            extend_all(state.hashers, request.all_token_ids[state.hashers[0].num_tokens : request.num_tokens])
             started = time.perf_counter()
             try:
                 state.matches, state.lookup_s = self.store.lookups.matches(
@@ -207,10 +215,9 @@ class SchedulerSide:
             )
             external = paying if paying >= self.min_hit_tokens else 0
         if looked_up:
-            recorder, digest = self.store.index.recorder, self.store.namespaces[0].digest
-            recorder.record_lookup(digest, request.num_tokens, external, state.lookup_s)
+            self.store.record_lookup(request.num_tokens, external, state.lookup_s)
             if cached >= self.min_hit_tokens and external < cached:  # left to compute: slower to load
-                recorder.record_skipped(digest, cached - external)
+                self.store.record_skipped(cached - external)
         end = num_computed_tokens + external
         sync_hazard = self.sync_load_hazard is not None or (
             self.media_hazard is not None and ends_media(state.media_ends, num_computed_tokens, end)
@@ -228,6 +235,22 @@ class SchedulerSide:
         state.awaiting_alloc = external > 0
         return external, state.load_async
 
+    def _known_stored(self, request_id: str, state: RequestState) -> bool:
+        """Whether every full chunk of the request's prompt is known stored (connector/known_stored.py): then it is
+        not looked up, none of them is published again, nor its tail if that is known too, and their use is
+        recorded as a lookup's would be. For a request that can load nothing: its lookup would only tell this."""
+        known = self.store.known
+        if not known.holds(key for hasher in state.hashers for key in hasher.keys):
+            return False
+        state.stored_chunks = max(state.stored_chunks, len(state.hashers[0].keys))
+        tails = (tail for hasher in state.hashers if (tail := hasher.tail_key()) is not None)
+        state.tail_done = state.tail_done or known.holds(tails)
+        self.store.lookups.answered(
+            request_id, [PrefixMatch(list(hasher.keys), hasher.chunk_tokens) for hasher in state.hashers]
+        )
+        trace.mark("lookup_known", request_id, chunks=state.stored_chunks)
+        return True
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """vLLM has allocated the request's blocks: plan its load. vLLM 0.33 may call this steps after
         ``get_num_new_matched_tokens`` for an asynchronous load (a consumer with more than one batch in flight defers
@@ -240,8 +263,12 @@ class SchedulerSide:
         if state.matches:
             # What the store holds is not published again. A prefix vLLM's own cache holds would otherwise be
             # gathered out of its pages at the end of every repeat's step (32 MiB at 4k tokens of the tiny model).
-            full, tail = stored_prefix(state.matches, [hasher.tail_key() for hasher in state.hashers])
+            tails = [hasher.tail_key() for hasher in state.hashers]
+            full, tail = stored_prefix(state.matches, tails)
             state.stored_chunks, state.tail_done = max(state.stored_chunks, full), state.tail_done or tail
+            self.store.known.add(key for match in state.matches for key in match.keys)
+            if tail:
+                self.store.known.add(key for key in tails if key is not None)
         if num_external_tokens > 0 and state.matches:
             end = state.local_tokens + num_external_tokens
             state.load = [
@@ -364,7 +391,7 @@ class SchedulerSide:
         from NVMe or recomputed."""
         while (keys := self._to_lease.get()) is not None:
             try:
-                self.store.index.leases.grant(keys)
+                self.store.lease(keys)
             except IndexUnavailableError as exc:
                 log.debug("chunks not leased (%s); a chunk moved meanwhile is recomputed", exc)
 
@@ -437,9 +464,9 @@ class SchedulerSide:
         self, req_id: str, state: RequestState, tokens: bytes, start: int, end: int, blocks: list[int]
     ) -> SaveChunk:
         """The save of the request's tokens [start, end) (``tokens``: packed, from the first), a chunk or its tail,
-        from the request's ``blocks``."""
+        from the request's ``blocks``; its keys are known stored from now (connector/known_stored.py)."""
         chunk = start // self.store.geometry.chunk_tokens
-        return SaveChunk(
+        save = SaveChunk(
             request=req_id,
             parents=[hasher.parent(chunk) for hasher in state.hashers],
             tokens=tokens[start * TOKEN_BYTES : end * TOKEN_BYTES],
@@ -447,6 +474,11 @@ class SchedulerSide:
             tenant_salt=state.tenant_salt,
             variant=state.variant,
         )
+        if end - start == self.store.geometry.chunk_tokens:  # a full chunk: its keys were hashed with the prompt
+            self.store.known.add(hasher.keys[chunk] for hasher in state.hashers)
+        else:
+            self.store.known.add(chunk_key(parent, save.tokens) for parent in save.parents)
+        return save
 
 
 def blocks_vllm_writes_first(scheduler_output: Any) -> set[int]:

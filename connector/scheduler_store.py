@@ -9,6 +9,7 @@ from typing import Any
 
 from prefixcache.cachestore.client.config import fetch_config
 from prefixcache.cachestore.client.scheduler_index import SchedulerIndex
+from prefixcache.connector.known_stored import KnownStored
 from prefixcache.connector.lookups import BatchedLookups
 from prefixcache.connector.settings import ConnectorSettings, namespace_for
 from prefixcache.indexer.chunking import ChunkGeometry
@@ -19,8 +20,10 @@ from prefixcache.indexer.namespace import NamespaceSpec
 class SchedulerStore:
     geometry: ChunkGeometry
     namespaces: list[NamespaceSpec]  # one per shard (NamespaceSpec.shards)
-    index: SchedulerIndex  # lookups, leases, and what this engine took from the cache (client stats)
     lookups: BatchedLookups  # the requests vLLM adds together are looked up together
+    known: KnownStored  # chunks found stored or published a moment ago: what loads nothing needs no lookup
+    # lookups, leases, and what this engine took from the cache (client stats): reached through the methods below
+    _index: SchedulerIndex
 
     @classmethod
     def attach(cls, vllm_config: Any, kv_cache_spec: Any, settings: ConnectorSettings) -> SchedulerStore:
@@ -34,13 +37,23 @@ class SchedulerStore:
         return cls(
             geometry=ChunkGeometry(config.chunk_tokens, block_tokens=block_tokens),
             namespaces=namespaces,
-            index=index,
-            lookups=BatchedLookups(
-                index.index,
-                avoid=lambda: index.peers.down,
-                here=lambda: "" if index.peers.alone else config.node,
-            ),
+            lookups=BatchedLookups(index.index, avoid=index.avoid, here=index.here),
+            known=KnownStored(),
+            _index=index,
         )
 
+    def record_lookup(self, requested_tokens: int, hit_tokens: int, seconds: float) -> None:
+        """Record one lookup of the first shard's namespace: ``hit_tokens`` of ``requested_tokens`` taken from the
+        cache, found in ``seconds``."""
+        self._index.record_lookup(self.namespaces[0].digest, requested_tokens, hit_tokens, seconds)
+
+    def record_skipped(self, tokens: int) -> None:
+        """Record ``tokens`` cached but computed instead (slower to load than to compute)."""
+        self._index.record_skipped(self.namespaces[0].digest, tokens)
+
+    def lease(self, keys: list[bytes]) -> None:
+        """Lease chunks promised to the workers (indexer/leases.py); raises ``IndexUnavailableError``."""
+        self._index.lease(keys)
+
     def close(self) -> None:
-        self.index.close()
+        self._index.close()

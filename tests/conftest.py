@@ -34,6 +34,7 @@ MODULE_TIERS = {
         "test_arena",
         "test_attachment",  # connections to a socket of its own, found in /proc/net/tcp
         "test_bench_results",
+        "test_known_stored",
         "test_burst_bench",
         "test_hit_budget",
         "test_shared_checks",
@@ -64,6 +65,7 @@ MODULE_TIERS = {
         "test_quota_scopes",
         "test_promotion_stream",
         "test_redis_clients",
+        "test_redis_replies",
         "test_request_identity",
         "test_secrets_store",
         "test_serving_bench",
@@ -145,6 +147,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             f"every test needs exactly one tier of {', '.join(TIERS)} (MODULE_TIERS in tests/conftest.py): "
             + "; ".join(f"{module} has {tiers}" for module, tiers in sorted(wrong.items()))
         )
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    """With ``--durations`` (as .ci/run asks), each test module's time too, longest first: its setups, calls and
+    teardowns added up, which is what a worker spends on the module (``--dist loadscope``) and what balancing the
+    two workers goes by (the Makefile's order of modules)."""
+    if config.getoption("durations") is None:
+        return
+    by_module: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport):
+                module = report.nodeid.split("::")[0]
+                by_module[module] = by_module.get(module, 0.0) + report.duration
+    terminalreporter.write_sep("=", "time per test module (s), longest first")
+    for module, seconds in sorted(by_module.items(), key=lambda item: -item[1])[:40]:
+        terminalreporter.write_line(f"{seconds:8.1f}  {module}")
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,7 @@ from prefixcache.cachestore.node.redis_server import EmbeddedRedis
 from prefixcache.cachestore.tiers.dram import MooncakeTier, split_offset
 from prefixcache.cachestore.tiers.mooncake_servers import MooncakeMaster, leads, master_health
 from prefixcache.cachestore.tiers.nvme import Extent
+from prefixcache.cachestore.tiers.nvme_io import read_size
 from prefixcache.cachestore.warmup.plan import storable_tokens
 from prefixcache.indexer.chunking import ChunkGeometry
 from prefixcache.indexer.keys import PrefixHasher, chunk_key
@@ -333,6 +334,26 @@ def connect(daemon: Daemon, spec: NamespaceSpec | None = None) -> CacheClient:
     return CacheClient.connect(daemon.url, spec or make_spec(), arena_bytes=64 << 20)
 
 
+def chunk_meta(
+    client: CacheClient, parent: bytes, tokens: list[int], bytes_per_token: int = 2048, tenant_salt: str | None = None
+) -> ChunkMeta:
+    """The metadata of a chunk of ``tokens`` after ``parent``, its payload ``bytes_per_token`` per token."""
+    return ChunkMeta(
+        namespace=client.spec.digest,
+        root=client.spec.root(tenant_salt),
+        parent=parent,
+        tokens=pack_tokens(tokens),
+        dtype="uint8",
+        shape=(len(tokens), bytes_per_token),
+    )
+
+
+def chunk_object_bytes(client: CacheClient) -> int:
+    """The stored size of a full chunk ``publish_prompt`` publishes: its header and payload."""
+    root = client.spec.root(None)
+    return chunk_meta(client, root, [0] * client.spec.chunk_tokens).encoded_size
+
+
 def make_chunk(
     client: CacheClient,
     parent: bytes,
@@ -342,14 +363,7 @@ def make_chunk(
     tenant_salt: str | None = None,
 ) -> tuple[ChunkMeta, memoryview, bytes]:
     """A chunk of ``tokens`` after ``parent`` with a random payload, staged in an arena slot."""
-    meta = ChunkMeta(
-        namespace=client.spec.digest,
-        root=client.spec.root(tenant_salt),
-        parent=parent,
-        tokens=pack_tokens(tokens),
-        dtype="uint8",
-        shape=(len(tokens), bytes_per_token),
-    )
+    meta = chunk_meta(client, parent, tokens, bytes_per_token, tenant_salt)
     payload = bytes([seed % 256]) * 16 + os.urandom(meta.payload_bytes - 16)
     slot = client.stage(meta)
     slot[meta.payload_offset : meta.encoded_size] = payload
@@ -389,13 +403,17 @@ def fetch_payloads(
     client: CacheClient, keys: list[bytes], store_disk_reads: bool = False, across_network: bool = False
 ) -> list[bytes | None]:
     """Fetch ``keys`` into fresh slots; ``store_disk_reads`` stores those read from NVMe into DRAM, as loads do;
-    ``across_network``: as a load of chunks the lookup found in other nodes' DRAM (with a deadline)."""
-    slots = [client.slot(4 << 20) for _ in keys]
+    ``across_network``: as a load of chunks the lookup found in other nodes' DRAM (with a deadline). Such a read's
+    deadline follows its slots' bytes, so their slots are sized to ``publish_prompt``'s chunks, as the connector
+    sizes its slots to its chunks."""
+    size = read_size(chunk_object_bytes(client)) if across_network else 4 << 20
+    slots = [client.slot(size) for _ in keys]
     try:
-        fetched = client.fetch(keys, slots, across_network=across_network)
-        payloads = [bytes(view) if view is not None else None for view in fetched]
+        with client.load() as load:
+            fetched = load.fetch(keys, slots, across_network=across_network)
+        payloads = [bytes(view) if view is not None else None for view in fetched.payloads]
         if store_disk_reads:
-            client.store_disk_reads(client.take_disk_reads())
+            client.store_disk_reads(fetched.from_disk)
         return payloads
     finally:
         for slot in slots:
@@ -615,3 +633,12 @@ class CallCounter:
         if name.startswith("batch_get"):
             self.reads += 1
         return getattr(self.store, name)
+
+
+def stored_tokens(daemon: Daemon, token_ids: list[int]) -> int:
+    """How much of ``token_ids`` the daemon finds stored in the instances' namespace (0 before it has one)."""
+    namespaces = httpx.get(daemon.url + "/v1/namespaces", headers=daemon.headers).json()
+    if not namespaces:
+        return 0
+    body = {"namespace": namespaces[0]["namespace"], "token_ids": token_ids}
+    return httpx.post(daemon.url + "/v1/lookup", json=body, headers=daemon.headers).json()["matched_tokens"]

@@ -3,17 +3,21 @@ a segment owner and RocksDB files, all started by a real ``prefixcache serve`` p
 
 from __future__ import annotations
 
+import itertools
 import shutil
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 import redis
 
-from prefixcache.cachestore.chunks.codec import read_meta
+from prefixcache.cachestore.chunks.codec import payload_offset, read_meta
 from prefixcache.cachestore.client.cache_client import CacheClient
 from prefixcache.cachestore.client.config import fetch_config
+from prefixcache.cachestore.client.scattered_reads import Landed, ScatteredRead
 from prefixcache.cachestore.services.write_behind import hold_left_s
+from prefixcache.cachestore.tiers.dram import first_part_rows, split_pieces
 from prefixcache.cachestore.tiers.tier import Removal
 from prefixcache.indexer.index import Location
 from prefixcache.indexer.keys import prompt_query
@@ -92,19 +96,20 @@ def fetch_in_groups(
     (``store_disk_reads``) the chunks read from NVMe stored into DRAM once all are loaded."""
     slots = [client.slot(4 << 20) for _ in keys]
     try:
-        views, read_from_disk = [], []
-        for start in range(0, len(keys), group):
-            end = start + group
-            views += client.fetch(
-                keys[start:end], slots[start:end], upcoming=list(zip(keys[end:], slots[end:], strict=True))
-            )
-            read_from_disk += client.take_disk_reads()
+        with client.load() as load:
+            views, read_from_disk = [], []
+            for start in range(0, len(keys), group):
+                end = start + group
+                fetched = load.fetch(
+                    keys[start:end], slots[start:end], upcoming=list(zip(keys[end:], slots[end:], strict=True))
+                )
+                views += fetched.payloads
+                read_from_disk += fetched.from_disk
         payloads = [bytes(v) if v is not None else None for v in views]
         if store_disk_reads:
             client.store_disk_reads(read_from_disk)
         return payloads
     finally:
-        client.settle_reads()
         for slot in slots:
             client.release(slot)
 
@@ -142,9 +147,9 @@ def test_the_first_nvme_miss_reads_every_upcoming_chunk_into_its_slot_ahead(daem
     reader = connect(daemon)
     slots = [reader.slot(4 << 20) for _ in keys]
     try:
-        first = reader.fetch(keys[:2], slots[:2], upcoming=list(zip(keys[2:], slots[2:], strict=True)))
+        with reader.load() as load:  # the load stops after its first fetch: closing it waits for the reads ahead
+            first = load.fetch(keys[:2], slots[:2], upcoming=list(zip(keys[2:], slots[2:], strict=True))).payloads
         assert [bytes(v) for v in first] == payloads[:2]
-        reader.settle_reads()  # the load stops here: the reads ahead must be over before slots are reused
         assert [read_meta(slot).key for slot in slots[2:]] == keys[2:], "upcoming chunks were not read ahead"
         for slot in slots:
             reader.release(slot)
@@ -163,9 +168,9 @@ def test_dram_copies_gone_without_the_index_hearing_are_all_read_ahead_at_the_fi
     assert all(DRAM in e.locations for e in client.index.get(keys)), "the premise: the index still names DRAM"
     slots = [client.slot(4 << 20) for _ in keys]
     try:
-        first = client.fetch(keys[:2], slots[:2], upcoming=list(zip(keys[2:], slots[2:], strict=True)))
+        with client.load() as load:  # the load stops here, as in the test above
+            first = load.fetch(keys[:2], slots[:2], upcoming=list(zip(keys[2:], slots[2:], strict=True))).payloads
         assert [bytes(v) for v in first] == payloads[:2]
-        client.settle_reads()  # the load stops here, as in the test above
         assert [read_meta(slot).key for slot in slots[2:]] == keys[2:], "upcoming chunks were not read ahead"
         assert client.counters.read_from_disk == 2
     finally:
@@ -180,11 +185,13 @@ def test_another_nodes_nvme_chunks_are_promoted_in_one_streamed_request(daemon, 
     remote = CacheClient(config, make_spec(), arena_bytes=64 << 20)
     try:
         slots = [remote.slot(4 << 20) for _ in keys]
-        first = remote.fetch(keys[:2], slots[:2], upcoming=list(zip(keys[2:], slots[2:], strict=True)))
-        assert [bytes(v) for v in first] == payloads[:2]
-        # the rest arrives without being asked for again
-        assert wait_for(lambda: all(DRAM in e.locations for e in remote.index.get(keys[2:]))), "upcoming not promoted"
-        assert [bytes(v) for v in remote.fetch(keys[2:], slots[2:])] == payloads[2:]
+        with remote.load() as load:
+            first = load.fetch(keys[:2], slots[:2], upcoming=list(zip(keys[2:], slots[2:], strict=True))).payloads
+            assert [bytes(v) for v in first] == payloads[:2]
+            # the rest arrives without being asked for again
+            promoted = wait_for(lambda: all(DRAM in e.locations for e in remote.index.get(keys[2:])))
+            assert promoted, "upcoming not promoted"
+            assert [bytes(v) for v in load.fetch(keys[2:], slots[2:]).payloads] == payloads[2:]
         assert remote.counters.promoted == 6 and remote.counters.read_from_disk == 0
         for slot in slots:
             remote.release(slot)
@@ -199,14 +206,48 @@ def test_chunks_read_ahead_are_fetched_without_asking_dram_again(daemon, client,
     reader = CacheClient(fetch_config(daemon.url).model_copy(update={"node": node}), make_spec(), arena_bytes=64 << 20)
     try:
         slots = [reader.slot(4 << 20) for _ in keys]
-        reader.read_ahead(list(zip(keys, slots, strict=True)))
-        assert [bytes(v) for v in reader.fetch(keys, slots)] == payloads
+        with reader.load() as load:
+            load.read_ahead(list(zip(keys, slots, strict=True)))
+            assert [bytes(v) for v in load.fetch(keys, slots).payloads] == payloads
         expected = (4, 0) if node == "node-a" else (0, 4)
         assert (reader.counters.read_from_disk, reader.counters.promoted) == expected and reader.counters.missing == 0
         for slot in slots:
             reader.release(slot)
     finally:
         reader.close()
+
+
+def read_in_place(client: CacheClient, keys: list[bytes], payloads: list[bytes], pages: memoryview) -> ScatteredRead:
+    """Read each chunk straight into ``pages`` (its header and tokens into a fresh slot), each DRAM part in place, as
+    the connector's reads in place do; returns the read, unverified."""
+    ends = list(itertools.accumulate(len(p) for p in payloads))
+    cut = [
+        split_pieces(
+            [client.slot(payload_offset(64)), pages[end - len(p) : end]],
+            payload_offset(64) + first_part_rows(64) * (len(p) // 64),
+        )
+        for p, end in zip(payloads, ends, strict=True)
+    ]
+    read = client.read_in_place(
+        [Landed(key, c[0][0], c[0][0], c[0][1:], c[1]) for key, c in zip(keys, cut, strict=True)], time.perf_counter()
+    )
+    assert read.fetch([True] * len(keys)) == [True] * len(keys)
+    return read
+
+
+def test_a_read_in_place_closed_unverified_gives_its_slots_back_and_reports_no_chunk_intact(client):
+    keys, payloads = publish_prompt(client, list(range(64 * 4)), seed=12)
+    pages = client.shared_memory(len(b"".join(payloads)))
+    free = client.dram.arena.free_bytes
+    read = read_in_place(client, keys, payloads, pages)
+    assert client.dram.arena.free_bytes < free
+    read.close()
+    read.close()  # harmless
+    assert client.dram.arena.free_bytes == free
+    assert read.verdicts == [False] * 4 and client.counters.fetched == 0
+    with read_in_place(client, keys, payloads, pages) as verified:
+        assert verified.verify() == [True] * 4  # the same chunks, verified, are intact
+    assert client.dram.arena.free_bytes == free and client.counters.fetched == 4
 
 
 def test_an_index_lost_with_redis_is_rebuilt_from_the_nvme_tier(daemon, client, tmp_path):

@@ -225,3 +225,20 @@ def test_tensor_parallel_ranks_hold_the_same_kv_under_latent_attention_or_with_f
     assert kv_replicas(full, tp_size=2, total_kv_heads=1) == 2
     assert kv_replicas(full, tp_size=2, total_kv_heads=8) == 1
     assert kv_replicas(full, tp_size=1, total_kv_heads=8) == 1
+
+
+def test_the_background_thread_yields_to_the_engine() -> None:
+    """``behind_the_engine`` lowers the calling thread's priority only, not its process's."""
+    from prefixcache.connector.io_threads import BACKGROUND_NICE, behind_the_engine
+
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    seen: list[int] = []
+
+    def background() -> None:
+        behind_the_engine()
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    thread.join()
+    assert seen == [max(before, BACKGROUND_NICE)] and os.getpriority(os.PRIO_PROCESS, 0) == before

@@ -13,7 +13,9 @@ def request(phase: str, at_s: float, prompt: int, ttft_s: float, cached: int, sa
 
 def test_a_way_is_summed_up_against_the_cold_recompute_of_each_prompt():
     requests = [
-        request("before", 0.0, 0, 0.1, 1099),
+        request("before", -3.0, 0, 0.1, 1099),
+        request("before", -2.0, 1, 2.0, 1099),  # a load past its deadline, recomputed: not a hit
+        request("before", -1.0, 1, 0.1, 1099),  # the same prompt again, hit: each prompt counts once
         request("lost", 0.0, 0, 3.3, 1099),  # the load under way at the loss: 1.8 s over its cold 1.5 s, no hit
         request("lost", 3.4, 1, 2.3, 0),  # 0.3 s over: skipped, not yet at the cold time
         request("lost", 5.8, 0, 1.5, 0),  # skipped at once
@@ -26,4 +28,4 @@ def test_a_way_is_summed_up_against_the_cold_recompute_of_each_prompt():
     assert s["skipped_after_s"] == 3.4  # the first that missed within 0.5 s of its cold time
     assert s["hits_while_lost"] == 0  # vLLM counts a failed, recomputed load as cached: not a hit
     assert s["hits_again_after_s"] == 3.5  # 18.5 s after the loss, A back at 15 s
-    assert (s["failed"], s["answers_differing"], s["hits_before"], s["requests"]) == (1, 1, 1, 7)
+    assert (s["failed"], s["answers_differing"], s["hits_before"], s["requests"]) == (1, 1, 2, 9)

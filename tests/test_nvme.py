@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixcache.cachestore.tiers.nvme import PAGE, NvmeStore
+from prefixcache.cachestore.tiers.nvme import PAGE, NvmeTier
 from prefixcache.cachestore.tiers.tier import Removal
 from prefixcache.indexer.errors import ConfigError
 
@@ -42,7 +42,7 @@ def pack_files(directory: Path) -> list[Path]:
 
 
 def test_round_trip_of_odd_sizes_through_every_buffer_kind(tmp_path: Path) -> None:
-    store = NvmeStore(tmp_path, 16 << 20, pack_file_bytes=4 << 20)
+    store = NvmeTier(tmp_path, 16 << 20, pack_file_bytes=4 << 20)
     objects = {key(i): payload(i, size) for i, size in enumerate(SIZES)}
     assert store.put(list(objects.items())) == [True] * len(SIZES)
     keys = list(objects)
@@ -71,9 +71,9 @@ def test_objects_survive_sigkill_right_after_put(tmp_path: Path) -> None:
 import os, sys
 from pathlib import Path
 sys.path.insert(0, {str(Path(__file__).parent)!r})
-from prefixcache.cachestore.tiers.nvme import NvmeStore
+from prefixcache.cachestore.tiers.nvme import NvmeTier
 from test_nvme import SIZES, key, payload
-store = NvmeStore(Path({str(tmp_path)!r}), 16 << 20, pack_file_bytes=4 << 20)
+store = NvmeTier(Path({str(tmp_path)!r}), 16 << 20, pack_file_bytes=4 << 20)
 assert store.put([(key(i), payload(i, size)) for i, size in enumerate(SIZES)]) == [True] * len(SIZES)
 assert store.put([(key(100), payload(100, 5000))]) == [True]
 os.kill(os.getpid(), 9)
@@ -81,7 +81,7 @@ os.kill(os.getpid(), 9)
     child = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent.parent, capture_output=True)
     assert child.returncode == -signal.SIGKILL, child.stderr.decode()
 
-    store = NvmeStore(tmp_path, 16 << 20, pack_file_bytes=4 << 20)
+    store = NvmeTier(tmp_path, 16 << 20, pack_file_bytes=4 << 20)
     assert store.recovery.chunks == len(SIZES) + 1
     for i, size in [*enumerate(SIZES), (100, 5000)]:
         assert store.get(key(i)) == payload(i, size)
@@ -90,7 +90,7 @@ os.kill(os.getpid(), 9)
 
 def test_reopen_drops_entries_whose_bytes_are_gone(tmp_path: Path) -> None:
     """What a crash between pack file write and manifest write, or a lost file, leaves behind."""
-    store = NvmeStore(tmp_path, 1 << 20, pack_file_bytes=64 << 10)
+    store = NvmeTier(tmp_path, 1 << 20, pack_file_bytes=64 << 10)
     assert all(store.put([(key(i), payload(i, 20000)) for i in range(9)]))  # three per 64 KiB pack file
     store.close()
     first, second, third = pack_files(tmp_path)
@@ -101,7 +101,7 @@ def test_reopen_drops_entries_whose_bytes_are_gone(tmp_path: Path) -> None:
     orphan = tmp_path / "segments" / "00000042.seg"
     orphan.write_bytes(b"x" * 8192)
 
-    store = NvmeStore(tmp_path, 1 << 20, pack_file_bytes=64 << 10)
+    store = NvmeTier(tmp_path, 1 << 20, pack_file_bytes=64 << 10)
     assert (store.recovery.chunks, store.recovery.dropped_entries, store.recovery.untouched_pack_files) == (4, 5, 1)
     assert orphan.read_bytes() == b"x" * 8192  # no chunk object in it: left as it was, never deleted at open
     assert store.contains([key(i) for i in range(9)]) == [True] * 4 + [False] * 5
@@ -109,7 +109,7 @@ def test_reopen_drops_entries_whose_bytes_are_gone(tmp_path: Path) -> None:
     assert store.put([(key(50), payload(50, 3000))]) == [True]  # appends after the garbage
     store.close()
 
-    store = NvmeStore(tmp_path, 1 << 20, pack_file_bytes=64 << 10)
+    store = NvmeTier(tmp_path, 1 << 20, pack_file_bytes=64 << 10)
     assert (store.recovery.chunks, store.recovery.dropped_entries) == (5, 0)  # the drop was durable
     assert store.get(key(50)) == payload(50, 3000)
     assert store.keys()[-1] == key(50)  # recency after a restart follows creation order
@@ -121,7 +121,7 @@ def test_fill_to_three_times_capacity(tmp_path: Path) -> None:
     pinned = {key(i) for i in range(0, 40, 7)}
     pin_all = False
     evicted: list[bytes] = []
-    store = NvmeStore(
+    store = NvmeTier(
         tmp_path,
         capacity,
         pack_file_bytes=32 << 10,
@@ -161,7 +161,7 @@ def test_fill_to_three_times_capacity(tmp_path: Path) -> None:
 
 def test_dead_space_of_deleted_chunks_is_compacted_not_evicted(tmp_path: Path) -> None:
     evicted: list[bytes] = []
-    store = NvmeStore(tmp_path, 512 << 10, pack_file_bytes=64 << 10, on_evict=evicted.extend)
+    store = NvmeTier(tmp_path, 512 << 10, pack_file_bytes=64 << 10, on_evict=evicted.extend)
     budget = (512 - 64) << 10  # one pack file stays free for compaction
     assert all(store.put([(key(i), payload(i, 8192)) for i in range(budget // 8192)]))
     assert store.usage().bytes_used == budget
@@ -182,7 +182,7 @@ def test_dead_space_of_deleted_chunks_is_compacted_not_evicted(tmp_path: Path) -
 
 def test_scattered_evictions_around_pinned_chunks_are_compacted(tmp_path: Path) -> None:
     evicted: list[bytes] = []
-    store = NvmeStore(
+    store = NvmeTier(
         tmp_path,
         512 << 10,
         pack_file_bytes=64 << 10,
@@ -210,7 +210,7 @@ def test_pins_are_asked_with_the_write_lock_free(tmp_path: Path) -> None:
         return [index_of(k) % 2 == 0 for k in keys]
 
     evicted: list[bytes] = []
-    store = NvmeStore(tmp_path, 512 << 10, pack_file_bytes=64 << 10, is_pinned=is_pinned, on_evict=evicted.extend)
+    store = NvmeTier(tmp_path, 512 << 10, pack_file_bytes=64 << 10, is_pinned=is_pinned, on_evict=evicted.extend)
     for i in range(0, 96, 4):
         assert all(store.put([(key(j), payload(j, 8192)) for j in range(i, i + 4)]))
     assert held_up and not any(held_up)
@@ -220,7 +220,7 @@ def test_pins_are_asked_with_the_write_lock_free(tmp_path: Path) -> None:
 
 
 def test_delete_contains_size_of_keys_and_overwrite(tmp_path: Path) -> None:
-    store = NvmeStore(tmp_path, 1 << 20, pack_file_bytes=64 << 10)
+    store = NvmeTier(tmp_path, 1 << 20, pack_file_bytes=64 << 10)
     store.put([(key(1), b"a" * 10), (key(2), b"b" * 20), (key(1), b"c" * 30)])  # a repeated key: last wins
     assert store.get(key(1)) == b"c" * 30
     assert store.keys() == [key(2), key(1)]
@@ -240,7 +240,7 @@ def test_delete_contains_size_of_keys_and_overwrite(tmp_path: Path) -> None:
 
 
 def test_concurrent_reads_while_puts_evict_and_compact(tmp_path: Path) -> None:
-    store = NvmeStore(tmp_path, 512 << 10, pack_file_bytes=64 << 10, is_pinned=lambda ks: [index_of(k) < 8 for k in ks])
+    store = NvmeTier(tmp_path, 512 << 10, pack_file_bytes=64 << 10, is_pinned=lambda ks: [index_of(k) < 8 for k in ks])
     sizes = {i: 3000 + (i * 997) % 9000 for i in range(400)}
     assert all(store.put([(key(i), payload(i, sizes[i])) for i in range(8)]))
     done = threading.Event()
@@ -277,7 +277,7 @@ def test_concurrent_reads_while_puts_evict_and_compact(tmp_path: Path) -> None:
 
 
 def test_io_errors_are_misses_and_unstored_objects_not_stored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = NvmeStore(tmp_path, 1 << 20, pack_file_bytes=64 << 10)
+    store = NvmeTier(tmp_path, 1 << 20, pack_file_bytes=64 << 10)
     assert store.put([(key(1), b"kept")]) == [True]
 
     def fail(*args: object) -> None:
@@ -293,7 +293,7 @@ def test_io_errors_are_misses_and_unstored_objects_not_stored(tmp_path: Path, mo
     assert store.put([(key(3), b"after")]) == [True]
     assert (store.get(key(1)), store.get(key(3))) == (b"kept", b"after")
     store.close()
-    reopened = NvmeStore(tmp_path, 1 << 20, pack_file_bytes=64 << 10)
+    reopened = NvmeTier(tmp_path, 1 << 20, pack_file_bytes=64 << 10)
     assert sorted(reopened.keys()) == [key(1), key(3)]
     reopened.close()
 
@@ -307,7 +307,7 @@ def test_falls_back_to_buffered_reads_without_o_direct(tmp_path: Path, monkeypat
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(os, "open", no_direct)
-    store = NvmeStore(tmp_path, 1 << 20, pack_file_bytes=64 << 10)
+    store = NvmeTier(tmp_path, 1 << 20, pack_file_bytes=64 << 10)
     assert store.put([(key(1), payload(1, 5000))]) == [True]
     assert store.get(key(1)) == payload(1, 5000)
     store.close()
@@ -315,14 +315,14 @@ def test_falls_back_to_buffered_reads_without_o_direct(tmp_path: Path, monkeypat
 
 def test_bad_arguments_are_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="pack_file_bytes must be a positive multiple of 4096"):
-        NvmeStore(tmp_path, 1 << 20, pack_file_bytes=10_000)
+        NvmeTier(tmp_path, 1 << 20, pack_file_bytes=10_000)
     with pytest.raises(ConfigError, match="at least 2 x pack_file_bytes"):
-        NvmeStore(tmp_path, 100 << 10, pack_file_bytes=64 << 10)
+        NvmeTier(tmp_path, 100 << 10, pack_file_bytes=64 << 10)
     (tmp_path / "file").write_bytes(b"")
     with pytest.raises(ConfigError, match="not a directory"):
-        NvmeStore(tmp_path / "file", 1 << 20, pack_file_bytes=64 << 10)
+        NvmeTier(tmp_path / "file", 1 << 20, pack_file_bytes=64 << 10)
 
-    store = NvmeStore(tmp_path / "ok", 1 << 20, pack_file_bytes=64 << 10)
+    store = NvmeTier(tmp_path / "ok", 1 << 20, pack_file_bytes=64 << 10)
     with pytest.raises(ValueError, match="16 bytes"):
         store.put([(b"short", b"x")])
     with pytest.raises(ValueError, match="never empty"):

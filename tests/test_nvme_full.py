@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prefixcache.cachestore.tiers.nvme import NvmeStore
+from prefixcache.cachestore.tiers.nvme import NvmeTier
 from tests.daemon_harness import Daemon, connect, fetch_payloads, publish_prompt, wait_for, wait_persisted
 from tests.test_cachestore import NVME
 
@@ -56,14 +56,14 @@ def fill(path: Path, leave_bytes: int) -> None:
 
 
 def test_a_setting_larger_than_the_filesystem_is_bounded_and_named(small_fs: Path, caplog) -> None:
-    store = NvmeStore(small_fs / "nvme", 1 << 30, pack_file_bytes=32 << 20)
+    store = NvmeTier(small_fs / "nvme", 1 << 30, pack_file_bytes=32 << 20)
     assert 64 << 20 < store.capacity_bytes < FS_BYTES
     assert "set to 1024 MiB, but its filesystem holds" in caplog.text
     store.close()
 
 
 def test_a_write_the_disk_refuses_is_not_stored_and_named(small_fs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = NvmeStore(small_fs / "nvme", 1 << 30, pack_file_bytes=32 << 20)
+    store = NvmeTier(small_fs / "nvme", 1 << 30, pack_file_bytes=32 << 20)
     assert store.put([(bytes([1]) * 16, b"k" * 300_000)]) == [True]
     measured = os.statvfs(small_fs)
     fill(small_fs / "filler", leave_bytes=0)
@@ -78,7 +78,7 @@ def test_a_write_the_disk_refuses_is_not_stored_and_named(small_fs: Path, monkey
     assert store.put([(bytes([2]) * 16, b"x" * (2 << 20))]) == [True]
     assert store.write_failure is None
     store.close()
-    reopened = NvmeStore(small_fs / "nvme", 1 << 30, pack_file_bytes=32 << 20)
+    reopened = NvmeTier(small_fs / "nvme", 1 << 30, pack_file_bytes=32 << 20)
     assert sorted(reopened.keys()) == [bytes([1]) * 16, bytes([2]) * 16]
     assert reopened.get(bytes([2]) * 16) == b"x" * (2 << 20)
     reopened.close()

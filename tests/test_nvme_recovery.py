@@ -11,7 +11,7 @@ import pytest
 
 from prefixcache.cachestore.chunks.codec import ChunkMeta, encode
 from prefixcache.cachestore.chunks.mac import ChunkMacKey
-from prefixcache.cachestore.tiers.nvme import NvmeStore
+from prefixcache.cachestore.tiers.nvme import NvmeTier
 from prefixcache.indexer.keys import chunk_key
 from prefixcache.indexer.tokens import pack_tokens
 from tests.daemon_harness import Daemon, connect, fetch_payloads, make_spec, publish_prompt, wait_persisted
@@ -40,7 +40,7 @@ def chunk_objects(count: int, payload_bytes: int = 50_000, first: int = 0) -> di
 
 def filled_store(directory: Path, objects: dict[bytes, bytes]) -> list[Path]:
     """Store ``objects`` (a few per pack file, so that several files hold them) and close; the pack files."""
-    store = NvmeStore(directory, 4 * 1024 * 1024, pack_file_bytes=PACK_FILE)
+    store = NvmeTier(directory, 4 * 1024 * 1024, pack_file_bytes=PACK_FILE)
     items = list(objects.items())
     for start in range(0, len(items), 3):
         assert all(store.put(items[start : start + 3]))
@@ -48,7 +48,7 @@ def filled_store(directory: Path, objects: dict[bytes, bytes]) -> list[Path]:
     return sorted((directory / "segments").glob("*.seg"))
 
 
-def assert_all_hit(store: NvmeStore, objects: dict[bytes, bytes]) -> None:
+def assert_all_hit(store: NvmeTier, objects: dict[bytes, bytes]) -> None:
     assert sorted(store.keys()) == sorted(objects)
     assert all(store.get(key) == obj for key, obj in objects.items())
 
@@ -59,7 +59,7 @@ def test_a_removed_manifest_is_rebuilt_from_the_objects(tmp_path: Path) -> None:
     assert len(packs) > 2
     shutil.rmtree(tmp_path / "manifest")
 
-    store = NvmeStore(tmp_path, 4 * 1024 * 1024, pack_file_bytes=PACK_FILE)
+    store = NvmeTier(tmp_path, 4 * 1024 * 1024, pack_file_bytes=PACK_FILE)
     assert (store.recovery.chunks, store.recovery.rebuilt, store.recovery.untouched_pack_files) == (24, 24, 0)
     assert_all_hit(store, objects)
     assert sorted((tmp_path / "segments").glob("*.seg")) == packs  # no file deleted
@@ -67,7 +67,7 @@ def test_a_removed_manifest_is_rebuilt_from_the_objects(tmp_path: Path) -> None:
     assert store.put(list(extra.items())) == [True]
     store.close()
 
-    store = NvmeStore(tmp_path, 4 * 1024 * 1024, pack_file_bytes=PACK_FILE)
+    store = NvmeTier(tmp_path, 4 * 1024 * 1024, pack_file_bytes=PACK_FILE)
     assert (store.recovery.chunks, store.recovery.rebuilt) == (25, 0)  # the rebuilt manifest was written
     assert_all_hit(store, {**objects, **extra})
     store.close()
@@ -79,7 +79,7 @@ def test_an_unreadable_manifest_is_moved_aside_and_rebuilt(tmp_path: Path, curre
     filled_store(tmp_path, objects)
     (tmp_path / "manifest" / "CURRENT").write_bytes(current)
 
-    store = NvmeStore(tmp_path, 4 * 1024 * 1024, pack_file_bytes=PACK_FILE)
+    store = NvmeTier(tmp_path, 4 * 1024 * 1024, pack_file_bytes=PACK_FILE)
     assert store.recovery.manifest_moved_to is not None
     aside = Path(store.recovery.manifest_moved_to)
     assert aside.parent == tmp_path and (aside / "CURRENT").read_bytes() == current  # renamed, not deleted
@@ -101,7 +101,7 @@ def test_a_torn_tail_is_truncated_and_damaged_objects_skipped(tmp_path: Path) ->
         f.write(b"XXXX")
     shutil.rmtree(tmp_path / "manifest")
 
-    store = NvmeStore(tmp_path, 4 * 1024 * 1024, pack_file_bytes=PACK_FILE)
+    store = NvmeTier(tmp_path, 4 * 1024 * 1024, pack_file_bytes=PACK_FILE)
     assert newest.stat().st_size == -(-whole // 4096) * 4096
     assert store.recovery.rebuilt == 8
     assert_all_hit(store, {k: v for k, v in objects.items() if k != damaged_key})

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from prefixcache.cachestore.client.cache_client import CacheClient
@@ -155,3 +156,48 @@ def test_a_request_finished_before_its_deferred_allocation_is_not_planned_again(
     assert "aborted" not in scheduler._scheduler.requests
     meta = scheduler.build_connector_meta(empty_step())
     assert "aborted" not in meta.loads[0] and not meta.saves and not meta.finished
+
+
+def test_a_prompt_vllms_own_cache_holds_is_not_looked_up_while_its_chunks_are_known_stored(stack, scheduler):
+    """A request that can load nothing (vLLM's own prefix cache holds its prompt) is looked up only to learn which
+    chunks need not be published again: while its chunks are known stored, from the lookup of an earlier request,
+    it is not looked up, and none of them is published again. Shown by evicting them from the store between the
+    two: a lookup would find nothing. Once the knowledge lapses, the next one is looked up, and finds nothing."""
+    from prefixcache.connector.known_stored import KnownStored
+
+    daemon, _ = stack
+    side = scheduler._scheduler
+    clock = [0.0]
+    side.store.known = KnownStored(known_for_s=30.0, clock=lambda: clock[0])
+    prompt = stored_prompt(daemon, scheduler, seed=13)
+    first = request("first", prompt)
+    scheduler.on_new_request(first)
+    hit, _ = scheduler.get_num_new_matched_tokens(first, 0)
+    assert hit == PROMPT_TOKENS - 1
+    scheduler.update_state_after_alloc(first, allocated(0, -(-PROMPT_TOKENS // BLOCK_TOKENS)), hit)
+    full_chunks = PROMPT_TOKENS // side.store.geometry.chunk_tokens
+    hasher = side.requests["first"].hashers[0]
+    assert side.requests["first"].stored_chunks == full_chunks
+    assert side.requests["first"].tail_done
+    keys = [key.hex() for key in [*hasher.keys, hasher.tail_key()]]
+    scheduler.request_finished(first, [])
+    evicted = httpx.post(daemon.url + "/v1/evict", json={"keys": keys}, headers=daemon.headers, timeout=10)
+    assert evicted.raise_for_status().json()["chunks"] == full_chunks + 1
+
+    own_cache = PROMPT_TOKENS // BLOCK_TOKENS * BLOCK_TOKENS  # what vLLM's prefix cache holds of it, block-aligned
+    again = request("again", prompt)
+    scheduler.on_new_request(again)
+    assert scheduler.get_num_new_matched_tokens(again, own_cache) == (0, False)
+    scheduler.update_state_after_alloc(again, allocated(100, 1), 0)
+    state = side.requests["again"]
+    assert state.matches is None and (state.stored_chunks, state.tail_done) == (full_chunks, True)
+    scheduler.request_finished(again, [])
+
+    clock[0] += 31  # the knowledge lapsed: looked up, the evicted chunks are found missing, and published again
+    late = request("late", prompt)
+    scheduler.on_new_request(late)
+    assert scheduler.get_num_new_matched_tokens(late, own_cache) == (0, False)
+    scheduler.update_state_after_alloc(late, allocated(100, 1), 0)
+    state = side.requests["late"]
+    assert state.matches is not None and state.stored_chunks == 0
+    scheduler.request_finished(late, [])

@@ -19,7 +19,7 @@ def test_two_threads_verify_every_chunk_once_and_the_verdicts_keep_their_order()
             checked.append(item)
         return item % 3 != 0  # chunks 0, 3, 6, 9 are damaged
 
-    checks = SharedChecks(list(range(12)), check)  # type: ignore[arg-type]
+    checks = SharedChecks(12, check)
     helper = threading.Thread(target=checks.run, kwargs={"from_back": True})
     helper.start()
     checks.run()
@@ -38,7 +38,7 @@ def test_the_verdict_waits_for_the_chunk_the_other_thread_is_verifying() -> None
             release.wait(5)
         return True
 
-    checks = SharedChecks([0, 1], check)  # type: ignore[arg-type]
+    checks = SharedChecks(2, check)
     helper = threading.Thread(target=checks.run, kwargs={"from_back": True})
     helper.start()
     started.wait(5)

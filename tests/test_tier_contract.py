@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixcache.cachestore.tiers.nvme import NvmeStore
+from prefixcache.cachestore.tiers.nvme import NvmeTier
 from prefixcache.cachestore.tiers.tier import Removal, StorageTier
 
 
@@ -20,7 +20,7 @@ def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StorageTier
         yield dram
         dram.close()
     else:
-        nvme = NvmeStore(tmp_path, 4 << 20, pack_file_bytes=1 << 20)
+        nvme = NvmeTier(tmp_path, 4 << 20, pack_file_bytes=1 << 20)
         yield nvme
         nvme.close()
 

@@ -17,6 +17,7 @@ import pytest
 
 from prefixcache.cachestore.chunks.codec import payload_offset
 from prefixcache.cachestore.client.cache_client import CacheClient
+from prefixcache.cachestore.client.scattered_reads import Landed
 from prefixcache.cachestore.tiers.dram import first_part_rows, split_pieces
 from prefixcache.indexer.index import Location
 from prefixcache.indexer.keys import prompt_query
@@ -90,9 +91,10 @@ def test_a_node_reads_another_nodes_dram_copies_into_slots_and_straight_into_its
             split_pieces([head, part], payload_offset(64) + first_part_rows(64) * (len(part) // 64))
             for head, part in zip(heads, parts, strict=True)
         ]
-        firsts, seconds = [c[0] for c in cut], [c[1] for c in cut]
-        assert reader.fetch_scattered(keys * 2, firsts + seconds, [False] * 4 + [True] * 4) == [True] * 8
-        assert reader.verify_scattered(keys, heads, [[part] for part in parts], time.perf_counter()) == [True] * 4
+        landed = [Landed(key, c[0][0], c[0][0], c[0][1:], c[1]) for key, c in zip(keys, cut, strict=True)]
+        with reader.read_in_place(landed, time.perf_counter()) as read:
+            assert read.fetch([True] * 4) == [True] * 4
+            assert read.verify() == [True] * 4
         assert [bytes(part) for part in parts] == payloads
         assert reader.counters.read_from_disk == reader.counters.promoted == 0
     finally:

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from prefixcache.cachestore.client.cache_client import CacheClient
+from prefixcache.cachestore.client.scattered_reads import ScatteredRead
 from prefixcache.cachestore.tiers.dram import first_part_rows
 from prefixcache.cachestore.tiers.tier import Removal
 from prefixcache.connector.metadata import LoadChunk, PrefixCacheMetadata, SaveChunk
@@ -244,7 +245,7 @@ def test_a_held_block_whose_verification_fails_to_run_is_read_from_nvme_in_the_s
     def broken(*args, **kwargs):
         raise RuntimeError("verifier down")
 
-    monkeypatch.setattr(loader.client, "verify_scattered", broken)
+    monkeypatch.setattr(ScatteredRead, "verify", broken)
     assert load(loader, {"r": [LoadChunk(keys[0], CHUNK_TOKENS, 0, [20, 21, 22, 23], ends_mid_block=True)]}) == set()
     assert equal(pages(loader, [20, 21, 22, 23]), pages(publisher, [0, 1, 2, 3]))
     assert (loader.loaded_chunks, loader.loaded_in_place, loader.client.counters.read_from_disk) == (1, 0, 1)
@@ -273,14 +274,13 @@ def test_a_dram_hits_later_layers_are_copied_while_the_forward_pass_computes_its
     the first     are in, and the first attention layer of the rest waits for them."""
     keys = publish(publisher, chunks=2)
     copying = threading.Event()
-    fetch_scattered = loader.client.fetch_scattered
+    fetch_rest = ScatteredRead.fetch_rest
 
-    def held_back(keys, parts, second):  # the owner still copying the later layers when the forward pass starts
-        if all(second):  # the later layers' copy: the first layers' asks for first parts
-            copying.wait(10)
-        return fetch_scattered(keys, parts, second)
+    def held_back(read):  # the owner still copying the later layers when the forward pass starts
+        copying.wait(10)
+        return fetch_rest(read)
 
-    monkeypatch.setattr(loader.client, "fetch_scattered", held_back)
+    monkeypatch.setattr(ScatteredRead, "fetch_rest", held_back)
     blocks = list(range(20, 28))
     loader.start_load(
         PrefixCacheMetadata(

@@ -6,8 +6,9 @@ addresses. Every failure (Redis or Mooncake unreachable, a damaged or vanished c
 callers recompute, never load wrong KV.
 
 Buffers: ``stage`` hands out slots of the client's registered arena. Build an object in place
-(payload at ``meta.payload_offset``), ``publish`` it, then ``release`` the slot; ``fetch`` fills
-slots and returns views of the verified payloads.
+(payload at ``meta.payload_offset``), ``publish`` it, then ``release`` the slot. A ``load`` (slot_loads.py)
+fills slots and returns views of the verified payloads; ``read_in_place`` reads straight into the caller's memory
+(scattered_reads.py).
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import redis
 
@@ -30,6 +31,8 @@ from prefixcache.cachestore.client.client_stats import ClientStatsRecorder
 from prefixcache.cachestore.client.config import ClientConfig, chunk_mac_key, fetch_config, index_url
 from prefixcache.cachestore.client.moving_rate import MovingRate
 from prefixcache.cachestore.client.node_requests import PromotionStream, locate
+from prefixcache.cachestore.client.scattered_reads import Landed, ScatteredRead
+from prefixcache.cachestore.client.slot_loads import Fetched, FetchedPayload, SlotLoad
 from prefixcache.cachestore.tiers.dram import LATE, MooncakeTier
 from prefixcache.cachestore.tiers.nvme import read_extent
 from prefixcache.cachestore.tiers.nvme_io import Extent
@@ -58,9 +61,6 @@ DISK_READERS = 4
 READ_DEADLINE_FLOOR_S = 0.5
 READ_FLOOR_BYTES_PER_S = 500e6
 READ_SLOWDOWN = 2.0
-
-#: What ``fetch_checking_later`` gives per chunk: its verified payload, a future of it, or None (a miss).
-FetchedPayload = memoryview | Future[memoryview | None] | None
 
 
 @dataclass
@@ -128,9 +128,6 @@ class CacheClient:
         # the nodes to read nothing from (down, or suspect: a promotion they left unanswered)
         self.peers = PeerView(PeerRegistry(self._redis, self._keys), config.node, thread_setup=io_thread_setup)
         self.peers.start()
-        # Reads from this node's NVMe started ahead of the fetch that asks for them: key -> (slot, object length).
-        self._disk_reads_ahead: dict[bytes, tuple[memoryview, Future[int]]] = {}
-        self._disk_reads: list[tuple[bytes, memoryview]] = []  # what the last fetch read from NVMe
         self._disk = ThreadPoolExecutor(
             DISK_READERS, thread_name_prefix="prefixcache-disk-read", initializer=io_thread_setup
         )
@@ -207,8 +204,11 @@ class CacheClient:
         if not chunks:
             return []
         started = time.perf_counter()
+        trace.mark("publish_start", chunks=len(chunks))
         objects = [(meta.key, slot[: write_header(slot, meta, self.mac_key)]) for meta, slot in chunks]
+        trace.mark("publish_signed")
         stored = self.dram.put(objects, soft_pin_s=UNPERSISTED_PROTECTION_S)
+        trace.mark("publish_stored")
         records = [
             ChunkRecord.of(
                 parent=meta.parent,
@@ -227,79 +227,39 @@ class CacheClient:
         except IndexUnavailableError as exc:
             log.warning("published chunks not registered (%s); they will not be found", exc)
             stored = [False] * len(chunks)
+        trace.mark("publish_registered")
         self.counters.count(published=sum(stored), publish_failures=len(chunks) - sum(stored))
         self.recorder.record_publish(
             self.spec.digest, sum(stored), len(chunks) - sum(stored), time.perf_counter() - started
         )
         return stored
 
-    def fetch(
-        self,
-        keys: Sequence[bytes],
-        slots: Sequence[memoryview],
-        *,
-        upcoming: Sequence[tuple[bytes, memoryview]] = (),
-        cuts: Sequence[int | None] = (),
-        across_network: bool = False,
-    ) -> list[memoryview | None]:
-        """Each chunk's verified payload (a view into its slot), or None: a miss the caller recomputes.
-
-        A chunk missing from DRAM, or whose DRAM copy fails verification (and is deleted), comes from
-        the NVMe tier: read straight from the pack files when this node holds it (slots of
-        ``read_size`` bytes let that read land in place), else promoted by the daemon of a node that
-        does. ``upcoming`` names the chunks the caller will fetch next, in order, each with the slot it
-        will pass for it: when this call must go to NVMe, it plans those of them with no DRAM copy in
-        the same requests, and starts reading this node's straight into those slots, so later calls
-        find them read or on their way, or promoted. A caller that stops before fetching them all
-        calls ``settle_reads`` before releasing the slots. ``cuts``: where each chunk's DRAM copy is cut, if
-        the caller knows (``MooncakeTier.get_into``), so that its two parts come in one call. ``across_network``:
-        some DRAM copies may lie on other nodes (the lookup said so), so the read has a deadline
-        (``READ_DEADLINE_FLOOR_S``), and ``slots`` must be arena slots.
-        """
-        return cast(  # all checked
-            "list[memoryview | None]", self._fetch(keys, slots, upcoming, None, cuts, across_network)
-        )
-
-    def fetch_checking_later(
-        self,
-        keys: Sequence[bytes],
-        slots: Sequence[memoryview],
-        *,
-        checks: Executor,
-        upcoming: Sequence[tuple[bytes, memoryview]] = (),
-        cuts: Sequence[int | None] = (),
-        across_network: bool = False,
-    ) -> list[FetchedPayload]:
-        """``fetch``, returning as soon as DRAM has copied its chunks into their slots: each of those comes
-        back as a future of its verified payload, its MAC computed on ``checks``, so the caller reads
-        the next chunks while these are checked, on as many threads as ``checks`` has (on one thread of an
-        H100 host, checking a chunk took three quarters as long as Mooncake's copy of it). A future that
-        resolves to None was a damaged DRAM copy, now deleted: ``fetch`` that chunk again to have it from
-        NVMe. Chunks from NVMe come back verified, as from ``fetch``. The caller waits for every future
-        before it releases their slots.
-        """
-        return self._fetch(keys, slots, upcoming, checks, cuts, across_network)
+    def load(self) -> SlotLoad:
+        """A load through arena slots: its fetches, and the NVMe reads they start ahead, which it holds until it is
+        closed (slot_loads.py)."""
+        return SlotLoad(self)
 
     def _fetch(
         self,
+        load: SlotLoad,
         keys: Sequence[bytes],
         slots: Sequence[memoryview],
         upcoming: Sequence[tuple[bytes, memoryview]],
         checks: Executor | None,
         cuts: Sequence[int | None],
         across_network: bool,
-    ) -> list[FetchedPayload]:
+    ) -> Fetched[FetchedPayload]:
+        """``SlotLoad.fetch`` (``checks`` None) and ``SlotLoad.fetch_checking_later``."""
         started = time.perf_counter()
-        self._disk_reads = []
         self._streams = {key: stream for key, stream in self._streams.items() if not stream.expired}
         out: list[FetchedPayload] = [None] * len(keys)
-        planned = {i for i, key in enumerate(keys) if key in self._streams or key in self._disk_reads_ahead}
+        planned = {i for i, key in enumerate(keys) if key in self._streams or key in load.ahead}
         unplanned = [i for i in range(len(keys)) if i not in planned]
         corrupt = self._read(keys, slots, unplanned, out, checks, cuts, across_network)
         if missing := [i for i in range(len(keys)) if out[i] is None and i not in planned]:
-            self._plan_nvme([keys[i] for i in missing], {keys[i]: slots[i] for i in missing}, upcoming)
-        self._read_disk(
-            keys, slots, [i for i, k in enumerate(keys) if out[i] is None and k in self._disk_reads_ahead], out
+            self._plan_nvme(load, [keys[i] for i in missing], {keys[i]: slots[i] for i in missing}, upcoming)
+        from_disk = self._read_disk(
+            load, keys, slots, [i for i, k in enumerate(keys) if out[i] is None and k in load.ahead], out
         )
         promoted = [i for i, key in enumerate(keys) if out[i] is None and key in self._streams]
         corrupt += self._read_promoted(keys, slots, promoted, out, cuts)
@@ -308,68 +268,44 @@ class CacheClient:
         self.recorder.record_fetch(
             self.spec.digest, fetched, len(out) - fetched, corrupt, time.perf_counter() - started
         )
-        return out
+        return Fetched(out, from_disk)
 
-    def read_ahead(self, chunks: Sequence[tuple[bytes, memoryview]]) -> None:
-        """Start bringing back chunks the caller found missing from DRAM, each into its slot (of
-        ``read_size`` bytes): this node's are read straight from its NVMe (asked first, without reading
-        the index: the common case on a node that published them), other nodes' are promoted. The
-        ``fetch`` of those slots then waits for them instead of asking DRAM again. A caller that
-        stops before fetching them all calls ``settle_reads`` before releasing the slots.
-        """
+    def _read_ahead(self, load: SlotLoad, chunks: Sequence[tuple[bytes, memoryview]]) -> None:
+        """``SlotLoad.read_ahead``."""
         if not chunks:
             return
         slots = dict(chunks)
-        if elsewhere := self._read_here(list(slots), slots):
-            self._plan_nvme(elsewhere, slots, upcoming=())  # another node's NVMe, if any, promotes them
+        if elsewhere := self._read_here(load, list(slots), slots):
+            self._plan_nvme(load, elsewhere, slots, upcoming=())  # another node's NVMe, if any, promotes them
 
     def shared_memory(self, size: int) -> memoryview:
-        """Zeroed shared memory that ``fetch_scattered`` can write into (see ``MooncakeTier.shared_memory``)."""
+        """Zeroed shared memory that ``read_in_place`` can write into (see ``MooncakeTier.shared_memory``)."""
         return self.dram.shared_memory(size)
 
     def shared_view(self, address: int, size: int) -> memoryview | None:
         """A view of ``size`` bytes at ``address`` if they lie in this client's shared memory, else None."""
         return self.dram.registered_view(address, size)
 
-    def fetch_scattered(
-        self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]], second: Sequence[bool] = ()
-    ) -> list[bool]:
-        """Read chunks from DRAM straight into the caller's memory: the first part of each copy (its header
-        and tokens, then its first layers; where ``second[i]``, the rest of its layers) across ``parts[i]``, in order,
-        all in the arena or ``shared_memory`` (``MooncakeTier.get_scattered``). Returns per key whether it
-        arrived; one that did not may have written some of its parts.
+    def read_in_place(self, chunks: Sequence[Landed], started: float) -> ScatteredRead:
+        """A read of chunks from DRAM straight into the caller's memory, where each is checked: the handle copies
+        them (``ScatteredRead.fetch``), verifies them where they landed, records the fetch, timed from ``started``
+        (``time.perf_counter()``), and gives the chunks' slots back when closed (scattered_reads.py). A damaged
+        chunk's DRAM copy is deleted."""
+        return ScatteredRead(self, chunks, started)
 
-        The connector reads each chunk's header and tokens into an arena slot and its payload into the
-        KV pages themselves, so a load copies each byte once. Nothing is verified yet: the caller has
-        ``verify_scattered`` check the pieces where they landed before any of it counts as loaded.
-        """
+    def _copy_scattered(
+        self, keys: Sequence[bytes], parts: Sequence[Sequence[memoryview]], second: Sequence[bool]
+    ) -> list[bool]:
+        """Copy DRAM parts straight into the caller's memory: the first part of each copy (its header and tokens,
+        then its first layers; where ``second[i]``, the rest of its layers) across ``parts[i]``, in order, all in
+        the arena or ``shared_memory`` (``MooncakeTier.get_scattered``), unverified. Returns per key whether it
+        arrived."""
         trace.mark("fetch_scattered", chunks=len(keys), second=sum(second))
         got = [size > 0 for size in self.dram.get_scattered(keys, parts, second)]
         trace.mark("fetch_scattered_end", chunks=len(keys))
         return got
 
-    def verify_scattered(
-        self,
-        keys: Sequence[bytes],
-        heads: Sequence[memoryview],
-        payloads: Sequence[Sequence[memoryview]],
-        started: float | None,
-    ) -> list[bool]:
-        """Per chunk read by ``fetch_scattered``, whether it is intact where it landed: its header and
-        tokens in ``heads[i]``, its payload across ``payloads[i]``. A damaged chunk's DRAM copy is
-        deleted. Records one fetch, timed from ``started`` (``time.perf_counter()``; None: records none, the
-        caller checks a fetch's chunks in several calls and records it with ``record_scattered_fetch``)."""
-        trace.mark("verify", chunks=len(keys))
-        ok = [
-            self._verified_scattered(key, head, payload)
-            for key, head, payload in zip(keys, heads, payloads, strict=True)
-        ]
-        trace.mark("verify_end", chunks=len(keys))
-        if started is not None:
-            self.record_scattered_fetch(ok, started)
-        return ok
-
-    def record_scattered_fetch(self, ok: Sequence[bool], started: float) -> None:
+    def _record_scattered_fetch(self, ok: Sequence[bool], started: float) -> None:
         """Record one fetch of chunks read in place, which arrived intact where ``ok``, timed from ``started``."""
         self.counters.count(fetched=sum(ok))
         self.recorder.record_fetch(
@@ -380,17 +316,8 @@ class CacheClient:
             time.perf_counter() - started,
         )
 
-    def take_disk_reads(self) -> list[tuple[bytes, memoryview]]:
-        """The chunks the last ``fetch`` read straight from this node's NVMe: (key, verified object).
-
-        Each object is a view into the caller's slot. Hand them to ``store_disk_reads`` before
-        releasing those slots, so the next load of these chunks comes from DRAM.
-        """
-        taken, self._disk_reads = self._disk_reads, []
-        return taken
-
     def store_disk_reads(self, objects: Sequence[tuple[bytes, memoryview]]) -> int:
-        """Put chunks read from NVMe (as ``take_disk_reads`` gave them) into DRAM and index them there.
+        """Put chunks read from NVMe (as ``Fetched.from_disk`` gave them) into DRAM and index them there.
 
         The reader already holds each verified object in a registered slot, so this is one Mooncake
         put: far cheaper than the daemon reading the same bytes from disk again, which would also
@@ -468,10 +395,10 @@ class CacheClient:
         cuts: Sequence[int | None],
         across_network: bool,
     ) -> int:
-        """Read ``keys[i]`` into ``slots[i]`` from DRAM for each i in positions (at ``cuts[i]``, if any: ``fetch``),
-        filling ``out`` with the verified payloads, or with futures of them verified on ``checks``; with a deadline
-        ``across_network``. Returns how many of those verified here were rejected (the checks on ``checks`` count
-        their own)."""
+        """Read ``keys[i]`` into ``slots[i]`` from DRAM for each i in positions (at ``cuts[i]``, if any:
+        ``SlotLoad.fetch``), filling ``out`` with the verified payloads, or with futures of them verified on
+        ``checks``; with a deadline ``across_network``. Returns how many of those verified here were rejected (the
+        checks on ``checks`` count their own)."""
         if not positions:
             return 0
         rejected = 0
@@ -504,7 +431,11 @@ class CacheClient:
         return rejected
 
     def _plan_nvme(
-        self, missing: list[bytes], slots: dict[bytes, memoryview], upcoming: Sequence[tuple[bytes, memoryview]]
+        self,
+        load: SlotLoad,
+        missing: list[bytes],
+        slots: dict[bytes, memoryview],
+        upcoming: Sequence[tuple[bytes, memoryview]],
     ) -> None:
         """Read from this node's NVMe, or have other nodes promote, ``missing`` and upcoming chunks not in DRAM.
 
@@ -515,7 +446,7 @@ class CacheClient:
         ahead = [
             (key, slot)
             for key, slot in upcoming
-            if key not in wanted and key not in self._streams and key not in self._disk_reads_ahead
+            if key not in wanted and key not in self._streams and key not in load.ahead
         ]
         slots = {**slots, **dict(ahead)}
         candidates = missing + [key for key, _ in ahead]
@@ -545,7 +476,7 @@ class CacheClient:
             if node != self.node:
                 self._request_promotion(node, node_keys)
             else:
-                self._read_here(node_keys, slots)
+                self._read_here(load, node_keys, slots)
         if from_bucket:  # this node's daemon reads them from the bucket into DRAM, as it promotes from its NVMe
             self._request_promotion(self.node, from_bucket)
 
@@ -559,12 +490,13 @@ class CacheClient:
         """
         return {key for key, held in zip(keys, self.dram.contains(keys), strict=True) if not held}
 
-    def _read_here(self, keys: list[bytes], slots: dict[bytes, memoryview]) -> list[bytes]:
-        """Start reading ``keys`` from this node's pack files into their slots; returns those not there."""
+    def _read_here(self, load: SlotLoad, keys: list[bytes], slots: dict[bytes, memoryview]) -> list[bytes]:
+        """Start reading ``keys`` from this node's pack files into their slots, held by ``load``; returns those not
+        there."""
         found = self.disk_extents(keys)
         for key, extent in zip(keys, found, strict=True):
             if extent is not None:
-                self._disk_reads_ahead[key] = (slots[key], self._disk.submit(read_extent, extent, slots[key]))
+                load.ahead[key] = (slots[key], self._disk.submit(read_extent, extent, slots[key]))
         return [key for key, extent in zip(keys, found, strict=True) if extent is None]
 
     def _request_promotion(self, node: str, keys: list[bytes]) -> None:
@@ -580,12 +512,19 @@ class CacheClient:
         self._streams.update(dict.fromkeys(keys, stream))
 
     def _read_disk(
-        self, keys: Sequence[bytes], slots: Sequence[memoryview], positions: list[int], out: list[FetchedPayload]
-    ) -> None:
-        """Take the reads of ``keys[i]`` (i in positions) from this node's pack files, and verify them."""
+        self,
+        load: SlotLoad,
+        keys: Sequence[bytes],
+        slots: Sequence[memoryview],
+        positions: list[int],
+        out: list[FetchedPayload],
+    ) -> list[tuple[bytes, memoryview]]:
+        """Take the reads of ``keys[i]`` (i in positions) from this node's pack files, and verify them; returns
+        (key, verified object) of those intact."""
         stale = []
+        intact = []
         for i in positions:
-            slot, read = self._disk_reads_ahead.pop(keys[i])
+            slot, read = load.ahead.pop(keys[i])
             size = read.result()
             if slot is not slots[i]:  # read ahead into another slot than the caller passes now
                 size = -1
@@ -601,19 +540,10 @@ class CacheClient:
                 stale.append(keys[i])
             else:
                 self.counters.count(read_from_disk=1)
-                self._disk_reads.append((keys[i], slots[i][:size]))
+                intact.append((keys[i], slots[i][:size]))
         if stale:
             self._request_promotion(self.node, stale)
-
-    def settle_reads(self) -> None:
-        """Wait for reads started ahead for chunks that were never fetched, and forget them.
-
-        Callers run it before releasing the slots they named as ``upcoming``: no read may still be
-        writing into a slot that is handed out again.
-        """
-        reads, self._disk_reads_ahead = self._disk_reads_ahead, {}
-        for _, read in reads.values():
-            read.exception()  # waits; a failed read only matters to the fetch that never came
+        return intact
 
     def _read_promoted(
         self,
@@ -682,7 +612,8 @@ class CacheClient:
         return payload
 
     def _checked_later(self, key: bytes, slot: memoryview, size: int) -> memoryview | None:
-        """``_verified`` for ``fetch_checking_later``, which counted the chunk fetched: a damaged one is missing."""
+        """``_verified`` for ``SlotLoad.fetch_checking_later``, which counted the chunk fetched: a damaged one is
+        missing."""
         payload = self._verified(key, slot, size)
         if payload is None:
             self.counters.count(fetched=-1, missing=1)

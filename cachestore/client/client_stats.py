@@ -24,6 +24,7 @@ import redis
 from prefixcache.indexer.keyspace import Keyspace
 from prefixcache.indexer.periodic_flusher import PeriodicFlusher
 from prefixcache.indexer.redis_clients import RedisClient
+from prefixcache.indexer.redis_replies import text
 
 log = logging.getLogger("prefixcache.client_stats")
 
@@ -166,7 +167,7 @@ def read_client_stats(client: RedisClient, keyspace: Keyspace, node: str) -> dic
     records: defaultdict[bytes, ClientStatsRecord] = defaultdict(ClientStatsRecord)
     for raw_name, raw_value in client.hgetall(keyspace.client_stats(node)).items():
         try:
-            _read_field(records, raw_name.decode(), int(raw_value))
+            _read_field(records, text(raw_name), int(raw_value))
         except (ValueError, KeyError, IndexError):  # not written by a client of this version: skip
             log.debug("ignored client statistics field %r", raw_name)
     return dict(records)

@@ -21,6 +21,7 @@ from prefixcache.cachestore.tiers.nvme_io import Extent
 from prefixcache.indexer.keys import KEY_BYTES
 from prefixcache.indexer.keyspace import Keyspace
 from prefixcache.indexer.redis_clients import RedisClient
+from prefixcache.indexer.redis_replies import text
 
 log = logging.getLogger("prefixcache.client")
 
@@ -77,7 +78,7 @@ class PromotionStream:
                 break
             answer = self._client.blpop([self._reply], timeout=left if self.heard else min(left, GONE_CHECK_S))
             if answer is not None:
-                self._take(answer[1].decode())
+                self._take(text(answer[1]))
             elif self.heard:
                 break
         return [self._flags[i] is True for i in positions]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from prefixcache.cachestore.client.client_stats import ClientStatsRecorder
@@ -36,6 +37,7 @@ class SchedulerIndex:
     leases: Leases  # held on a connection of its own, with short timeouts (LEASE_TIMEOUT_S)
     recorder: ClientStatsRecorder  # on the same connection as the leases
     peers: PeerView  # the nodes lookups skip, read by a thread of its own on the same connection
+    node: str  # this engine's node
 
     @classmethod
     def attach(
@@ -56,7 +58,29 @@ class SchedulerIndex:
             leases=Leases(bookkeeping, index.keyspace),
             recorder=ClientStatsRecorder(bookkeeping, index.keyspace, config.node),
             peers=PeerView(PeerRegistry(bookkeeping, index.keyspace), config.node).start(),
+            node=config.node,
         )
+
+    def avoid(self) -> AbstractSet[str]:
+        """The nodes whose copies lookups skip now (down or suspect: indexer/peers.py)."""
+        return self.peers.down
+
+    def here(self) -> str:
+        """This engine's node, for lookups to tell which DRAM copies lie on other nodes ("": it has no other)."""
+        return "" if self.peers.alone else self.node
+
+    def lease(self, keys: Sequence[bytes]) -> None:
+        """Lease chunks promised to the workers (indexer/leases.py); raises ``IndexUnavailableError``."""
+        self.leases.grant(keys)
+
+    def record_lookup(self, namespace: bytes, requested_tokens: int, hit_tokens: int, seconds: float) -> None:
+        """Record one lookup of ``namespace``: ``hit_tokens`` of ``requested_tokens`` taken from the cache, found in
+        ``seconds`` (client_stats.py)."""
+        self.recorder.record_lookup(namespace, requested_tokens, hit_tokens, seconds)
+
+    def record_skipped(self, namespace: bytes, tokens: int) -> None:
+        """Record ``tokens`` of ``namespace`` cached but computed instead (slower to load than to compute)."""
+        self.recorder.record_skipped(namespace, tokens)
 
     def close(self) -> None:
         self.peers.close()

@@ -49,9 +49,10 @@ from prefixcache.cachestore.client.client_stats import ClientStatsRecord, read_c
 from prefixcache.cachestore.client.config import ClientConfig, MooncakeConfig, SecretFiles
 from prefixcache.cachestore.host.cpus import allowed_cpus
 from prefixcache.cachestore.host.listeners import check_listeners
-from prefixcache.cachestore.host.processes import port_open
+from prefixcache.cachestore.host.processes import ManagedProcess, port_open
 from prefixcache.cachestore.host.secret_files import PRIVATE_UMASK, load_or_create_secret, make_private_dir, secrets_dir
 from prefixcache.cachestore.node.data_dir_lock import DataDirLock
+from prefixcache.cachestore.node.node_parts import BucketParts, MooncakeParts, NodeParts, NodeSecrets, master_admin_url
 from prefixcache.cachestore.node.redis_server import EmbeddedRedis
 from prefixcache.cachestore.node.settings import NVME_PACK_FILE_BYTES, Settings, redis_password_from_environment
 from prefixcache.cachestore.node.supervisor import Supervisor
@@ -73,8 +74,7 @@ from prefixcache.cachestore.services.write_behind import GROUP as WRITE_BEHIND_G
 from prefixcache.cachestore.services.write_behind import WriteBehind
 from prefixcache.cachestore.tiers.dram import MooncakeTier
 from prefixcache.cachestore.tiers.mooncake_servers import HaMasters, MooncakeMaster, SegmentOwner, leads
-from prefixcache.cachestore.tiers.nvme import NvmeStore
-from prefixcache.cachestore.tiers.tier import StorageTier
+from prefixcache.cachestore.tiers.nvme import NvmeTier
 from prefixcache.cachestore.tiers.usage import TierUsage
 from prefixcache.cachestore.warmup.jobs import WarmupJobs, local_url
 from prefixcache.cachestore.warmup.policy import WarmupPolicy
@@ -143,6 +143,36 @@ def peers_health(table: PeerTable, node: str) -> ComponentHealth:
     return ComponentHealth(ok=True, degraded=True, detail="; ".join(parts))
 
 
+def _protected(index: RedisIndex, leases: Leases, keys: Sequence[bytes]) -> list[bool]:
+    """Chunks capacity pressure must not move: pinned by an operator, or leased to a scheduler."""
+    try:
+        now = index.clock_s()  # pins are deadlines in the index's clock
+        pinned = [e is not None and e.pinned(now) for e in index.get(keys)]
+        return [p or leased for p, leased in zip(pinned, leases.held(keys), strict=True)]
+    except IndexUnavailableError:
+        return [True] * len(keys)  # cannot tell: move nothing rather than a protected chunk
+
+
+def _forget_dram(write_behind: WriteBehind) -> None:
+    """DRAM copies went with a dead segment owner or master: drop their locations, as a start does."""
+    log.warning("dropped the DRAM locations of %d chunks of this node", write_behind.forget_resident())
+
+
+def _warm_segment(dram: MooncakeTier, dram_bytes: int) -> None:
+    """Touch the new segment's pages once: first writes to fresh shared memory run several times slower."""
+    started = time.monotonic()
+    slot = dram.arena.alloc(WARMUP_OBJECT_BYTES)
+    count = int(dram_bytes * 0.8) // WARMUP_OBJECT_BYTES
+    keys = [f"warmup-{i}".encode().ljust(16, b"\0")[:16] for i in range(count)]
+    try:
+        for start in range(0, count, 32):
+            dram.put([(k, slot) for k in keys[start : start + 32]])
+        dram.delete(keys)
+    finally:
+        dram.arena.free(slot)
+    log.info("DRAM segment warmed in %.1fs", time.monotonic() - started)
+
+
 class LeaderMetricsTier(MooncakeTier):
     """The DRAM tier of a node whose masters run in high-availability mode: its use is read from the ``/metrics``
     of whichever master leads (a standby knows no segments)."""
@@ -162,39 +192,24 @@ class NodeDaemon:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._stack = ExitStack()
-        self.index: RedisIndex
-        self.dram: MooncakeTier
-        self.nvme: NvmeStore
-        self.owner: SegmentOwner
-        self.master_address: str
-        self.metadata_url: str
-        self.metrics_url: str | None = None
-        #: the masters, with an etcd:// mooncake_master (high-availability mode)
-        self.ha_masters: HaMasters | None = None
-        self.write_behind: WriteBehind
-        self.promoter: Promoter
-        self.demoter: Demoter
-        self.leases: Leases
-        self.peers: PeerRegistry
-        self.evictor: Evictor
-        self.orders: OrderServer
-        self.quotas: QuotaEnforcer
-        self.admin: CacheAdmin
+        #: what ``start`` built, all of it or nothing
+        self._parts: NodeParts | None = None
         self.nvme_evicted = 0
-        #: the object tier, when one is set (``object_store_url``), and what copies chunks to it
-        self.bucket: ObjectTier | None = None
-        self.object_write_behind: ObjectWriteBehind
-        self.extents: ExtentServer
-        self.mac_key_file: Path
-        self.mac_key: ChunkMacKey
-        self.warmup_jobs: WarmupJobs
-        self.admin_token: SecretStr
-        #: the generated token's file; None when the operator set the token
-        self.admin_token_file: Path | None = None
         self._services: list[BackgroundLoop] = []  # asked to stop together before each is joined
         self.supervisor = Supervisor()
 
+    @property
+    def parts(self) -> NodeParts:
+        """The started node's index, tiers and services."""
+        if self._parts is None:
+            raise RuntimeError("the node daemon is not started")
+        return self._parts
+
     def start(self) -> None:
+        self._parts = self._build()
+
+    def _build(self) -> NodeParts:
+        """Start the node's servers, tiers and services, in order; each is stopped (in reverse) by ``stop``."""
         s = self.settings
         # before anything is created: every file the daemon and its children (redis-server, Mooncake, warm-up
         # jobs) write is the daemon's user's alone, as are the data dir and the NVMe tier
@@ -206,7 +221,7 @@ class NodeDaemon:
         make_private_dir(s.data_dir)
         for directory in (s.nvme_path, *(s.data_dir / name for name in PRIVATE_SUBDIRS)):
             _make_private(directory)
-        self._load_admin_token()
+        admin_token, admin_token_file = self._load_admin_token()
         # asked to stop first (no restart while stopping), joined last: after the servers it may have restarted
         self._services.append(self.supervisor)
         self._stack.callback(self.supervisor.stop)
@@ -216,62 +231,47 @@ class NodeDaemon:
             # before any thread or server starts: each inherits the binding
             os.sched_setaffinity(0, s.cpu_set)
             log.info("daemon and its servers bound to CPUs %s", s.cpus)
-        self._load_mac_key()
-        self._start_index()
-        keys = self.index.keyspace
-        self.leases = Leases(redis_client(self.index.url), keys)
-        self._start_mooncake()
-        self.nvme = NvmeStore(
+        mac_key_file, mac_key = self._load_mac_key()
+        secrets = NodeSecrets(mac_key, mac_key_file, admin_token, admin_token_file)
+        index = self._start_index()
+        keys = index.keyspace
+        leases = Leases(redis_client(index.url), keys)
+        protected = functools.partial(_protected, index, leases)
+        mooncake = self._start_mooncake()
+        dram = mooncake.dram
+        nvme = NvmeTier(
             s.nvme_path,
             s.nvme_bytes,
             pack_file_bytes=NVME_PACK_FILE_BYTES,
-            is_pinned=self._protected,
-            on_evict=self._evicted,
+            is_pinned=protected,
+            on_evict=functools.partial(self._evicted, index),
         )
-        self._stack.callback(self.nvme.close)
+        self._stack.callback(nvme.close)
         # The segment owner starts empty every time, so DRAM locations naming this node are stale.
-        reconcile(self.index, self.nvme, s.node, dram_is_new=True)
-        self.write_behind = WriteBehind(
-            self.index, self.dram, self.nvme, s.node, hold_s=s.write_behind_hold_s, mac_key=self.mac_key
-        )
-        self.bucket = self._open_bucket()
-        self.promoter = Promoter(
-            self._waiting_redis(),
-            keys,
-            self.index,
-            self.dram,
-            self.nvme,
-            s.node,
-            mac_key=self.mac_key,
-            bucket=self.bucket,
-        )
-        self.extents = ExtentServer(self._waiting_redis(), keys, self.nvme, s.node)
-        if self.bucket is not None:
-            self.object_write_behind = ObjectWriteBehind(self.index, self.nvme, self.bucket, s.node)
-            self._start_service(self.object_write_behind)
+        reconcile(index, nvme, s.node, dram_is_new=True)
+        write_behind = WriteBehind(index, dram, nvme, s.node, hold_s=s.write_behind_hold_s, mac_key=mac_key)
+        for server in mooncake.servers:  # the supervisor starts at the end of this start
+            self.supervisor.watch(server, before_restart=functools.partial(_forget_dram, write_behind))
+        bucket = self._open_bucket(mac_key)
+        promoter = Promoter(self._waiting_redis(index), keys, index, dram, nvme, s.node, mac_key=mac_key, bucket=bucket)
+        extents = ExtentServer(self._waiting_redis(index), keys, nvme, s.node)
+        bucket_parts = None
+        if bucket is not None:
+            bucket_parts = BucketParts(bucket, ObjectWriteBehind(index, nvme, bucket, s.node))
+            self._start_service(bucket_parts.copies)
             # what the bucket holds and the index lost (a flushed Redis, a lost node's registrations)
             limits = BucketLimits(
                 None if s.object_store_bytes is None else int(s.object_store_bytes), s.object_store_max_age_s
             )
-            self._start_service(
-                BucketReconciler(self.index, self.bucket, s.node, limits=limits, is_protected=self._protected)
-            )
-        self.demoter = Demoter(
-            self.index,
-            self.dram,
-            self.write_behind,
-            s.node,
-            self._protected,
-            s.dram_high_watermark,
-            s.dram_low_watermark,
-        )
-        self.write_behind.on_persisted = self.demoter.poke
-        for service in (self.write_behind, self.promoter, self.extents, self.demoter):
+            self._start_service(BucketReconciler(index, bucket, s.node, limits=limits, is_protected=protected))
+        demoter = Demoter(index, dram, write_behind, s.node, protected, s.dram_high_watermark, s.dram_low_watermark)
+        write_behind.on_persisted = demoter.poke
+        for service in (write_behind, promoter, extents, demoter):
             self._start_service(service)
         if s.kv_events_endpoint:
             self._start_service(
                 KvEventPublisher(
-                    self.index.url,
+                    index.url,
                     keys,
                     s.node,
                     s.kv_events_endpoint,
@@ -281,94 +281,102 @@ class NodeDaemon:
                 )
             )
             log.info("publishing KV events on %s", s.kv_events_endpoint)
-        self.evictor = Evictor(
-            self.index,
-            self.dram,
-            self.nvme,
-            s.node,
-            EvictionOrders(self._waiting_redis(), keys),
-            bucket=self.bucket,
-        )
+        evictor = Evictor(index, dram, nvme, s.node, EvictionOrders(self._waiting_redis(index), keys), bucket=bucket)
         # after reconcile: orders queued while this node was down remove copies the index still names
-        self.orders = orders = OrderServer(
-            self._waiting_redis(),
-            keys,
-            s.node,
-            self.index,
-            lambda entries: self.evictor.evict_here(entries).removed,
+        orders = OrderServer(
+            self._waiting_redis(index), keys, s.node, index, lambda entries: evictor.evict_here(entries).removed
         )
         self._start_service(orders)
-        self.quotas = QuotaEnforcer(
-            self.index,
-            QuotaStore(redis_client(self.index.url), keys),
-            self.evictor,
+        quotas = QuotaEnforcer(
+            index,
+            QuotaStore(redis_client(index.url), keys),
+            evictor,
             s.node,
-            self._protected,
+            protected,
             configured=s.quotas,
             default_tenant_bytes=None if s.default_tenant_quota is None else int(s.default_tenant_quota),
             low=s.quota_low_watermark,
             scan_entries=s.quota_scan_entries,
         )
-        self._start_service(self.quotas)
-        self.admin = CacheAdmin(self.index, self.evictor)
+        self._start_service(quotas)
         policy = WarmupPolicy(tuple(s.warmup_roots), s.warmup_allow_trust_remote_code)
-        self.warmup_jobs = WarmupJobs(
+        warmup_jobs = WarmupJobs(
             s.data_dir / "warmup" / "jobs",
             local_url(s.host, s.port),
             s.data_dir / "warmup",
             engine_cpus=engine_cpus,
             policy=policy,
-            redis_password=self._redis_password(),
+            redis_password=self._redis_password(index),
         )
-        self.warmup_jobs.start()
-        self._stack.callback(self.warmup_jobs.stop)
+        warmup_jobs.start()
+        self._stack.callback(warmup_jobs.stop)
         self.supervisor.start()
         # last: other nodes read from this one once it beats, and the first thing stopped says it has left
-        self.peers = PeerRegistry(redis_client(self.index.url), self.index.keyspace)
-        self._start_service(Heartbeat(self.peers, s.node))
+        peers = PeerRegistry(redis_client(index.url), keys)
+        self._start_service(Heartbeat(peers, s.node))
         if s.owner_nice < CALM_NICE:  # the owner yields its raised priority while a peer is lost
-            self._start_service(OwnerPriority(self.peers, s.node, lambda: self.owner.pid, s.owner_nice))
+            owner = mooncake.owner
+            self._start_service(OwnerPriority(peers, s.node, lambda: owner.pid, s.owner_nice))
+        return NodeParts(
+            secrets=secrets,
+            index=index,
+            leases=leases,
+            mooncake=mooncake,
+            nvme=nvme,
+            bucket=bucket_parts,
+            write_behind=write_behind,
+            promoter=promoter,
+            extents=extents,
+            demoter=demoter,
+            evictor=evictor,
+            orders=orders,
+            quotas=quotas,
+            admin=CacheAdmin(index, evictor),
+            warmup_jobs=warmup_jobs,
+            peers=peers,
+        )
 
-    def _load_mac_key(self) -> None:
-        """The cluster's chunk-signing key: the operator's file, or this node's own, generated at first start."""
+    def _load_mac_key(self) -> tuple[Path, ChunkMacKey]:
+        """The cluster's chunk-signing key and its file: the operator's, or this node's own, generated at first
+        start."""
         s = self.settings
         if s.chunk_key_file is not None:
-            self.mac_key_file = s.chunk_key_file.absolute()
-            self.mac_key = ChunkMacKey.read(s.chunk_key_file)
-            return
-        self.mac_key_file = (secrets_dir(s.data_dir) / KEY_FILE_NAME).absolute()
-        self.mac_key = ChunkMacKey.load_or_create(self.mac_key_file)
+            return s.chunk_key_file.absolute(), ChunkMacKey.read(s.chunk_key_file)
+        path = (secrets_dir(s.data_dir) / KEY_FILE_NAME).absolute()
+        mac_key = ChunkMacKey.load_or_create(path)
         if not (s.embedded_redis and s.embedded_mooncake):
             log.warning(
                 "this node signs chunks with a key of its own (%s): other nodes can use its chunks only if "
                 "every node is given the same PREFIXCACHE_CHUNK_KEY_FILE",
-                self.mac_key_file,
+                path,
             )
+        return path, mac_key
 
-    def _load_admin_token(self) -> None:
-        """The operator's token, or the one generated at this data dir's first start (kept, 0600, for the CLI)."""
+    def _load_admin_token(self) -> tuple[SecretStr, Path | None]:
+        """The operator's token, or the one generated at this data dir's first start (kept, 0600, for the CLI),
+        with that file."""
         if self.settings.admin_token is not None:
-            self.admin_token = self.settings.admin_token
-            return
+            return self.settings.admin_token, None
         path = admin_token_path(secrets_dir(self.settings.data_dir))
-        self.admin_token = SecretStr(load_or_create_secret(path))
-        self.admin_token_file = path.absolute()
+        token = SecretStr(load_or_create_secret(path))
         log.info(
             "admin token in %s (readable by this user only; `prefixcache stats` and the other admin commands "
             "read it from there)",
             path,
         )
+        return token, path.absolute()
 
-    def _redis_password(self) -> str | None:
+    @staticmethod
+    def _redis_password(index: RedisIndex) -> str | None:
         """The index's password, for warm-up children (on their stdin): from the URL, else the environment."""
-        return urlsplit(self.index.url).password or redis_password_from_environment()
+        return urlsplit(index.url).password or redis_password_from_environment()
 
     def _start_service(self, service: BackgroundLoop) -> None:
         service.start()
         self._services.append(service)
         self._stack.callback(service.stop)
 
-    def _start_index(self) -> None:
+    def _start_index(self) -> RedisIndex:
         s = self.settings
         redis_url = s.redis_url
         if redis_url is None:
@@ -384,24 +392,29 @@ class NodeDaemon:
                 server.directory,
                 self.redis_password_file,
             )
-        self.index = RedisIndex(redis_url, key_prefix=s.key_prefix)
-        self._stack.callback(self.index.close)
-        self.index.ping()
-        if problem := self.index.deployment_problem():
+        index = RedisIndex(redis_url, key_prefix=s.key_prefix)
+        self._stack.callback(index.close)
+        index.ping()
+        if problem := index.deployment_problem():
             raise ConfigError(f"the index cannot live there: {problem}")
         log.info("index ready at %s", public_redis_url(redis_url)[0])
+        return index
 
     @property
     def redis_password_file(self) -> Path:
         return (secrets_dir(self.settings.data_dir) / REDIS_PASSWORD_FILE).absolute()
 
-    def _waiting_redis(self) -> RedisClient:
+    @staticmethod
+    def _waiting_redis(index: RedisIndex) -> RedisClient:
         """A connection of the index's Redis for a service that waits on queues (``BLPOP``)."""
-        return redis_client(self.index.url, socket_timeout_s=WAITING_SOCKET_TIMEOUT_S)
+        return redis_client(index.url, socket_timeout_s=WAITING_SOCKET_TIMEOUT_S)
 
-    def _start_mooncake(self) -> None:
+    def _start_mooncake(self) -> MooncakeParts:
         s = self.settings
         logs = s.data_dir / "logs"
+        servers: list[ManagedProcess] = []
+        metrics_url: str | None = None
+        ha_masters: HaMasters | None = None
         if s.embedded_mooncake:
             master = MooncakeMaster(
                 logs,
@@ -412,14 +425,14 @@ class NodeDaemon:
             master.start()
             self._stack.callback(master.stop)
             # a new master knows no objects (the owner mounts its segment on it again by itself)
-            self.supervisor.watch(master, before_restart=self._forget_dram)
-            self.master_address, self.metadata_url = master.address, master.metadata_url
-            self.metrics_url = f"http://{master.host}:{master.metrics_port}/metrics"
+            servers.append(master)
+            master_address, metadata_url = master.address, master.metadata_url
+            metrics_url = f"http://{master.host}:{master.metrics_port}/metrics"
             log.info("embedded mooncake_master ready at %s", master.address)
         elif (ha := s.mooncake_ha) is not None:
             # the owner finds the leader in etcd; the transfer endpoints are kept there too unless told otherwise
-            self.master_address, self.metadata_url = ha.address, s.mooncake_metadata_url or ha.address
-            self.ha_masters = HaMasters([url.removesuffix("/metrics") for url in s.mooncake_metrics_urls])
+            master_address, metadata_url = ha.address, s.mooncake_metadata_url or ha.address
+            ha_masters = HaMasters([url.removesuffix("/metrics") for url in s.mooncake_metrics_urls])
             log.info("Mooncake masters in high-availability mode, found through %s", s.mooncake_master)
             if not s.mooncake_metrics_urls:
                 log.warning(
@@ -428,84 +441,51 @@ class NodeDaemon:
                 )
         else:
             assert s.mooncake_master and s.mooncake_metadata_url
-            self.master_address, self.metadata_url = s.mooncake_master, s.mooncake_metadata_url
-            self.metrics_url = s.mooncake_metrics_url
-            if self.metrics_url is None:
+            master_address, metadata_url = s.mooncake_master, s.mooncake_metadata_url
+            metrics_url = s.mooncake_metrics_url
+            if metrics_url is None:
                 log.warning(
                     "PREFIXCACHE_MOONCAKE_METRICS_URL is not set: demotion cannot see this node's "
                     "DRAM use, and a restart cannot wait for the master to forget its old segment owner"
                 )
-        self.owner = SegmentOwner(
+        owner = SegmentOwner(
             logs,
             segment_bytes=s.dram_bytes,
-            master=self.master_address,
-            metadata_url=self.metadata_url,
+            master=master_address,
+            metadata_url=metadata_url,
             host=s.mooncake_host,
             segment_port=s.derived_port("segment_port"),
             shm_port=s.derived_port("shm_port"),
             protocol=s.mooncake_protocol,
             device_names=s.mooncake_device_names,
-            master_admin_url=self.ha_masters.leader if self.ha_masters else self.master_admin_url,
+            master_admin_url=ha_masters.leader if ha_masters else master_admin_url(metrics_url),
             nice=s.owner_nice,
             cluster_id=s.mooncake_ha.cluster_id if s.mooncake_ha else None,
         )
-        self.owner.start()
-        self._stack.callback(self.owner.stop)
+        owner.start()
+        self._stack.callback(owner.stop)
         # a new owner starts empty; attached tiers (this daemon's too) re-register their memory with it by themselves
-        self.supervisor.watch(self.owner, before_restart=self._forget_dram)
+        servers.append(owner)
         options: dict[str, Any] = {
             "arena_bytes": DAEMON_ARENA_BYTES,
             "object_prefix": s.key_prefix,
-            "preferred_segment": self.owner.segment,
+            "preferred_segment": owner.segment,
         }
-        if self.ha_masters is None:
-            self.dram = MooncakeTier(self.owner.shm_address, metrics_url=self.metrics_url, **options)
+        dram: MooncakeTier
+        if ha_masters is None:
+            dram = MooncakeTier(owner.shm_address, metrics_url=metrics_url, **options)
         else:
-            self.dram = LeaderMetricsTier(self.owner.shm_address, self.ha_masters, **options)
-        self._stack.callback(self.dram.close)
-        self._warm_segment()
+            dram = LeaderMetricsTier(owner.shm_address, ha_masters, **options)
+        self._stack.callback(dram.close)
+        _warm_segment(dram, s.dram_bytes)
         log.info(
-            "DRAM segment %s (%d MiB) ready; clients attach at %s",
-            self.owner.segment,
-            s.dram_bytes >> 20,
-            self.owner.shm_address,
+            "DRAM segment %s (%d MiB) ready; clients attach at %s", owner.segment, s.dram_bytes >> 20, owner.shm_address
         )
+        return MooncakeParts(master_address, metadata_url, metrics_url, ha_masters, owner, dram, tuple(servers))
 
-    @property
-    def master_admin_url(self) -> str | None:
-        """The master's HTTP port (``/metrics``, ``/health``, ``/get_all_segments``), when known."""
-        return self.metrics_url.rsplit("/", 1)[0] if self.metrics_url else None
-
-    def _warm_segment(self) -> None:
-        """Touch the new segment's pages once: first writes to fresh shared memory run several times slower."""
-        started = time.monotonic()
-        slot = self.dram.arena.alloc(WARMUP_OBJECT_BYTES)
-        count = int(self.settings.dram_bytes * 0.8) // WARMUP_OBJECT_BYTES
-        keys = [f"warmup-{i}".encode().ljust(16, b"\0")[:16] for i in range(count)]
-        try:
-            for start in range(0, count, 32):
-                self.dram.put([(k, slot) for k in keys[start : start + 32]])
-            self.dram.delete(keys)
-        finally:
-            self.dram.arena.free(slot)
-        log.info("DRAM segment warmed in %.1fs", time.monotonic() - started)
-
-    def _protected(self, keys: Sequence[bytes]) -> list[bool]:
-        """Chunks capacity pressure must not move: pinned by an operator, or leased to a scheduler."""
-        try:
-            now = self.index.clock_s()  # pins are deadlines in the index's clock
-            pinned = [e is not None and e.pinned(now) for e in self.index.get(keys)]
-            return [p or leased for p, leased in zip(pinned, self.leases.held(keys), strict=True)]
-        except IndexUnavailableError:
-            return [True] * len(keys)  # cannot tell: move nothing rather than a protected chunk
-
-    def _forget_dram(self) -> None:
-        """DRAM copies went with a dead segment owner or master: drop their locations, as a start does."""
-        log.warning("dropped the DRAM locations of %d chunks of this node", self.write_behind.forget_resident())
-
-    def _evicted(self, keys: list[bytes]) -> None:
+    def _evicted(self, index: RedisIndex, keys: list[bytes]) -> None:
         self.nvme_evicted += len(keys)
-        self.index.drop_location(keys, Location("nvme", self.settings.node))
+        index.drop_location(keys, Location("nvme", self.settings.node))
 
     def stop(self) -> None:
         for service in self._services:
@@ -513,8 +493,8 @@ class NodeDaemon:
         self._stack.close()
 
     def client_config(self) -> ClientConfig:
-        url, needs_password = public_redis_url(self.index.url)
-        s = self.settings
+        p, s = self.parts, self.settings
+        url, needs_password = public_redis_url(p.index.url)
         return ClientConfig(
             node=s.node,
             redis_url=url,
@@ -522,31 +502,32 @@ class NodeDaemon:
             key_prefix=s.key_prefix,
             chunk_tokens=s.chunk_tokens,
             mooncake=MooncakeConfig(
-                master=self.master_address,
-                metadata_url=self.metadata_url,
+                master=p.mooncake.master_address,
+                metadata_url=p.mooncake.metadata_url,
                 protocol=s.mooncake_protocol,
                 device_names=s.mooncake_device_names,
-                shm_address=self.owner.shm_address,
-                segment=self.owner.segment,
+                shm_address=p.mooncake.owner.shm_address,
+                segment=p.mooncake.owner.segment,
             ),
             secret_files=SecretFiles(
-                chunk_key=str(self.mac_key_file),
+                chunk_key=str(p.secrets.mac_key_file),
                 redis_password=str(self.redis_password_file) if s.embedded_redis else None,
-                admin_token=str(self.admin_token_file) if self.admin_token_file else None,
+                admin_token=str(p.secrets.admin_token_file) if p.secrets.admin_token_file else None,
             ),
         )
 
     def stats(self) -> Stats:
-        dram, nvme, wb = self.dram.usage(), self.nvme.usage(), self.write_behind.stats
+        p = self.parts
+        dram, nvme, wb = p.mooncake.dram.usage(), p.nvme.usage(), p.write_behind.stats
         client_stats = self.client_stats()
         clients = all_client_stats(client_stats)
         delays = sorted(wb.delays_s) or [0.0]
-        usage, tenants = self.index.usage(), self.index.tenant_usage()  # read once for the figures and the quotas
-        refused = [wb.corrupt, self.promoter.corrupt, *([self.bucket.rejected] if self.bucket is not None else [])]
+        usage, tenants = p.index.usage(), p.index.tenant_usage()  # read once for the figures and the quotas
+        refused = [wb.corrupt, p.promoter.corrupt, *([p.bucket.tier.rejected] if p.bucket is not None else [])]
         return Stats(
             node=self.settings.node,
             dram=TierStats(
-                bytes_used=dram.bytes_used, capacity_bytes=dram.capacity_bytes, chunks=len(self.write_behind.resident)
+                bytes_used=dram.bytes_used, capacity_bytes=dram.capacity_bytes, chunks=len(p.write_behind.resident)
             ),
             nvme=TierStats(bytes_used=nvme.bytes_used, capacity_bytes=nvme.capacity_bytes, chunks=nvme.chunks),
             write_behind=WriteBehindStats(
@@ -557,52 +538,52 @@ class NodeDaemon:
                 delay_p99_s=delays[min(len(delays) - 1, len(delays) * 99 // 100)],
                 delay_max_s=wb.max_delay_s,
             ),
-            promoted=self.promoter.promoted,
-            promotion_failures=self.promoter.failed,
-            demoted=self.demoter.demoted,
+            promoted=p.promoter.promoted,
+            promotion_failures=p.promoter.failed,
+            demoted=p.demoter.demoted,
             evictions=EvictionStats(
-                requested_chunks=self.evictor.evicted_chunks,
-                requested_bytes=self.evictor.evicted_bytes,
+                requested_chunks=p.evictor.evicted_chunks,
+                requested_bytes=p.evictor.evicted_bytes,
                 nvme_capacity=self.nvme_evicted,
-                dram_demoted=self.demoter.demoted,
+                dram_demoted=p.demoter.demoted,
             ),
             corrupt_chunks=sum(counts.total for counts in refused) + clients.corrupt_chunks,
             corrupt_by_reason=corrupt_by_reason(clients, *refused),
             persist_failures={str(reason): n for reason, n in wb.failures.counts.items()},
             queues=QueueDepths(
-                promotion=self.promoter.client.llen(self.promoter.queue),
-                write_behind=self.index.feed_backlog(self.settings.node, WRITE_BEHIND_GROUP),
-                eviction_orders=self.orders.client.llen(self.orders.queue),
+                promotion=p.promoter.client.llen(p.promoter.queue),
+                write_behind=p.index.feed_backlog(self.settings.node, WRITE_BEHIND_GROUP),
+                eviction_orders=p.orders.client.llen(p.orders.queue),
             ),
             clients=clients,
             namespaces=namespace_stats(usage, client_stats),
             tenants={t or NO_TENANT: u for t, u in tenants.items()},
-            quotas=[quota(state) for state in self.quotas.states(usage, tenants)],
+            quotas=[quota(state) for state in p.quotas.states(usage, tenants)],
             child_restarts=self.supervisor.restarts,
             peers=self._peer_stats(),
-            master_failovers=self.ha_masters.failovers if self.ha_masters else 0,
-            object_store=self._object_stats(self.bucket, usage) if self.bucket is not None else None,
+            master_failovers=p.mooncake.ha_masters.failovers if p.mooncake.ha_masters else 0,
+            object_store=self._object_stats(p.bucket, usage) if p.bucket is not None else None,
         )
 
-    def _object_stats(self, bucket: ObjectTier, usage: dict[bytes, NamespaceUsage]) -> ObjectStats:
+    def _object_stats(self, bucket: BucketParts, usage: dict[bytes, NamespaceUsage]) -> ObjectStats:
         """The bucket's chunks from the index's counters (no listing of the bucket), and this node's copies."""
         held = [u.tiers["object"] for u in usage.values() if "object" in u.tiers]
-        copies = self.object_write_behind
+        copies, tier = bucket.copies, bucket.tier
         return ObjectStats(
             chunks=sum(u.chunks for u in held),
             bytes=sum(u.bytes for u in held),
             copied=copies.copied,
-            backlog=self.index.feed_backlog(self.settings.node, OBJECT_GROUP),
+            backlog=self.parts.index.feed_backlog(self.settings.node, OBJECT_GROUP),
             copy_failures={reason: n for reason, n in copies.failures.counts.items()},
-            rejected=bucket.rejected.total,
-            late_reads=bucket.late_reads,
-            reachable=bucket.available,
+            rejected=tier.rejected.total,
+            late_reads=tier.late_reads,
+            reachable=tier.available,
         )
 
     def _peer_stats(self) -> dict[str, PeerStats]:
         """The other nodes as the table of peers has them (none while the index does not answer)."""
         try:
-            table = self.peers.read()
+            table = self.parts.peers.read()
         except IndexUnavailableError:
             return {}
         return {
@@ -612,9 +593,9 @@ class NodeDaemon:
 
     def client_stats(self) -> dict[bytes, ClientStatsRecord]:
         """The client stats of this node (what clients attached to it recorded), per namespace."""
-        return read_client_stats(self.promoter.client, self.index.keyspace, self.settings.node)
+        return read_client_stats(self.parts.promoter.client, self.parts.index.keyspace, self.settings.node)
 
-    def _open_bucket(self) -> ObjectTier | None:
+    def _open_bucket(self, mac_key: ChunkMacKey) -> ObjectTier | None:
         """The object tier, when ``object_store_url`` names one (imported only then: it needs the ``object`` extra);
         its objects are sealed with a key derived from the chunk-signing key."""
         s = self.settings
@@ -635,7 +616,7 @@ class NodeDaemon:
             region=s.object_store_region,
             path_style=s.object_store_path_style,
         )
-        bucket = ObjectTier(address, ChunkSealer(self.mac_key))
+        bucket = ObjectTier(address, ChunkSealer(mac_key))
         self._stack.callback(bucket.close)
         log.info("object tier: s3://%s/%s", address.bucket, address.prefix)
         return bucket
@@ -648,8 +629,8 @@ class NodeDaemon:
             "nvme": self._nvme_health,
             "peers": self._peers_health,
         }
-        if self.bucket is not None:
-            probes["object"] = functools.partial(self._object_health, self.bucket)
+        if (bucket := self.parts.bucket) is not None:
+            probes["object"] = functools.partial(self._object_health, bucket)
         return {name: self._unless_restarting(SERVER_OF_COMPONENT.get(name), probe) for name, probe in probes.items()}
 
     def _unless_restarting(
@@ -665,29 +646,30 @@ class NodeDaemon:
 
     def _index_health(self) -> ComponentHealth:
         try:
-            self.index.ping()
-            problem = self.index.deployment_problem()  # a primary demoted to a replica answers, but refuses writes
+            index = self.parts.index
+            index.ping()
+            problem = index.deployment_problem()  # a primary demoted to a replica answers, but refuses writes
         except IndexUnavailableError as exc:
             return ComponentHealth(ok=False, detail=str(exc))
         return ComponentHealth(ok=False, detail=problem) if problem else ComponentHealth(ok=True, detail="answering")
 
     def _master_health(self) -> ComponentHealth:
-        if self.ha_masters is not None:
-            return self._ha_masters_health(self.ha_masters)
-        if self.master_admin_url:
-            health_url = self.master_admin_url + "/health"
+        mooncake = self.parts.mooncake
+        address = mooncake.master_address
+        if mooncake.ha_masters is not None:
+            return self._ha_masters_health(mooncake.ha_masters, address)
+        if mooncake.master_admin_url:
+            health_url = mooncake.master_admin_url + "/health"
             try:
                 urllib.request.urlopen(health_url, timeout=2).close()
-                return ComponentHealth(ok=True, detail=f"{self.master_address} serving")
+                return ComponentHealth(ok=True, detail=f"{address} serving")
             except OSError as exc:
-                return ComponentHealth(ok=False, detail=f"{self.master_address}: {exc}")
-        host, _, port = self.master_address.rpartition(":")
+                return ComponentHealth(ok=False, detail=f"{address}: {exc}")
+        host, _, port = address.rpartition(":")
         ok = port_open(host, int(port))
-        return ComponentHealth(
-            ok=ok, detail=f"{self.master_address} {'accepting' if ok else 'not accepting'} connections"
-        )
+        return ComponentHealth(ok=ok, detail=f"{address} {'accepting' if ok else 'not accepting'} connections")
 
-    def _ha_masters_health(self, masters: HaMasters) -> ComponentHealth:
+    def _ha_masters_health(self, masters: HaMasters, address: str) -> ComponentHealth:
         """Down while no master leads (an election takes about 10 s); degraded while none stands by to take over,
         or one does not answer."""
         if not masters.admin_urls:
@@ -695,7 +677,7 @@ class NodeDaemon:
             up = [endpoint for endpoint in etcd if port_open(*_host_port(endpoint))]
             return ComponentHealth(
                 ok=bool(up),
-                detail=f"found through {self.master_address} ({'reachable' if up else 'unreachable'}); set "
+                detail=f"found through {address} ({'reachable' if up else 'unreachable'}); set "
                 "PREFIXCACHE_MOONCAKE_METRICS_URL (every master's) to see which master leads",
             )
         states = masters.states()
@@ -711,25 +693,27 @@ class NodeDaemon:
         return ComponentHealth(ok=True, degraded=bool(unreachable) or not standing_by, detail="; ".join(parts))
 
     def _dram_health(self) -> ComponentHealth:
-        if not self.owner.alive():
-            return ComponentHealth(ok=False, detail=f"segment owner exited (log: {self.owner.log_path})")
-        return ComponentHealth(**dataclasses.asdict(self.dram.health()))
+        mooncake = self.parts.mooncake
+        if not mooncake.owner.alive():
+            return ComponentHealth(ok=False, detail=f"segment owner exited (log: {mooncake.owner.log_path})")
+        return ComponentHealth(**dataclasses.asdict(mooncake.dram.health()))
 
     def _nvme_health(self) -> ComponentHealth:
         """The tier's own health, degraded too while the write-behind fails to persist chunks (they wait in
         DRAM), naming why."""
-        health = self.nvme.health()
-        failures = self.write_behind.stats.failures
+        health = self.parts.nvme.health()
+        failures = self.parts.write_behind.stats.failures
         if failures.failing is None:
             return ComponentHealth(**dataclasses.asdict(health))
         why = f"persisting fails ({failures.failing}: {failures.detail}); unpersisted chunks wait in DRAM"
         return ComponentHealth(ok=health.ok, degraded=True, detail=f"{why}; {health.detail}")
 
-    def _object_health(self, bucket: StorageTier) -> ComponentHealth:
+    @staticmethod
+    def _object_health(bucket: BucketParts) -> ComponentHealth:
         """The bucket's own health (degraded while unreachable: the node serves without it), degraded too while
         copies to it fail (the chunks stay on NVMe and are copied once it takes them)."""
-        health = bucket.health()
-        failures = self.object_write_behind.failures
+        health = bucket.tier.health()
+        failures = bucket.copies.failures
         if failures.failing is None:
             return ComponentHealth(**dataclasses.asdict(health))
         why = f"copying to the bucket fails ({failures.failing}: {failures.detail}); the chunks stay on NVMe"
@@ -739,7 +723,7 @@ class NodeDaemon:
         """The other nodes this one's clients skip (indexer/peers.py), named with why: degraded while any is down,
         since chunks only they hold are recomputed meanwhile."""
         try:
-            table = self.peers.read()
+            table = self.parts.peers.read()
         except IndexUnavailableError as exc:
             return ComponentHealth(ok=True, detail=f"unknown: {exc}")
         return peers_health(table, self.settings.node)
@@ -764,13 +748,13 @@ class NodeDaemon:
         try:
             self.start()
             self.check_listeners()
-            s = self.settings
+            p, s = self.parts, self.settings
             probes = self.probes()
             routers = [
-                *admin_routers(self.admin),
-                quota_router(self.quotas),
+                *admin_routers(p.admin),
+                quota_router(p.quotas),
                 metrics_router(self.stats, self.client_stats, probes),
-                warmup_router(self.warmup_jobs),
+                warmup_router(p.warmup_jobs),
                 liveness_router(self.supervisor.alive),
             ]
             hosts = trusted_hosts(s.host, s.node, extra=s.allowed_hosts)
@@ -779,7 +763,7 @@ class NodeDaemon:
                 probes,
                 self.stats,
                 routers=routers,
-                access=AccessPolicy(admin_token=self.admin_token, open_reads=s.open_reads),
+                access=AccessPolicy(admin_token=p.secrets.admin_token, open_reads=s.open_reads),
                 allowed_hosts=hosts,
                 max_body_bytes=int(s.max_body_bytes),
             )

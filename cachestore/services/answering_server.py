@@ -8,6 +8,7 @@ from collections.abc import Callable
 from prefixcache.cachestore.client.node_requests import REPLY_TTL_S, parse_request
 from prefixcache.indexer.background_loop import BackgroundLoop
 from prefixcache.indexer.redis_clients import RedisClient
+from prefixcache.indexer.redis_replies import raw
 
 
 class AnsweringServer(BackgroundLoop):
@@ -30,7 +31,7 @@ class AnsweringServer(BackgroundLoop):
         item = self.client.blpop([self.queue], timeout=block_s)
         if item is None:
             return False
-        reply_id, keys = parse_request(item[1])
+        reply_id, keys = parse_request(raw(item[1]))
         reply = self.reply(reply_id)
         pipe = self.client.pipeline(transaction=False)
         pipe.rpush(reply, self.answer(keys))

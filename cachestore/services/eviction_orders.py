@@ -26,6 +26,7 @@ from prefixcache.cachestore.services.answering_server import AnsweringServer
 from prefixcache.indexer.index import ChunkEntry, IndexRegistration
 from prefixcache.indexer.keyspace import Keyspace
 from prefixcache.indexer.redis_clients import RedisClient
+from prefixcache.indexer.redis_replies import text
 
 log = logging.getLogger("prefixcache.eviction")
 #: How long an evict waits for other nodes to confirm: their work is an index read, file deletes and
@@ -65,7 +66,7 @@ class EvictionOrders:
             answer = self._client.blpop(waited, timeout=max(left, 0.01))
             if answer is None:
                 break
-            reply = answer[0].decode()
+            reply = text(answer[0])
             pending.pop(reply, None)
             waited.remove(reply)
         for reply in waited:

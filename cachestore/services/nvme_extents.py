@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 
 from prefixcache.cachestore.services.answering_server import AnsweringServer
-from prefixcache.cachestore.tiers.nvme import NvmeStore
+from prefixcache.cachestore.tiers.nvme import NvmeTier
 from prefixcache.indexer.keyspace import Keyspace
 from prefixcache.indexer.redis_clients import RedisClient
 
@@ -24,7 +24,7 @@ class ExtentServer(AnsweringServer):
 
     name = "prefixcache-extents"
 
-    def __init__(self, client: RedisClient, keyspace: Keyspace, nvme: NvmeStore, node: str) -> None:
+    def __init__(self, client: RedisClient, keyspace: Keyspace, nvme: NvmeTier, node: str) -> None:
         super().__init__(client, keyspace.extents_queue(node), keyspace.extents_reply)
         self.nvme = nvme
 

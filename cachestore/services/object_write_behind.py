@@ -18,7 +18,7 @@ import logging
 import time
 
 from prefixcache.cachestore.services.persist_failures import PersistFailureReason, PersistFailures
-from prefixcache.cachestore.tiers.nvme import NvmeStore
+from prefixcache.cachestore.tiers.nvme import NvmeTier
 from prefixcache.cachestore.tiers.tier import StorageTier
 from prefixcache.indexer.background_loop import BackgroundLoop
 from prefixcache.indexer.errors import IndexUnavailableError
@@ -32,7 +32,7 @@ CONSUMER = "daemon"
 class ObjectWriteBehind(BackgroundLoop):
     name = "prefixcache-object-write-behind"
 
-    def __init__(self, index: PrefixIndex, nvme: NvmeStore, bucket: StorageTier, node: str, *, batch: int = 16) -> None:
+    def __init__(self, index: PrefixIndex, nvme: NvmeTier, bucket: StorageTier, node: str, *, batch: int = 16) -> None:
         super().__init__()
         self.index = index
         self.nvme = nvme

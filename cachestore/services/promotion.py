@@ -29,13 +29,14 @@ from prefixcache.cachestore.chunks.mac import ChunkMacKey
 from prefixcache.cachestore.chunks.runs import runs_of_about
 from prefixcache.cachestore.client.node_requests import REPLY_TTL_S, parse_request
 from prefixcache.cachestore.tiers.dram import MooncakeTier
-from prefixcache.cachestore.tiers.nvme import NvmeStore
+from prefixcache.cachestore.tiers.nvme import NvmeTier
 from prefixcache.cachestore.tiers.nvme_io import read_size
 from prefixcache.cachestore.tiers.tier import StorageTier
 from prefixcache.indexer.background_loop import BackgroundLoop
 from prefixcache.indexer.index import ChunkEntry, IndexRegistration, Location
 from prefixcache.indexer.keyspace import Keyspace
 from prefixcache.indexer.redis_clients import RedisClient
+from prefixcache.indexer.redis_replies import raw, raw_list
 
 log = logging.getLogger("prefixcache.promotion")
 #: Bytes per streamed slice: a few chunks, so the first answer comes after a few ms of disk and the
@@ -85,7 +86,7 @@ class Promoter(BackgroundLoop):
         keyspace: Keyspace,
         index: IndexRegistration,
         dram: MooncakeTier,
-        nvme: NvmeStore,
+        nvme: NvmeTier,
         node: str,
         *,
         mac_key: ChunkMacKey,
@@ -121,8 +122,8 @@ class Promoter(BackgroundLoop):
         first = self.client.blpop([self.queue], timeout=block_s)
         if first is None:
             return 0
-        raw = [first[1]] + (self.client.lpop(self.queue, self.max_batch - 1) or [])
-        requests = [_Request.parse(self.keyspace, item) for item in raw]
+        queued = [raw(first[1]), *raw_list(self.client.lpop(self.queue, self.max_batch - 1))]
+        requests = [_Request.parse(self.keyspace, item) for item in queued]
         decided: dict[bytes, bool] = {}
         for outcome in self._promote(list(dict.fromkeys(k for r in requests for k in r.keys))):
             decided.update(outcome)

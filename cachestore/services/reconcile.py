@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prefixcache.cachestore.chunks.codec import ChunkError, read_meta
-from prefixcache.cachestore.tiers.nvme import NvmeStore
+from prefixcache.cachestore.tiers.nvme import NvmeTier
 from prefixcache.indexer.index import ChunkRecord, IndexRegistration, Location, PrefixIndex
 
 log = logging.getLogger("prefixcache.reconcile")
@@ -33,7 +33,7 @@ class ReconcileReport:
     tenant_counted: int
 
 
-def reconcile(index: PrefixIndex, nvme: NvmeStore, node: str, dram_is_new: bool) -> ReconcileReport:
+def reconcile(index: PrefixIndex, nvme: NvmeTier, node: str, dram_is_new: bool) -> ReconcileReport:
     on_disk = set(nvme.keys())
     nvme_here, dram_here = Location("nvme", node), Location("dram", node)
     known: set[bytes] = set()
@@ -61,7 +61,7 @@ def drop_locations(index: PrefixIndex, keys: list[bytes], location: Location) ->
     return len(keys)
 
 
-def _rebuild(index: PrefixIndex, nvme: NvmeStore, keys: list[bytes], location: Location) -> tuple[int, int]:
+def _rebuild(index: PrefixIndex, nvme: NvmeTier, keys: list[bytes], location: Location) -> tuple[int, int]:
     """Register the chunks of ``keys`` from their objects; unreadable ones are deleted."""
     records, unreadable = records_of([(key, nvme.get(key)) for key in keys], location)
     register(index, records)

@@ -35,7 +35,7 @@ from prefixcache.cachestore.chunks.mac import ChunkMacKey
 from prefixcache.cachestore.services.persist_failures import PersistFailureReason, PersistFailures
 from prefixcache.cachestore.services.reconcile import drop_locations
 from prefixcache.cachestore.tiers.dram import MooncakeTier
-from prefixcache.cachestore.tiers.nvme import NvmeStore
+from prefixcache.cachestore.tiers.nvme import NvmeTier
 from prefixcache.indexer.background_loop import BackgroundLoop
 from prefixcache.indexer.errors import IndexUnavailableError
 from prefixcache.indexer.index import ChunkEntry, FeedEvent, Location, PrefixIndex
@@ -66,7 +66,7 @@ class WriteBehind(BackgroundLoop):
         self,
         index: PrefixIndex,
         dram: MooncakeTier,
-        nvme: NvmeStore,
+        nvme: NvmeTier,
         node: str,
         *,
         hold_s: float,

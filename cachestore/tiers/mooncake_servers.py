@@ -27,7 +27,7 @@ from prefixcache.cachestore.host.processes import (
     ManagedProcess,
     ServerStartError,
     find_executable,
-    free_port,
+    free_port_block,
     port_open,
 )
 from prefixcache.cachestore.tiers.bind_shim import bind_env, numeric_address
@@ -109,9 +109,11 @@ class MooncakeMaster(ManagedProcess):
         self.host = host
         self.etcd_endpoints = tuple(etcd_endpoints)
         self.cluster_id = cluster_id
-        self.rpc_port = rpc_port or free_port(host)
-        self.metadata_port = None if self.etcd_endpoints else metadata_port or free_port(host)
-        self.metrics_port = metrics_port or free_port(host)
+        # three distinct ports at once: ports picked one by one may repeat
+        base = free_port_block(3, host)
+        self.rpc_port = rpc_port or base
+        self.metadata_port = None if self.etcd_endpoints else metadata_port or base + 1
+        self.metrics_port = metrics_port or base + 2
         if self.etcd_endpoints:
             served = [
                 "-enable_ha=true",
@@ -252,8 +254,9 @@ class SegmentOwner(ManagedProcess):
         self.master_admin_url = master_admin_url
         self.ha = master.startswith("etcd://")
         self.host = host
-        self.segment_port = segment_port or free_port(host)
-        self.shm_port = shm_port or free_port(host)
+        base = free_port_block(2, host)  # two distinct ports at once: ports picked one by one may repeat
+        self.segment_port = segment_port or base
+        self.shm_port = shm_port or base + 1
         self.metadata_url = metadata_url
         argv = [
             find_executable("mooncake_client", [_PACKAGE_DIR]),

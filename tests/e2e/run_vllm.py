@@ -59,8 +59,9 @@ ignore_eos). OUT.json::
     {"engine_start_s": float, "import_s": float,
      "outputs": [{"prompt_len": int, "token_ids": [...], "logprobs": [{"<token id>": logprob, ...}, ...],
                   "num_cached_tokens": int, "finish_reason": str, "ttft_s": float | null, "wall_s": float,
-                  "request_id": str, "engine_ts": {"arrival_time": float, "queued_ts": float, "scheduled_ts": float,
-                                                   "first_token_ts": float, "last_token_ts": float} | null}, ...],
+                  "returned_ts": float, "request_id": str,
+                  "engine_ts": {"arrival_time": float, "queued_ts": float, "scheduled_ts": float,
+                                "first_token_ts": float, "last_token_ts": float} | null}, ...],
      "monotonic_minus_wall_s": float,       # time.monotonic() - time.time() at the end (engine_ts' two clocks)
      "preemptions": int,                    # requests vLLM preempted, over the whole run
      "engine": {"vllm": str, "async_scheduling": bool, "v2_model_runner": bool, "cuda_graphs": bool},
@@ -70,10 +71,12 @@ ignore_eos). OUT.json::
 
 ``prompt_len`` is the prompt as vLLM saw it (an image token expanded into the image's placeholder tokens).
 ``ttft_s`` is vLLM's first-token latency (arrival to first token, engine side); ``wall_s`` is the wall time of the
-``generate`` call (with ``together``, of its group's call). With ``beside``, each prompt (with ``together``, each
-group of prompts at once: a burst) is submitted while the engine decodes ``beside.prompts[i]``, once that decode
-has produced ``after_tokens`` tokens, and its output adds ``beside_token_s``: when each of the decode's tokens
-arrived, in seconds from the prompt's submission (what a hit costs the requests already running).
+``generate`` call (with ``together``, of its group's call), and ``returned_ts`` when that call returned here
+(``time.monotonic``, the clock of ``engine_ts``' engine-core timestamps): the request's end as its caller sees it.
+With ``beside``, each prompt (with ``together``, each group of prompts at once: a burst) is submitted while the
+engine decodes ``beside.prompts[i]``, once that decode has produced ``after_tokens`` tokens, and its output adds
+``beside_token_s``: when each of the decode's tokens arrived, in seconds from the prompt's submission (what a hit
+costs the requests already running).
 The engine runs in this process's children (in this process with ``in_process``): run this script in a fresh
 process per engine.
 Exits 2 on a bad spec and 1 on any other failure, with the reason on stderr.
@@ -313,6 +316,7 @@ def run(spec: dict) -> tuple[dict, object]:
             for i, (prompt, lora, sampling_params) in enumerate(zip(inputs, loras, params, strict=True))
         )
     for result, beside_token_s, wall_s in runs:
+        returned_ts = time.monotonic()
         completion = result.outputs[0]
         metrics = result.metrics
         ttft = getattr(metrics, "first_token_latency", None) if metrics is not None else None
@@ -328,6 +332,7 @@ def run(spec: dict) -> tuple[dict, object]:
                 "finish_reason": completion.finish_reason,
                 "ttft_s": float(ttft) if ttft else None,
                 "wall_s": wall_s,
+                "returned_ts": returned_ts,
                 "request_id": result.request_id,
                 "engine_ts": _engine_timestamps(metrics),
                 **({"beside_token_s": beside_token_s} if beside_token_s is not None else {}),

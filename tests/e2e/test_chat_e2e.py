@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from tests.daemon_harness import Daemon, connector_config, wait_for
+from tests.daemon_harness import Daemon, connector_config, stored_tokens, wait_for
 from tests.e2e.compare import same_greedy_output
 from tests.e2e.openai_server import MODEL, Server, external_hits, metric, vllm_server
 from tests.e2e.tinymodel import build_tiny_chat_llama, chat_words
@@ -149,15 +149,6 @@ def as_output(content: list[dict]) -> dict:
             for position in content
         ],
     }
-
-
-def stored_tokens(daemon: Daemon, token_ids: list[int]) -> int:
-    """How much of ``token_ids`` the daemon finds stored in the instances' namespace (0 before it has one)."""
-    namespaces = httpx.get(daemon.url + "/v1/namespaces", headers=daemon.headers).json()
-    if not namespaces:
-        return 0
-    body = {"namespace": namespaces[0]["namespace"], "token_ids": token_ids}
-    return httpx.post(daemon.url + "/v1/lookup", json=body, headers=daemon.headers).json()["matched_tokens"]
 
 
 def loads_the_previous_turn(before: Turn, turn: Turn) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.daemon_harness import Daemon, connector_config, wait_for
+from tests.daemon_harness import Daemon, connector_config, stored_tokens, wait_for
 from tests.dashboard_queries import dashboard, metrics, queries, selected_nodes, substituted
 from tests.e2e.openai_server import MODEL, Server, metric, vllm_server
 from tests.e2e.tinymodel import random_prompt
@@ -56,6 +56,8 @@ def scraped(tiny_model, tmp_path_factory) -> Iterator[tuple[Prometheus, list[Dae
         with prometheus(logs / "prometheus", jobs) as prom:
             for prompt in PROMPTS:  # a round each, so that every rate has two samples that differ
                 _complete(server, prompt)
+                # published behind the engine: the second request must find it (a lookup at once may miss)
+                assert wait_for(lambda prompt=prompt: stored_tokens(daemon, prompt) == len(prompt), timeout_s=30)
                 _complete(server, prompt)
                 loaded = wait_for(lambda: metric(server, LOADED) > 0, timeout_s=30) and metric(server, LOADED)
                 assert loaded, "the second request of a prompt loaded nothing"

@@ -4,7 +4,9 @@ pulled, every process of it killed), one after another, on hosts of their own (t
 
 In each: no request fails, every answer equals B's cold recompute of its prompt, and no request after the loss takes
 longer than that recompute plus the bound the operations guide promises (1 s), with a margin for this machine's noise
-(a shared 2-core host whose runs move by half). A node that comes back is read from again within seconds.
+(a shared 2-core host whose runs move by half). A node that comes back is read from again within ``BACK_S``: a
+cable plugged back takes longest (10 s in benchmarks/results/node_loss.json): loads from it fail, and are
+recomputed, until Mooncake's transfer connections to it recover.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from tests.netns import unusable
 pytestmark = pytest.mark.e2e
 
 LOST_S = 8.0
-BACK_S = 8.0
+BACK_S = 20.0
 #: The promise (a lost node costs a request at most its recompute plus this), and this machine's margin over it.
 BOUND_S = 1.0
 MARGIN_S = 2.0
