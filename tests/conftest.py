@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
@@ -147,6 +148,43 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             f"every test needs exactly one tier of {', '.join(TIERS)} (MODULE_TIERS in tests/conftest.py): "
             + "; ".join(f"{module} has {tiers}" for module, tiers in sorted(wrong.items()))
         )
+
+
+#: Payloads longer than this are compared by what sets them apart, not printed whole.
+_LONG_PAYLOAD_BYTES = 64
+
+
+def pytest_assertrepr_compare(op: str, left: object, right: object) -> list[str] | None:
+    """Lists of chunk payloads (bytes, None for a miss) compared with ``==`` are explained by the positions that
+    differ and how (a miss, a length, a digest), not byte by byte: every byte of a 128 KiB payload would fill
+    thousands of lines and bury the test's name at the end of a CI log."""
+    if op != "==" or not (_payload_list(left) and _payload_list(right)):
+        return None
+    assert isinstance(left, list) and isinstance(right, list)
+    lines = [f"{len(left)} payloads != {len(right)} payloads; differing positions:"]
+    for i, (got, wanted) in enumerate(itertools.zip_longest(left, right, fillvalue=_absent)):
+        if got != wanted:
+            lines.append(f"[{i}] {_payload_summary(got)} != {_payload_summary(wanted)}")
+    return lines
+
+
+_absent = object()
+
+
+def _payload_list(value: object) -> bool:
+    return (
+        isinstance(value, list)
+        and all(item is None or isinstance(item, bytes) for item in value)
+        and any(isinstance(item, bytes) and len(item) > _LONG_PAYLOAD_BYTES for item in value)
+    )
+
+
+def _payload_summary(payload: object) -> str:
+    if payload is _absent:
+        return "(absent)"
+    if not isinstance(payload, bytes):
+        return "None (a miss)"
+    return f"{len(payload)} bytes starting {payload[:4].hex()}, sha256 {hashlib.sha256(payload).hexdigest()[:12]}"
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
