@@ -293,18 +293,19 @@ class VisibleWatch:
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
 
-    def _spec(self) -> NamespaceSpec | None:
-        """The producer's namespace, once its engine has registered it."""
-        from prefixcache.cachestore.cli.admin import Api
-
-        namespaces = httpx.get(self.url + "/v1/namespaces", headers=Api(self.url, None).headers, timeout=10).json()
+    def _spec(self, headers: dict[str, str]) -> NamespaceSpec | None:
+        """The producer's namespace, once its engine has registered it (``headers``: the admin's)."""
+        namespaces = httpx.get(self.url + "/v1/namespaces", headers=headers, timeout=10).json()
         return NamespaceSpec.model_validate(namespaces[0]["spec"]) if namespaces else None
 
     def _watch(self) -> None:
+        from prefixcache.cachestore.cli.admin import Api
+
         config = fetch_config(self.url)
+        headers = Api(self.url, None).headers
         spec = None
         while spec is None and not self._stop.is_set():
-            spec = self._spec()
+            spec = self._spec(headers)
             time.sleep(POLL_S)
         if spec is None:
             return

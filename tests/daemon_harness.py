@@ -36,7 +36,7 @@ from prefixcache.indexer.keyspace import Keyspace
 from prefixcache.indexer.namespace import NamespaceSpec
 from prefixcache.indexer.tokens import pack_tokens
 from tests.etcd_server import EtcdServer
-from tests.netns import Host
+from tests.netns import Host, process_state
 
 
 @dataclass(frozen=True)
@@ -446,10 +446,7 @@ def servers_of(daemon: Daemon) -> dict[str, int]:
 
 def is_zombie(pid: int) -> bool:
     """Whether process ``pid`` has exited and its parent has not reaped it (False once it is gone)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] == "Z"
-    except FileNotFoundError:
-        return False
+    return process_state(pid) == "Z"
 
 
 def damage_dram_copy(dram: MooncakeTier, key: bytes, max_bytes: int = 8 << 20) -> None:

@@ -108,6 +108,15 @@ def _free_subnet() -> ipaddress.IPv4Network:
     raise RuntimeError(f"every /24 of {SUPERNET} is in use on this machine")
 
 
+def process_state(pid: int) -> str | None:
+    """Process ``pid``'s state, from /proc/PID/stat (R running, S sleeping, D in the disk, T stopped, Z exited and
+    not reaped); None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
 @dataclass(frozen=True)
 class Host:
     """A network namespace on the ``Network``'s bridge: a machine of its own, as far as the network goes."""
@@ -164,9 +173,9 @@ class Host:
         sleeping, D in the disk, T stopped), for the messages of failed assertions."""
         found = {}
         for pid in self.pids():
-            with contextlib.suppress(OSError, IndexError):
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0]
-                found[pid] = f"{Path(f'/proc/{pid}/comm').read_text().strip()} {state}"
+            with contextlib.suppress(OSError):
+                if (state := process_state(pid)) is not None:
+                    found[pid] = f"{Path(f'/proc/{pid}/comm').read_text().strip()} {state}"
         return found
 
     def _stopped(self) -> dict[int, str]:

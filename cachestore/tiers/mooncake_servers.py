@@ -109,8 +109,9 @@ class MooncakeMaster(ManagedProcess):
         self.host = host
         self.etcd_endpoints = tuple(etcd_endpoints)
         self.cluster_id = cluster_id
-        # three distinct ports at once: ports picked one by one may repeat
-        base = free_port_block(3, host)
+        # the ports not given, three distinct ones at once: ports picked one by one may repeat
+        given = (rpc_port, metrics_port) if self.etcd_endpoints else (rpc_port, metrics_port, metadata_port)
+        base = 0 if all(given) else free_port_block(3, host)
         self.rpc_port = rpc_port or base
         self.metadata_port = None if self.etcd_endpoints else metadata_port or base + 1
         self.metrics_port = metrics_port or base + 2
@@ -254,7 +255,8 @@ class SegmentOwner(ManagedProcess):
         self.master_admin_url = master_admin_url
         self.ha = master.startswith("etcd://")
         self.host = host
-        base = free_port_block(2, host)  # two distinct ports at once: ports picked one by one may repeat
+        # the ports not given, two distinct ones at once: ports picked one by one may repeat
+        base = 0 if segment_port and shm_port else free_port_block(2, host)
         self.segment_port = segment_port or base
         self.shm_port = shm_port or base + 1
         self.metadata_url = metadata_url
