@@ -1,13 +1,19 @@
 """Finding and resetting this process's connections to the segment owner (cachestore/tiers/mooncake_attachment.py).
 
-Whether a dropped process is taken back is tested end to end in tests/test_worker_side.py."""
+What the keeper does when the owner dropped this process (fakes of the owner); whether a dropped process is taken
+back is tested end to end in tests/test_worker_side.py."""
 
 from __future__ import annotations
 
 import ipaddress
 import socket
 
-from prefixcache.cachestore.tiers.mooncake_attachment import _remote_endpoint, connections_to, shut_down
+from prefixcache.cachestore.tiers.mooncake_attachment import (
+    AttachmentKeeper,
+    _remote_endpoint,
+    connections_to,
+    shut_down,
+)
 
 
 def test_proc_net_tcp_addresses_are_read_as_the_kernel_writes_them():
@@ -32,3 +38,52 @@ def test_only_established_connections_to_the_owner_are_found_and_shut_down():
                 shut_down(found)
                 assert accepted.recv(1) == b""  # the owner's side sees the connection end
                 assert ours.fileno() != -1  # the connection's owner still holds its descriptor
+
+
+class _Owner:
+    """What the keeper sees of a segment owner that dropped this process: ``probe`` answers from ``maps`` (False
+    until a test says otherwise), and the keeper's holds and escalations are recorded."""
+
+    def __init__(self, maps: list[bool]) -> None:
+        self.maps = maps
+        self.holds: list[float] = []
+        self.restarts = 0
+
+    def probe(self) -> bool:
+        return self.maps.pop(0) if len(self.maps) > 1 else self.maps[0]
+
+    def keeper(self, server: socket.socket) -> AttachmentKeeper:
+        """A keeper of an attachment to the owner listening on ``server``."""
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        keeper = AttachmentKeeper(
+            self.probe, self.holds.append, address, repair_timeout_s=0.2, on_unrepaired=self.restart
+        )
+        keeper.suspect()  # its next step checks at once
+        return keeper
+
+    def restart(self) -> None:
+        self.restarts += 1
+
+
+def test_a_repair_that_takes_counts_and_escalates_nothing():
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()):
+        owner = _Owner([False, True])  # dropped; mapped again once the connection was reset
+        keeper = owner.keeper(server)
+        keeper.step()
+        assert (keeper.repairs, keeper.unrepaired, owner.restarts) == (1, 0, 0) and owner.holds
+
+
+def test_a_repair_that_does_not_take_runs_on_unrepaired_once():
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()):
+        owner = _Owner([False])  # dropped for good: resetting the connection changes nothing
+        keeper = owner.keeper(server)
+        keeper.step()
+        assert (keeper.repairs, keeper.unrepaired, owner.restarts) == (0, 1, 1)
+
+
+def test_no_connection_to_reset_escalates_at_once():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        owner = _Owner([False])
+        keeper = owner.keeper(server)
+        keeper.step()
+        assert (keeper.unrepaired, owner.restarts) == (1, 1) and len(owner.holds) == 1

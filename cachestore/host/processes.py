@@ -199,7 +199,8 @@ class ManagedProcess:
             self._proc.wait()
 
     def kill(self) -> None:
-        """SIGKILL, for tests of crash recovery."""
+        """SIGKILL and reap it: a server that must go at once (a segment owner that will not take its daemon back;
+        tests of crash recovery)."""
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait()

@@ -173,6 +173,14 @@ def _warm_segment(dram: MooncakeTier, dram_bytes: int) -> None:
     log.info("DRAM segment warmed in %.1fs", time.monotonic() - started)
 
 
+def _restart_owner(owner: SegmentOwner) -> None:
+    """Kill the segment owner that dropped this daemon's attachment and would not take it back: the supervisor
+    restarts it, and Mooncake's reconnection registers the daemon's memory with the new one (every attached
+    worker's too). The DRAM copies go with the old owner; NVMe keeps the persisted ones."""
+    log.error("restarting the Mooncake segment owner to attach again: DRAM copies are lost, NVMe keeps persisted ones")
+    owner.kill()
+
+
 class LeaderMetricsTier(MooncakeTier):
     """The DRAM tier of a node whose masters run in high-availability mode: its use is read from the ``/metrics``
     of whichever master leads (a standby knows no segments)."""
@@ -470,6 +478,7 @@ class NodeDaemon:
             "arena_bytes": DAEMON_ARENA_BYTES,
             "object_prefix": s.key_prefix,
             "preferred_segment": owner.segment,
+            "on_unrepaired": functools.partial(_restart_owner, owner),
         }
         dram: MooncakeTier
         if ha_masters is None:

@@ -89,8 +89,11 @@ class MooncakeTier(StorageTier):
         put_retry_s: float = 1.0,
         breaker_s: float = 1.0,
         thread_setup: Callable[[], None] | None = None,
+        on_unrepaired: Callable[[], None] | None = None,
     ) -> None:
-        """``thread_setup`` runs first in the thread this tier starts (the connector binds it to cores)."""
+        """``thread_setup`` runs first in the thread this tier starts (the connector binds it to cores);
+        ``on_unrepaired``: what to do when the owner dropped this process and would not take it back
+        (cachestore/tiers/mooncake_attachment.py; the daemon restarts its owner)."""
         bound_rpc_timeouts()
         self._store = MooncakeDistributedStore()
         rc = self._store.setup_dummy(0, LOCAL_BUFFER_BYTES, shm_address)
@@ -128,7 +131,11 @@ class MooncakeTier(StorageTier):
         self._breaker_s = breaker_s
         self._down_until = 0.0
         self._keeper = AttachmentKeeper(
-            self._probe_attachment, self._answer_misses_for, shm_address, thread_setup=thread_setup
+            self._probe_attachment,
+            self._answer_misses_for,
+            shm_address,
+            thread_setup=thread_setup,
+            on_unrepaired=on_unrepaired,
         )
         self._keeper.start()
 

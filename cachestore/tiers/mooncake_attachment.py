@@ -15,6 +15,13 @@ without calling Mooncake for a ping interval and shuts down this process's conne
 the next ping is the first call to meet a dead connection (another call would only have its
 connection replaced), it fails, and that reconnection runs. The memory keeps its addresses and
 contents (vLLM's KV cache included), and the owner maps it again within a second or two.
+
+That reset is not always enough: after a whole host was frozen and thawed, the owner ran first and
+dropped the process, and for a minute no reset made a ping fail (Mooncake's ping thread went on
+pinging without a failure), so no reconnection ran while every call failed. A process that can do more
+says so with ``on_unrepaired``, run when a repair has not taken within ``repair_timeout_s``: the daemon
+restarts its segment owner (cachestore/node/daemon.py), whose loss every ping does notice, and the
+reconnection registers the memory with the new owner.
 """
 
 from __future__ import annotations
@@ -91,7 +98,7 @@ class AttachmentKeeper(BackgroundLoop):
 
     ``probe`` says whether the owner still maps this process's memory (None: cannot tell, Mooncake is
     unreachable or reconnecting); ``hold_calls(s)`` makes the tier answer misses for ``s`` seconds without
-    calling Mooncake.
+    calling Mooncake; ``on_unrepaired`` runs when a repair did not take (None: keep trying).
     """
 
     name = "prefixcache-attachment"
@@ -105,6 +112,7 @@ class AttachmentKeeper(BackgroundLoop):
         interval_s: float = 2.0,
         repair_timeout_s: float = 15.0,
         thread_setup: Callable[[], None] | None = None,
+        on_unrepaired: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
         self._probe = probe
@@ -113,8 +121,10 @@ class AttachmentKeeper(BackgroundLoop):
         self._interval_s = interval_s
         self._repair_timeout_s = repair_timeout_s
         self._thread_setup = thread_setup
+        self._on_unrepaired = on_unrepaired
         self._suspected = threading.Event()
         self.repairs = 0  # attachments the owner had dropped and took back
+        self.unrepaired = 0  # repairs that did not take (and ran ``on_unrepaired``, where given)
 
     def suspect(self) -> None:
         """A call answered as it would after the owner dropped this process: check now."""
@@ -135,19 +145,40 @@ class AttachmentKeeper(BackgroundLoop):
         if self.stopping or self._probe() is not False:
             return
         started = time.monotonic()
-        deadline = started + self._repair_timeout_s
+        failure = self._repair(started + self._repair_timeout_s)
+        if failure is None:
+            self.repairs += 1
+            log.warning(
+                "the Mooncake segment owner at %s had dropped this process (it heard no ping for 10 s); "
+                "its memory is registered again after %.1f s",
+                self._owner,
+                time.monotonic() - started,
+            )
+            return
+        if self.stopping:
+            return
+        self.unrepaired += 1
+        if self._on_unrepaired is None:
+            log.error(
+                "the Mooncake segment owner at %s dropped this process (it heard no ping for 10 s) and %s: DRAM "
+                "loads and publishes fail meanwhile; retrying",
+                self._owner,
+                failure,
+            )
+            self._stop.wait(self._repair_timeout_s)
+            return
+        log.error("the Mooncake segment owner at %s dropped this process and %s", self._owner, failure)
+        self._on_unrepaired()
+        self._stop.wait(self._repair_timeout_s)  # the owner's restart, then the reconnection, before a new check
+
+    def _repair(self, deadline: float) -> str | None:
+        """Reset this process's connections to the owner until it maps this process's memory again (None), or
+        why it does not by ``deadline``."""
         while time.monotonic() < deadline and not self.stopping:
             self._hold_calls(REPAIR_ATTEMPT_S)
             connections = connections_to(self._owner)
             if not connections:
-                log.error(
-                    "the Mooncake segment owner at %s dropped this process (it heard no ping for 10 s) and "
-                    "no connection to it was found to reset: DRAM loads and publishes fail until the "
-                    "process restarts",
-                    self._owner,
-                )
-                self._stop.wait(60)
-                return
+                return "no connection to it was found to reset"
             shut_down(connections)
             self._stop.wait(REPAIR_ATTEMPT_S)
             intact = self._probe()
@@ -155,16 +186,5 @@ class AttachmentKeeper(BackgroundLoop):
                 self._stop.wait(0.5)  # Mooncake is reconnecting: calls fail without reaching the owner
                 intact = self._probe()
             if intact:
-                self.repairs += 1
-                log.warning(
-                    "the Mooncake segment owner at %s had dropped this process (it heard no ping for 10 s); "
-                    "its memory is registered again after %.1f s",
-                    self._owner,
-                    time.monotonic() - started,
-                )
-                return
-        log.error(
-            "the Mooncake segment owner at %s dropped this process and did not take it back within %.0f s; retrying",
-            self._owner,
-            self._repair_timeout_s,
-        )
+                return None
+        return f"did not take it back within {self._repair_timeout_s:.0f} s"
