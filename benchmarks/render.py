@@ -511,6 +511,7 @@ def _tiers_section(tiers: dict[str, Any]) -> str:
         ("NVMe get", "nvme_get_gbps"),
         ("raw O_DIRECT read", "odirect_read_gbps"),
         ("MAC", "mac_gbps"),
+        ("MAC, every core", "mac_parallel_gbps"),
         ("xxh3", "xxh3_gbps"),
     ]
     ratios = [

@@ -197,7 +197,7 @@ def write_header(buffer: memoryview, meta: ChunkMeta, mac_key: ChunkMacKey) -> i
         0,
     )
     _SHAPE.pack_into(header, _FIXED.size, *meta.shape, *([0] * (MAX_DIMS - len(meta.shape))))
-    mac = mac_key.hasher()
+    mac = mac_key.hasher(parallel=True)
     mac.update(memoryview(header)[:_MAC_AT])
     mac.update(buffer[HEADER_BYTES : meta.tokens_end])
     mac.update(buffer[meta.payload_offset : size])

@@ -51,8 +51,12 @@ class ChunkMacKey:
         """The key in ``path``, generated first if there is none (a single node's first start)."""
         return cls.from_hex(load_or_create_secret(path, nbytes=KEY_BYTES), f"chunk-signing key file {path}")
 
-    def hasher(self) -> blake3.blake3:
-        return blake3.blake3(key=self._key)
+    def hasher(self, *, parallel: bool = False) -> blake3.blake3:
+        """One chunk's MAC, on the calling thread; ``parallel``: on BLAKE3's shared pool of threads too (one per
+        core the thread that first used it could run on, and bound as it was), for signing: publishes run on a
+        thread of their own, and the cores a GPU host leaves idle shorten the time until other instances see a
+        prompt's chunks. Verification stays on its thread: on the CPU backend it runs beside the forward pass."""
+        return blake3.blake3(key=self._key, max_threads=blake3.blake3.AUTO if parallel else 1)
 
     def derive(self, context: str) -> bytes:
         """A 32-byte key for another use of the same cluster secret (BLAKE3's key derivation under ``context``,
