@@ -158,18 +158,15 @@ class AttachmentKeeper(BackgroundLoop):
         if self.stopping:
             return
         self.unrepaired += 1
-        if self._on_unrepaired is None:
-            log.error(
-                "the Mooncake segment owner at %s dropped this process (it heard no ping for 10 s) and %s: DRAM "
-                "loads and publishes fail meanwhile; retrying",
-                self._owner,
-                failure,
-            )
-            self._stop.wait(self._repair_timeout_s)
-            return
-        log.error("the Mooncake segment owner at %s dropped this process and %s", self._owner, failure)
-        self._on_unrepaired()
-        self._stop.wait(self._repair_timeout_s)  # the owner's restart, then the reconnection, before a new check
+        log.error(
+            "the Mooncake segment owner at %s dropped this process (it heard no ping for 10 s) and %s: DRAM loads "
+            "and publishes fail meanwhile; retrying",
+            self._owner,
+            failure,
+        )
+        if self._on_unrepaired is not None:
+            self._on_unrepaired()
+        self._stop.wait(self._repair_timeout_s)  # whatever ``on_unrepaired`` set going, before a new check
 
     def _repair(self, deadline: float) -> str | None:
         """Reset this process's connections to the owner until it maps this process's memory again (None), or
