@@ -75,10 +75,13 @@ HIT_PARTS = (
     ("sampling and output", "save_end", "first_token"),
 )
 #: The last publish of a producer's request, up to the lookup that found all its chunks (``found``): the worker's
-#: last ``save_end`` before it, then the background thread's points (connector/publisher.py, the client's publish).
+#: last ``save_end`` before it, the signer's last ``signing_end`` (a CPU cache's chunks are signed layer by layer,
+#: behind the forward pass: connector/layer_signing.py), then the background thread's points (connector/publisher.py,
+#: the client's publish, which signs a GPU's chunks).
 PUBLISH_PARTS = (
-    ("forward over -> publish starts (queue, copies out)", "save_end", "publish_start"),
-    ("signing (keyed BLAKE3 over the chunks)", "publish_start", "publish_signed"),
+    ("forward over -> signed (the layers left to sign)", "save_end", "signing_end"),
+    ("signed -> publish starts (queue)", "signing_end", "publish_start"),
+    ("signing in the publish (keyed BLAKE3)", "publish_start", "publish_signed"),
     ("store into DRAM (Mooncake put)", "publish_signed", "publish_stored"),
     ("registration in the index", "publish_stored", "publish_registered"),
     ("registered -> found by a lookup (index poll)", "publish_registered", "found"),
@@ -132,9 +135,9 @@ def publish_points(output: dict, found: float, trace: list[dict]) -> dict[str, f
     if not starts:
         return points
     points["publish_start"] = starts[-1]
-    saves = [p["t"] for p in window if p["event"] == "save_end" and p["t"] <= starts[-1]]
-    if saves:
-        points["save_end"] = saves[-1]
+    for event in ("save_end", "signing_end"):
+        if before := [p["t"] for p in window if p["event"] == event and p["t"] <= starts[-1]]:
+            points[event] = before[-1]
     for point in window:
         if point["t"] >= starts[-1] and point["event"] in ("publish_signed", "publish_stored", "publish_registered"):
             points.setdefault(point["event"], point["t"])

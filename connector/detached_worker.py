@@ -48,6 +48,9 @@ class DetachedWorker:
     def wait_for_layer(self, layer: int) -> None:
         """No load is in flight."""
 
+    def save_layer(self, meta: PrefixCacheMetadata, layer: int) -> None:
+        """Nothing is published."""
+
     def save(self, meta: PrefixCacheMetadata) -> None:
         """Nothing is published: the finished requests' blocks may go."""
         self._released.update(meta.finished)

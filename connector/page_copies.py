@@ -28,7 +28,7 @@ import ctypes
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -69,6 +69,16 @@ class PageCopies(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class LayerGather(Protocol):
+    """Copies over when they return (a CPU cache's): a publish copies each layer's pages out as soon as the forward
+    pass has written them and signs them behind the later layers (connector/layer_signing.py). A GPU's copies
+    are queued on a stream and cross PCIe once per chunk, every layer at once, after the forward pass."""
+
+    def gather_layer(self, layer: int, blocks: Sequence[int], out: torch.Tensor) -> None:
+        """Copy pages ``blocks`` of ``layer`` into ``out`` (len(blocks), page bytes), now."""
+
+
 BOTH_WAYS = Directions(loads=True, publishes=True)
 
 
@@ -105,6 +115,9 @@ class HostPageCopies:
 
     def gather(self, blocks: Sequence[int], out: torch.Tensor) -> None:
         gather(self._pages, blocks, out)
+
+    def gather_layer(self, layer: int, blocks: Sequence[int], out: torch.Tensor) -> None:
+        gather(self._pages[layer : layer + 1], blocks, out.unsqueeze(0))
 
     def saved(self) -> Callable[[], None]:
         return _nothing

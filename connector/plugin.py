@@ -283,7 +283,17 @@ class PrefixCacheConnector(KVConnectorBase_V1):
 
     @trace.timed
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        """Pages are copied once per step, after every layer has run (wait_for_save)."""
+        """Each attention layer calls this once it has written its KV: on the CPU, the pages of the step's chunks to
+        publish are copied out and signed behind the later layers; on a GPU, every layer's are copied after the
+        forward pass (``wait_for_save``)."""
+        if self._worker is not None:
+            meta = self._get_connector_metadata()
+            if (
+                isinstance(meta, _metadata_type())
+                and meta.saves
+                and (layer := self._layer_index.get(layer_name)) is not None
+            ):
+                self._worker.save_layer(meta, layer)
 
     @trace.timed_step_end
     def wait_for_save(self) -> None:

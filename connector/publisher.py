@@ -1,6 +1,8 @@
-"""The connector's publishes: after the forward pass, the pages of each step's completed chunks are copied into arena
-slots (on a GPU, on a stream of its own: connector/page_copies.py), then a background thread does the Mooncake put
-and the index registration, so the forward never waits on either. The same thread runs the loads' stores into DRAM
+"""The connector's publishes: the pages of each step's completed chunks are copied into arena slots and signed, then a
+background thread does the Mooncake put and the index registration, so the forward never waits on either. On the
+CPU each layer's pages are copied out as the forward pass writes them and signed behind it (connector/layer_signing.py);
+on a GPU every layer's are copied after the forward pass, on a stream of its own (connector/page_copies.py), and
+signed by the background thread. The same thread runs the loads' stores into DRAM
 of chunks they read straight from NVMe (connector/loaders/), from the slots or pages they were read into, once the
 forward pass is over. A job the thread has fallen too far behind for is dropped: those chunks are simply not cached.
 """
@@ -16,12 +18,14 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 
 from prefixcache.cachestore.chunks.arena import ArenaFullError
-from prefixcache.cachestore.chunks.codec import ChunkMeta
+from prefixcache.cachestore.chunks.codec import ChunkMeta, ChunkSigning
+from prefixcache.cachestore.client import trace
 from prefixcache.cachestore.client.cache_client import CacheClient
 from prefixcache.connector.io_threads import behind_the_engine
+from prefixcache.connector.layer_signing import LayeredSaves, StagedChunk
 from prefixcache.connector.loaders.base import ArenaWarnings, Store
 from prefixcache.connector.metadata import SaveChunk
-from prefixcache.connector.page_copies import PageCopies
+from prefixcache.connector.page_copies import LayerGather, PageCopies
 from prefixcache.connector.pages import payload_view
 from prefixcache.connector.transfer_stats import TransferCounts
 from prefixcache.indexer.namespace import tenant_id
@@ -63,16 +67,31 @@ class Publisher:
             target=self._background_loop, args=(io_thread_setup,), name="prefixcache-background", daemon=True
         )
         self._thread.start()
+        # Where copies are over when they return, each layer's pages are copied out and signed behind the forward.
+        self._layered = (
+            LayeredSaves(copies, self._signable, client.release, io_thread_setup)
+            if isinstance(copies, LayerGather) and publishes
+            else None
+        )
 
     def store(self, store: Store) -> None:
         """Run a load's store into DRAM in the background, then give back the slots it holds."""
         self._in_background(*store)
 
+    def save_layer(self, saves: Sequence[SaveChunk], layer: int) -> None:
+        """vLLM's ``save_kv_layer``: ``layer`` has written its pages of the step whose chunks to publish are
+        ``saves``. Where copies are over when they return, they are copied out and signed behind the forward."""
+        if self._layered is not None and saves:
+            self._layered.layer_written(saves, layer)
+
     def publish(self, saves: Sequence[SaveChunk], failed_requests: Collection[str]) -> None:
-        """Copy the pages of ``saves`` out and publish them in the background, one batch per tenant, but those of
+        """After the forward pass: publish ``saves`` in the background, one batch per tenant, but those of
         ``failed_requests``: their loads failed this step, so they computed their new pages over KV that did not
-        arrive intact (vLLM recomputes them)."""
-        if not self.publishes:
+        arrive intact (vLLM recomputes them). Their pages are copied out when this returns."""
+        if not self.publishes or not saves:
+            return
+        if self._layered is not None:
+            self._layered.finish(saves, functools.partial(self._signed, failed_requests=frozenset(failed_requests)))
             return
         by_tenant: dict[str | None, list[tuple[ChunkMeta, memoryview]]] = {}
         for chunk in saves:
@@ -80,20 +99,23 @@ class Publisher:
                 continue
             staged = self._stage(chunk)
             if staged is not None:
-                by_tenant.setdefault(chunk.tenant_salt, []).append(staged)
-        if not by_tenant:
-            return
+                meta, slot, payload = staged
+                self._copies.gather(chunk.blocks, payload)
+                by_tenant.setdefault(chunk.tenant_salt, []).append((meta, slot))
         copied = self._copies.saved()  # a GPU's pages are still on their way into the slots
         for salt, batch in by_tenant.items():
-            dropped = functools.partial(self._transfers.add, unpublished_chunks=len(batch))
-            self._in_background(functools.partial(self._publish, batch, salt), [s for _, s in batch], copied, dropped)
+            self._publish_later(batch, salt, signed=False, copied=copied)
 
     def close(self) -> None:
-        """Stop the background thread once the jobs queued are over."""
+        """Stop the signer, then the background thread, once the jobs queued are over."""
+        if self._layered is not None:
+            self._layered.close()
         self._background.put(None)
         self._thread.join(timeout=30)
 
-    def _stage(self, chunk: SaveChunk) -> tuple[ChunkMeta, memoryview] | None:
+    def _stage(self, chunk: SaveChunk) -> tuple[ChunkMeta, memoryview, torch.Tensor] | None:
+        """``chunk``'s meta, a slot for it and the slot's payload as (layers, pages, page bytes), to copy its pages
+        into; None when the arena has no room (counted, and said once)."""
         pages = len(chunk.blocks)
         meta = ChunkMeta(
             namespace=self.client.spec.digest,
@@ -110,15 +132,45 @@ class Publisher:
             self._warn("the arena was full: chunks computed in a step were not published")
             self._transfers.add(unpublished_chunks=1)
             return None
-        self._copies.gather(
-            chunk.blocks, payload_view(slot[meta.payload_offset : meta.encoded_size], self._pages, pages)
-        )
-        return meta, slot
+        return meta, slot, payload_view(slot[meta.payload_offset : meta.encoded_size], self._pages, pages)
 
-    def _publish(self, batch: list[tuple[ChunkMeta, memoryview]], salt: str | None) -> None:
+    def _signable(self, chunk: SaveChunk) -> StagedChunk | None:
+        """``_stage``, with the chunk's signature begun."""
+        if (staged := self._stage(chunk)) is None:
+            return None
+        meta, slot, payload = staged
+        return StagedChunk(chunk, slot, payload, ChunkSigning(meta, self.client.mac_key))
+
+    def _signed(self, staged: list[StagedChunk], failed_requests: frozenset[str]) -> None:
+        """On the signer, once ``staged`` is signed: write their headers and publish them in the background, one
+        batch per tenant, but those of ``failed_requests``, whose slots go back."""
+        by_tenant: dict[str | None, list[tuple[ChunkMeta, memoryview]]] = {}
+        for chunk in staged:
+            if chunk.save.request in failed_requests:
+                self.client.release(chunk.slot)
+                continue
+            chunk.signing.write_header(chunk.slot)
+            by_tenant.setdefault(chunk.save.tenant_salt, []).append((chunk.meta, chunk.slot))
+        trace.mark("signing_end", chunks=len(staged))
+        for salt, batch in by_tenant.items():
+            self._publish_later(batch, salt, signed=True)
+
+    def _publish_later(
+        self,
+        batch: list[tuple[ChunkMeta, memoryview]],
+        salt: str | None,
+        signed: bool,
+        copied: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Publish ``batch`` in the background (``signed``: its headers are written), once ``copied`` returns."""
+        dropped = functools.partial(self._transfers.add, unpublished_chunks=len(batch))
+        job = functools.partial(self._publish, batch, salt, signed)
+        self._in_background(job, [slot for _, slot in batch], copied, dropped)
+
+    def _publish(self, batch: list[tuple[ChunkMeta, memoryview]], salt: str | None, signed: bool) -> None:
         stored = [False] * len(batch)
         try:
-            stored = self.client.publish(batch, tenant_salt=salt)
+            stored = self.client.publish(batch, tenant_salt=salt, signed=signed)
         finally:
             published = [meta for (meta, _), ok in zip(batch, stored, strict=True) if ok]
             self._transfers.add(

@@ -301,6 +301,10 @@ class WorkerSide:
 
     # -- publishes -----------------------------------------------------------------------------------
 
+    def save_layer(self, meta: PrefixCacheMetadata, layer: int) -> None:
+        """vLLM's ``save_kv_layer``: ``layer`` has written its pages of the step (connector/publisher.py)."""
+        self._publisher.save_layer(meta.saves, layer)
+
     def save(self, meta: PrefixCacheMetadata) -> None:
         """After the forward pass: copy the pages of this step's completed chunks out and publish them in
         the background, where the chunks this step's load read from NVMe are stored into DRAM too.

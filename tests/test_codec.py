@@ -11,6 +11,7 @@ from prefixcache.cachestore.chunks.codec import (
     BodyCheck,
     ChunkError,
     ChunkMeta,
+    ChunkSigning,
     decode,
     decode_scattered,
     encode,
@@ -65,6 +66,24 @@ def test_header_is_written_in_place_in_front_of_a_payload_already_in_the_buffer(
     assert size == PAYLOAD_ALIGN + 128
     assert decode(memoryview(buf)[:size], key=KEY, namespace=NS, mac_key=MAC_KEY)[0] == m
     assert read_meta(buf) == m
+
+
+def test_a_chunk_signed_piece_by_piece_is_the_object_write_header_makes_and_refuses_a_header_before_its_payload():
+    m = meta(shape=(4, 16), dtype="float32")
+    whole = bytearray(m.encoded_size)
+    whole[m.payload_offset :] = payload(m)
+    write_header(memoryview(whole), m, MAC_KEY)
+    pieces = bytearray(b"\xff" * m.encoded_size)  # whatever the slot held before
+    pieces[m.payload_offset :] = payload(m)
+    signing = ChunkSigning(m, MAC_KEY)
+    layer = m.payload_bytes // 4
+    for start in range(m.payload_offset, m.encoded_size - layer, layer):  # every layer but the last
+        signing.update(memoryview(pieces)[start : start + layer])
+    with pytest.raises(ValueError, match="payload bytes signed"):
+        signing.write_header(memoryview(pieces))
+    signing.update(memoryview(pieces)[m.encoded_size - layer :])
+    assert signing.write_header(memoryview(pieces)) == m.encoded_size
+    assert pieces == whole
 
 
 def test_the_padding_before_the_payload_is_zeroed_whatever_the_buffer_held():

@@ -95,15 +95,16 @@ def test_publish_to_visible_runs_from_the_requests_end_through_its_last_publish(
     def output(queued: float, returned: float) -> dict:
         return {"engine_ts": {"queued_ts": queued}, "returned_ts": returned}
 
-    events = ["save_end", "publish_start", "publish_signed", "publish_stored", "publish_registered"]
-    first = [1.010, 1.011, 1.015, 1.020, 1.021]  # an earlier step's publish of the same request
-    last = [1.050, 1.052, 1.056, 1.066, 1.068]
+    events = ["save_end", "signing_end", "publish_start", "publish_signed", "publish_stored", "publish_registered"]
+    first = [1.010, 1.0105, 1.011, 1.015, 1.020, 1.021]  # an earlier step's publish of the same request
+    last = [1.050, 1.053, 1.054, 1.0545, 1.066, 1.068]
     trace = [{"t": t, "event": e} for t, e in zip(first + last, events * 2, strict=True)]
     trace += [{"t": 2.030, "event": "publish_start"}]  # the next request's
     found = publish_budget([(output(1.0, 1.060), 1.070), (output(2.0, 2.040), 2.035)], trace)
     parts = found["parts_ms"]
-    assert parts["forward over -> publish starts (queue, copies out)"] == pytest.approx(2.0)
-    assert parts["store into DRAM (Mooncake put)"] == pytest.approx(10.0)
+    assert parts["forward over -> signed (the layers left to sign)"] == pytest.approx(3.0)
+    assert parts["signed -> publish starts (queue)"] == pytest.approx(1.0)
+    assert parts["store into DRAM (Mooncake put)"] == pytest.approx(11.5)
     assert parts["registered -> found by a lookup (index poll)"] == pytest.approx(2.0)
     assert set(parts) == {name for name, _, _ in PUBLISH_PARTS}  # the second request's publish is unfinished
     assert found["samples"] == 2  # 10 ms after the first request returned; the second was visible before it did

@@ -408,6 +408,30 @@ def test_a_request_whose_load_failed_publishes_nothing_that_step(daemon, publish
     assert stored[0] is None and stored[1] is not None
 
 
+def test_a_steps_chunks_are_copied_out_as_each_layer_hands_its_pages_over_and_the_rest_after_the_forward(
+    publisher, loader
+):
+    """On the CPU each layer's pages of the step's chunks are copied out at its ``save_kv_layer`` and signed behind
+    the later layers; those of a layer whose hook did not come, after the forward pass (``save``)."""
+    saves = fresh_chunks(publisher, ["r"], first_token=9000, first_block=0)
+    generator = torch.Generator().manual_seed(9)
+    for rows in publisher.pages:
+        rows[:PAGES] = torch.randint(0, 256, (PAGES, PAGE_BYTES), dtype=torch.uint8, generator=generator)
+    meta = PrefixCacheMetadata(saves=saves)
+    for layer in (0, 2):  # layers 1 and 3 call no hook
+        publisher.save_layer(meta, layer)
+    at_the_hooks = pages(publisher, list(range(PAGES)))
+    for rows in publisher.pages:  # written after the hooks: published only where no hook copied them out
+        rows[:PAGES] = torch.randint(0, 256, (PAGES, PAGE_BYTES), dtype=torch.uint8, generator=generator)
+    after = pages(publisher, list(range(PAGES)))
+    publisher.save(meta)
+    assert wait_for(lambda: publisher.published_chunks == 1), "the step's chunk was not published"
+    key = chunk_key(saves[0].parents[0], saves[0].tokens)
+    assert load(loader, {"r": [LoadChunk(key, CHUNK_TOKENS, 0, [30, 31, 32, 33])]}) == set()
+    loaded = pages(loader, [30, 31, 32, 33])
+    assert equal(loaded, [at_the_hooks[0], after[1], at_the_hooks[2], after[3]])
+
+
 def test_chunks_missing_from_dram_load_through_slots_from_nvme(daemon, publisher):
     keys = publish(publisher, chunks=3)
     wait_persisted(publisher.client, keys)

@@ -172,11 +172,49 @@ def write_header(buffer: memoryview, meta: ChunkMeta, mac_key: ChunkMacKey) -> i
     """Write header and tokens into ``buffer`` for the payload already at ``meta.payload_offset``, signed with
     ``mac_key``. Returns the object's length; the buffer may be longer.
     """
-    size = meta.encoded_size
-    if len(buffer) < size:
-        raise ValueError(f"buffer of {len(buffer)} bytes cannot hold a {size}-byte chunk object")
-    buffer[HEADER_BYTES : meta.tokens_end] = meta.tokens
-    buffer[meta.tokens_end : meta.payload_offset] = bytes(meta.payload_offset - meta.tokens_end)
+    if len(buffer) < meta.encoded_size:
+        raise ValueError(f"buffer of {len(buffer)} bytes cannot hold a {meta.encoded_size}-byte chunk object")
+    signing = ChunkSigning(meta, mac_key)
+    signing.update(buffer[meta.payload_offset : meta.encoded_size])
+    return signing.write_header(buffer)
+
+
+class ChunkSigning:
+    """One chunk's MAC made as its payload is written: the header's fields and the tokens at once, the payload
+    piece by piece, in order (a publish that copies each layer's pages out as the forward pass writes them signs
+    each layer behind its copy: connector/layer_signing.py). Hashes on BLAKE3's shared pool of threads
+    (``ChunkMacKey.hasher``): signing runs on the connector's own threads, never on the forward pass's."""
+
+    def __init__(self, meta: ChunkMeta, mac_key: ChunkMacKey) -> None:
+        self.meta = meta
+        self._header = _header_fields(meta)
+        self._mac = mac_key.hasher(parallel=True)
+        self._mac.update(memoryview(self._header)[:_MAC_AT])
+        self._mac.update(meta.tokens)
+        self._seen = 0
+
+    def update(self, part: memoryview) -> None:
+        """Hash the payload's next ``part``."""
+        self._mac.update(part)
+        self._seen += len(part)
+
+    def write_header(self, buffer: memoryview) -> int:
+        """Once every payload byte passed through ``update``: write header and tokens into ``buffer``, whose
+        payload they sign. Returns the object's length."""
+        meta = self.meta
+        if self._seen != meta.payload_bytes:
+            raise ValueError(f"{self._seen} payload bytes signed, not {meta.payload_bytes}")
+        buffer[HEADER_BYTES : meta.tokens_end] = meta.tokens
+        buffer[meta.tokens_end : meta.payload_offset] = bytes(meta.payload_offset - meta.tokens_end)
+        header = self._header
+        header[_MAC_AT : _MAC_AT + MAC_BYTES] = self._mac.digest()
+        struct.pack_into("<Q", header, _CHECKSUM_AT, xxhash.xxh3_64_intdigest(memoryview(header)[:_CHECKSUM_AT]))
+        buffer[:HEADER_BYTES] = header
+        return meta.encoded_size
+
+
+def _header_fields(meta: ChunkMeta) -> bytearray:
+    """The header of ``meta`` but its MAC and checksum (zeros)."""
     header = bytearray(HEADER_BYTES)
     _FIXED.pack_into(
         header,
@@ -197,14 +235,7 @@ def write_header(buffer: memoryview, meta: ChunkMeta, mac_key: ChunkMacKey) -> i
         0,
     )
     _SHAPE.pack_into(header, _FIXED.size, *meta.shape, *([0] * (MAX_DIMS - len(meta.shape))))
-    mac = mac_key.hasher(parallel=True)
-    mac.update(memoryview(header)[:_MAC_AT])
-    mac.update(buffer[HEADER_BYTES : meta.tokens_end])
-    mac.update(buffer[meta.payload_offset : size])
-    header[_MAC_AT : _MAC_AT + MAC_BYTES] = mac.digest()
-    struct.pack_into("<Q", header, _CHECKSUM_AT, xxhash.xxh3_64_intdigest(memoryview(header)[:_CHECKSUM_AT]))
-    buffer[:HEADER_BYTES] = header
-    return size
+    return header
 
 
 def encode(meta: ChunkMeta, payload: bytes | bytearray | memoryview, mac_key: ChunkMacKey) -> bytearray:

@@ -186,26 +186,34 @@ class CacheClient:
         """(address, size) of the registered arena every slot lies in: a GPU worker pins it for its copies."""
         return self.dram.arena.address, self.dram.arena.size
 
-    def publish(self, chunks: Sequence[tuple[ChunkMeta, memoryview]], tenant_salt: str | None = None) -> list[bool]:
-        """Store each (meta, slot holding its payload) in DRAM, then register what was stored. Chunks whose tenant
-        or namespace has no room left in its quota are left out (indexer/quotas.py)."""
+    def publish(
+        self, chunks: Sequence[tuple[ChunkMeta, memoryview]], tenant_salt: str | None = None, signed: bool = False
+    ) -> list[bool]:
+        """Sign each (meta, slot holding its payload), store it in DRAM, then register what was stored; ``signed``:
+        the slots hold their signed headers already (codec.ChunkSigning, as the connector signs layer by layer).
+        Chunks whose tenant or namespace has no room left in its quota are left out (indexer/quotas.py)."""
         if not chunks:
             return []
         tenant = tenant_id(tenant_salt)
         allowed = self.quotas.admit(tenant, [(meta.namespace, meta.encoded_size) for meta, _ in chunks])
         if all(allowed):
-            return self._store_and_register(chunks, tenant)
+            return self._store_and_register(chunks, tenant, signed)
         self.counters.count(over_quota=allowed.count(False))
         self.recorder.record_over_quota(self.spec.digest, allowed.count(False))
-        kept = iter(self._store_and_register([c for c, ok in zip(chunks, allowed, strict=True) if ok], tenant))
+        kept = iter(self._store_and_register([c for c, ok in zip(chunks, allowed, strict=True) if ok], tenant, signed))
         return [ok and next(kept) for ok in allowed]
 
-    def _store_and_register(self, chunks: Sequence[tuple[ChunkMeta, memoryview]], tenant: str) -> list[bool]:
+    def _store_and_register(
+        self, chunks: Sequence[tuple[ChunkMeta, memoryview]], tenant: str, signed: bool
+    ) -> list[bool]:
         if not chunks:
             return []
         started = time.perf_counter()
         trace.mark("publish_start", chunks=len(chunks))
-        objects = [(meta.key, slot[: write_header(slot, meta, self.mac_key)]) for meta, slot in chunks]
+        objects = [
+            (meta.key, slot[: meta.encoded_size if signed else write_header(slot, meta, self.mac_key)])
+            for meta, slot in chunks
+        ]
         trace.mark("publish_signed")
         stored = self.dram.put(objects, soft_pin_s=UNPERSISTED_PROTECTION_S)
         trace.mark("publish_stored")
