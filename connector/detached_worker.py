@@ -16,6 +16,8 @@ from prefixcache.connector.transfer_stats import TransferCounts
 
 
 class DetachedWorker:
+    saves_layers = False  # nothing is published
+
     def __init__(
         self,
         transfers: TransferCounts | None = None,

@@ -286,14 +286,15 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         """Each attention layer calls this once it has written its KV: on the CPU, the pages of the step's chunks to
         publish are copied out and signed behind the later layers; on a GPU, every layer's are copied after the
         forward pass (``wait_for_save``)."""
-        if self._worker is not None:
-            meta = self._get_connector_metadata()
-            if (
-                isinstance(meta, _metadata_type())
-                and meta.saves
-                and (layer := self._layer_index.get(layer_name)) is not None
-            ):
-                self._worker.save_layer(meta, layer)
+        if self._worker is None or not self._worker.saves_layers:
+            return
+        meta = self._get_connector_metadata()
+        if (
+            isinstance(meta, _metadata_type())
+            and meta.saves
+            and (layer := self._layer_index.get(layer_name)) is not None
+        ):
+            self._worker.save_layer(meta, layer)
 
     @trace.timed_step_end
     def wait_for_save(self) -> None:

@@ -78,6 +78,11 @@ class Publisher:
         """Run a load's store into DRAM in the background, then give back the slots it holds."""
         self._in_background(*store)
 
+    @property
+    def saves_layers(self) -> bool:
+        """Whether ``save_layer`` copies pages out (a CPU cache, a rank that publishes)."""
+        return self._layered is not None
+
     def save_layer(self, saves: Sequence[SaveChunk], layer: int) -> None:
         """vLLM's ``save_kv_layer``: ``layer`` has written its pages of the step whose chunks to publish are
         ``saves``. Where copies are over when they return, they are copied out and signed behind the forward."""

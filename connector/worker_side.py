@@ -301,6 +301,12 @@ class WorkerSide:
 
     # -- publishes -----------------------------------------------------------------------------------
 
+    @property
+    def saves_layers(self) -> bool:
+        """Whether ``save_layer`` copies anything out (a CPU cache, a rank that publishes): vLLM calls it once per
+        layer of every step, so on a GPU the connector's hook returns at once."""
+        return self._publisher.saves_layers
+
     def save_layer(self, meta: PrefixCacheMetadata, layer: int) -> None:
         """vLLM's ``save_kv_layer``: ``layer`` has written its pages of the step (connector/publisher.py)."""
         self._publisher.save_layer(meta.saves, layer)
