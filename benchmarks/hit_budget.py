@@ -166,7 +166,7 @@ def budget(outputs: list[dict], parts: tuple[tuple[str, str, str], ...], trace: 
     """Median ms of each part over ``outputs``, the TTFT, and what the parts leave (front end: arrival to
     queueing, and the first token's way back out)."""
     rows: dict[str, list[float]] = {name: [] for name, _, _ in parts}
-    ttfts, front, steps, verify, busy, by_waiter = [], [], [], [], [], []
+    ttfts, front, steps, verify, busy, by_waiter, waited = [], [], [], [], [], [], []
     for output in outputs:
         points = hit_points(output, trace)
         points["scheduled"] = points.get("scheduled", points["scheduled_vllm"])
@@ -176,6 +176,8 @@ def budget(outputs: list[dict], parts: tuple[tuple[str, str, str], ...], trace: 
         ttfts.append(output["ttft_s"] * 1000)
         front.append(output["ttft_s"] * 1000 - (points["first_token"] - points["queued"]) * 1000)
         steps.append(points.get("steps", 0))
+        if "later_layers_wait" in points and "later_layers_in" in points:
+            waited.append((points["later_layers_in"] - points["later_layers_wait"]) * 1000)
         if "verify" in points and "verify_end_last" in points:
             verify.append((points["verify_end_last"] - points["verify"]) * 1000)
             busy.append(points["verify_busy"] * 1000)
@@ -189,6 +191,8 @@ def budget(outputs: list[dict], parts: tuple[tuple[str, str, str], ...], trace: 
         result["verification_ms"] = statistics.median(verify)  # first chunk's check begun to last one's over
         result["verification_busy_ms"] = statistics.median(busy)  # every chunk's check, added up over the threads
         result["chunks_verified_by_waiter"] = statistics.median(by_waiter)  # after the forward, on vLLM's thread
+    if waited:
+        result["later_layers_waited_ms"] = statistics.median(waited)  # in the forward pass, for the owner's copy
     return result
 
 

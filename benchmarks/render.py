@@ -653,6 +653,12 @@ def _hit_budget_section(budget: dict[str, Any]) -> str:
                 for tier, hit in budget["hits"].items()
                 if "verification_busy_ms" in hit
             ),
+            *(
+                f"The forward pass of a {tier} hit waited {hit['later_layers_waited_ms']:.1f} ms for the copy of its "
+                "later layers."
+                for tier, hit in budget["hits"].items()
+                if "later_layers_waited_ms" in hit
+            ),
             *([_floor(least)] if (least := budget.get("floor")) else []),
             *(_connector_time(hooks) if (hooks := budget.get("connector_time")) else []),
             *(_publish_to_visible(visible) if visible else ["Publish-to-visible was not measured in this run."]),

@@ -46,12 +46,14 @@ def test_a_hits_parts_add_up_to_its_ttft() -> None:
     names = ["lookup_start", "lookup_end", "scheduled", "step_begin", "read_end", "forward_start", "forward_end"]
     times = [10.001, 10.004, 10.006, 10.007, 10.015, 10.016, 10.030]
     points = [{"t": t, "event": e, "req": None} for t, e in zip(times, names, strict=True)]
+    points += [{"t": 10.020, "event": "later_layers_wait"}, {"t": 10.0235, "event": "later_layers_in"}]
     points += [{"t": 10.040, "event": "finish_load_end"}, {"t": 10.045, "event": "save_end"}]
     points.append({"t": 11.0, "event": "step_begin"})  # after the first token: another request's
     found = budget([out], HIT_PARTS, points)
     parts = found["parts_ms"]
     assert parts["lookup (hashing, index round trip)"] == pytest.approx(3.0)
     assert parts["forward pass (later layers' copy waited for)"] == pytest.approx(14.0)
+    assert found["later_layers_waited_ms"] == pytest.approx(3.5)  # inside the forward pass
     assert found["worker_steps"] == 1
     assert sum(parts.values()) == pytest.approx(found["ttft_ms"])
 

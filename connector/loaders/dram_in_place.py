@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import ParamSpec, TypeVar
 
+from prefixcache.cachestore.client import trace
 from prefixcache.cachestore.client.scattered_reads import Landed, ScatteredRead
 from prefixcache.cachestore.tiers.dram import first_part_rows
 from prefixcache.connector.loaders.base import CountLoaded, Store
@@ -159,7 +160,9 @@ class DramInPlace:
         if self._now is not None and layer >= self._first_layers and not self._waited:
             self._waited = True
             assert self._now.later_copy is not None  # _now holds a read with a later copy
+            trace.mark("later_layers_wait")
             self._now.later_copy.exception()
+            trace.mark("later_layers_in")
 
     def finish(self, errors: set[int]) -> Store | None:
         """Wait for the step's verification, verifying chunks beside the verifier meanwhile; a step whose later
