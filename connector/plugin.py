@@ -53,6 +53,8 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         self._states: WorkerStates | None = None  # the worker side: detached until the worker's client attaches
         self._layer_index: dict[str, int] = {}  # the worker's attention layers, in its KV cache's order
         self._layers: list[torch.Tensor] = []  # their KV caches, for the worker side made once the client attaches
+        # The step's metadata while its layers' pages are copied out as they come (``save_kv_layer``), else None.
+        self._layer_saves: PrefixCacheMetadata | None = None
         self._client_attachment: Attachment[CacheClient] | None = None
         self._io_thread_setup: Callable[[], None] | None = None  # binds the connector's threads (set with the client)
         if role == KVConnectorRole.SCHEDULER:
@@ -262,8 +264,11 @@ class PrefixCacheConnector(KVConnectorBase_V1):
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """vLLM's first hook of every step, ahead of ``start_load_kv``: DRAM hits start here."""
         self._adopt_client()
-        if self._worker is not None and isinstance(kv_connector_metadata, _metadata_type()):
-            self._worker.begin_step(kv_connector_metadata)
+        self._layer_saves = None
+        if (worker := self._worker) is not None and isinstance(kv_connector_metadata, _metadata_type()):
+            worker.begin_step(kv_connector_metadata)
+            if worker.saves_layers and kv_connector_metadata.saves:
+                self._layer_saves = kv_connector_metadata
 
     @trace.timed
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -285,19 +290,16 @@ class PrefixCacheConnector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         """Each attention layer calls this once it has written its KV: on the CPU, the pages of the step's chunks to
         publish are copied out and signed behind the later layers; on a GPU, every layer's are copied after the
-        forward pass (``wait_for_save``)."""
-        if self._worker is None or not self._worker.saves_layers:
+        forward pass (``wait_for_save``). A step's metadata says which chunks at its first hook
+        (``handle_preemptions``): the other steps, most of a decode, cost this hook one test."""
+        if (meta := self._layer_saves) is None or (worker := self._worker) is None:
             return
-        meta = self._get_connector_metadata()
-        if (
-            isinstance(meta, _metadata_type())
-            and meta.saves
-            and (layer := self._layer_index.get(layer_name)) is not None
-        ):
-            self._worker.save_layer(meta, layer)
+        if (layer := self._layer_index.get(layer_name)) is not None:
+            worker.save_layer(meta, layer)
 
     @trace.timed_step_end
     def wait_for_save(self) -> None:
+        self._layer_saves = None
         if self._worker is not None:
             meta = self._get_connector_metadata()
             if isinstance(meta, _metadata_type()):

@@ -12,7 +12,9 @@ were read from NVMe into their pages layer by layer (``loaded_layer_by_layer.<sh
 layer of such a load before it records it, and counts apart the attention layers whose KV vLLM itself waited for,
 ``layers_waited.<shard>`` as ``<layers waited for>/<layers>``), how many
 requests loaded asynchronously (``loaded_async.<shard>``), how many chunks it was asked to publish
-(``saves.<shard>``) and in which namespace (``namespace.<shard>``); an asynchronous load's pages are recorded
+(``saves.<shard>``) and in which namespace (``namespace.<shard>``), and of the attention layers of the steps that
+publish, those whose pages were copied out at the layer's own hook (``layers_saved.<shard>`` as ``<copied
+then>/<layers of those steps>``); an asynchronous load's pages are recorded
 once the worker reports it over. The scheduler side records whether vLLM schedules each step before the last one
 is over (``schedules_ahead``: its asynchronous scheduling). Each rank records its own shard under its own keys.
 A test then compares what one instance computed with what another loaded: the same bytes in the right blocks, or
@@ -38,6 +40,8 @@ class ProbeConnector(PrefixCacheConnector):
         self._loading: dict[str, list[LoadChunk]] = {}  # asynchronous loads not reported over yet
         self._saves = 0  # chunks the scheduler side asked this worker to publish
         self._layers_waited: set[str] = set()  # the attention layers vLLM called wait_for_layer_load for
+        self._layers_saved = 0  # save_kv_layer calls that copied a publishing step's pages out
+        self._publishing_steps = 0
         directory = os.environ.get("PREFIXCACHE_PROBE_DIR")
         if directory and self._scheduler is not None:
             (Path(directory) / "schedules_ahead").write_text(str(self._scheduler.schedules_ahead))
@@ -102,6 +106,10 @@ class ProbeConnector(PrefixCacheConnector):
         self._layers_waited.add(layer_name)
         super().wait_for_layer_load(layer_name)
 
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        self._layers_saved += self._layer_saves is not None and layer_name in self._layer_index
+        super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
     def wait_for_save(self) -> None:
         directory, meta = self._probe_dir(), self._get_connector_metadata()
         if directory is not None and isinstance(meta, PrefixCacheMetadata):
@@ -113,6 +121,9 @@ class ProbeConnector(PrefixCacheConnector):
                 key = chunk_key(save.parents[self._worker.shard], save.tokens)
                 torch.save(self._pages(save.blocks), directory / f"saved-{key.hex()}{replica}.pt")
             self._saves += len(meta.saves)
+            self._publishing_steps += bool(meta.saves)
+            layers = self._publishing_steps * len(self._layer_index)
+            (directory / f"layers_saved.{self._worker.shard}").write_text(f"{self._layers_saved}/{layers}")
             (directory / f"saves.{self._worker.shard}").write_text(str(self._saves))
             (directory / f"namespace.{self._worker.shard}").write_text(self._worker.client.spec.digest.hex())
         super().wait_for_save()

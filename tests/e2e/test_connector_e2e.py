@@ -207,6 +207,9 @@ def test_loaded_kv_is_bit_identical_to_the_kv_the_producer_computed(producer_the
     # until the chunk was verified.
     assert int((probes["b"] / "loaded_in_place.0").read_text()) == 13
     assert int((probes["b"] / "loaded_early.0").read_text()) == 13  # every in-place read began in handle_preemptions
+    # A's chunks were copied out (and signed) as each attention layer wrote its pages, every layer of every step.
+    copied, layers = (probes["a"] / "layers_saved.0").read_text().split("/")
+    assert copied == layers != "0"
 
 
 def test_vllms_own_metrics_count_the_hits_by_tier_and_what_the_connector_moved(producer_then_consumer, probes):
