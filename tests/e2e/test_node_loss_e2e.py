@@ -2,7 +2,8 @@
 each way benchmarks/node_loss.py loses it (its link slowed to 1 Mbit/s, every process of it frozen, its cable
 pulled, every process of it killed), one after another, on hosts of their own (tests/netns.py; root needed).
 
-In each: no request fails, every answer equals B's cold recompute of its prompt, and no request after the loss takes
+In each: no request fails, every answer is its prompt's answer on B, recomputed cold or loaded from A's intact KV
+(benchmarks/node_loss.py's ``Scene`` says why they may differ), and no request after the loss takes
 longer than that recompute plus the bound the operations guide promises (1 s), with a margin for this machine's noise
 (a shared 2-core host whose runs move by half). A node that comes back is read from again within ``BACK_S``: a
 cable plugged back takes longest (10 s in benchmarks/results/node_loss.json): loads from it fail, and are
