@@ -182,16 +182,16 @@ def a_lost_node_scene(directory: Path, prompts: list[list[int]]) -> Iterator[Sce
             a.stop()
 
 
-def answer_loaded(url: str, prompt: list[int], cold_ttft_s: float) -> str:
+def answer_loaded(url: str, prompt: list[int], cold_ttft_s: float, timeout_s: float = BEFORE_S) -> str:
     """``prompt``'s answer from ``url`` with its prefix loaded (``loaded``); a load that misses (a read past its
-    deadline on a loaded host) is tried again, for at most ``BEFORE_S``."""
-    deadline = time.monotonic() + BEFORE_S
+    deadline on a loaded host, a node still marked suspect) is tried again, for at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         ttft, cached, text = complete(url, prompt)
         if loaded(ttft, cached, cold_ttft_s):
             return text
         time.sleep(0.5)
-    raise RuntimeError(f"no load of the prompt's prefix within {BEFORE_S:.0f} s")
+    raise RuntimeError(f"no load of the prompt's prefix within {timeout_s:.0f} s")
 
 
 def run_way(scene: Scene, way: Way, lost_s: float, back_s: float) -> list[Request]:
@@ -241,13 +241,7 @@ def run_way(scene: Scene, way: Way, lost_s: float, back_s: float) -> list[Reques
 def wait_for_hits(scene: Scene, timeout_s: float = SUSPECT_LONGEST_S + 20) -> None:
     """Send requests until one loads its prefix: A's suspect marks (which grow while its link stays slow) are
     over."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        ttft, cached, _ = complete(scene.url, scene.prompts[0])
-        if loaded(ttft, cached, scene.reference[0][0]):
-            return
-        time.sleep(1)
-    raise RuntimeError(f"no hit on the node brought back within {timeout_s:.0f} s")
+    answer_loaded(scene.url, scene.prompts[0], scene.reference[0][0], timeout_s)
 
 
 def loaded(ttft_s: float, cached_tokens: int, cold_ttft_s: float) -> bool:

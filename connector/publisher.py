@@ -98,18 +98,16 @@ class Publisher:
         if self._layered is not None:
             self._layered.finish(saves, functools.partial(self._signed, failed_requests=frozenset(failed_requests)))
             return
-        by_tenant: dict[str | None, list[tuple[ChunkMeta, memoryview]]] = {}
+        staged = []
         for chunk in saves:
             if chunk.request in failed_requests:
                 continue
-            staged = self._stage(chunk)
-            if staged is not None:
-                meta, slot, payload = staged
+            if (slotted := self._stage(chunk)) is not None:
+                meta, slot, payload = slotted
                 self._copies.gather(chunk.blocks, payload)
-                by_tenant.setdefault(chunk.tenant_salt, []).append((meta, slot))
-        copied = self._copies.saved()  # a GPU's pages are still on their way into the slots
-        for salt, batch in by_tenant.items():
-            self._publish_later(batch, salt, signed=False, copied=copied)
+                staged.append((chunk.tenant_salt, meta, slot))
+        if staged:  # copied: a GPU's pages are still on their way into the slots
+            self._publish_later(staged, signed=False, copied=self._copies.saved())
 
     def close(self) -> None:
         """Stop the signer, then the background thread, once the jobs queued are over."""
@@ -149,28 +147,31 @@ class Publisher:
     def _signed(self, staged: list[StagedChunk], failed_requests: frozenset[str]) -> None:
         """On the signer, once ``staged`` is signed: write their headers and publish them in the background, one
         batch per tenant, but those of ``failed_requests``, whose slots go back."""
-        by_tenant: dict[str | None, list[tuple[ChunkMeta, memoryview]]] = {}
+        kept = []
         for chunk in staged:
             if chunk.save.request in failed_requests:
                 self.client.release(chunk.slot)
                 continue
             chunk.signing.write_header(chunk.slot)
-            by_tenant.setdefault(chunk.save.tenant_salt, []).append((chunk.meta, chunk.slot))
+            kept.append((chunk.save.tenant_salt, chunk.meta, chunk.slot))
         trace.mark("signing_end", chunks=len(staged))
-        for salt, batch in by_tenant.items():
-            self._publish_later(batch, salt, signed=True)
+        self._publish_later(kept, signed=True)
 
     def _publish_later(
         self,
-        batch: list[tuple[ChunkMeta, memoryview]],
-        salt: str | None,
+        chunks: list[tuple[str | None, ChunkMeta, memoryview]],
         signed: bool,
         copied: Callable[[], None] = lambda: None,
     ) -> None:
-        """Publish ``batch`` in the background (``signed``: its headers are written), once ``copied`` returns."""
-        dropped = functools.partial(self._transfers.add, unpublished_chunks=len(batch))
-        job = functools.partial(self._publish, batch, salt, signed)
-        self._in_background(job, [slot for _, slot in batch], copied, dropped)
+        """Publish ``chunks`` (tenant salt, meta, slot) in the background, one batch per tenant (``signed``: their
+        headers are written), once ``copied`` returns."""
+        by_tenant: dict[str | None, list[tuple[ChunkMeta, memoryview]]] = {}
+        for salt, meta, slot in chunks:
+            by_tenant.setdefault(salt, []).append((meta, slot))
+        for salt, batch in by_tenant.items():
+            dropped = functools.partial(self._transfers.add, unpublished_chunks=len(batch))
+            job = functools.partial(self._publish, batch, salt, signed)
+            self._in_background(job, [slot for _, slot in batch], copied, dropped)
 
     def _publish(self, batch: list[tuple[ChunkMeta, memoryview]], salt: str | None, signed: bool) -> None:
         stored = [False] * len(batch)
