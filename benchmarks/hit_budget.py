@@ -11,9 +11,15 @@ the same binding, dtype and warm-ups):
   the lookup found the chunks first, and the publish's parts (``PUBLISH_PARTS``) say where its time goes.
 - ``vllm``: no connector, vLLM's own prefix cache on, each of a fresh series of prompts twice, 32 tokens each: the
   repeat is vLLM's own hit (the ceiling), and its decode gives TPOT.
-- ``dram``: a fresh engine with the connector (vLLM's prefix cache off) hits the producer's prompts in DRAM, with
-  the connector's trace points on (connector/trace.py); ``nvme``: the same after a daemon restart, every chunk from
-  the NVMe tier.
+- ``beside``: no connector, vLLM's own prefix cache on, each of the fresh series three times: its two hits are
+  vLLM's own, one of them with a bystander process (tests/e2e/bystander.py) doing, on the cores the engine leaves
+  to the daemon, the least any DRAM hit must do beside the forward pass: copy every layer's KV but the first (the
+  forward pass needs the first before it starts) and MAC all of it. The two, in one engine, show what moving and
+  verifying a hit's bytes costs the forward pass on this machine whoever does it (``contended``).
+- ``dram``: a fresh engine with the connector and vLLM's own prefix cache hits the producer's prompts in DRAM, with
+  the connector's trace points on (connector/trace.py), then runs each again: vLLM's own hit in the same engine
+  (``same_engine``), whose parts set the DRAM hit's apart from the spread between engines; ``nvme``: the DRAM hits
+  after a daemon restart, every chunk from the NVMe tier.
 - ``tax``: the ``vllm`` engine's spec with the connector loaded (the fresh series, which the store does not hold:
   no store hits), for the connector's tax on vLLM's own hits and on TPOT; with its hooks timed (trace mode
   ``hooks``: ``connector_time``): the connector's own time in a decode step and in vLLM's own hit, a measure of the tax
@@ -55,7 +61,7 @@ from prefixcache.indexer.keys import PrefixHasher
 from prefixcache.indexer.namespace import NamespaceSpec
 from prefixcache.indexer.redis_index import RedisIndex
 from tests.daemon_harness import Daemon, connector_config
-from tests.e2e.tinymodel import ENGINE_DTYPE, KV_BYTES_PER_TOKEN, build_tiny_llama
+from tests.e2e.tinymodel import BLOCK_TOKENS, ENGINE_DTYPE, KV_BYTES_PER_TOKEN, LAYERS, build_tiny_llama
 
 POLL_S = 0.002  # between the lookups of publish-to-visible: a busy loop would slow the daemon and engine
 DECODE_TOKENS = 32  # per prompt in the vllm and tax engines: their TPOT
@@ -235,6 +241,25 @@ def connector_time(outputs: list[dict], trace: list[dict]) -> dict:
     }
 
 
+def contended(outputs: list[dict], lookup_ms: float, copy_ms: float) -> dict:
+    """What the ``beside`` engine's bystander cost vLLM's own hit (``outputs``: its runs, three per prompt): the
+    median own hit alone and with the bystander beside it (ms), their ratio, the bystander's work (ms, beside the
+    hit), and the least a DRAM hit could be on this machine over vLLM's own, that work being done beside its forward
+    pass: the ratio, plus the index's round trip (``lookup_ms``) and the first layer's copy before the forward pass
+    (of ``copy_ms``, the floor's copy of every layer)."""
+    hits = [output for i, output in enumerate(outputs) if i % 3]
+    alone = statistics.median(o["ttft_s"] * 1000 for o in hits if "bystander_s" not in o)
+    beside = statistics.median(o["ttft_s"] * 1000 for o in hits if "bystander_s" in o)
+    return {
+        "alone_ms": alone,
+        "beside_ms": beside,
+        "ratio": beside / alone,
+        "work_ms": statistics.median(o["bystander_s"] * 1000 for o in hits if "bystander_s" in o),
+        "samples": len(hits) // 2,
+        "dram_ratio": (beside + lookup_ms + copy_ms / LAYERS) / alone,
+    }
+
+
 def floor(tokens: int, own_hit_ms: float, lookup_ms: float, rounds: int = 15) -> dict:
     """What any KV cache outside the engine pays for a hit of ``tokens`` that vLLM's own hit does not, measured on
     this machine: the index's round trip (``lookup_ms``, as the budget measured it), and moving the hit's KV: from
@@ -357,7 +382,9 @@ def run_pass(run: Runner, run_pass: int) -> None:
             watch.stop()
         (run.workdir / "found.json").write_text(json.dumps(watch.found))
         run.engine("vllm", prefix_caching=True, twice=True, fresh=True, max_tokens=DECODE_TOKENS)
-        run.engine("dram", config, env=traced(run.workdir, "dram"))
+        if run.server_cpus is not None:
+            run.own_hits_beside("beside", bystander_work(len(run.fresh_prompts[0]), run.server_cpus))
+        run.engine("dram", config, prefix_caching=True, twice=True, env=traced(run.workdir, "dram"))
         tax_env = traced(run.workdir, "tax", what="hooks")
         run.engine("tax", config, prefix_caching=True, twice=True, fresh=True, max_tokens=DECODE_TOKENS, env=tax_env)
         wait_until_persisted(daemon.url, [WARM_PROMPT, *run.warm_ups, *run.prompts])
@@ -368,14 +395,23 @@ def run_pass(run: Runner, run_pass: int) -> None:
         daemon.stop()
 
 
+def bystander_work(size: int, cpus: frozenset[int]) -> dict:
+    """The ``beside`` engine's bystander (``spec.bystander`` of tests/e2e/run_vllm.py): on ``cpus``, copy the KV of
+    a ``size``-token prompt's cached blocks but its first layer, and MAC all of it."""
+    kv_bytes = (size - 1) // BLOCK_TOKENS * BLOCK_TOKENS * KV_BYTES_PER_TOKEN
+    return {"copy_bytes": kv_bytes - kv_bytes // LAYERS, "mac_bytes": kv_bytes, "cpus": sorted(cpus)}
+
+
 def collect(root: Path, repeats: int) -> dict:
     """Every pass's measured outputs under ``root`` (``pass-N/<engine>.out.json``; the repeats of the engines that
-    run each prompt twice), traces, and the producer's outputs with when each was found (``found.json``) and its
-    trace; an engine that did not finish is left out."""
+    run each prompt twice, every run of ``beside``'s), traces, and the producer's outputs with when each was found
+    (``found.json``) and its trace; an engine that did not finish is left out."""
     results: dict = {
         "vllm": [],
         "tax": [],
+        "beside": [],
         "dram": [],
+        "same_engine": [],
         "nvme": [],
         "tax_trace": [],
         "produced": [],
@@ -386,14 +422,20 @@ def collect(root: Path, repeats: int) -> dict:
             outputs = json.loads(out.read_text())["outputs"][-repeats:]
             results["produced"] += list(zip(outputs, json.loads(found.read_text()), strict=False))
             results["producer_trace"] += read_trace(folder / "trace-producer")
+        if (out := folder / "beside.out.json").exists():
+            results["beside"] += json.loads(out.read_text())["outputs"][-repeats * 3 :]
         for engine in ("vllm", "tax", "dram", "nvme"):
             if not (out := folder / f"{engine}.out.json").exists():
                 continue
-            twice = engine in ("vllm", "tax")
+            twice = engine in ("vllm", "tax", "dram")
             outputs = json.loads(out.read_text())["outputs"][-repeats * (2 if twice else 1) :]
             if engine == "tax":
                 results["tax_trace"] += read_trace(folder / "trace-tax")
-            if twice:
+            if engine == "dram":
+                trace = read_trace(folder / "trace-dram")
+                results["dram"].append((outputs[0::2], trace))
+                results["same_engine"].append((outputs[1::2], trace))
+            elif twice:
                 results[engine].append(outputs[1::2])
             else:
                 results[engine].append((outputs, read_trace(folder / f"trace-{engine}")))
@@ -405,11 +447,14 @@ def report(results: dict) -> dict:
     tax = [o for outs in results["tax"] for o in outs]
     ceiling = budget(vllm, VLLM_PARTS, [])
     hits = {}
-    for tier in ("dram", "nvme"):
+    for tier in ("dram", "nvme", "same_engine"):
+        if not results[tier]:
+            continue
         outputs = [o for outs, _ in results[tier] for o in outs]
         trace = sorted((p for _, points in results[tier] for p in points), key=lambda p: p["t"])
         parts = (*VLLM_PARTS, *HIT_PARTS)
         hits[tier] = {**budget(outputs, parts, trace), "cached_tokens": min(o["num_cached_tokens"] for o in outputs)}
+    same_engine = hits.pop("same_engine", None)
     lookup_ms = hits["dram"]["parts_ms"].get("lookup (hashing, index round trip)", 0.0)
     ratios = {
         "dram / vllm (target <= 1.15)": hits["dram"]["ttft_ms"] / ceiling["ttft_ms"],
@@ -417,6 +462,8 @@ def report(results: dict) -> dict:
         "tax on vLLM's own hit (target <= 1.03)": budget(tax, VLLM_PARTS, [])["ttft_ms"] / ceiling["ttft_ms"],
         "tax on TPOT (target <= 1.03)": tpot_ms(tax) / tpot_ms(vllm),
     }
+    if same_engine is not None:
+        ratios["dram / vLLM's own in the same engine"] = hits["dram"]["ttft_ms"] / same_engine["ttft_ms"]
     by_pass = [
         {
             "vllm_hit_ms": budget(v, VLLM_PARTS, [])["ttft_ms"],
@@ -431,6 +478,7 @@ def report(results: dict) -> dict:
     payload = {
         "vllm": ceiling,
         "hits": hits,
+        "same_engine": same_engine,
         "ratios": ratios,
         "by_pass": by_pass,
         "floor": floor(hits["dram"]["cached_tokens"], ceiling["ttft_ms"], lookup_ms),
@@ -439,15 +487,15 @@ def report(results: dict) -> dict:
         if results["produced"]
         else None,  # none where the producer's lookups were not kept
     }
+    if results["beside"]:
+        payload["contended"] = contended(results["beside"], lookup_ms, payload["floor"]["copy_ms"])
     names = [name for name, _, _ in (*VLLM_PARTS, *HIT_PARTS)] + ["front end (arrival -> queued, token out)"]
+    columns = [ceiling, *hits.values(), *([same_engine] if same_engine is not None else [])]
     print_table(
         "a hit's budget, median ms",
-        ["part", "vllm's own hit", "dram", "nvme"],
-        [
-            [name, *(f"{b['parts_ms'][name]:.1f}" if name in b["parts_ms"] else "-" for b in (ceiling, *hits.values()))]
-            for name in names
-        ]
-        + [["TTFT", *(f"{b['ttft_ms']:.1f}" for b in (ceiling, *hits.values()))]],
+        ["part", "vllm's own hit", "dram", "nvme", "vllm's own, dram engine"][: len(columns) + 1],
+        [[name, *(f"{b['parts_ms'][name]:.1f}" if name in b["parts_ms"] else "-" for b in columns)] for name in names]
+        + [["TTFT", *(f"{b['ttft_ms']:.1f}" for b in columns)]],
     )
     print_table("ratios", ["ratio", "value"], [[name, f"{value:.2f}"] for name, value in ratios.items()])
     print_table("per pass, ms", ["pass", *by_pass[0]], [[i, *row.values()] for i, row in enumerate(by_pass)])
@@ -457,6 +505,12 @@ def report(results: dict) -> dict:
         f"{least['nvme_ratio']:.2f} ({least['kv_mib']:.0f} MiB: copy {least['copy_ms']:.1f} ms, O_DIRECT read "
         f"{least['nvme_read_ms']:.1f} ms, index {least['lookup_ms']:.1f} ms; keyed BLAKE3 {least['mac_ms']:.1f} ms)"
     )
+    if (beside := payload.get("contended")) is not None:
+        print(
+            f"[hit_budget] vLLM's own hit with a DRAM hit's copy and MAC beside it ({beside['work_ms']:.1f} ms of "
+            f"work on the reserved core): {beside['beside_ms']:.1f} ms against {beside['alone_ms']:.1f} alone "
+            f"({beside['ratio']:.2f}); the least a DRAM hit could be here: {beside['dram_ratio']:.2f} × vLLM's own"
+        )
     if (hooks := payload["connector_time"]) is not None:
         print(
             f"[hit_budget] the connector's hooks: {hooks['per_decode_step_ms']:.3f} ms per decode step "

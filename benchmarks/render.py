@@ -189,7 +189,8 @@ def readme_block(results: Results) -> str:
             )
     budget = results.get("hit_budget")
     if budget:
-        dram, nvme, tax_hit, tax_tpot = budget["ratios"].values()  # in the order benchmarks/hit_budget.py writes
+        # the first four, in the order benchmarks/hit_budget.py writes them
+        dram, nvme, tax_hit, tax_tpot = list(budget["ratios"].values())[:4]
         rows += [
             [
                 f"{budget['size']}-token hit in a fresh engine, engines alternated: DRAM, NVMe-only / vLLM's own hit",
@@ -200,6 +201,11 @@ def readme_block(results: Results) -> str:
                 f"{ratio_x(tax_hit)}, {ratio_x(tax_tpot)}",
             ],
         ]
+        if (same := budget["ratios"].get("dram / vLLM's own in the same engine")) is not None:
+            rows.insert(
+                len(rows) - 1,
+                ["the same DRAM hit / vLLM's own hit of the prompt run again in that engine", ratio_x(same)],
+            )
         if (hooks := budget.get("connector_time")) is not None:
             rows.append(
                 [
@@ -212,6 +218,13 @@ def readme_block(results: Results) -> str:
                 [
                     "the least any such hit could be here (index round trip, KV moved once): DRAM, NVMe / vLLM's own",
                     f"{ratio_x(least['dram_ratio'])}, {ratio_x(least['nvme_ratio'])}",
+                ]
+            )
+        if (beside := budget.get("contended")) is not None:
+            rows.append(
+                [
+                    "the least a DRAM hit could be here, its copy and MAC slowing vLLM's forward pass beside it",
+                    f"{ratio_x(beside['dram_ratio'])}",
                 ]
             )
         if (visible := budget["publish_to_visible_ms"]) is not None:
@@ -621,6 +634,10 @@ def _dram_parts_section(parts: dict[str, Any]) -> str:
 
 def _hit_budget_section(budget: dict[str, Any]) -> str:
     columns = [budget["vllm"], budget["hits"]["dram"], budget["hits"]["nvme"]]
+    headers = ["part", "vLLM's own hit, no connector", "prefixcache DRAM hit", "prefixcache NVMe hit"]
+    if (same := budget.get("same_engine")) is not None:
+        columns.append(same)
+        headers.append("vLLM's own hit after the DRAM hit, same engine")
     names = list(dict.fromkeys(name for column in columns for name in column["parts_ms"]))
     names.sort(key=lambda name: name.startswith("front end"))  # what lies outside the engine core, last
     rows = [
@@ -634,7 +651,8 @@ def _hit_budget_section(budget: dict[str, Any]) -> str:
             "### A cross-process hit's budget (`benchmarks.hit_budget`)",
             f"{budget['dtype']}, {budget['size']}-token prompts, {budget['repeats']} per engine, {budget['passes']} "
             "passes of fresh engines in turn; a hit in a fresh engine with the connector (from DRAM, then from NVMe "
-            "after a daemon restart) beside vLLM's own hit in an engine without it, median ms of each part "
+            "after a daemon restart) beside vLLM's own hit in an engine without it (and, where measured, in the DRAM "
+            "hit's engine, the prompt run again), median ms of each part "
             "(the connector's trace points and vLLM's own timestamps)"
             + (
                 f"; the machine's load average {budget['load_average'][0]:.1f} at the start, "
@@ -642,7 +660,7 @@ def _hit_budget_section(budget: dict[str, Any]) -> str:
                 if budget.get("load_average")
                 else ":"
             ),
-            table(["part", "vLLM's own hit, no connector", "prefixcache DRAM hit", "prefixcache NVMe hit"], rows),
+            table(headers, rows),
             table(["ratio", "value"], [[name, ratio_x(value)] for name, value in budget["ratios"].items()]),
             "Per pass (ms):",
             table(["pass", *budget["by_pass"][0]], passes),
@@ -660,6 +678,7 @@ def _hit_budget_section(budget: dict[str, Any]) -> str:
                 if "later_layers_waited_ms" in hit
             ),
             *([_floor(least)] if (least := budget.get("floor")) else []),
+            *([_contended(beside)] if (beside := budget.get("contended")) else []),
             *(_connector_time(hooks) if (hooks := budget.get("connector_time")) else []),
             *(_publish_to_visible(visible) if visible else ["Publish-to-visible was not measured in this run."]),
         ]
@@ -674,6 +693,18 @@ def _floor(least: dict[str, Any]) -> str:
         f"{ratio_x(least['dram_ratio'])} ×) or read from NVMe ({least['nvme_read_ms']:.1f} ms, O_DIRECT: "
         f"{ratio_x(least['nvme_ratio'])} ×). The MAC over those bytes (keyed BLAKE3) takes {least['mac_ms']:.1f} ms "
         "on one core."
+    )
+
+
+def _contended(beside: dict[str, Any]) -> str:
+    return (
+        f"What moving and verifying those bytes beside the forward pass costs vLLM's own hit here, whoever does it: "
+        f"in one engine without the connector, vLLM's own hit took {beside['alone_ms']:.1f} ms alone and "
+        f"{beside['beside_ms']:.1f} ms ({ratio_x(beside['ratio'])} ×) with a process on the reserved core copying "
+        f"every layer's KV but the first and MACing all of it as the request was submitted ({beside['work_ms']:.1f} "
+        f"ms of work; medians of {beside['samples']} hits each). With that, the index's round trip and the first "
+        f"layer's copy before the forward pass, the least a DRAM hit could be on this machine is "
+        f"{ratio_x(beside['dram_ratio'])} × vLLM's own."
     )
 
 

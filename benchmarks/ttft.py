@@ -202,6 +202,20 @@ class Runner:
         # each repeat, recorded by what its cold run before it was
         self._record_by_params(outputs[1::2], params[0::2], AFTER_PUBLISHING, AFTER_BYPASSED)
 
+    def own_hits_beside(self, name: str, bystander: dict) -> None:
+        """What work beside vLLM's own hit costs it, within one engine. An engine with vLLM's own prefix cache on
+        and no connector runs each prompt of the fresh series three times: computed, then hit twice, once with
+        ``bystander`` (``spec.bystander`` of tests/e2e/run_vllm.py, less its prompts) working as it is submitted,
+        alternately first. Its outputs stay in ``<name>.out.json``, the hits marked by ``bystander_s``."""
+        unmeasured = self._unmeasured(runs=3)
+        measured, beside = [], []
+        for i, prompt in enumerate(self.fresh_prompts):
+            measured += [prompt] * 3
+            beside.append(len(unmeasured) + len(measured) - (2 if i % 2 == 0 else 1))
+        spec = self._spec(unmeasured, measured, None, True)
+        spec["bystander"] = {**bystander, "prompts": beside}
+        self._run(name, spec, None, unmeasured=len(unmeasured))
+
     def _record_by_params(
         self, outputs: list[dict], params: list[dict | None], published_as: str, bypassed_as: str
     ) -> None:

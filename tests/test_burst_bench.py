@@ -63,3 +63,27 @@ def test_a_spec_takes_bursts_as_group_sizes_that_add_up_to_its_prompts(tmp_path)
     assert len(spec([1, 2], beside={"prompts": [[7], [8]], **decodes})["beside"]["prompts"]) == 2
     with pytest.raises(SpecError, match="spec.beside"):
         spec([1, 2], beside={"prompts": [[7], [8], [9]], **decodes})
+
+
+def test_a_spec_takes_a_bystander_with_its_prompts_sizes_and_cpus(tmp_path):
+    def spec(bystander: object, **more: object) -> dict:
+        path = tmp_path / "spec.json"
+        path.write_text(json.dumps({"model": str(tmp_path), "prompts": [[1], [2]], "bystander": bystander, **more}))
+        return load_spec(path)
+
+    good = {"prompts": [1], "copy_bytes": 4, "mac_bytes": 8, "cpus": [0]}
+    assert spec(good)["bystander"] == good
+    for bad in (
+        {**good, "prompts": [2]},
+        {**good, "copy_bytes": 9},
+        {**good, "copy_bytes": 0},
+        {**good, "mac_bytes": 8.0},
+        {**good, "cpus": []},
+        {**good, "cpus": [-1]},
+        {key: value for key, value in good.items() if key != "prompts"},
+        [1],
+    ):
+        with pytest.raises(SpecError, match="spec.bystander"):
+            spec(bad)
+    with pytest.raises(SpecError, match="bystander"):
+        spec(good, together=True)

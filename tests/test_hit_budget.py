@@ -79,15 +79,18 @@ def test_collect_reads_each_passes_measured_outputs_and_leaves_out_unfinished_en
 
     for i in range(2):
         write(tmp_path / f"pass-{i}", "vllm", [0, 1, 2, 10, 11, 20, 21])  # warm-ups, then two prompts twice each
-        write(tmp_path / f"pass-{i}", "dram", [0, 1, 10, 20])
+        write(tmp_path / f"pass-{i}", "dram", [0, 1, 2, 10, 11, 20, 21])  # DRAM hits, then vLLM's own
         (tmp_path / f"pass-{i}" / "trace-dram").mkdir()
     write(tmp_path / "pass-0", "producer", [0, 1, 10, 20])
     (tmp_path / "pass-0" / "trace-producer").mkdir()
     (tmp_path / "pass-0" / "found.json").write_text(json.dumps([5.0, 6.0]))
     write(tmp_path / "pass-0", "tax", [0, 1, 2, 10, 11, 20, 21])  # pass 1's tax engine did not finish
+    write(tmp_path / "pass-1", "beside", [0, 1, 2, 3, 10, 11, 12, 20, 21, 22])  # thrice each
     found = collect(tmp_path, repeats=2)
     assert found["vllm"] == [[{"n": 11}, {"n": 21}]] * 2 and len(found["tax"]) == 1
     assert found["dram"] == [([{"n": 10}, {"n": 20}], [])] * 2 and found["nvme"] == []
+    assert found["same_engine"] == [([{"n": 11}, {"n": 21}], [])] * 2
+    assert found["beside"] == [{"n": n} for n in (10, 11, 12, 20, 21, 22)]
     assert found["produced"] == [({"n": 10}, 5.0), ({"n": 20}, 6.0)]
 
 
@@ -177,3 +180,50 @@ def test_the_floor_adds_the_round_trip_and_one_move_of_the_hits_kv() -> None:
     assert found["copy_ms"] > 0 and found["mac_ms"] > 0 and found["nvme_read_ms"] > 0
     assert found["dram_ratio"] == pytest.approx((max(10.0, found["copy_ms"]) + 0.5) / 10.0)
     assert found["nvme_ratio"] == pytest.approx((max(10.0, found["nvme_read_ms"]) + 0.5) / 10.0)
+
+
+def test_contended_compares_the_beside_engines_hits_alone_and_with_the_bystander() -> None:
+    from benchmarks.hit_budget import contended
+
+    # a prompt computed, then hit alone and with the bystander beside it (either order)
+    runs = [
+        {"ttft_s": 0.5},
+        {"ttft_s": 0.030},
+        {"ttft_s": 0.036, "bystander_s": 0.010},
+        {"ttft_s": 0.5},
+        {"ttft_s": 0.038, "bystander_s": 0.012},
+        {"ttft_s": 0.032},
+    ]
+    found = contended(runs, lookup_ms=0.5, copy_ms=8.0)
+    assert found["alone_ms"] == pytest.approx(31.0) and found["beside_ms"] == pytest.approx(37.0)
+    assert found["ratio"] == pytest.approx(37.0 / 31.0) and found["work_ms"] == pytest.approx(11.0)
+    assert found["samples"] == 2
+    from tests.e2e.tinymodel import LAYERS
+
+    assert found["dram_ratio"] == pytest.approx((37.0 + 0.5 + 8.0 / LAYERS) / 31.0)
+
+
+def test_the_bystander_copies_all_but_the_first_layer_and_macs_the_whole_kv() -> None:
+    from benchmarks.hit_budget import bystander_work
+    from tests.e2e.tinymodel import BLOCK_TOKENS, KV_BYTES_PER_TOKEN, LAYERS
+
+    work = bystander_work(4097, frozenset({1}))
+    kv = 4096 * KV_BYTES_PER_TOKEN  # the cached blocks: 4096 of the 4097 tokens
+    assert 4096 % BLOCK_TOKENS == 0
+    assert work == {"copy_bytes": kv - kv // LAYERS, "mac_bytes": kv, "cpus": [1]}
+
+
+def test_the_bystander_process_works_once_per_command_where_it_is_bound() -> None:
+    from tests.e2e.bystander import Bystander
+
+    cpu = min(os.sched_getaffinity(0))
+    bystander = Bystander(1 << 20, 2 << 20, [cpu])
+    try:
+        took = []
+        for _ in range(2):
+            bystander.start()
+            took.append(bystander.wait())
+        assert all(0 < seconds < 10 for seconds in took)
+    finally:
+        bystander.close()
+    assert bystander.returncode == 0

