@@ -81,6 +81,9 @@ def test_a_spec_takes_a_bystander_with_its_prompts_sizes_and_cpus(tmp_path):
         {**good, "cpus": []},
         {**good, "cpus": [-1]},
         {key: value for key, value in good.items() if key != "prompts"},
+        {**good, "prompts": 1},
+        {**good, "prompts": [True]},
+        {**good, "cpus": 0},
         [1],
     ):
         with pytest.raises(SpecError, match="spec.bystander"):

@@ -219,10 +219,12 @@ def load_spec(path: Path) -> dict:
     bystander = spec.get("bystander")
     if bystander is not None and not (
         isinstance(bystander, dict)
-        and all(isinstance(i, int) and 0 <= i < len(prompts) for i in bystander.get("prompts", [None]))
+        and isinstance(bystander.get("prompts"), list)
+        and all(type(i) is int and 0 <= i < len(prompts) for i in bystander["prompts"])
         and all(type(bystander.get(name)) is int for name in ("copy_bytes", "mac_bytes"))
         and 0 < bystander["copy_bytes"] <= bystander["mac_bytes"]
-        and bystander.get("cpus")
+        and isinstance(bystander.get("cpus"), list)
+        and bystander["cpus"]
         and all(type(cpu) is int and cpu >= 0 for cpu in bystander["cpus"])
     ):
         raise SpecError("spec.bystander needs prompts (prompt indices), 0 < copy_bytes <= mac_bytes and cpus (CPU ids)")
