@@ -442,19 +442,21 @@ def collect(root: Path, repeats: int) -> dict:
     return results
 
 
+def traced_budget(engines: list[tuple[list[dict], list[dict]]]) -> dict:
+    """``budget`` of the outputs of engines with the connector's trace points (each engine's outputs and trace), and
+    the fewest tokens any of them found cached."""
+    outputs = [o for outs, _ in engines for o in outs]
+    trace = sorted((p for _, points in engines for p in points), key=t_of)
+    parts = (*VLLM_PARTS, *HIT_PARTS)
+    return {**budget(outputs, parts, trace), "cached_tokens": min(o["num_cached_tokens"] for o in outputs)}
+
+
 def report(results: dict) -> dict:
     vllm = [o for outs in results["vllm"] for o in outs]
     tax = [o for outs in results["tax"] for o in outs]
     ceiling = budget(vllm, VLLM_PARTS, [])
-    hits = {}
-    for tier in ("dram", "nvme", "same_engine"):
-        if not results[tier]:
-            continue
-        outputs = [o for outs, _ in results[tier] for o in outs]
-        trace = sorted((p for _, points in results[tier] for p in points), key=lambda p: p["t"])
-        parts = (*VLLM_PARTS, *HIT_PARTS)
-        hits[tier] = {**budget(outputs, parts, trace), "cached_tokens": min(o["num_cached_tokens"] for o in outputs)}
-    same_engine = hits.pop("same_engine", None)
+    hits = {tier: traced_budget(results[tier]) for tier in ("dram", "nvme")}
+    same_engine = traced_budget(results["same_engine"]) if results["same_engine"] else None
     lookup_ms = hits["dram"]["parts_ms"].get("lookup (hashing, index round trip)", 0.0)
     ratios = {
         "dram / vllm (target <= 1.15)": hits["dram"]["ttft_ms"] / ceiling["ttft_ms"],

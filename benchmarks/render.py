@@ -191,21 +191,20 @@ def readme_block(results: Results) -> str:
     if budget:
         # the first four, in the order benchmarks/hit_budget.py writes them
         dram, nvme, tax_hit, tax_tpot = list(budget["ratios"].values())[:4]
-        rows += [
+        rows.append(
             [
                 f"{budget['size']}-token hit in a fresh engine, engines alternated: DRAM, NVMe-only / vLLM's own hit",
                 f"{ratio_x(dram)}, {ratio_x(nvme)}",
-            ],
+            ]
+        )
+        if (same := budget["ratios"].get("dram / vLLM's own in the same engine")) is not None:
+            rows.append(["the same DRAM hit / vLLM's own hit of the prompt run again in that engine", ratio_x(same)])
+        rows.append(
             [
                 "the connector loaded, no hits: vLLM's own hit, TPOT / without it",
                 f"{ratio_x(tax_hit)}, {ratio_x(tax_tpot)}",
-            ],
-        ]
-        if (same := budget["ratios"].get("dram / vLLM's own in the same engine")) is not None:
-            rows.insert(
-                len(rows) - 1,
-                ["the same DRAM hit / vLLM's own hit of the prompt run again in that engine", ratio_x(same)],
-            )
+            ]
+        )
         if (hooks := budget.get("connector_time")) is not None:
             rows.append(
                 [

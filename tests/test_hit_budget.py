@@ -227,3 +227,17 @@ def test_the_bystander_process_works_once_per_command_where_it_is_bound() -> Non
     finally:
         bystander.close()
     assert bystander.returncode == 0
+
+
+def test_a_traced_budget_joins_engines_outputs_and_traces() -> None:
+    from benchmarks.hit_budget import traced_budget
+
+    first, second = _output(10.000, 10.050, 0.056), _output(20.000, 20.040, 0.046)
+    first["num_cached_tokens"], second["num_cached_tokens"] = 4096, 3968
+    lookups = [
+        [{"t": 10.001, "event": "lookup_start"}, {"t": 10.004, "event": "lookup_end"}],
+        [{"t": 20.001, "event": "lookup_start"}, {"t": 20.006, "event": "lookup_end"}],
+    ]
+    found = traced_budget([([second], lookups[1]), ([first], lookups[0])])
+    assert found["parts_ms"]["lookup (hashing, index round trip)"] == pytest.approx(4.0)  # median of 3 and 5
+    assert found["cached_tokens"] == 3968
