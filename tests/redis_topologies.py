@@ -362,10 +362,18 @@ class RedisSentinelServers:
     def node(self, address: tuple[str, int]) -> RedisNode:
         return next(node for node in self.data_nodes if node.address == address)
 
-    def kill_primary(self) -> tuple[str, int]:
-        """SIGKILL the data node the sentinels name as primary; returns its address."""
+    def kill_primary(self, replicated_within_s: float = 10) -> tuple[str, int]:
+        """SIGKILL the data node the sentinels name as primary, once every replica has acknowledged its writes
+        (``WAIT``: replication is asynchronous, and a replica promoted without them lacks them, as a real failover
+        loses them); returns its address."""
         address = self.primary()
-        self.node(address).kill()
+        node = self.node(address)
+        replicas = len(self.data_nodes) - 1
+        with node.client() as client:
+            acknowledged = client.execute_command("WAIT", replicas, int(replicated_within_s * 1000))
+        if acknowledged < replicas:
+            raise RuntimeError(f"{acknowledged} of {replicas} replicas had the primary's writes")
+        node.kill()
         return address
 
     def wait_failover(self, old_primary: tuple[str, int], timeout_s: float = 60) -> tuple[str, int]:
