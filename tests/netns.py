@@ -111,10 +111,37 @@ def _free_subnet() -> ipaddress.IPv4Network:
 def process_state(pid: int) -> str | None:
     """Process ``pid``'s state, from /proc/PID/stat (R running, S sleeping, D in the disk, T stopped, Z exited and
     not reaped); None once it is gone."""
+    return _state(Path(f"/proc/{pid}/stat"))
+
+
+def _state(stat: Path) -> str | None:
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0]
+        return stat.read_text().rsplit(") ", 1)[1][0]
     except (FileNotFoundError, ProcessLookupError):
         return None
+
+
+def freeze_processes(pids: Sequence[int], timeout_s: float = 5) -> None:
+    """SIGSTOP each process and wait until every thread of each has stopped. ``kill`` returns before they do: on a
+    busy machine a thread already serving a request goes on serving until the thread the signal went to is
+    scheduled, so a test that reads at once could be answered by a process it believes frozen."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while (running := _running_threads(pids)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not running, f"threads still running after SIGSTOP: {running}"
+
+
+def _running_threads(pids: Sequence[int]) -> list[str]:
+    """The threads of ``pids`` not stopped (nor gone), as PID/TID."""
+    running = []
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            if _state(task / "stat") not in (None, "T", "t", "Z", "X"):
+                running.append(f"{pid}/{task.name}")
+    return running
 
 
 @dataclass(frozen=True)
@@ -151,8 +178,9 @@ class Host:
         assert not self.pids(), f"processes of host {self.name} outlived SIGKILL: {self.pids()}"
 
     def freeze(self) -> None:
-        """SIGSTOP every process of this host, as a hung kernel leaves them: connections stay open, nothing answers."""
-        self._signal_all(signal.SIGSTOP)
+        """SIGSTOP every process of this host, as a hung kernel leaves them: connections stay open, nothing answers.
+        Returns once every thread has stopped."""
+        freeze_processes(self.pids())
 
     def thaw(self) -> None:
         """SIGCONT every process of this host: they go on where they stopped. Waits until none is left stopped,

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from tests.daemon_harness import Daemon, servers_of, wait_for
+from tests.netns import freeze_processes
 from tests.prometheus_server import ScrapeJob, prometheus
 from tests.test_docs import _anchors
 
@@ -75,7 +76,7 @@ def test_a_frozen_index_makes_its_alert_pend_within_a_scrape(tmp_path):
         with prometheus(tmp_path / "prometheus", [job], rule_files=[RULES]) as server:
             assert wait_for(lambda: server.has_numbers('up{job="prefixcache"} == 1'), timeout_s=30)
             assert not server.alerts()
-            os.kill(redis_server, signal.SIGSTOP)
+            freeze_processes([redis_server])
             try:
                 pending = lambda: {a["labels"]["alertname"] for a in server.alerts()}  # noqa: E731
                 assert wait_for(lambda: "PrefixcacheIndexUnreachable" in pending(), timeout_s=40)

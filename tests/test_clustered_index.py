@@ -36,6 +36,7 @@ from tests.daemon_harness import (
     wait_for,
     wait_persisted,
 )
+from tests.netns import freeze_processes
 from tests.redis_topologies import RedisClusterServers, RedisNode, RedisSentinelServers
 
 PROMPT = list(range(64 * 6 + 20))  # six full chunks of 64 and a tail long enough to be found
@@ -190,7 +191,7 @@ def test_writes_a_failover_lost_are_misses_then_registered_again_by_reconcile(tm
         wait_persisted(client, keys)
         master = master_serving(cluster, keys[0])
         replica = replica_of(cluster, master)
-        os.kill(replica.pid, signal.SIGSTOP)
+        freeze_processes([replica.pid])
         try:
             fill_replication_stream(cluster, master)
             more, payloads = publish_prompt(client, PROMPT, seed=3)  # the same chain, longer: the same master

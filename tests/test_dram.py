@@ -17,6 +17,7 @@ from prefixcache.cachestore.tiers.dram import first_part_rows, split_at, split_o
 from prefixcache.cachestore.tiers.tier import Removal
 from prefixcache.indexer.tokens import pack_tokens
 from tests.daemon_harness import CallCounter, wait_for
+from tests.netns import freeze_processes
 
 
 @pytest.fixture
@@ -230,7 +231,7 @@ def test_a_read_past_its_deadline_is_late_and_its_slot_held_until_mooncake_retur
             return tier.arena.offset_of(probe) == held_at
 
         assert tier.get_into([k], [slot], deadline_s=5) == [4096]  # in time: as without a deadline
-        os.kill(owner, signal.SIGSTOP)
+        freeze_processes([owner])
         try:
             started = time.monotonic()
             assert tier.get_into([k], [slot], deadline_s=0.3) == [dram.LATE]
