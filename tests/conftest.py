@@ -47,6 +47,7 @@ MODULE_TIERS = {
         "test_connector_plans",
         "test_connector_settings",
         "test_cpus",
+        "test_due_queue",
         "test_docs",
         "test_fingerprint",
         "test_http_guards",
