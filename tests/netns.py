@@ -138,9 +138,11 @@ def _running_threads(pids: Sequence[int]) -> list[str]:
     """The threads of ``pids`` not stopped (nor gone), as PID/TID."""
     running = []
     for pid in pids:
-        for task in Path(f"/proc/{pid}/task").glob("*"):
-            if _state(task / "stat") not in (None, "T", "t", "Z", "X"):
-                running.append(f"{pid}/{task.name}")
+        try:
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        except FileNotFoundError:  # exited meanwhile: nothing of it runs
+            continue
+        running += [f"{pid}/{t.name}" for t in tasks if _state(t / "stat") not in (None, "T", "t", "Z", "X")]
     return running
 
 
