@@ -172,7 +172,7 @@ def budget(outputs: list[dict], parts: tuple[tuple[str, str, str], ...], trace: 
     """Median ms of each part over ``outputs``, the TTFT, and what the parts leave (front end: arrival to
     queueing, and the first token's way back out)."""
     rows: dict[str, list[float]] = {name: [] for name, _, _ in parts}
-    ttfts, front, steps, verify, busy, by_waiter, waited = [], [], [], [], [], [], []
+    ttfts, front, steps, verify, busy, by_waiter, waited, locating, first_layer = [], [], [], [], [], [], [], [], []
     for output in outputs:
         points = hit_points(output, trace)
         points["scheduled"] = points.get("scheduled", points["scheduled_vllm"])
@@ -184,6 +184,10 @@ def budget(outputs: list[dict], parts: tuple[tuple[str, str, str], ...], trace: 
         steps.append(points.get("steps", 0))
         if "later_layers_wait" in points and "later_layers_in" in points:
             waited.append((points["later_layers_in"] - points["later_layers_wait"]) * 1000)
+        if "locate" in points and "located" in points:
+            locating.append((points["located"] - points["locate"]) * 1000)
+        if "step_begin" in points and "first_layer_in" in points:
+            first_layer.append((points["first_layer_in"] - points["step_begin"]) * 1000)
         if "verify" in points and "verify_end_last" in points:
             verify.append((points["verify_end_last"] - points["verify"]) * 1000)
             busy.append(points["verify_busy"] * 1000)
@@ -197,6 +201,10 @@ def budget(outputs: list[dict], parts: tuple[tuple[str, str, str], ...], trace: 
         result["verification_ms"] = statistics.median(verify)  # first chunk's check begun to last one's over
         result["verification_busy_ms"] = statistics.median(busy)  # every chunk's check, added up over the threads
         result["chunks_verified_by_waiter"] = statistics.median(by_waiter)  # after the forward, on vLLM's thread
+    if locating:
+        result["locating_ms"] = statistics.median(locating)  # the daemon's answer, asked as the load was planned
+    if first_layer:
+        result["first_layer_in_ms"] = statistics.median(first_layer)  # from the step's first hook, read from disk
     if waited:
         result["later_layers_waited_ms"] = statistics.median(waited)  # in the forward pass, for the owner's copy
     return result

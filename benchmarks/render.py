@@ -676,6 +676,13 @@ def _hit_budget_section(budget: dict[str, Any]) -> str:
                 for tier, hit in budget["hits"].items()
                 if "later_layers_waited_ms" in hit
             ),
+            *(
+                f"Reading a {tier} hit from disk: where its chunks lie was taken from the daemon's answer in "
+                f"{hit['locating_ms']:.1f} ms (asked as the load was planned), and the first layer of every chunk was "
+                f"in its pages {hit['first_layer_in_ms']:.1f} ms after the step's first hook."
+                for tier, hit in budget["hits"].items()
+                if "locating_ms" in hit and "first_layer_in_ms" in hit
+            ),
             *([_floor(least)] if (least := budget.get("floor")) else []),
             *([_contended(beside)] if (beside := budget.get("contended")) else []),
             *(_connector_time(hooks) if (hooks := budget.get("connector_time")) else []),

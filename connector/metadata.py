@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from prefixcache.cachestore.client.node_requests import ExtentsAsked
+
 
 @dataclass
 class LoadChunk:
@@ -53,6 +55,10 @@ class PrefixCacheMetadata(KVConnectorMetadata):
     the worker loads them on a thread of its own and reports each in ``finished_recving`` once its pages
     are in and verified (connector/load_policy.py says which).
 
+    ``extents_asked``: requests to this node's daemon for where its NVMe tier holds the synchronous loads' chunks that
+    the lookup found there alone, sent as the loads were planned; the worker takes the answers of its shard's
+    (``CacheClient.disk_extents``).
+
     ``finished``: requests that have finished, whose ``saves`` (what they generated) are copied out of blocks that
     vLLM keeps until every worker has reported the request in ``finished_sending``."""
 
@@ -60,6 +66,7 @@ class PrefixCacheMetadata(KVConnectorMetadata):
     saves: list[SaveChunk] = field(default_factory=list)
     load_early: bool = False
     load_async: set[str] = field(default_factory=set)
+    extents_asked: list[ExtentsAsked] = field(default_factory=list)
     finished: set[str] = field(default_factory=set)
 
     def loads_of(self, shard: int, *, asynchronous: bool = False) -> dict[str, list[LoadChunk]]:

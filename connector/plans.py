@@ -68,6 +68,12 @@ def hit_parts(matches: Sequence[PrefixMatch], start: int, end: int) -> list[HitP
     return parts
 
 
+def read_from_disk(plan: Sequence[LoadChunk]) -> list[bytes]:
+    """The keys of a load plan's chunks the lookup found on NVMe alone: the worker reads those from this node's pack
+    files, at the extents the scheduler side asks this node's daemon for as it plans the load."""
+    return [chunk.key for chunk in plan if not chunk.in_dram]
+
+
 def blocks_of(plan: Sequence[LoadChunk]) -> frozenset[int]:
     """The request blocks a load plan writes."""
     return frozenset(block for chunk in plan for block in chunk.blocks)

@@ -67,7 +67,13 @@ class PrefixCacheConnector(KVConnectorBase_V1):
                     "prefixcache: setting kv_load_failure_policy='recompute' (was %r)", transfer.kv_load_failure_policy
                 )
                 transfer.kv_load_failure_policy = "recompute"
-            self._scheduler = SchedulerSide(vllm_config, kv_cache_config, self._settings, self._directions)
+            self._scheduler = SchedulerSide(
+                vllm_config,
+                kv_cache_config,
+                self._settings,
+                self._directions,
+                kv_in_shared_memory=self._settings.kv_in_shared_memory and _on_cpu_backend(),
+            )
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:

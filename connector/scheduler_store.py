@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixcache.cachestore.client.config import fetch_config
+from prefixcache.cachestore.client.node_requests import ExtentsAsked
 from prefixcache.cachestore.client.scheduler_index import SchedulerIndex
 from prefixcache.connector.known_stored import KnownStored
 from prefixcache.connector.lookups import BatchedLookups
@@ -54,6 +55,11 @@ class SchedulerStore:
     def lease(self, keys: list[bytes]) -> None:
         """Lease chunks promised to the workers (indexer/leases.py); raises ``IndexUnavailableError``."""
         self._index.lease(keys)
+
+    def ask_extents(self, key_groups: list[list[bytes]]) -> list[ExtentsAsked]:
+        """Ask this node's daemon where its NVMe tier holds each group of chunks, for the workers that will read them
+        (``SchedulerIndex.ask_extents``); nothing where Redis does not answer."""
+        return self._index.ask_extents(key_groups)
 
     def close(self) -> None:
         self._index.close()

@@ -32,6 +32,7 @@ import torch
 
 from prefixcache.cachestore.client import trace
 from prefixcache.cachestore.client.cache_client import CacheClient
+from prefixcache.cachestore.client.node_requests import ExtentsAsked
 from prefixcache.connector.loaders.asynchronous import Asynchronous
 from prefixcache.connector.loaders.base import ArenaWarnings, Loader, Store, drop
 from prefixcache.connector.loaders.dram_in_place import DramInPlace, DramRead
@@ -157,7 +158,7 @@ class WorkerSide:
         if self._async.in_flight():
             return
         self.finish_load()  # the previous step's verification reads pages too; it is over by now
-        self._begun = (meta, self._dram.run_early(self._read_in_place, chunks))
+        self._begun = (meta, self._dram.run_early(self._read_in_place, chunks, asked=meta.extents_asked))
 
     def start_load(self, meta: PrefixCacheMetadata) -> None:
         """Load this step's chunks into their pages before the forward pass (vLLM calls this first).
@@ -177,13 +178,14 @@ class WorkerSide:
         self._loads, self._failed_requests = meta.loads_of(self.shard), set()
         if chunks := self._chunks_of(meta):
             trace.mark("start_load", early=begun is not None)
-            self._load_now(chunks, begun[1].result() if begun is not None else None)
+            self._load_now(chunks, begun[1].result() if begun is not None else None, meta.extents_asked)
             trace.mark("start_load_end")
         if async_begun is not meta and (later := meta.loads_of(self.shard, asynchronous=True)):
             self._async.begin_load(later)
 
-    def _load_now(self, chunks: list[LoadChunk], begun: _InPlaceRead | None) -> None:
-        """This step's synchronous loads; ``begun``: what ``begin_load`` read of them already."""
+    def _load_now(self, chunks: list[LoadChunk], begun: _InPlaceRead | None, asked: Sequence[ExtentsAsked]) -> None:
+        """This step's synchronous loads; ``begun``: what ``begin_load`` read of them already; ``asked``: where
+        this node's NVMe holds them, asked by the scheduler side (``PrefixCacheMetadata.extents_asked``)."""
         if self._async.in_flight():
             # The scheduler side makes every load asynchronous while one is in flight, so vLLM never gets here.
             log.warning("a synchronous load waits for the asynchronous loads in flight")
@@ -194,7 +196,7 @@ class WorkerSide:
             return
         if begun is not None:
             self.loaded_early += len(begun.dram.placed) + begun.dram.verified
-        read = begun or self._read_in_place(chunks)
+        read = begun or self._read_in_place(chunks, asked=asked)
         self._slots.start_load_kv(read.elsewhere, errors)
         self._dram.start_load_kv(read.dram, errors)  # verified behind the forward pass, then the layered read
         if read.layered is not None:
@@ -218,15 +220,18 @@ class WorkerSide:
         """This shard's synchronous loads of the step."""
         return [chunk for chunks in meta.loads_of(self.shard).values() for chunk in chunks]
 
-    def _read_in_place(self, chunks: list[LoadChunk], behind_forward: bool = True) -> _InPlaceRead:
+    def _read_in_place(
+        self, chunks: list[LoadChunk], behind_forward: bool = True, asked: Sequence[ExtentsAsked] = ()
+    ) -> _InPlaceRead:
         """Start reading the chunks only this node's NVMe holds straight into their pages, layer by layer, then
         have the segment owner copy every chunk DRAM holds straight into its pages, then start bringing the
         others back from NVMe into slots of their own (one plan for every NVMe read); chunks DRAM holds but the
         arena had no room for are fetched from DRAM, so only the others are read ahead.
-        ``behind_forward``: the step's forward pass runs while the chunks read in place are verified."""
+        ``behind_forward``: the step's forward pass runs while the chunks read in place are verified; ``asked``:
+        where this node's NVMe holds chunks, asked by the scheduler side (the answers wait in Redis)."""
         started = time.perf_counter()
         trace.mark("read_start", chunks=len(chunks))
-        layered, nvme_left = self._nvme.begin_load([chunk for chunk in chunks if not chunk.in_dram])
+        layered, nvme_left = self._nvme.begin_load([chunk for chunk in chunks if not chunk.in_dram], asked)
         dram, dram_left = self._dram.begin_load(
             [chunk for chunk in chunks if chunk.in_dram and not chunk.remote],
             started=started,

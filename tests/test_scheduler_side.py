@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from prefixcache.cachestore.client.cache_client import CacheClient
-from tests.daemon_harness import Daemon, publish_prompt
+from prefixcache.indexer.index import Location
+from tests.daemon_harness import Daemon, publish_prompt, wait_for, wait_persisted
 from tests.e2e.tinymodel import build_tiny_llama, random_prompt
 
 BLOCK_TOKENS = 16
@@ -30,14 +31,14 @@ def stack(tmp_path_factory) -> Iterator[tuple[Daemon, Path]]:
         daemon.stop()
 
 
-def vllm_config(daemon: Daemon, model: Path, sleep_mode: bool = False):
+def vllm_config(daemon: Daemon, model: Path, sleep_mode: bool = False, async_loads: str = "always"):
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
 
     transfer = KVTransferConfig(
         kv_connector="PrefixCacheConnector",
         kv_role="kv_consumer",
-        kv_connector_extra_config={"service_url": daemon.url, "async_loads": "always"},
+        kv_connector_extra_config={"service_url": daemon.url, "async_loads": async_loads},
     )
     args = EngineArgs(
         model=str(model),
@@ -201,3 +202,39 @@ def test_a_prompt_vllms_own_cache_holds_is_not_looked_up_while_its_chunks_are_kn
     state = side.requests["late"]
     assert state.matches is not None and state.stored_chunks == 0
     scheduler.request_finished(late, [])
+
+
+def test_a_synchronous_load_from_nvme_asks_the_daemon_where_its_chunks_lie_as_it_is_planned(stack):
+    """The worker, which reads chunks on NVMe alone from the pack files itself, finds the daemon's answer waiting
+    when the step begins, instead of waiting a round trip through the daemon then; it takes that answer, for the
+    keys the answer covers (``CacheClient.disk_extents``)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from prefixcache.connector.plugin import PrefixCacheConnector
+
+    daemon, model = stack
+    config = vllm_config(daemon, model, async_loads="never")
+    connector = PrefixCacheConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(config))
+    client = CacheClient.connect(daemon.url, connector._scheduler.store.namespaces[0], arena_bytes=64 << 20)
+    try:
+        prompt = random_prompt(seed=15, length=PROMPT_TOKENS)
+        keys, _ = publish_prompt(client, prompt, bytes_per_token=256)
+        wait_persisted(client, keys)
+        client.index.drop_location(keys, Location("dram", client.node))  # on NVMe alone, as after a restart
+        r = request("from-disk", prompt)
+        connector.on_new_request(r)
+        hit, asynchronous = connector.get_num_new_matched_tokens(r, 0)
+        assert hit == PROMPT_TOKENS - 1 and not asynchronous
+        connector.update_state_after_alloc(r, allocated(0, -(-PROMPT_TOKENS // BLOCK_TOKENS)), hit)
+        meta = connector.build_connector_meta(empty_step())
+        (asked,) = meta.extents_asked
+        assert asked.node == client.node and list(asked.keys) == [chunk.key for chunk in meta.loads[0]["from-disk"]]
+        reply = connector._scheduler.store._index.keyspace.extents_reply(asked.reply_id)
+        assert wait_for(lambda: client._redis.exists(reply) == 1)  # answered before any worker asks
+        extents = client.disk_extents(keys, [asked])
+        assert client._redis.exists(reply) == 0  # taken
+        assert all(extents) and extents == client.disk_extents(keys)  # what the daemon answers now
+        assert not connector.build_connector_meta(empty_step()).extents_asked  # asked once
+    finally:
+        client.close()
+        connector.shutdown()

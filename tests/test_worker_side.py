@@ -5,20 +5,24 @@ whose cache lies in shared memory (pages written in place) or in ordinary memory
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
 
 import httpx
 import pytest
+import redis
 import torch
 
 from prefixcache.cachestore.client.cache_client import CacheClient
+from prefixcache.cachestore.client.config import fetch_config, index_url
+from prefixcache.cachestore.client.node_requests import ExtentsAsked, ask_extents
 from prefixcache.cachestore.client.scattered_reads import ScatteredRead
 from prefixcache.cachestore.tiers.dram import first_part_rows
 from prefixcache.cachestore.tiers.tier import Removal
@@ -27,6 +31,7 @@ from prefixcache.connector.worker_side import WorkerSide
 from prefixcache.connector.worker_states import WorkerStates
 from prefixcache.indexer.index import Location
 from prefixcache.indexer.keys import chunk_key
+from prefixcache.indexer.keyspace import Keyspace
 from prefixcache.indexer.tokens import pack_tokens
 from tests.daemon_harness import (
     CallCounter,
@@ -39,6 +44,7 @@ from tests.daemon_harness import (
     wait_for,
     wait_persisted,
 )
+from tests.netns import freeze_processes
 
 LAYERS, BLOCKS, BLOCK_TOKENS, PAGE_BYTES = 4, 64, 16, 4096
 CHUNK_TOKENS = 64  # four pages a chunk
@@ -110,10 +116,11 @@ def reported_client_stats(daemon: Daemon, client: CacheClient) -> dict[str, int]
     return daemon_stats(daemon)["namespaces"][client.spec.digest.hex()]["clients"]
 
 
-def load(w: WorkerSide, loads: dict[str, list[LoadChunk]]) -> set[int]:
+def load(w: WorkerSide, loads: dict[str, list[LoadChunk]], asked: list[ExtentsAsked] | None = None) -> set[int]:
     """One step's loads as vLLM drives them: start them, wait for each layer's KV as its attention layer comes
-    (the forward pass), then ask for load errors."""
-    w.start_load(PrefixCacheMetadata(loads=[loads]))
+    (the forward pass), then ask for load errors. ``asked``: the scheduler side's requests for where chunks on NVMe
+    alone lie."""
+    w.start_load(PrefixCacheMetadata(loads=[loads], extents_asked=asked or []))
     forward_pass(w)
     return w.take_load_errors()
 
@@ -522,6 +529,44 @@ def test_chunks_on_nvme_alone_are_read_into_their_pages_layer_by_layer_then_stor
     again = {"r": [LoadChunk(key, CHUNK_TOKENS, 0, list(range(40 + 4 * i, 44 + 4 * i))) for i, key in enumerate(keys)]}
     assert load(loader, again) == set() and loader.loaded_in_place == 3  # those copies verify
     assert equal(pages(loader, list(range(40, 52))), pages(publisher, list(range(12))))
+
+
+@pytest.fixture
+def node_requests(daemon) -> Iterator[tuple[redis.Redis, Keyspace, str]]:
+    """A connection to the daemon's index, its keyspace and its node: what a scheduler asks the daemon through."""
+    config = fetch_config(daemon.url)
+    client = redis.Redis.from_url(index_url(config))
+    yield client, Keyspace(config.key_prefix), config.node
+    client.close()
+
+
+def test_a_load_takes_where_its_chunks_lie_from_the_answer_the_scheduler_side_asked_for(
+    daemon, publisher, loader, node_requests
+):
+    """Asked as the load was planned, the daemon's answer waits in Redis when the step begins: the load reads the
+    chunks with the daemon stopped by then (asked then, a locate would wait out its timeout, and the load miss)."""
+    client, keyspace, node = node_requests
+    keys = nvme_only(publisher, chunks=2)
+    (asked,) = ask_extents(client, keyspace, node, [keys])
+    assert wait_for(lambda: client.exists(keyspace.extents_reply(asked.reply_id)) == 1)
+    freeze_processes([daemon.proc.pid])
+    try:
+        assert load(loader, from_nvme(keys, first_block=0), asked=[asked]) == set()
+        assert loader.loaded_layer_by_layer == 2 and client.exists(keyspace.extents_reply(asked.reply_id)) == 0
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    assert equal(pages(loader, list(range(8))), pages(publisher, list(range(8))))
+
+
+def test_an_answer_asked_of_another_nodes_daemon_is_not_taken(daemon, publisher, loader, node_requests):
+    """Its extents name another node's pack files: the load asks this node's daemon instead, and reads intact."""
+    client, keyspace, node = node_requests
+    keys = nvme_only(publisher, chunks=2)
+    (elsewhere,) = ask_extents(client, keyspace, "another-node", [keys])
+    client.rpush(keyspace.extents_reply(elsewhere.reply_id), json.dumps([["/nowhere", 0, 4096]] * len(keys)))
+    assert load(loader, from_nvme(keys, first_block=0), asked=[elsewhere]) == set()
+    assert loader.loaded_layer_by_layer == 2 and client.llen(keyspace.extents_reply(elsewhere.reply_id)) == 1
+    client.delete(keyspace.extents_queue("another-node"), keyspace.extents_reply(elsewhere.reply_id))
 
 
 def test_a_chunk_read_layer_by_layer_whose_first_page_vllm_holds_reads_that_page_aside(publisher, loader):

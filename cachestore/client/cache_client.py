@@ -30,7 +30,7 @@ from prefixcache.cachestore.client import trace
 from prefixcache.cachestore.client.client_stats import ClientStatsRecorder
 from prefixcache.cachestore.client.config import ClientConfig, chunk_mac_key, fetch_config, index_url
 from prefixcache.cachestore.client.moving_rate import MovingRate
-from prefixcache.cachestore.client.node_requests import PromotionStream, locate
+from prefixcache.cachestore.client.node_requests import ExtentsAsked, PromotionStream, locate, take_extents
 from prefixcache.cachestore.client.scattered_reads import Landed, ScatteredRead
 from prefixcache.cachestore.client.slot_loads import Fetched, FetchedPayload, SlotLoad
 from prefixcache.cachestore.tiers.dram import LATE, MooncakeTier
@@ -357,16 +357,26 @@ class CacheClient:
         self.counters.count(stored_after_disk_read=len(keys))
         return len(keys)
 
-    def disk_extents(self, keys: Sequence[bytes]) -> list[Extent | None]:
+    def disk_extents(self, keys: Sequence[bytes], asked: Sequence[ExtentsAsked] = ()) -> list[Extent | None]:
         """Where this node's NVMe tier holds each chunk (None: not there, or no answer), for a caller that
-        reads them itself, straight into its own memory (``prefixcache.cachestore.tiers.nvme.read_pieces``): one request
-        this node's daemon answers from its manifest. An extent may go stale (compaction moves objects);
-        what is read from it is verified like every load (``verify_disk_reads``)."""
+        reads them itself, straight into its own memory (``prefixcache.cachestore.tiers.nvme.read_pieces``): the
+        answers to ``asked`` (requests a scheduler sent as it planned the load: ``SchedulerIndex.ask_extents``) for
+        the keys they cover, where this node's daemon was asked, and one request for the others, which this node's
+        daemon answers from its manifest. An extent may go stale (compaction moves objects); what is read from it
+        is verified like every load (``verify_disk_reads``)."""
+        found: dict[bytes, Extent | None] = {}
+        wanted = set(keys)
         try:
-            return locate(self._redis, self._keys, self.node, keys, self._promote_timeout_s)
+            for request in asked:
+                if request.node == self.node and wanted.intersection(request.keys):
+                    answers = take_extents(self._redis, self._keys, request, self._promote_timeout_s)
+                    found.update(zip(request.keys, answers, strict=True))
+            left = [key for key in keys if key not in found]
+            answers = locate(self._redis, self._keys, self.node, left, self._promote_timeout_s)
+            found.update(zip(left, answers, strict=True))
         except redis.RedisError as exc:
             log.debug("locating chunks on this node's NVMe failed: %s", exc)
-            return [None] * len(keys)
+        return [found.get(key) for key in keys]
 
     def verify_disk_reads(
         self, keys: Sequence[bytes], checks: Sequence[BodyCheck | ChunkError], started: float

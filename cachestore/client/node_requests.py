@@ -1,8 +1,8 @@
 """Requests queued for one node's daemon over Redis, and the asking side of those clients send.
 
 Three kinds: promotions (``PromotionStream``: bring NVMe-only chunks back into DRAM,
-cachestore/services/promotion.py), extents (``locate``: where on this node's NVMe chunks lie,
-cachestore/services/nvme_extents.py) and eviction orders, which only daemons send
+cachestore/services/promotion.py), extents (``locate``, or ``ask_extents`` ahead of ``take_extents``: where on this
+node's NVMe chunks lie, cachestore/services/nvme_extents.py) and eviction orders, which only daemons send
 (cachestore/services/eviction_orders.py). Each is one list item ``<reply id>:<keys as hex>`` on a queue named after
 the node, so that any process (a vLLM worker, another node's daemon) reaches a node's daemon through the index's
 Redis while the REST API stays off these paths, and a request waits in Redis while the daemon is down. The answer
@@ -16,6 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from prefixcache.cachestore.tiers.nvme_io import Extent
 from prefixcache.indexer.keys import KEY_BYTES
@@ -95,22 +96,53 @@ class PromotionStream:
             self._flags[i] = flag == "1"
 
 
-def locate(
-    client: RedisClient, keyspace: Keyspace, node: str, keys: Sequence[bytes], timeout_s: float
-) -> list[Extent | None]:
-    """Where ``node``'s NVMe tier holds each of ``keys`` (None: not there, or no answer in time): one request on
-    ``P:xq:<node>``, answered on ``P:xr:<reply id>`` (cachestore/services/nvme_extents.py)."""
-    if not keys:
-        return []
-    reply_id = uuid.uuid4().hex
-    client.rpush(keyspace.extents_queue(node), format_request(reply_id, keys))
-    answer = client.blpop([keyspace.extents_reply(reply_id)], timeout=timeout_s)
+@dataclass(frozen=True)
+class ExtentsAsked:
+    """A ``locate`` request sent ahead of the read that needs its answer (``ask_extents``): a scheduler asks as it
+    plans a load, and the worker that reads the chunks takes the answer (``take_extents``), which the daemon gave
+    meanwhile, instead of waiting a round trip through the daemon once the step has begun. ``node``: the daemon
+    asked, whose pack files the answer names."""
+
+    node: str
+    reply_id: str
+    keys: tuple[bytes, ...]
+
+
+def ask_extents(
+    client: RedisClient, keyspace: Keyspace, node: str, key_groups: Sequence[Sequence[bytes]]
+) -> list[ExtentsAsked]:
+    """Ask ``node``'s daemon where its NVMe tier holds each group of keys, one request per group, in one round trip
+    (``P:xq:<node>``, answered on ``P:xr:<reply id>``: cachestore/services/nvme_extents.py); raises
+    ``redis.RedisError``."""
+    asked = [ExtentsAsked(node, uuid.uuid4().hex, tuple(keys)) for keys in key_groups if keys]
+    if asked:
+        pipe = client.pipeline(transaction=False)
+        for request in asked:
+            pipe.rpush(keyspace.extents_queue(node), format_request(request.reply_id, request.keys))
+        pipe.execute()
+    return asked
+
+
+def take_extents(client: RedisClient, keyspace: Keyspace, asked: ExtentsAsked, timeout_s: float) -> list[Extent | None]:
+    """The answer to ``asked``, per key (None: not there, or no answer in time); raises ``redis.RedisError``."""
+    answer = client.blpop([keyspace.extents_reply(asked.reply_id)], timeout=timeout_s)
     if answer is None:
-        return [None] * len(keys)
+        return [None] * len(asked.keys)
     try:
         found = json.loads(answer[1])
         extents = [Extent(str(e[0]), int(e[1]), int(e[2])) if e else None for e in found]
     except (ValueError, TypeError, IndexError):
-        log.warning("ignoring a malformed extents answer from %s", node)
-        return [None] * len(keys)
-    return extents if len(extents) == len(keys) else [None] * len(keys)
+        log.warning("ignoring a malformed extents answer from %s", asked.node)
+        return [None] * len(asked.keys)
+    return extents if len(extents) == len(asked.keys) else [None] * len(asked.keys)
+
+
+def locate(
+    client: RedisClient, keyspace: Keyspace, node: str, keys: Sequence[bytes], timeout_s: float
+) -> list[Extent | None]:
+    """Where ``node``'s NVMe tier holds each of ``keys`` (None: not there, or no answer in time): ``ask_extents``,
+    then ``take_extents``; raises ``redis.RedisError``."""
+    if not keys:
+        return []
+    (asked,) = ask_extents(client, keyspace, node, [keys])
+    return take_extents(client, keyspace, asked, timeout_s)

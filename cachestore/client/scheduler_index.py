@@ -1,11 +1,12 @@
 """The index as a vLLM scheduler uses it: lookups, leases on the chunks it promised, and its client stats.
 
 A scheduler moves no bytes. It asks the index how much of each prompt is cached, skipping copies on nodes that
-are down (indexer/peers.py), leases the chunks it plans for its workers to load (indexer/leases.py), and records
-what it took from the cache, for the
-daemon's ``/v1/stats`` and ``/metrics`` (client_stats.py). It attaches as every client does, from the
-node's ``ClientConfig`` (config.py), but needs neither DRAM nor the NVMe tier: this is the part of the
-client library it uses, and the connector's scheduler side reaches Redis through nothing else.
+are down (indexer/peers.py), leases the chunks it plans for its workers to load (indexer/leases.py), asks this
+node's daemon where those that only its NVMe holds lie, so that the workers find the answer waiting
+(node_requests.py), and records what it took from the cache, for the daemon's ``/v1/stats`` and ``/metrics``
+(client_stats.py). It attaches as every client does, from the node's ``ClientConfig`` (config.py), but needs
+neither DRAM nor the NVMe tier: this is the part of the client library it uses, and the connector's scheduler side
+reaches Redis through nothing else.
 """
 
 from __future__ import annotations
@@ -15,13 +16,17 @@ from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
+import redis
+
 from prefixcache.cachestore.client.client_stats import ClientStatsRecorder
 from prefixcache.cachestore.client.config import ClientConfig, index_url
+from prefixcache.cachestore.client.node_requests import ExtentsAsked, ask_extents
 from prefixcache.indexer.index import PrefixIndex, attach_namespace
+from prefixcache.indexer.keyspace import Keyspace
 from prefixcache.indexer.leases import Leases
 from prefixcache.indexer.namespace import NamespaceSpec
 from prefixcache.indexer.peers import PeerRegistry, PeerView
-from prefixcache.indexer.redis_clients import redis_client
+from prefixcache.indexer.redis_clients import RedisClient, redis_client
 from prefixcache.indexer.redis_index import RedisIndex
 
 log = logging.getLogger("prefixcache.client")
@@ -38,6 +43,8 @@ class SchedulerIndex:
     recorder: ClientStatsRecorder  # on the same connection as the leases
     peers: PeerView  # the nodes lookups skip, read by a thread of its own on the same connection
     node: str  # this engine's node
+    requests: RedisClient  # the connection of the leases, for requests to this node's daemon (``ask_extents``)
+    keyspace: Keyspace
 
     @classmethod
     def attach(
@@ -59,6 +66,8 @@ class SchedulerIndex:
             recorder=ClientStatsRecorder(bookkeeping, index.keyspace, config.node),
             peers=PeerView(PeerRegistry(bookkeeping, index.keyspace), config.node).start(),
             node=config.node,
+            requests=bookkeeping,
+            keyspace=index.keyspace,
         )
 
     def avoid(self) -> AbstractSet[str]:
@@ -72,6 +81,16 @@ class SchedulerIndex:
     def lease(self, keys: Sequence[bytes]) -> None:
         """Lease chunks promised to the workers (indexer/leases.py); raises ``IndexUnavailableError``."""
         self.leases.grant(keys)
+
+    def ask_extents(self, key_groups: Sequence[Sequence[bytes]]) -> list[ExtentsAsked]:
+        """Ask this node's daemon where its NVMe tier holds each group of chunks, for the worker that will read them
+        (``CacheClient.disk_extents``), which then finds the answers waiting; one round trip. Nothing where Redis
+        does not answer: the worker asks itself."""
+        try:
+            return ask_extents(self.requests, self.keyspace, self.node, key_groups)
+        except redis.RedisError as exc:
+            log.debug("asking where chunks lie on this node's NVMe failed: %s", exc)
+            return []
 
     def record_lookup(self, namespace: bytes, requested_tokens: int, hit_tokens: int, seconds: float) -> None:
         """Record one lookup of ``namespace``: ``hit_tokens`` of ``requested_tokens`` taken from the cache, found in

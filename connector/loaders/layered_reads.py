@@ -28,6 +28,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from prefixcache.cachestore.chunks.codec import BodyCheck, ChunkError
+from prefixcache.cachestore.client import trace
 from prefixcache.cachestore.tiers.nvme_io import PAGE, Extent, open_for_reading, page_aligned, read_pieces
 from prefixcache.connector.metadata import LoadChunk
 
@@ -145,6 +146,8 @@ class LayeredRead:
                 self._read[stage][at] = read
                 self._left[stage] -= 1
                 if self._left[stage] == 0:
+                    if stage == 0:
+                        trace.mark("first_layer_in")
                     self._landed.notify_all()
 
     def _wait(self, stage: int) -> None:

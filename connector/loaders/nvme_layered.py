@@ -10,9 +10,11 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
+from prefixcache.cachestore.client import trace
+from prefixcache.cachestore.client.node_requests import ExtentsAsked
 from prefixcache.connector.loaders.base import CountLoaded, Store
 from prefixcache.connector.loaders.layered_reads import LayeredChunk, LayeredRead
 from prefixcache.connector.loaders.layout import KvLayout
@@ -44,17 +46,21 @@ class NvmeLayered:
 
     # -- Loader --------------------------------------------------------------------------------------
 
-    def begin_load(self, chunks: list[LoadChunk]) -> tuple[LayeredRead | None, list[LoadChunk]]:
+    def begin_load(
+        self, chunks: list[LoadChunk], asked: Sequence[ExtentsAsked] = ()
+    ) -> tuple[LayeredRead | None, list[LoadChunk]]:
         """Start reading NVMe-only chunks from this node's pack files straight into their pages, layer by layer;
         returns that read and the chunks left to load through slots: those whose last block vLLM writes this step,
         those on no disk of this node, of another size than this geometry's, or beyond the arena's room for their
-        headers."""
+        headers. ``asked``: requests the scheduler side sent for where they lie (``CacheClient.disk_extents``)."""
         if not self._reads_layered or not chunks:
             return None, chunks
         eligible = [chunk for chunk in chunks if not chunk.ends_mid_block]
         left = [chunk for chunk in chunks if chunk.ends_mid_block]
         items: list[LayeredChunk] = []
-        extents = self._client.disk_extents([chunk.key for chunk in eligible]) if eligible else []
+        trace.mark("locate")
+        extents = self._client.disk_extents([chunk.key for chunk in eligible], asked) if eligible else []
+        trace.mark("located")
         for chunk, extent in zip(eligible, extents, strict=True):
             if extent is None or extent.length != self._layout.object_bytes(chunk.stored_tokens):
                 left.append(chunk)
