@@ -677,7 +677,7 @@ def _hit_budget_section(budget: dict[str, Any]) -> str:
                 if "later_layers_waited_ms" in hit
             ),
             *(
-                f"Reading a {tier} hit from disk: where its chunks lie was taken from the daemon's answer in "
+                f"Reading a hit from disk ({tier}): where its chunks lie was taken from the daemon's answer in "
                 f"{hit['locating_ms']:.1f} ms (asked as the load was planned), and the first layer of every chunk was "
                 f"in its pages {hit['first_layer_in_ms']:.1f} ms after the step's first hook."
                 for tier, hit in budget["hits"].items()
