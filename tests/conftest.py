@@ -76,6 +76,7 @@ MODULE_TIERS = {
         "test_tokens",
         "test_transfer_stats",
         "test_ttft_ratios",
+        "test_write_behind_reads",
     },
     "integration": {
         "test_owner_priority",

@@ -1,11 +1,11 @@
 """What keeps chunks from becoming persistent, and when the write-behind tries them again.
 
 A chunk the write-behind could not persist (no room on the NVMe tier, a disk error, an index that refuses
-writes) stays in DRAM, where its publisher soft-pinned it and demotion never takes an unpersisted chunk, and
-its feed event stays unacknowledged. Each failed attempt is counted by reason
-(``prefixcache_persist_failures_total``); while the last attempt failed the node reports itself degraded,
-and the write-behind replays its pending events after a backoff doubling from 0.1 s to 5 s, so persistence
-resumes by itself once the cause is gone, without a restart.
+writes, a DRAM copy that could not be read for a while) stays in DRAM, where its publisher soft-pinned it and
+demotion never takes an unpersisted chunk, and its feed event stays unacknowledged. Each failed attempt is
+counted by reason (``prefixcache_persist_failures_total``); while the last attempt failed the node reports itself
+degraded, and the write-behind replays its pending events after a backoff doubling from 0.1 s to 5 s, so
+persistence resumes by itself once the cause is gone, without a restart.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 #: enospc: no room on the NVMe tier (its filesystem's or its capacity's, every unpinned chunk evicted);
-#: eio: the disk failed a write; index: the index refused a write or could not be reached; bucket: the object tier
-#: refused a copy or could not be reached; error: anything else.
-PersistFailureReason = Literal["enospc", "eio", "index", "bucket", "error"]
+#: eio: the disk failed a write; index: the index refused a write or could not be reached; dram: the chunk's DRAM copy
+#: could not be read though the pool may hold it (Mooncake's master or segment owner slow or unreachable); bucket:
+#: the object tier refused a copy or could not be reached; error: anything else.
+PersistFailureReason = Literal["enospc", "eio", "index", "dram", "bucket", "error"]
 FIRST_RETRY_S = 0.1
 MAX_RETRY_S = 5.0
 

@@ -2,12 +2,13 @@
 
 The node's change feed (a Redis stream written atomically with each registration) says what landed;
 this worker reads it in batches through a consumer group, copies each chunk DRAM -> NVMe (verifying
-it on the way: a corrupt object is deleted and its location dropped, never persisted), adds the
-``nvme@node`` location, and only then acknowledges the events. A crash leaves events unacknowledged,
-so they are processed again after a restart: the delay is bounded by the batch time, not by luck. A chunk
-it cannot persist (the NVMe tier full or failing, the index refusing writes) keeps its event unacknowledged
-and its DRAM copy; the failure is counted and the pending events are replayed after a backoff
-(``cachestore/services/persist_failures.py``), in this process.
+it on the way: a corrupt object is deleted and its location dropped, never persisted, and so is the location
+of an object the pool no longer holds), adds the ``nvme@node`` location, and only then acknowledges the
+events. A crash leaves events unacknowledged, so they are processed again after a restart: the delay is
+bounded by the batch time, not by luck. A chunk it cannot persist (the NVMe tier full or failing, the index
+refusing writes, a DRAM read that failed though the pool may hold the chunk: the master slow or away) keeps
+its event unacknowledged and its DRAM copy; the failure is counted and the pending events are replayed after
+a backoff (``cachestore/services/persist_failures.py``), in this process.
 
 A chunk is held back ``hold_s`` after its publish (the publisher's clock, ``ChunkEntry.created_s``) before it
 is copied. The first reads of a chunk come right after its publish (a decode instance loading what a prefill
@@ -34,7 +35,7 @@ from prefixcache.cachestore.chunks.codec import ChunkError, RejectCounts, decode
 from prefixcache.cachestore.chunks.mac import ChunkMacKey
 from prefixcache.cachestore.services.persist_failures import PersistFailureReason, PersistFailures
 from prefixcache.cachestore.services.reconcile import drop_locations
-from prefixcache.cachestore.tiers.dram import MooncakeTier
+from prefixcache.cachestore.tiers.dram import ABSENT, MooncakeTier
 from prefixcache.cachestore.tiers.nvme import NvmeTier
 from prefixcache.indexer.background_loop import BackgroundLoop
 from prefixcache.indexer.errors import IndexUnavailableError
@@ -155,10 +156,13 @@ class WriteBehind(BackgroundLoop):
     def _persist_batch(self, entries: list[ChunkEntry], slots: list[Any]) -> set[bytes]:
         """Verify, store and index one batch; the keys left unpersisted (counted in ``stats.failures``)."""
         sizes = self.dram.get_into([e.key for e in entries], slots)
-        good, corrupt, vanished = [], [], []
+        good, corrupt, vanished, unread = [], [], [], set()
         for entry, slot, size in zip(entries, slots, sizes, strict=True):
-            if size < 0:
+            if size == ABSENT:
                 vanished.append(entry.key)
+                continue
+            if size < 0:  # the pool may still hold it (the master slow or away): tried again, its location kept
+                unread.add(entry.key)
                 continue
             try:
                 decode(slot[:size], key=entry.key, namespace=entry.namespace, mac_key=self.mac_key)
@@ -172,6 +176,8 @@ class WriteBehind(BackgroundLoop):
             self.dram.delete(corrupt)
         if corrupt or vanished:  # the index must never say a chunk is where it is not
             self.index.drop_location(corrupt + vanished, self.dram_location)
+        if unread:
+            self._failed("dram", f"{len(unread)} of {len(entries)} chunks could not be read from DRAM", len(unread))
         persisted, unstored = self._store(good)
         if unstored:
             reason = self.nvme.write_failure or "enospc"
@@ -181,7 +187,7 @@ class WriteBehind(BackgroundLoop):
                 gone = set(self.index.add_location([e.key for e in persisted], self.nvme_location))
             except IndexUnavailableError as exc:  # on NVMe, not indexed yet: the replay adds the location
                 self._failed("index", str(exc), len(persisted))
-                return unstored | {e.key for e in persisted}
+                return unstored | unread | {e.key for e in persisted}
             if gone:  # evicted while being copied: leave no NVMe bytes the index does not know of
                 self.nvme.delete(list(gone))
                 persisted = [e for e in persisted if e.key not in gone]
@@ -192,7 +198,7 @@ class WriteBehind(BackgroundLoop):
         if persisted:
             self.on_persisted()
         self.stats.vanished += len(vanished)
-        return unstored
+        return unstored | unread
 
     def _store(self, good: list[tuple[ChunkEntry, memoryview]]) -> tuple[list[ChunkEntry], set[bytes]]:
         """Put the verified chunks the NVMe tier lacks (a replay after an index failure finds them there);

@@ -49,8 +49,15 @@ from prefixcache.indexer.keyspace import Keyspace
 log = logging.getLogger("prefixcache.dram")
 
 OK, MISS, FULL = 0, -704, -200
+#: What ``get_into`` answers for an object the pool does not hold.
+ABSENT = -1
 #: What ``get_into`` answers for an object whose read was abandoned at its deadline (Mooncake's codes are others).
 LATE = -2
+#: What ``get_into`` answers for an object it could not read though the pool may hold it: Mooncake answered an error
+#: other than not found (a lease that ran out before the transfer was over, a call that timed out, the owner or the
+#: master unreachable), or the tier serves misses (its breaker open). A reader that acts on an absent object (the
+#: write-behind drops its location) tries such a one again instead.
+FAILED = -3
 #: Reads that may run past their deadline at once, each on a thread of its own: one stuck on a lost node leaves
 #: the others theirs.
 READ_LANES = 4
@@ -304,7 +311,8 @@ class MooncakeTier(StorageTier):
         cuts: Sequence[int | None] = (),
         deadline_s: float | None = None,
     ) -> list[int]:
-        """Read each object into its buffer, a chunk's two parts joined; its length, or -1 for a miss.
+        """Read each object into its buffer, a chunk's two parts joined; its length, or a miss: ``ABSENT``,
+        ``LATE`` or ``FAILED``.
 
         ``cuts``, where the caller knows them (``split_at`` of each chunk's geometry; None: unknown), say where
         each chunk's copy is cut, so that both its parts are asked for in one call. Otherwise the second
@@ -319,7 +327,7 @@ class MooncakeTier(StorageTier):
         if len(keys) != len(buffers) or (cuts and len(cuts) != len(keys)):
             raise ValueError("one buffer per key, and one cut per key if any")
         if not keys or not self._usable():
-            return [-1] * len(keys)
+            return [FAILED] * len(keys)
         views = [memoryview(b).cast("B") for b in buffers]
         cuts = cuts or [None] * len(keys)
         offsets = [self.arena.offset_of(view) for view in views]
@@ -336,12 +344,12 @@ class MooncakeTier(StorageTier):
             return [self._answered(code) for code in codes]
 
     def _answered(self, code: int) -> int:
-        """What ``get_into`` answers for one object Mooncake answered ``code`` for: its length, or -1 for a miss
-        (the failure noted: ``_note``)."""
+        """What ``get_into`` answers for one object Mooncake answered ``code`` for: its length, ``ABSENT`` where
+        Mooncake found no such object, else ``FAILED`` (the failure noted: ``_note``)."""
         if code > 0:
             return code
         self._note(code)
-        return -1
+        return ABSENT if code == MISS else FAILED
 
     def _get_by(
         self,
