@@ -5,6 +5,7 @@ its feed event stays unacknowledged and the failure is counted, so that it is pe
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 
 from prefixcache.cachestore.chunks.mac import ChunkMacKey
@@ -82,3 +83,33 @@ def test_an_absent_chunk_loses_its_location_and_an_unread_one_keeps_it_unacknowl
     assert index.acked == [events[absent]]  # the unread ones' events are replayed after the backoff
     assert writer.stats.failures.counts == {"dram": 2} and writer.stats.failures.failing == "dram"
     assert writer.stats.vanished == 1 and writer.stats.persisted == 0
+
+
+class RepublishingPool(MissingPool):
+    """A pool whose read misses a chunk that is evicted, then published again before the write-behind acts on the
+    miss."""
+
+    def __init__(self, index: InMemoryIndex, record: ChunkRecord) -> None:
+        super().__init__([ABSENT])
+        self.index, self.record = index, record
+
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[int]:
+        self.index.remove([self.record.key])
+        time.sleep(0.01)  # a later publish
+        self.index.register([self.record])
+        return super().get_into(keys, buffers)
+
+
+def test_a_chunk_published_again_after_its_copy_was_missed_keeps_its_location() -> None:
+    index = AckedIndex()
+    root = os.urandom(16)
+    record = ChunkRecord.of(
+        parent=root, packed_tokens=pack_tokens([5] * 16), root=root, namespace=b"n" * 16, size_bytes=1000, location=DRAM
+    )
+    index.register([record])
+    writer = WriteBehind(
+        index, RepublishingPool(index, record), Disk(), NODE, hold_s=0.0, mac_key=ChunkMacKey(os.urandom(32))
+    )  # type: ignore[arg-type]
+    writer.run_once(block_s=0)
+    (entry,) = index.get([record.key])
+    assert entry is not None and DRAM in entry.locations  # the new entry's copy is in DRAM: its own event follows

@@ -159,7 +159,7 @@ class WriteBehind(BackgroundLoop):
         good, corrupt, vanished, unread = [], [], [], set()
         for entry, slot, size in zip(entries, slots, sizes, strict=True):
             if size == ABSENT:
-                vanished.append(entry.key)
+                vanished.append(entry)
                 continue
             if size < 0:  # the pool may still hold it (the master slow or away): tried again, its location kept
                 unread.add(entry.key)
@@ -174,8 +174,9 @@ class WriteBehind(BackgroundLoop):
             good.append((entry, slot[:size]))
         if corrupt:
             self.dram.delete(corrupt)
-        if corrupt or vanished:  # the index must never say a chunk is where it is not
-            self.index.drop_location(corrupt + vanished, self.dram_location)
+        absent = self._still_registered(vanished)
+        if corrupt or absent:  # the index must never say a chunk is where it is not
+            self.index.drop_location(corrupt + absent, self.dram_location)
         if unread:
             self._failed("dram", f"{len(unread)} of {len(entries)} chunks could not be read from DRAM", len(unread))
         persisted, unstored = self._store(good)
@@ -199,6 +200,19 @@ class WriteBehind(BackgroundLoop):
             self.on_persisted()
         self.stats.vanished += len(vanished)
         return unstored | unread
+
+    def _still_registered(self, vanished: list[ChunkEntry]) -> list[bytes]:
+        """Of the chunks whose DRAM copies were found absent, those whose entries are the ones read before the copy:
+        a chunk evicted and published again meanwhile is a new entry, whose copy is in DRAM, and keeps its location
+        (its own feed event brings it here)."""
+        if not vanished:
+            return []
+        now = self.index.get([e.key for e in vanished])
+        return [
+            e.key
+            for e, entry in zip(vanished, now, strict=True)
+            if entry is not None and entry.created_s == e.created_s
+        ]
 
     def _store(self, good: list[tuple[ChunkEntry, memoryview]]) -> tuple[list[ChunkEntry], set[bytes]]:
         """Put the verified chunks the NVMe tier lacks (a replay after an index failure finds them there);
