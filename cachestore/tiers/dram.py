@@ -416,20 +416,17 @@ class MooncakeTier(StorageTier):
         """Read the first part of each chunk's copy (its second part where ``second[i]``) straight into its
         ``parts``, in order; their lengths must add up to that part's exactly (``split_offset`` says where a
         chunk is cut; one it does not cut is all first part). Every part lies in registered memory (the arena
-        or ``shared_memory``). Returns each part's size, or -1 for a miss (absent, another size, or Mooncake
-        down)."""
+        or ``shared_memory``). Returns each part's size, or a miss as ``get_into`` answers it (``ABSENT``, or
+        ``FAILED``: another size, or Mooncake down)."""
         if len(keys) != len(parts) or (second and len(second) != len(keys)):
             raise ValueError("one list of parts per key, and one part number per key if any")
         if not keys or not self._usable():
-            return [-1] * len(keys)
+            return [FAILED] * len(keys)
         addresses = [[self._registered_address(view) for view in views] for views in parts]
         sizes = [[len(view) for view in views] for views in parts]
         names = [self._names(key)[bool(second) and second[i]] for i, key in enumerate(keys)]
         codes = self._store.batch_get_into_multi_buffers(names, addresses, sizes)
-        for code in codes:
-            if code <= 0:
-                self._note(code)
-        return [code if code > 0 else -1 for code in codes]
+        return [self._answered(code) for code in codes]
 
     def registered_view(self, address: int, size: int) -> memoryview | None:
         """A view of [address, address + size) if it lies in memory from ``shared_memory``, else None."""
