@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from prefixcache.cachestore.chunks.mac import ChunkMacKey
 from prefixcache.cachestore.services.write_behind import WriteBehind
 from prefixcache.cachestore.tiers.dram import ABSENT, FAILED, LATE
-from prefixcache.indexer.index import ChunkRecord, Location
+from prefixcache.indexer.index import ChunkRecord, FeedEvent, Location
 from prefixcache.indexer.tokens import pack_tokens
 from tests.in_memory_index import InMemoryIndex
 
@@ -20,11 +20,19 @@ DRAM = Location("dram", NODE)
 
 
 class AckedIndex(InMemoryIndex):
-    """The in-memory index, recording which feed events the write-behind acknowledges."""
+    """The in-memory index, recording the feed events it delivers and those the write-behind acknowledges."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.delivered: list[FeedEvent] = []
         self.acked: list[str] = []
+
+    def read_feed(
+        self, node: str, group: str, consumer: str, count: int = 256, block_s: float = 0.0
+    ) -> list[FeedEvent]:
+        events = super().read_feed(node, group, consumer, count, block_s)
+        self.delivered += events
+        return events
 
     def ack_feed(self, node: str, group: str, ids: Sequence[str]) -> None:
         self.acked += ids
@@ -73,13 +81,13 @@ def test_an_absent_chunk_loses_its_location_and_an_unread_one_keeps_it_unacknowl
     absent, failed, late = (record.key for record in records)
     pool = MissingPool([ABSENT, FAILED, LATE])
     key = ChunkMacKey(os.urandom(32))
-    writer = WriteBehind(index, pool, Disk(), NODE, hold_s=0.0, mac_key=key)  # type: ignore[arg-type]
+    writer = WriteBehind(index, pool, Disk(), NODE, hold_s=0.0, mac_key=key)
 
     assert writer.run_once(block_s=0) == 3
     gone, *kept = index.get([absent, failed, late])
     assert gone is None  # the index never says a chunk is where it is not: nowhere else, its entry went
     assert all(entry is not None and DRAM in entry.locations for entry in kept)  # still in the pool, for all we know
-    events = {event.key: event.id for event in index._feeds[NODE] if event.op == "add"}
+    events = {event.key: event.id for event in index.delivered}
     assert index.acked == [events[absent]]  # the unread ones' events are replayed after the backoff
     assert writer.stats.failures.counts == {"dram": 2} and writer.stats.failures.failing == "dram"
     assert writer.stats.vanished == 1 and writer.stats.persisted == 0
@@ -109,7 +117,7 @@ def test_a_chunk_published_again_after_its_copy_was_missed_keeps_its_location() 
     index.register([record])
     writer = WriteBehind(
         index, RepublishingPool(index, record), Disk(), NODE, hold_s=0.0, mac_key=ChunkMacKey(os.urandom(32))
-    )  # type: ignore[arg-type]
+    )
     writer.run_once(block_s=0)
     (entry,) = index.get([record.key])
     assert entry is not None and DRAM in entry.locations  # the new entry's copy is in DRAM: its own event follows
