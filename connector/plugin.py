@@ -17,6 +17,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from prefixcache.cachestore.client import trace
 from prefixcache.connector.attachment import Attachment
+from prefixcache.connector.engine_core_cpus import place_engine_core
 from prefixcache.connector.io_threads import io_cpus, numa_node_cpus, pinning, ranks_bound_by_vllm
 from prefixcache.connector.settings import (
     ConnectorSettings,
@@ -67,6 +68,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
                     "prefixcache: setting kv_load_failure_policy='recompute' (was %r)", transfer.kv_load_failure_policy
                 )
                 transfer.kv_load_failure_policy = "recompute"
+            place_engine_core(self._settings.engine_core_cpus, vllm_config, on_cpu_backend=_on_cpu_backend())
             self._scheduler = SchedulerSide(
                 vllm_config,
                 kv_cache_config,

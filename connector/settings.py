@@ -62,6 +62,13 @@ class ConnectorSettings(BaseModel):
         "does not compute on (elsewhere, or with no core to spare, as the worker); `inherit`, as the worker; "
         "or a list of CPU ids (connector/io_threads.py).",
     )
+    engine_core_cpus: IoCpus = Field(
+        default="auto",
+        description="Cores for vLLM's engine core process (its scheduler, which busy-polls for the workers' "
+        "output): `auto`, on vLLM's CPU backend, the cores no worker computes on, which vLLM reserves for it but "
+        "leaves it free to leave (elsewhere, or with no core to spare, where vLLM puts it); `inherit`, where vLLM "
+        "puts it; or a list of CPU ids (connector/engine_core_cpus.py).",
+    )
     async_loads: Literal["auto", "always", "never"] = Field(
         default="auto",
         description="Whether a hit loads while vLLM keeps stepping the other running requests "

@@ -4,6 +4,8 @@ connector's threads run: pure logic."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from types import SimpleNamespace
 
@@ -12,6 +14,7 @@ import torch
 
 from prefixcache.cachestore.client.request_params import NO_CACHE, RequestCacheParams, request_cache_params
 from prefixcache.cachestore.host.cpus import cpu_list
+from prefixcache.connector.engine_core_cpus import engine_core_cpus, workers_compute_cores
 from prefixcache.connector.io_threads import io_cpus, numa_node_cpus, pinning, ranks_bound_by_vllm
 from prefixcache.connector.settings import (
     ConnectorSettings,
@@ -43,6 +46,8 @@ def test_defaults_need_no_setting_at_all():
         ({"service_url": "http://x", "io_cpus": "all"}, "io_cpus"),
         ({"service_url": "http://x", "io_cpus": [-1]}, "io_cpus"),
         ({"service_url": "http://x", "io_cpus": []}, "io_cpus"),
+        ({"service_url": "http://x", "engine_core_cpus": "reserved"}, "engine_core_cpus"),
+        ({"service_url": "http://x", "engine_core_cpus": []}, "engine_core_cpus"),
         ({"service_url": "http://x", "async_loads": "sometimes"}, "async_loads"),
         ({"service_url": "http://x", "async_load_mib": 0}, "async_load_mib"),
         ({"service_url": "http://x", "check_threads": -1}, "check_threads"),
@@ -143,6 +148,47 @@ def test_auto_leaves_threads_alone_off_the_cpu_backend_or_with_no_spare_core():
 
 def test_an_explicit_list_is_used_as_given():
     assert io_cpus([3, 5], on_cpu_backend=False, compute={0}, online=range(8)) == {3, 5}
+
+
+def test_auto_binds_the_engine_core_to_the_cores_no_worker_computes_on():
+    assert engine_core_cpus("auto", multiprocess_cpu_workers=True, allowed=range(2), compute={0}) == {1}
+    two_ranks = {0, 1, 2, 4, 5, 6}
+    assert engine_core_cpus("auto", multiprocess_cpu_workers=True, allowed=range(8), compute=two_ranks) == {3, 7}
+
+
+def test_auto_leaves_the_engine_core_where_vllm_puts_it_unless_workers_compute_apart_beside_a_spare_core():
+    assert engine_core_cpus("auto", multiprocess_cpu_workers=False, allowed=range(2), compute={0}) is None
+    assert engine_core_cpus("auto", multiprocess_cpu_workers=True, allowed=range(2), compute=()) is None
+    assert engine_core_cpus("auto", multiprocess_cpu_workers=True, allowed=range(2), compute={0, 1}) is None
+    assert engine_core_cpus("inherit", multiprocess_cpu_workers=True, allowed=range(2), compute={0}) is None
+    assert engine_core_cpus([5], multiprocess_cpu_workers=False, allowed=range(8), compute=()) == {5}
+
+
+def test_a_vllm_that_cannot_say_where_its_workers_compute_leaves_nothing_to_avoid(caplog):
+    assert workers_compute_cores(SimpleNamespace()) == frozenset()
+    assert "cannot tell which cores" in caplog.text
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_placing_the_engine_core_binds_every_thread_of_its_process_and_those_it_starts():
+    cpu = max(os.sched_getaffinity(0))
+    script = f"""
+import os, threading
+from types import SimpleNamespace
+from prefixcache.connector.engine_core_cpus import place_engine_core
+started = threading.Event()
+before = threading.Thread(target=started.wait)
+before.start()
+config = SimpleNamespace(parallel_config=SimpleNamespace(distributed_executor_backend="mp"))
+place_engine_core([{cpu}], config, on_cpu_backend=True)
+after = threading.Thread(target=started.wait)
+after.start()
+print(sorted({{cpu for task in os.listdir("/proc/self/task") for cpu in os.sched_getaffinity(int(task))}}))
+print(len(os.listdir("/proc/self/task")))
+started.set()
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == [f"[{cpu}]", "3"], out.stderr
 
 
 def test_pinning_binds_only_the_thread_that_runs_it():

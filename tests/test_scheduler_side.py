@@ -38,7 +38,12 @@ def vllm_config(daemon: Daemon, model: Path, sleep_mode: bool = False, async_loa
     transfer = KVTransferConfig(
         kv_connector="PrefixCacheConnector",
         kv_role="kv_consumer",
-        kv_connector_extra_config={"service_url": daemon.url, "async_loads": async_loads},
+        kv_connector_extra_config={
+            "service_url": daemon.url,
+            "async_loads": async_loads,
+            # a scheduler side made in this process would bind the test's threads as an engine core's
+            "engine_core_cpus": "inherit",
+        },
     )
     args = EngineArgs(
         model=str(model),

@@ -70,6 +70,9 @@ ignore_eos). OUT.json::
      "monotonic_minus_wall_s": float,       # time.monotonic() - time.time() at the end (engine_ts' two clocks)
      "preemptions": int,                    # requests vLLM preempted, over the whole run
      "engine": {"vllm": str, "async_scheduling": bool, "v2_model_runner": bool, "cuda_graphs": bool},
+     "cpus": {"engine_core": [int, ...], "workers": [int, ...]} | null,  # the CPUs the engine core's threads
+                                            #   may run on, and its workers' main threads (null: the engine
+                                            #   ran in this process)
      "metrics": {"<name>": int, ...}}       # vLLM's cache counters over the run: vllm:prefixcache_*
                                             #   (connector/transfer_stats.py) and, per source,
                                             #   vllm:prompt_tokens_cached_by_source:<source>
@@ -89,6 +92,7 @@ Exits 2 on a bad spec and 1 on any other failure, with the reason on stderr.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -381,7 +385,27 @@ def run(spec: dict) -> tuple[dict, object]:
         "metrics": _cache_metrics(metrics),
         "monotonic_minus_wall_s": time.monotonic() - time.time(),
         "engine": _engine_choices(llm.llm_engine.vllm_config),
+        "cpus": _engine_cpus(),
     }, llm
+
+
+def _engine_cpus() -> dict[str, list[int]] | None:
+    """Where the engine core process (a child of this one) may run its threads, and where its workers' main
+    threads may run; None where no engine core process is found."""
+    import psutil
+
+    def cpus_of(ids: list[int]) -> list[int]:
+        found: set[int] = set()
+        for task in ids:
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                found |= os.sched_getaffinity(task)
+        return sorted(found)
+
+    for child in psutil.Process().children():
+        if child.name().startswith("VLLM::EngineCor"):
+            workers = [w.pid for w in child.children() if w.name().startswith("VLLM::Worker")]
+            return {"engine_core": cpus_of([t.id for t in child.threads()]), "workers": cpus_of(workers)}
+    return None
 
 
 def _engine_choices(config) -> dict[str, object]:

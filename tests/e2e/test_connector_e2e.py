@@ -154,6 +154,15 @@ def test_a_fresh_instance_loads_every_cached_token_and_answers_the_same(referenc
         assert ok, reason  # publishing never changes an answer either
 
 
+def test_the_engine_core_keeps_off_the_cores_vllms_workers_compute_on(producer_then_consumer):
+    """vLLM leaves its engine core free to run on a worker's compute core; the connector binds it to the cores
+    no worker computes on (connector/engine_core_cpus.py)."""
+    _, b = producer_then_consumer
+    cpus = b["cpus"]
+    assert cpus is not None and cpus["workers"] and cpus["engine_core"], cpus
+    assert not set(cpus["engine_core"]) & set(cpus["workers"]), cpus
+
+
 @pytest.fixture(scope="module")
 def through_a_cluster(run_vllm, tiny_model, redis_cluster, tmp_path_factory):
     """Instance A publishes P1 and P2 through a daemon whose index is a Redis Cluster of 3 masters and 3 replicas;
