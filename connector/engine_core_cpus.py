@@ -17,7 +17,7 @@ import os
 from collections.abc import Collection
 from typing import Any
 
-from prefixcache.connector.io_threads import IoCpus
+from prefixcache.connector.io_threads import IoCpus, ranks_bound_by_vllm
 
 log = logging.getLogger("prefixcache.connector")
 
@@ -41,8 +41,9 @@ def engine_core_cpus(
 
 def workers_compute_cores(vllm_config: Any) -> frozenset[int]:
     """The cores vLLM binds its CPU workers' compute threads to, as its multiprocess executor computed them
-    (``OMPProcessManager``: ``VLLM_CPU_OMP_THREADS_BIND``, automatic or the user's lists); none where vLLM
-    binds nothing, or where this vLLM cannot say."""
+    (``OMPProcessManager``: ``VLLM_CPU_OMP_THREADS_BIND``, automatic or the user's lists), and every core that
+    variable names (other data-parallel engines' ranks too); none where vLLM binds nothing, or where this vLLM
+    cannot say."""
     vllm_log = logging.getLogger("vllm.utils.ompmultiprocessing")
     level = vllm_log.level
     vllm_log.setLevel(logging.ERROR)  # its warnings were logged once, as the executor bound the workers
@@ -55,7 +56,8 @@ def workers_compute_cores(vllm_config: Any) -> frozenset[int]:
         return frozenset()
     finally:
         vllm_log.setLevel(level)
-    return frozenset(cpu for cores in lists for cpu in cores)
+    ranks = ranks_bound_by_vllm(os.environ.get("VLLM_CPU_OMP_THREADS_BIND")) if lists else frozenset()
+    return frozenset(cpu for cores in lists for cpu in cores) | ranks
 
 
 def place_engine_core(setting: IoCpus, vllm_config: Any, *, on_cpu_backend: bool) -> None:
