@@ -3,11 +3,11 @@
 vLLM's CPU backend binds each worker's compute threads to cores of their own and reserves the others
 (``VLLM_CPU_NUM_OF_RESERVED_CPU``) for the engine's other processes, but leaves the engine core
 process unbound: it runs the scheduler and, between steps, busy-polls for the workers' output. While
-the reserved cores idle the kernel keeps it there. A DRAM hit loads them (the segment owner's copy,
-the connector's verifier), and the kernel then moves the engine core onto a compute core, where its
-polling takes turns with the forward pass it waits for. With ``engine_core_cpus: auto`` the scheduler
-side, which runs in the engine core once the workers are bound, binds every thread of its process to
-the cores no worker computes on, the set vLLM reserved for it.
+the reserved cores idle the kernel keeps it there. The connector's work loads them (a publish's signing
+and store, the daemon's write-behind, a DRAM hit's copy and verification), and the kernel then moves the
+engine core onto a compute core, where its polling takes turns with the forward pass it waits for.
+With ``engine_core_cpus: auto`` the scheduler side, which runs in the engine core once the workers are
+bound, binds every thread of its process to the cores no worker computes on, the set vLLM reserved for it.
 """
 
 from __future__ import annotations
